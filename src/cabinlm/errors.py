@@ -1,0 +1,21 @@
+"""Typed errors. The library raises these; only the CLI turns them into messages and exit codes."""
+
+
+class CabinlmError(Exception):
+    """Base class: the message says what is wrong and how to fix it."""
+
+
+class ModelError(CabinlmError):
+    """The model source cannot be found, read or is not supported."""
+
+
+class ManifestError(CabinlmError):
+    """An artifact's manifest is missing, corrupt, of an unknown version, or does not match its files."""
+
+
+class LayoutError(CabinlmError):
+    """A cache layout (sink, pinned, window, chunk) is invalid for the model."""
+
+
+class InputError(CabinlmError):
+    """Runtime input that cannot be processed (prompt too long, pinned region full, ...)."""

@@ -1,0 +1,157 @@
+"""The fixed-shape decoder: a compact Llama/Qwen2 decoder (RMSNorm, RoPE, grouped-query attention,
+SwiGLU) written as an ONNX graph over weights taken from a `transformers` model.
+
+One decoder layer, T = chunk tokens, N = cache slots, H = heads, Hkv = KV heads, G = H / Hkv:
+
+    x (T, D) ─ RMSNorm ─ MatMul W_qkv (+bias) ─ Split ─┬─ q (T, H*Dh) ─ (H, T, Dh) ─ RoPE(pos, x 1/sqrt(Dh))
+                                                       ├─ k (T, Hkv*Dh) ─ (Hkv, T, Dh) ──────────────> new_key.l
+                                                       └─ v ─────────── (Hkv, T, Dh) ──────────────> new_value.l
+    key_cache.l (Hkv, N, Dh) ─ Concat k ─ (Hkv, N+T, Dh) ─ RoPE(cache_pos ++ pos) ─ K
+    value_cache.l ─────────── Concat v ─ (Hkv, N+T, Dh) ────────────────────────── V
+    q as (Hkv, G, T, Dh) @ K^T (Hkv, 1, Dh, N+T) + mask (T, N+T) ─ Softmax ─ @ V ─ (T, H*Dh) ─ W_o ─ + x
+    ─ RMSNorm ─ MatMul W_gate|up ─ Split ─ SiLU(gate) * up ─ W_down ─ + x
+
+Keys are cached un-rotated and rotated inside the graph with the positions of this step, which is
+what lets positions be cache ranks (StreamingLLM) without ever re-rotating stored data. Grouped
+attention broadcasts K/V over the G query heads of a group instead of repeating them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from onnx import TensorProto
+
+from cabinlm import manifest as mf
+from cabinlm.export.graph import ELEM, GraphBuilder
+from cabinlm.manifest import CacheLayout, ModelSpec
+
+
+@dataclass
+class LayerWeights:
+    input_norm: np.ndarray  # (D,)
+    qkv: np.ndarray  # (D, (H + 2 Hkv) Dh), q|k|v columns
+    qkv_bias: np.ndarray | None  # ((H + 2 Hkv) Dh,)
+    o: np.ndarray  # (H Dh, D)
+    post_norm: np.ndarray  # (D,)
+    gate_up: np.ndarray  # (D, 2 I), gate|up columns
+    down: np.ndarray  # (I, D)
+
+
+@dataclass
+class DecoderWeights:
+    embed: np.ndarray  # (V, D)
+    layers: list[LayerWeights]
+    final_norm: np.ndarray  # (D,)
+    lm_head: np.ndarray | None  # (V, D); None when tied to embed
+    inv_freq: np.ndarray  # (Dh / 2,) RoPE inverse frequencies (any static scaling applied)
+    rope_scaling: float  # multiplies cos and sin (1.0 unless the RoPE type says otherwise)
+
+
+def build_decoder(spec: ModelSpec, layout: CacheLayout, w: DecoderWeights, opset: int = 17) -> GraphBuilder:
+    g = GraphBuilder("cabinlm_decoder", opset=opset)
+    io = mf.decoder_io(layout, spec.vocab_size)
+    for t in io.inputs:
+        g.input(t.name, ELEM[t.dtype], t.shape)
+    kv_elem = ELEM[layout.kv_dtype.onnx_name]
+    kv_is_float32 = kv_elem == TensorProto.FLOAT
+
+    H, Hkv, Dh = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    G = H // Hkv
+    eps = g.const(spec.rms_norm_eps)
+
+    def rms_norm(x: str, weight: np.ndarray, name: str) -> str:
+        # x / sqrt(mean(x^2) + eps) * w: the pattern ONNX Runtime fuses into one kernel.
+        var = g.reduce_mean(g.op("Pow", x, g.const(2.0), name=f"{name}/sq"), [-1], name=f"{name}/var")
+        rms = g.op("Sqrt", g.op("Add", var, eps, name=f"{name}/eps"), name=f"{name}/rms")
+        return g.op("Mul", g.op("Div", x, rms, name=f"{name}/div"), g.weight(f"{name}.weight", weight), name=name)
+
+    def rotary_tables(pos: str, scale: float, name: str) -> tuple[str, str]:
+        # pos (n,) int64 -> cos, sin (n, Dh) float, HF's "rotate_half" convention.
+        p = g.op("Unsqueeze", g.op("Cast", pos, to=TensorProto.FLOAT), g.ints([1]), name=f"{name}/pos")
+        freqs = g.op("Mul", p, g.const(w.inv_freq.reshape(1, -1).astype(np.float32)), name=f"{name}/freqs")
+        emb = g.op("Concat", freqs, freqs, axis=1, name=f"{name}/emb")
+        cos = g.op("Cos", emb, name=f"{name}/cos")
+        sin = g.op("Sin", emb, name=f"{name}/sin")
+        if scale != 1.0:
+            cos = g.op("Mul", cos, g.const(scale), name=f"{name}/cos_scaled")
+            sin = g.op("Mul", sin, g.const(scale), name=f"{name}/sin_scaled")
+        return cos, sin
+
+    def rope(x: str, cos: str, sin: str, name: str) -> str:
+        # x (heads, n, Dh): x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]
+        x1, x2 = g.split(x, [Dh // 2, Dh // 2], axis=-1, name=f"{name}/half")
+        rot = g.op("Concat", g.op("Neg", x2, name=f"{name}/neg"), x1, axis=-1, name=f"{name}/rot")
+        return g.op(
+            "Add",
+            g.op("Mul", x, cos, name=f"{name}/xcos"),
+            g.op("Mul", rot, sin, name=f"{name}/rsin"),
+            name=name,
+        )
+
+    # Shared by all layers: RoPE tables for the cache ++ chunk keys, and for the chunk queries with
+    # the softmax scale 1/sqrt(Dh) folded in.
+    all_pos = g.op("Concat", mf.CACHE_POSITION_IDS, mf.POSITION_IDS, axis=0, name="rope/all_pos")
+    k_cos, k_sin = rotary_tables(all_pos, w.rope_scaling, "rope_k")
+    q_cos, q_sin = rotary_tables(mf.POSITION_IDS, w.rope_scaling / np.sqrt(Dh), "rope_q")
+
+    x = g.op("Gather", g.weight("embed_tokens", w.embed), mf.INPUT_IDS, axis=0, name="embed")  # (T, D)
+    for i, lw in enumerate(w.layers):
+        p = f"layers.{i}"
+        h = rms_norm(x, lw.input_norm, f"{p}.input_norm")
+        qkv = g.op("MatMul", h, g.weight(f"{p}.qkv", lw.qkv), name=f"{p}/qkv")
+        if lw.qkv_bias is not None:
+            qkv = g.op("Add", qkv, g.weight(f"{p}.qkv_bias", lw.qkv_bias), name=f"{p}/qkv_bias")
+        q, k, v = g.split(qkv, [H * Dh, Hkv * Dh, Hkv * Dh], axis=1, name=f"{p}/split_qkv")
+        q = g.op("Transpose", g.op("Reshape", q, g.ints([-1, H, Dh])), perm=[1, 0, 2], name=f"{p}/q")  # (H,T,Dh)
+        k = g.op("Transpose", g.op("Reshape", k, g.ints([-1, Hkv, Dh])), perm=[1, 0, 2], name=f"{p}/k")
+        v = g.op("Transpose", g.op("Reshape", v, g.ints([-1, Hkv, Dh])), perm=[1, 0, 2], name=f"{p}/v")
+
+        # The new tokens' un-rotated K/V leave the graph; the runtime writes them into its buffers.
+        k_cache, v_cache = mf.key_cache_name(i), mf.value_cache_name(i)
+        if kv_is_float32:
+            g.output(k, mf.new_key_name(i), kv_elem, (Hkv, "tokens", Dh))
+            g.output(v, mf.new_value_name(i), kv_elem, (Hkv, "tokens", Dh))
+        else:
+            g.output(g.op("Cast", k, to=kv_elem), mf.new_key_name(i), kv_elem, (Hkv, "tokens", Dh))
+            g.output(g.op("Cast", v, to=kv_elem), mf.new_value_name(i), kv_elem, (Hkv, "tokens", Dh))
+            k_cache = g.op("Cast", k_cache, to=TensorProto.FLOAT, name=f"{p}/k_cache_f32")
+            v_cache = g.op("Cast", v_cache, to=TensorProto.FLOAT, name=f"{p}/v_cache_f32")
+
+        keys = g.op("Concat", k_cache, k, axis=1, name=f"{p}/keys")  # (Hkv, N+T, Dh)
+        vals = g.op("Concat", v_cache, v, axis=1, name=f"{p}/values")
+        keys = rope(keys, k_cos, k_sin, f"{p}/rope_k")
+        q = rope(q, q_cos, q_sin, f"{p}/rope_q")
+
+        qg = g.op("Reshape", q, g.ints([Hkv, G, -1, Dh]), name=f"{p}/q_groups")  # (Hkv, G, T, Dh)
+        kt = g.op("Unsqueeze", g.op("Transpose", keys, perm=[0, 2, 1]), g.ints([1]), name=f"{p}/kT")
+        scores = g.op("MatMul", qg, kt, name=f"{p}/scores")  # (Hkv, G, T, N+T)
+        scores = g.op("Add", scores, mf.ATTENTION_MASK, name=f"{p}/masked")
+        probs = g.op("Softmax", scores, axis=-1, name=f"{p}/probs")
+        ctx = g.op("MatMul", probs, g.op("Unsqueeze", vals, g.ints([1])), name=f"{p}/ctx")  # (Hkv, G, T, Dh)
+        ctx = g.op("Reshape", ctx, g.ints([H, -1, Dh]), name=f"{p}/ctx_heads")
+        ctx = g.op("Reshape", g.op("Transpose", ctx, perm=[1, 0, 2]), g.ints([-1, H * Dh]), name=f"{p}/ctx_flat")
+        x = g.op("Add", x, g.op("MatMul", ctx, g.weight(f"{p}.o", lw.o), name=f"{p}/o"), name=f"{p}/attn_res")
+
+        h = rms_norm(x, lw.post_norm, f"{p}.post_norm")
+        gate, up = g.split(
+            g.op("MatMul", h, g.weight(f"{p}.gate_up", lw.gate_up), name=f"{p}/gate_up"),
+            [lw.down.shape[0], lw.down.shape[0]],
+            axis=1,
+            name=f"{p}/split_gate_up",
+        )
+        act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up, name=f"{p}/swiglu")
+        x = g.op("Add", x, g.op("MatMul", act, g.weight(f"{p}.down", lw.down), name=f"{p}/down"), name=f"{p}/mlp_res")
+
+    h = rms_norm(x, w.final_norm, "final_norm")
+    if w.lm_head is None:  # tied: reuse the embedding table, weights held once
+        logits = g.op("Gemm", h, "embed_tokens", transB=1, name="lm_head")
+    else:
+        logits = g.op("Gemm", h, g.weight("lm_head", w.lm_head), transB=1, name="lm_head")
+    g.output(logits, mf.LOGITS, TensorProto.FLOAT, ("tokens", spec.vocab_size))
+
+    # Graph outputs in the declared order.
+    order = {t.name: i for i, t in enumerate(io.outputs)}
+    g.outputs.sort(key=lambda vi: order[vi.name])
+    return g

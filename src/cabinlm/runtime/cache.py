@@ -1,0 +1,152 @@
+"""Fixed KV-cache buffers and the sink / pinned / rolling-window bookkeeping, in numpy.
+
+Every backend shares this: the graph is a pure function of (cache, chunk, positions, mask) that
+returns the chunk's K/V; this class decides where those K/V go and what every slot's position is.
+
+Invariants (tested property-wise in tests/test_cache.py):
+  * the buffers are allocated once; `commit` writes in place and never reallocates;
+  * sink slots hold the first S tokens of the stream and are never overwritten;
+  * pinned slots hold the pinned spans and are never overwritten by unpinned tokens;
+  * the window ring holds exactly the most recent min(W, unpinned seen) unpinned tokens;
+  * positions are ranks in stream order: cached tokens 0..L-1, the chunk L..L+c-1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from cabinlm.errors import InputError
+from cabinlm.manifest import CacheLayout
+
+MASK_VALUE = np.float32(-1e30)  # additive mask for slots a token must not see
+
+
+@dataclass
+class StepPlan:
+    """Everything one graph call needs besides the token ids, and where its K/V go afterwards."""
+
+    position_ids: np.ndarray  # (tokens,) int64
+    cache_position_ids: np.ndarray  # (slots,) int64
+    attention_mask: np.ndarray  # (tokens, slots + tokens) float32
+    slots: np.ndarray  # (tokens,) int64: destination slot of each chunk token
+    evicts: int  # how many cached window tokens this chunk overwrites
+    pin: bool
+
+
+class KVCache:
+    """Owns the (layers, kv_heads, slots, head_dim) key and value buffers of one dialogue."""
+
+    def __init__(self, layout: CacheLayout):
+        self.layout = layout
+        dtype = np.dtype(layout.kv_dtype.numpy_name)
+        # (layers, kv_heads, slots, head_dim); allocated once, written in place by commit().
+        self.keys = np.zeros(layout.buffer_shape, dtype=dtype)
+        self.values = np.zeros(layout.buffer_shape, dtype=dtype)
+        # (slots,) stream index of the token held by each slot, -1 while empty.
+        self.slot_token = np.full(layout.slots, -1, dtype=np.int64)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every token (the buffers keep their memory; empty slots are masked)."""
+        self.slot_token.fill(-1)
+        self.seen = 0  # tokens fed so far (the next token's stream index)
+        self.evicted = 0  # window tokens overwritten so far
+        self.sink_fill = 0
+        self.pinned_fill = 0
+        self.window_fill = 0
+        self.ring_next = 0  # index inside the window ring of the next slot to write (= the oldest)
+
+    # -- state -------------------------------------------------------------------------------------
+
+    @property
+    def length(self) -> int:
+        """Tokens currently cached."""
+        return self.sink_fill + self.pinned_fill + self.window_fill
+
+    @property
+    def pinned_free(self) -> int:
+        return self.layout.pinned - self.pinned_fill
+
+    def cached_stream_indices(self) -> np.ndarray:
+        """Stream indices of the cached tokens, in stream order."""
+        idx = self.slot_token[self.slot_token >= 0]
+        return np.sort(idx)
+
+    # -- one step ----------------------------------------------------------------------------------
+
+    def plan(self, n: int, pin: bool = False) -> StepPlan:
+        """Positions, mask and destination slots for the next chunk of n tokens (nothing changes yet)."""
+        lay = self.layout
+        if not 1 <= n <= lay.chunk:
+            raise InputError(f"a chunk holds 1..{lay.chunk} tokens, got {n}")
+        sink_take = min(n, lay.sink - self.sink_fill)
+        rest = n - sink_take
+        slots = np.empty(n, dtype=np.int64)
+        slots[:sink_take] = np.arange(self.sink_fill, self.sink_fill + sink_take)
+        evicts = 0
+        if pin:
+            if rest > self.pinned_free:
+                raise InputError(
+                    f"the pinned region has {self.pinned_free} free slots of {lay.pinned}; "
+                    f"{rest} more tokens cannot be pinned (re-export with a larger --pinned)"
+                )
+            start = lay.window_start - lay.pinned + self.pinned_fill
+            slots[sink_take:] = np.arange(start, start + rest)
+        else:
+            ring = (self.ring_next + np.arange(rest)) % lay.window
+            slots[sink_take:] = lay.window_start + ring
+            evicts = max(0, self.window_fill + rest - lay.window)
+
+        valid = self.slot_token >= 0
+        cached = int(valid.sum())
+        # Ranks in stream order: stream indices are unique and increasing, so a slot's rank is the
+        # number of cached tokens older than it.
+        cache_pos = np.zeros(lay.slots, dtype=np.int64)
+        order = np.argsort(np.where(valid, self.slot_token, np.iinfo(np.int64).max), kind="stable")
+        cache_pos[order[:cached]] = np.arange(cached)
+        position_ids = np.arange(cached, cached + n, dtype=np.int64)
+
+        # (tokens, slots + tokens): every cached slot, then the chunk causally.
+        mask = np.empty((n, lay.slots + n), dtype=np.float32)
+        mask[:, : lay.slots] = np.where(valid, np.float32(0), MASK_VALUE)
+        mask[:, lay.slots :] = np.where(np.tri(n, dtype=bool), np.float32(0), MASK_VALUE)
+        return StepPlan(position_ids, cache_pos, mask, slots, evicts, pin)
+
+    def commit(self, plan: StepPlan, new_keys: list[np.ndarray], new_values: list[np.ndarray]) -> None:
+        """Write the chunk's K/V (per layer: (kv_heads, tokens, head_dim)) into its slots, in place.
+
+        The caller must not interrupt this half-way (see runtime.session: SIGINT is deferred).
+        """
+        slots = plan.slots
+        n = len(slots)
+        lo, hi = int(slots[0]), int(slots[-1]) + 1
+        contiguous = hi - lo == n  # the usual case: no wrap of the ring inside this chunk
+        for layer, (k, v) in enumerate(zip(new_keys, new_values)):
+            if contiguous:
+                self.keys[layer, :, lo:hi, :] = k
+                self.values[layer, :, lo:hi, :] = v
+            else:
+                self.keys[layer][:, slots, :] = k
+                self.values[layer][:, slots, :] = v
+        self._advance(plan)
+
+    def _advance(self, plan: StepPlan) -> None:
+        lay = self.layout
+        n = len(plan.slots)
+        self.slot_token[plan.slots] = np.arange(self.seen, self.seen + n)
+        self.seen += n
+        sink_take = min(n, lay.sink - self.sink_fill)
+        self.sink_fill += sink_take
+        rest = n - sink_take
+        if plan.pin:
+            self.pinned_fill += rest
+        else:
+            self.ring_next = (self.ring_next + rest) % lay.window
+            self.window_fill = min(lay.window, self.window_fill + rest)
+            self.evicted += plan.evicts
+
+    def nbytes(self) -> int:
+        """Bytes held by the cache buffers, read from the arrays themselves."""
+        return int(self.keys.nbytes + self.values.nbytes)
