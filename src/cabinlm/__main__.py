@@ -1,0 +1,3 @@
+from cabinlm.cli import main
+
+main()

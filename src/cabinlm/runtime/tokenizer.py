@@ -1,0 +1,57 @@
+"""Tokenizer (the `tokenizers` file written at export) and incremental detokenization for streaming."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer as _Tokenizer
+
+from cabinlm.errors import ManifestError
+
+
+class Tokenizer:
+    def __init__(self, path: str | Path):
+        try:
+            self._tk = _Tokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception for unreadable files
+            raise ManifestError(f"{path}: cannot read the tokenizer ({e}); re-export") from e
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`. Chat pieces are encoded without added specials (the template has them)."""
+        return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tk.decode(ids, skip_special_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tk.token_to_id(token)
+
+
+class StreamDecoder:
+    """Turns a growing list of token ids into text deltas.
+
+    Decoding a token alone breaks multi-byte characters and word-joining spaces, so each delta is
+    the difference between decoding a short tail of ids with and without the newest ones; a tail that
+    ends in an incomplete character (U+FFFD) waits for the next token.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # start of the tail we decode
+        self.read = 0  # ids already turned into text
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        before = self.tok.decode(self.ids[self.prefix : self.read])
+        now = self.tok.decode(self.ids[self.prefix :])
+        if now.endswith("\ufffd") or len(now) <= len(before):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return now[len(before) :]
+
+    def flush(self) -> str:
+        before = self.tok.decode(self.ids[self.prefix : self.read])
+        now = self.tok.decode(self.ids[self.prefix :])
+        self.prefix = self.read = len(self.ids)
+        return now[len(before) :] if len(now) > len(before) else ""
