@@ -1,0 +1,130 @@
+"""Property tests of the numpy cache bookkeeping against a plain-Python model of the semantics.
+
+The equivalence tests check the whole pipeline on a few streams; these check the bookkeeping on
+thousands of random streams mixing chunk sizes and pinned spans, which the model tests cannot.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cabinlm.errors import InputError, LayoutError
+from cabinlm.manifest import CacheLayout
+from cabinlm.runtime.cache import MASK_VALUE, KVCache
+
+
+def layout(sink, pinned, window, chunk) -> CacheLayout:
+    return CacheLayout(sink=sink, pinned=pinned, window=window, chunk=chunk, layers=2, kv_heads=1, head_dim=2)
+
+
+def fake_kv(cache: KVCache, first: int, n: int) -> tuple[list, list]:
+    """K/V whose every element is the stream index of its token, so slots can be read back."""
+    lay = cache.layout
+    vals = np.arange(first, first + n, dtype=np.float32)[None, :, None]
+    k = [np.broadcast_to(vals, (lay.kv_heads, n, lay.head_dim)).copy() for _ in range(lay.layers)]
+    return k, [x + 0.5 for x in k]
+
+
+ops = st.lists(st.tuples(st.integers(1, 8), st.booleans()), min_size=1, max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    sink=st.integers(0, 4),
+    pinned=st.integers(0, 12),
+    window=st.integers(8, 20),
+    stream=ops,
+)
+def test_bookkeeping_matches_the_semantics(sink, pinned, window, stream):
+    lay = layout(sink, pinned, window, chunk=8)
+    cache = KVCache(lay)
+    keys_addr, values_addr = cache.keys.ctypes.data, cache.values.ctypes.data
+    model: list[tuple[int, bool]] = []  # (stream index, pinned) of cached tokens, in stream order
+    pinned_used = 0
+    for n, pin in stream:
+        first = cache.seen
+        want_pinned = max(0, n - max(0, sink - first)) if pin else 0
+        if pin and pinned_used + want_pinned > pinned:
+            with pytest.raises(InputError):
+                cache.plan(n, pin=True)
+            continue
+        plan = cache.plan(n, pin=pin)
+        # positions are ranks: cached tokens 0..L-1 in stream order, then the chunk L..L+n-1
+        L = len(model)
+        assert plan.position_ids.tolist() == list(range(L, L + n))
+        valid = cache.slot_token >= 0
+        by_rank = np.argsort(np.where(valid, cache.slot_token, 1 << 62))[:L]
+        assert plan.cache_position_ids[by_rank].tolist() == list(range(L))
+        assert cache.slot_token[by_rank].tolist() == [i for i, _ in model]
+        # the mask lets each token see every cached token and the chunk up to itself
+        assert ((plan.attention_mask[:, : lay.slots] == 0) == valid[None, :]).all()
+        assert ((plan.attention_mask[:, lay.slots :] == 0) == np.tri(n, dtype=bool)).all()
+        assert (plan.attention_mask[plan.attention_mask != 0] == MASK_VALUE).all()
+
+        k, v = fake_kv(cache, first, n)
+        cache.commit(plan, k, v)
+        for t in range(first, first + n):
+            is_pinned = t < sink or pin
+            model.append((t, is_pinned))
+            pinned_used += pin and t >= sink
+        unpinned = [i for i, (_, p) in enumerate(model) if not p]
+        drop = set(unpinned[: max(0, len(unpinned) - window)])
+        model = [e for i, e in enumerate(model) if i not in drop]
+
+        # the cache holds exactly the model's tokens, each slot holding its own K/V
+        held = cache.slot_token[cache.slot_token >= 0]
+        assert sorted(held.tolist()) == [i for i, _ in model]
+        for slot in np.flatnonzero(cache.slot_token >= 0):
+            tok = cache.slot_token[slot]
+            assert (cache.keys[:, :, slot] == tok).all() and (cache.values[:, :, slot] == tok + 0.5).all()
+        # sinks are the first tokens of the stream, in the sink slots
+        assert cache.slot_token[: min(sink, cache.seen)].tolist() == list(range(min(sink, cache.seen)))
+        assert cache.length == len(model)
+    # buffers never moved
+    assert cache.keys.ctypes.data == keys_addr and cache.values.ctypes.data == values_addr
+
+
+def test_sink_and_pinned_slots_are_never_overwritten_by_the_window():
+    lay = layout(sink=2, pinned=3, window=4, chunk=4)
+    cache = KVCache(lay)
+    for n, pin in [(2, False), (3, True)] + [(3, False)] * 30:
+        k, v = fake_kv(cache, cache.seen, n)
+        cache.commit(cache.plan(n, pin), k, v)
+    assert cache.slot_token[:5].tolist() == [0, 1, 2, 3, 4]
+    assert sorted(cache.slot_token[5:].tolist()) == list(range(cache.seen - 4, cache.seen))
+    assert cache.evicted == cache.seen - 5 - 4
+
+
+def test_a_chunk_crossing_the_ring_top_wraps():
+    lay = layout(sink=0, pinned=0, window=6, chunk=4)
+    cache = KVCache(lay)
+    for n in (4, 4):  # the second chunk writes ring slots 4, 5, 0, 1
+        k, v = fake_kv(cache, cache.seen, n)
+        plan = cache.plan(n)
+        cache.commit(plan, k, v)
+    assert plan.slots.tolist() == [4, 5, 0, 1]
+    assert cache.slot_token.tolist() == [6, 7, 2, 3, 4, 5]
+    assert cache.evicted == 2
+
+
+def test_pinning_more_than_the_pinned_region_is_refused_and_changes_nothing():
+    cache = KVCache(layout(sink=1, pinned=2, window=4, chunk=4))
+    before = (cache.slot_token.copy(), cache.seen)
+    with pytest.raises(InputError, match="pinned region"):
+        cache.plan(4, pin=True)  # 1 to the sink + 3 pinned > 2
+    assert (cache.slot_token == before[0]).all() and cache.seen == before[1]
+
+
+def test_layouts_are_validated():
+    with pytest.raises(LayoutError, match="chunk"):
+        layout(4, 0, window=8, chunk=16)
+    with pytest.raises(LayoutError, match="sink"):
+        layout(-1, 0, 8, 4)
+    lay = layout(4, 4, 56, 8)
+    assert lay.slots == 64 and lay.max_position == 72
+    assert lay.bytes_per_token == 2 * 2 * 1 * 2 * 4  # K and V, layers, kv heads, head_dim, fp32
+    cache = KVCache(lay)
+    assert cache.nbytes() == lay.cache_bytes
