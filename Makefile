@@ -1,4 +1,4 @@
-# make demo : set up, export SmolLM2 (sink 4 + window 1020), build for the cpu profile, scripted chat
+# make demo : set up, export SmolLM2 (sink 4 + window 1020), then a short scripted chat
 # make test : set up and run the test suite
 PYTHON ?= python3
 VENV   := .venv
