@@ -106,9 +106,24 @@ class CacheLayout:
         return self.sink + self.pinned
 
     @property
+    def quantized(self) -> bool:
+        return self.kv_dtype in (KVDType.INT8, KVDType.FP8)
+
+    @property
+    def scale_bytes_per_token(self) -> int:
+        """Per-token scale bytes: quantized values carry one fp16 scale per (layer, KV head, token).
+        Keys use per-channel scales calibrated at export: constants of the graph, not per token."""
+        return self.layers * self.kv_heads * 2 if self.quantized else 0
+
+    @property
     def bytes_per_token(self) -> int:
-        """K and V bytes one cached token occupies over all layers (scales excluded)."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.kv_dtype.itemsize
+        """Bytes one cached token occupies over all layers: K and V data plus their per-token scales."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.kv_dtype.itemsize + self.scale_bytes_per_token
+
+    @property
+    def key_scale_bytes(self) -> int:
+        """Per-channel key scales (float32), held once by the graph (0 for unquantized KV)."""
+        return self.layers * self.kv_heads * self.head_dim * 4 if self.quantized else 0
 
     @property
     def buffer_shape(self) -> tuple[int, int, int, int]:
@@ -117,6 +132,7 @@ class CacheLayout:
 
     @property
     def cache_bytes(self) -> int:
+        """Runtime cache buffers: every slot's K, V and per-token scales."""
         return self.bytes_per_token * self.slots
 
     def to_dict(self) -> dict[str, Any]:
