@@ -114,6 +114,7 @@ def export_to(tmp_path_factory):
         if key not in done:
             out = tmp_path_factory.mktemp("artifact")
             opts.setdefault("verify", False)
+            opts.setdefault("gate", False)  # tests measure quality themselves
             export_loaded(loaded, out, ExportOptions(**opts))
             done[key] = out
         return done[key]

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 REQUIRED_TURN_KEYS = {
-    "turn", "reply", "prompt_tokens", "new_tokens", "cache_tokens", "evicted_tokens", "decode_tok_s", "rss_mb",
+    "turn", "reply", "prompt_tokens", "new_tokens", "cache_tokens", "cache_bytes", "evicted_tokens", "decode_tok_s",
+    "rss_mb",
 }
 
 

@@ -36,6 +36,8 @@ def _info(msg: str) -> None:
 class KVChoice(str, Enum):
     fp32 = "fp32"
     fp16 = "fp16"
+    int8 = "int8"
+    fp8 = "fp8"
 
 
 @app.command()
@@ -48,13 +50,30 @@ def export(
     pinned: int = typer.Option(124, help="Slots for pinned spans (the system prompt), never evicted."),
     window: int = typer.Option(1020, help="Rolling-window slots: the most recent W unpinned tokens."),
     chunk: int = typer.Option(64, help="Largest prefill chunk C; positions stay below sink+pinned+window+chunk."),
-    kv: KVChoice = typer.Option(KVChoice.fp32, help="KV-cache storage precision."),
+    kv: KVChoice = typer.Option(
+        KVChoice.fp32, help="KV-cache storage: fp32, fp16, or int8 / fp8 (E4M3) at 1/4 of fp32, calibrated."
+    ),
+    calib: Optional[Path] = typer.Option(
+        None, help="Calibration text for int8/fp8 KV (default: built-in prose + in-car dialogue)."
+    ),
+    max_ppl_increase: float = typer.Option(
+        2.0, help="Quality gate for int8/fp8 KV: largest perplexity increase over fp32 KV, in percent."
+    ),
+    force: bool = typer.Option(False, help="Finish the export even if the quality gate fails."),
     verify: bool = typer.Option(True, help="Check the graph's logits against transformers on a short prompt."),
 ) -> None:
-    """Export MODEL to a fixed-shape sink + rolling-window decoder graph (plain ONNX) with its manifest."""
+    """Export MODEL to a fixed-shape sink + rolling-window decoder graph (plain ONNX) with its manifest.
+
+    With --kv int8 or fp8, keys get per-channel scales calibrated on --calib text and values per-token
+    scales; the export then measures perplexity against fp32 KV on held-back text (eviction active)
+    and refuses to finish when it rises by more than --max-ppl-increase percent, unless --force.
+    """
     from cabinlm.export import ExportOptions, export_model  # torch lives behind this import
 
-    opts = ExportOptions(sink=sink, pinned=pinned, window=window, chunk=chunk, kv=kv.value, verify=verify)
+    opts = ExportOptions(
+        sink=sink, pinned=pinned, window=window, chunk=chunk, kv=kv.value, verify=verify,
+        calib=calib, max_ppl_increase=max_ppl_increase, force=force,
+    )
     m = export_model(model, out, opts, log=_info)
     lay = m.cache
     typer.echo(

@@ -227,6 +227,14 @@ def new_value_name(layer: int) -> str:
     return f"new_value.{layer}"
 
 
+def value_scale_name(layer: int) -> str:
+    return f"value_scale.{layer}"
+
+
+def new_value_scale_name(layer: int) -> str:
+    return f"new_value_scale.{layer}"
+
+
 def decoder_io(layout: CacheLayout, vocab_size: int) -> DecoderIO:
     """The graph contract for a layout.
 
@@ -241,6 +249,11 @@ def decoder_io(layout: CacheLayout, vocab_size: int) -> DecoderIO:
       logits              float  (tokens, vocab)
       new_key.{l}         kv     (kv_heads, tokens, head_dim) the chunk's un-rotated keys
       new_value.{l}       kv     (kv_heads, tokens, head_dim)
+    and, for int8 / fp8 KV (symmetric; x = q * scale):
+      value_scale.{l}     fp16   (kv_heads, slots, 1)         per-token value scales
+      new_value_scale.{l} fp16   (kv_heads, tokens, 1)        the chunk's value scales
+    Key scales are per (layer, kv head, channel), calibrated at export and held by the graph:
+    keys are stored un-rotated, so their channels keep stable ranges whatever the position.
     """
     kv = layout.kv_dtype.onnx_name
     h, n, d = layout.kv_heads, layout.slots, layout.head_dim
@@ -256,6 +269,10 @@ def decoder_io(layout: CacheLayout, vocab_size: int) -> DecoderIO:
         inputs.append(TensorSpec(value_cache_name(layer), kv, (h, n, d)))
         outputs.append(TensorSpec(new_key_name(layer), kv, (h, "tokens", d)))
         outputs.append(TensorSpec(new_value_name(layer), kv, (h, "tokens", d)))
+    if layout.quantized:
+        for layer in range(layout.layers):
+            inputs.append(TensorSpec(value_scale_name(layer), "float16", (h, n, 1)))
+            outputs.append(TensorSpec(new_value_scale_name(layer), "float16", (h, "tokens", 1)))
     return DecoderIO(tuple(inputs), tuple(outputs))
 
 

@@ -5,6 +5,9 @@ The only part of cabinlm that imports torch and transformers.
 
 from __future__ import annotations
 
+import json
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,13 +17,16 @@ import numpy as np
 
 from cabinlm import __version__
 from cabinlm.errors import CabinlmError, LayoutError
-from cabinlm.export.decoder import build_decoder
+from cabinlm.export import kvquant
+from cabinlm.export.calibration import calibration_tokens as _calibration
+from cabinlm.export.decoder import DecoderWeights, build_decoder
 from cabinlm.export.graph import save_model
 from cabinlm.export.models import LoadedModel, decoder_weights, load_model
 from cabinlm.export.template import PLAIN, resolve_chat_template
 from cabinlm.manifest import MANIFEST_NAME, CacheLayout, FileEntry, KVDType, Manifest
 
 GRAPH_FILE = "decoder.onnx"
+KEY_SCALES_FILE = "key_scales.json"
 GRAPH_DATA_FILE = "decoder.onnx.data"
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -32,8 +38,18 @@ class ExportOptions:
     window: int = 1020
     chunk: int = 64
     kv: KVDType = KVDType.FP32
-    opset: int = 17
+    opset: int | None = None  # None: 17 (TensorRT 8.6 parses it), 19 when fp8 KV needs it
     verify: bool = True  # compare the graph with transformers on a short prompt and record it
+    calib: Path | None = None  # calibration text for int8 / fp8 KV; None: the built-in mix
+    max_ppl_increase: float = 2.0  # percent, quantized KV vs fp32 KV on held-back text
+    force: bool = False  # write the artifact even when the quality gate fails
+    gate: bool = True  # measure the quality gate at all (tests that measure quality themselves skip it)
+
+    @property
+    def resolved_opset(self) -> int:
+        if self.opset is not None:
+            return self.opset
+        return 19 if KVDType(self.kv) == KVDType.FP8 else 17
 
 
 def make_layout(spec, opts: ExportOptions) -> CacheLayout:
@@ -83,8 +99,9 @@ def export_loaded(
         raise CabinlmError(f"{out}: exists and is not a folder; choose another -o")
     out.mkdir(parents=True, exist_ok=True)
     layout = make_layout(loaded.spec, opts)
-    if opts.kv not in (KVDType.FP32, KVDType.FP16):
-        raise LayoutError(f"--kv {KVDType(opts.kv).value} is not available yet; use fp32 or fp16")
+    opset = opts.resolved_opset
+    if layout.kv_dtype == KVDType.FP8 and opset < 19:
+        raise LayoutError(f"fp8 KV needs ONNX opset 19 or newer (float8 QuantizeLinear); opset {opset} was asked for")
     # The manifest goes last: a folder without one is never mistaken for a finished export.
     (out / MANIFEST_NAME).unlink(missing_ok=True)
 
@@ -96,11 +113,24 @@ def export_loaded(
 
     t0 = time.perf_counter()
     weights = decoder_weights(loaded)
-    builder = build_decoder(loaded.spec, layout, weights, opset=opts.opset)
+    calibration = None
+    if layout.quantized:
+        calib_ids, heldout_ids, calib_source = _calibration(loaded, chat, opts.calib)
+        amax = kvquant.calibrate_key_amax(loaded.model, calib_ids, layout.kv_heads, layout.head_dim)
+        weights.key_scales = kvquant.key_scales_from_amax(amax, layout.kv_dtype)
+        calibration = {"source": calib_source, "tokens": len(calib_ids), "method": "absmax per channel (keys), per token (values)"}
+        log(f"calibrated {layout.kv_dtype.value} key scales on {len(calib_ids)} tokens ({calib_source})")
+    builder = build_decoder(loaded.spec, layout, weights, opset=opset)
     log(f"built the decoder graph: {len(builder.nodes)} nodes, {layout.slots} cache slots")
     save_model(builder.model(), out / GRAPH_FILE, GRAPH_DATA_FILE)
-    del builder, weights
+    del builder
     loaded.tokenizer.backend_tokenizer.save(str(out / TOKENIZER_FILE))
+    files = {"graph": GRAPH_FILE, "graph_data": GRAPH_DATA_FILE, "tokenizer": TOKENIZER_FILE}
+    if weights.key_scales is not None:
+        (out / KEY_SCALES_FILE).write_text(
+            json.dumps({"shape": list(weights.key_scales.shape), "scales": weights.key_scales.tolist()}) + "\n"
+        )
+        files["key_scales"] = KEY_SCALES_FILE
     log(f"wrote {out / GRAPH_FILE} and its weights in {time.perf_counter() - t0:.1f}s")
 
     manifest = Manifest(
@@ -108,15 +138,22 @@ def export_loaded(
         cache=layout,
         chat=chat,
         stop_ids=stop_ids(loaded, chat),
-        files={
-            "graph": FileEntry.of(out, GRAPH_FILE),
-            "graph_data": FileEntry.of(out, GRAPH_DATA_FILE),
-            "tokenizer": FileEntry.of(out, TOKENIZER_FILE),
-        },
-        opset=opts.opset,
+        files={role: FileEntry.of(out, name) for role, name in files.items()},
+        opset=opset,
         quality={"kv": KVDType(opts.kv).value},
         cabinlm_version=__version__,
     )
+    if calibration is not None:
+        manifest.quality["calibration"] = calibration
+    if calibration is not None and opts.gate:
+        gate = quality_gate(loaded, out, manifest, weights, heldout_ids, opts, log)
+        manifest.quality["gate"] = gate
+        if not gate["passed"] and not opts.force:
+            raise QualityGateError(
+                f"{layout.kv_dtype.value} KV raises perplexity by {gate['ppl_increase_pct']:.2f}% over fp32 KV "
+                f"({gate['ppl_kv']:.3f} vs {gate['ppl_fp32']:.3f} on {gate['tokens']} held-back tokens), more than "
+                f"--max-ppl-increase {opts.max_ppl_increase}%; try another --calib text or --kv, or pass --force"
+            )
     if opts.verify:
         manifest.quality["dense_check"] = verify_against_transformers(loaded, out, manifest)
         log(f"checked against transformers: max |logit diff| {manifest.quality['dense_check']['max_abs_logit_diff']:.2e}")
@@ -145,3 +182,51 @@ def verify_against_transformers(loaded: LoadedModel, out: Path, manifest: Manife
         ref = loaded.model(torch.tensor([ids])).logits[0].float().numpy()
     diff = float(np.abs(ours - ref).max())
     return {"tokens": len(ids), "max_abs_logit_diff": diff}
+
+
+class QualityGateError(CabinlmError):
+    """Quantized KV lost more quality than allowed; the artifact was not finished."""
+
+
+def quality_gate(
+    loaded: LoadedModel,
+    out: Path,
+    manifest: Manifest,
+    weights: DecoderWeights,
+    heldout: list[int],
+    opts: ExportOptions,
+    log: Callable[[str], None],
+) -> dict:
+    """Perplexity on held-back text with the exported (quantized) KV and with an fp32-KV twin graph
+    of the same layout. Chunks of C tokens; eviction is active once the text outgrows the cache."""
+    from dataclasses import replace
+
+    from cabinlm.runtime.perplexity import chunked_perplexity
+    from cabinlm.runtime.session import Decoder
+
+    ppl_kv = chunked_perplexity(Decoder(out, manifest=manifest), heldout).ppl
+    twin_layout = replace(manifest.cache, kv_dtype=KVDType.FP32)
+    twin_weights = replace(weights, key_scales=None)
+    with tempfile.TemporaryDirectory(dir=out, prefix=".fp32-twin-") as tmp:
+        save_model(build_decoder(loaded.spec, twin_layout, twin_weights, opset=17).model(), Path(tmp) / GRAPH_FILE, GRAPH_DATA_FILE)
+        shutil.copy(out / TOKENIZER_FILE, Path(tmp) / TOKENIZER_FILE)
+        twin = Manifest(
+            model=manifest.model,
+            cache=twin_layout,
+            chat=manifest.chat,
+            stop_ids=manifest.stop_ids,
+            files={r: FileEntry.of(Path(tmp), n) for r, n in (("graph", GRAPH_FILE), ("tokenizer", TOKENIZER_FILE))},
+            opset=17,
+        )
+        ppl_fp32 = chunked_perplexity(Decoder(tmp, manifest=twin), heldout).ppl
+    increase = (ppl_kv / ppl_fp32 - 1.0) * 100.0
+    log(f"quality gate: ppl {ppl_kv:.4f} ({manifest.cache.kv_dtype.value} KV) vs {ppl_fp32:.4f} (fp32 KV): {increase:+.3f}%")
+    return {
+        "tokens": len(heldout),
+        "eviction": len(heldout) > manifest.cache.slots,
+        "ppl_fp32": ppl_fp32,
+        "ppl_kv": ppl_kv,
+        "ppl_increase_pct": increase,
+        "max_ppl_increase_pct": opts.max_ppl_increase,
+        "passed": increase <= opts.max_ppl_increase,
+    }

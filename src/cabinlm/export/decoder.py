@@ -24,6 +24,7 @@ import numpy as np
 from onnx import TensorProto
 
 from cabinlm import manifest as mf
+from cabinlm.export import kvquant as kvq
 from cabinlm.export.graph import ELEM, GraphBuilder
 from cabinlm.manifest import CacheLayout, ModelSpec
 
@@ -47,6 +48,7 @@ class DecoderWeights:
     lm_head: np.ndarray | None  # (V, D); None when tied to embed
     inv_freq: np.ndarray  # (Dh / 2,) RoPE inverse frequencies (any static scaling applied)
     rope_scaling: float  # multiplies cos and sin (1.0 unless the RoPE type says otherwise)
+    key_scales: np.ndarray | None = None  # (layers, Hkv, Dh) per-channel key scales, int8 / fp8 KV only
 
 
 def build_decoder(spec: ModelSpec, layout: CacheLayout, w: DecoderWeights, opset: int = 17) -> GraphBuilder:
@@ -56,6 +58,10 @@ def build_decoder(spec: ModelSpec, layout: CacheLayout, w: DecoderWeights, opset
         g.input(t.name, ELEM[t.dtype], t.shape)
     kv_elem = ELEM[layout.kv_dtype.onnx_name]
     kv_is_float32 = kv_elem == TensorProto.FLOAT
+    if layout.quantized and w.key_scales is None:
+        raise ValueError("int8 / fp8 KV needs calibrated key scales")
+    if layout.kv_dtype == mf.KVDType.FP8 and opset < 19:
+        raise ValueError("fp8 KV needs opset 19 or newer (float8 QuantizeLinear)")
 
     H, Hkv, Dh = spec.num_heads, spec.num_kv_heads, spec.head_dim
     G = H // Hkv
@@ -63,7 +69,7 @@ def build_decoder(spec: ModelSpec, layout: CacheLayout, w: DecoderWeights, opset
 
     def rms_norm(x: str, weight: np.ndarray, name: str) -> str:
         # x / sqrt(mean(x^2) + eps) * w: the pattern ONNX Runtime fuses into one kernel.
-        var = g.reduce_mean(g.op("Pow", x, g.const(2.0), name=f"{name}/sq"), [-1], name=f"{name}/var")
+        var = g.reduce("ReduceMean", g.op("Pow", x, g.const(2.0), name=f"{name}/sq"), [-1], name=f"{name}/var")
         rms = g.op("Sqrt", g.op("Add", var, eps, name=f"{name}/eps"), name=f"{name}/rms")
         return g.op("Mul", g.op("Div", x, rms, name=f"{name}/div"), g.weight(f"{name}.weight", weight), name=name)
 
@@ -109,13 +115,24 @@ def build_decoder(spec: ModelSpec, layout: CacheLayout, w: DecoderWeights, opset
         v = g.op("Transpose", g.op("Reshape", v, g.ints([-1, Hkv, Dh])), perm=[1, 0, 2], name=f"{p}/v")
 
         # The new tokens' un-rotated K/V leave the graph; the runtime writes them into its buffers.
+        # Quantized once here, when written; the chunk itself attends to its unquantized K/V.
         k_cache, v_cache = mf.key_cache_name(i), mf.value_cache_name(i)
-        if kv_is_float32:
-            g.output(k, mf.new_key_name(i), kv_elem, (Hkv, "tokens", Dh))
-            g.output(v, mf.new_value_name(i), kv_elem, (Hkv, "tokens", Dh))
+        kv_shape = (Hkv, "tokens", Dh)
+        if layout.quantized:
+            k_scale = g.weight(f"{p}.key_scale", w.key_scales[i][:, None, :].astype(np.float32))  # (Hkv,1,Dh)
+            g.output(kvq.quantize(g, k, k_scale, layout.kv_dtype), mf.new_key_name(i), kv_elem, kv_shape)
+            v_q, v_scale16, v_scale = kvq.quantize_per_token(g, v, layout.kv_dtype, f"{p}/v_scale")
+            g.output(v_q, mf.new_value_name(i), kv_elem, kv_shape)
+            g.output(v_scale16, mf.new_value_scale_name(i), TensorProto.FLOAT16, (Hkv, "tokens", 1))
+            k_cache = kvq.dequantize(g, k_cache, k_scale, layout.kv_dtype)
+            v_scales = g.op("Cast", mf.value_scale_name(i), to=TensorProto.FLOAT, name=f"{p}/v_cache_scale")
+            v_cache = kvq.dequantize(g, v_cache, v_scales, layout.kv_dtype)
+        elif kv_is_float32:
+            g.output(k, mf.new_key_name(i), kv_elem, kv_shape)
+            g.output(v, mf.new_value_name(i), kv_elem, kv_shape)
         else:
-            g.output(g.op("Cast", k, to=kv_elem), mf.new_key_name(i), kv_elem, (Hkv, "tokens", Dh))
-            g.output(g.op("Cast", v, to=kv_elem), mf.new_value_name(i), kv_elem, (Hkv, "tokens", Dh))
+            g.output(g.op("Cast", k, to=kv_elem), mf.new_key_name(i), kv_elem, kv_shape)
+            g.output(g.op("Cast", v, to=kv_elem), mf.new_value_name(i), kv_elem, kv_shape)
             k_cache = g.op("Cast", k_cache, to=TensorProto.FLOAT, name=f"{p}/k_cache_f32")
             v_cache = g.op("Cast", v_cache, to=TensorProto.FLOAT, name=f"{p}/v_cache_f32")
 

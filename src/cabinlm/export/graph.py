@@ -67,6 +67,15 @@ class GraphBuilder:
             self._consts[key] = self.weight("const", arr)
         return self._consts[key]
 
+    def scalar(self, elem_type: int, value) -> str:
+        """A scalar of any ONNX element type numpy cannot name (e.g. float8), deduplicated."""
+        key = ("scalar", elem_type, value)
+        if key not in self._consts:
+            name = self._fresh("const")
+            self.initializers.append(helper.make_tensor(name, elem_type, [], [value]))
+            self._consts[key] = name
+        return self._consts[key]
+
     def ints(self, values) -> str:
         return self.const(values, np.int64)
 
@@ -78,11 +87,11 @@ class GraphBuilder:
         self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=self._fresh(f"n/{base}"), **attrs))
         return outs[0] if outputs == 1 else outs
 
-    def reduce_mean(self, x: str, axes: list[int], name: str | None = None) -> str:
-        # opset 18 moved `axes` from an attribute to an input.
+    def reduce(self, op_type: str, x: str, axes: list[int], name: str | None = None) -> str:
+        # opset 18 moved `axes` from an attribute to an input for ReduceMean, ReduceMax, ...
         if self.opset >= 18:
-            return self.op("ReduceMean", x, self.ints(axes), name=name, keepdims=1)
-        return self.op("ReduceMean", x, name=name, axes=axes, keepdims=1)
+            return self.op(op_type, x, self.ints(axes), name=name, keepdims=1)
+        return self.op(op_type, x, name=name, axes=axes, keepdims=1)
 
     def split(self, x: str, sizes: list[int], axis: int, name: str | None = None) -> list[str]:
         return self.op("Split", x, self.ints(sizes), name=name, outputs=len(sizes), axis=axis)

@@ -44,6 +44,10 @@ class KVCache:
         # (layers, kv_heads, slots, head_dim); allocated once, written in place by commit().
         self.keys = np.zeros(layout.buffer_shape, dtype=dtype)
         self.values = np.zeros(layout.buffer_shape, dtype=dtype)
+        # (layers, kv_heads, slots, 1) fp16 per-token value scales, for int8 / fp8 KV only.
+        self.value_scales = (
+            np.zeros(layout.buffer_shape[:3] + (1,), dtype=np.float16) if layout.quantized else None
+        )
         # (slots,) stream index of the token held by each slot, -1 while empty.
         self.slot_token = np.full(layout.slots, -1, dtype=np.int64)
         self.reset()
@@ -114,22 +118,31 @@ class KVCache:
         mask[:, lay.slots :] = np.where(np.tri(n, dtype=bool), np.float32(0), MASK_VALUE)
         return StepPlan(position_ids, cache_pos, mask, slots, evicts, pin)
 
-    def commit(self, plan: StepPlan, new_keys: list[np.ndarray], new_values: list[np.ndarray]) -> None:
-        """Write the chunk's K/V (per layer: (kv_heads, tokens, head_dim)) into its slots, in place.
+    def commit(
+        self,
+        plan: StepPlan,
+        new_keys: list[np.ndarray],
+        new_values: list[np.ndarray],
+        new_value_scales: list[np.ndarray] | None = None,
+    ) -> None:
+        """Write the chunk's K/V (per layer: (kv_heads, tokens, head_dim)) and, for quantized KV, the
+        value scales (per layer: (kv_heads, tokens, 1)) into their slots, in place.
 
         The caller must not interrupt this half-way (see runtime.session: SIGINT is deferred).
         """
         slots = plan.slots
         n = len(slots)
         lo, hi = int(slots[0]), int(slots[-1]) + 1
-        contiguous = hi - lo == n  # the usual case: no wrap of the ring inside this chunk
-        for layer, (k, v) in enumerate(zip(new_keys, new_values)):
-            if contiguous:
-                self.keys[layer, :, lo:hi, :] = k
-                self.values[layer, :, lo:hi, :] = v
-            else:
-                self.keys[layer][:, slots, :] = k
-                self.values[layer][:, slots, :] = v
+        # The usual case is a contiguous run of slots (no wrap of the ring inside this chunk).
+        where = (slice(None), slice(lo, hi)) if hi - lo == n else (slice(None), slots)
+        targets = [(self.keys, new_keys), (self.values, new_values)]
+        if self.value_scales is not None:
+            if new_value_scales is None:
+                raise ValueError("a quantized cache needs the chunk's value scales")
+            targets.append((self.value_scales, new_value_scales))
+        for buf, news in targets:
+            for layer, x in enumerate(news):
+                buf[layer][where] = x
         self._advance(plan)
 
     def _advance(self, plan: StepPlan) -> None:
@@ -149,4 +162,5 @@ class KVCache:
 
     def nbytes(self) -> int:
         """Bytes held by the cache buffers, read from the arrays themselves."""
-        return int(self.keys.nbytes + self.values.nbytes)
+        scales = 0 if self.value_scales is None else self.value_scales.nbytes
+        return int(self.keys.nbytes + self.values.nbytes + scales)

@@ -27,6 +27,7 @@ class TurnResult:
     prompt_tokens: int
     new_tokens: int
     cache_tokens: int
+    cache_bytes: int  # the cache buffers' real size (K, V and scales), read from the arrays
     evicted_tokens: int
     decode_tok_s: float
     prefill_tok_s: float
@@ -130,6 +131,7 @@ class Dialogue:
             prompt_tokens=len(prompt),
             new_tokens=len(reply_ids),
             cache_tokens=dec.cache.length,
+            cache_bytes=dec.cache.nbytes(),
             evicted_tokens=dec.cache.evicted,
             decode_tok_s=round(len(reply_ids) / decode_s, 2) if decode_s > 0 and reply_ids else 0.0,
             prefill_tok_s=round(len(prompt) / (t_decode - t_prefill), 2) if prefilled and t_decode > t_prefill else 0.0,

@@ -42,3 +42,15 @@ def stream_perplexity(
             progress(i + 1)
     mean = float(nll.mean())
     return PerplexityResult(tokens=int(ids.size), ppl=float(np.exp(mean)), nll_mean=mean, nll=nll)
+
+
+def chunked_perplexity(decoder: Decoder, ids: list[int] | np.ndarray) -> PerplexityResult:
+    """The same measure with prefill-sized chunks (C tokens per step): faster, the same semantics."""
+    ids = np.asarray(ids, dtype=np.int64)
+    if ids.size < 2:
+        raise ValueError("perplexity needs at least 2 tokens")
+    decoder.reset()
+    logits = decoder.feed(ids[:-1], all_logits=True)
+    nll = np.array([token_nll(logits[i], int(ids[i + 1])) for i in range(ids.size - 1)])
+    mean = float(nll.mean())
+    return PerplexityResult(tokens=int(ids.size), ppl=float(np.exp(mean)), nll_mean=mean, nll=nll)

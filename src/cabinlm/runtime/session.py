@@ -21,6 +21,7 @@ from cabinlm.errors import ManifestError
 from cabinlm.manifest import Manifest, load_manifest
 from cabinlm.runtime.cache import KVCache
 
+_FLOAT8E4M3FN = 17  # onnx.TensorProto.FLOAT8E4M3FN (the runtime does not import onnx)
 _ORT_TYPES = {
     "float": "tensor(float)",
     "float16": "tensor(float16)",
@@ -96,21 +97,39 @@ class Decoder:
                     f"{list(t.shape)}; the graph and the manifest come from different exports"
                 )
 
+    def _ortvalue(self, array: np.ndarray, dtype: str) -> ort.OrtValue:
+        """An OrtValue over `array`'s own memory (CPU: no copy). fp8 tensors live in uint8 arrays."""
+        if dtype == "float8e4m3fn":
+            return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array, _FLOAT8E4M3FN)
+        return ort.OrtValue.ortvalue_from_numpy(array)
+
     def _bind_static(self) -> None:
+        lay, V = self.layout, self.manifest.model.vocab_size
+        kv_onnx = lay.kv_dtype.onnx_name
         self.binding = self.session.io_binding()
         self._cache_values = []  # keep the OrtValues (and so the views) alive
-        for i in range(self.layout.layers):
-            for name, buf in ((mf.key_cache_name(i), self.cache.keys[i]), (mf.value_cache_name(i), self.cache.values[i])):
-                ov = ort.OrtValue.ortvalue_from_numpy(buf)  # shares the numpy memory (CPU)
+        c = self.cache
+        for i in range(lay.layers):
+            pairs = [(mf.key_cache_name(i), c.keys[i], kv_onnx), (mf.value_cache_name(i), c.values[i], kv_onnx)]
+            if c.value_scales is not None:
+                pairs.append((mf.value_scale_name(i), c.value_scales[i], "float16"))
+            for name, buf, dtype in pairs:
+                ov = self._ortvalue(buf, dtype)
                 self.binding.bind_ortvalue_input(name, ov)
                 self._cache_values.append(ov)
         # Single-token decode outputs, allocated once.
-        lay, V = self.layout, self.manifest.model.vocab_size
         kv = np.dtype(lay.kv_dtype.numpy_name)
+        shape1 = (lay.kv_heads, 1, lay.head_dim)
         self._logits1 = np.empty((1, V), dtype=np.float32)
-        self._k1 = [np.empty((lay.kv_heads, 1, lay.head_dim), dtype=kv) for _ in range(lay.layers)]
-        self._v1 = [np.empty((lay.kv_heads, 1, lay.head_dim), dtype=kv) for _ in range(lay.layers)]
-        self._out1 = [ort.OrtValue.ortvalue_from_numpy(a) for a in (self._logits1, *self._k1, *self._v1)]
+        self._k1 = [np.empty(shape1, dtype=kv) for _ in range(lay.layers)]
+        self._v1 = [np.empty(shape1, dtype=kv) for _ in range(lay.layers)]
+        self._s1 = [np.empty((lay.kv_heads, 1, 1), dtype=np.float16) for _ in range(lay.layers)] if lay.quantized else []
+        self._out1 = [self._ortvalue(self._logits1, "float")]
+        self._out1 += [self._ortvalue(a, kv_onnx) for a in (*self._k1, *self._v1)]
+        self._out1 += [self._ortvalue(a, "float16") for a in self._s1]
+        self._out_names = [mf.LOGITS, *self._new_keys, *self._new_values]
+        if lay.quantized:
+            self._out_names += [mf.new_value_scale_name(i) for i in range(lay.layers)]
         self._bound_single: bool | None = None
 
     def _bind_outputs(self, single: bool) -> None:
@@ -118,12 +137,11 @@ class Decoder:
         # for the previous run, whose shapes differ when the chunk size changes.
         if single and self._bound_single:
             return
-        names = [mf.LOGITS, *self._new_keys, *self._new_values]
         if single:
-            for name, ov in zip(names, self._out1):
+            for name, ov in zip(self._out_names, self._out1):
                 self.binding.bind_ortvalue_output(name, ov)
         else:
-            for name in names:
+            for name in self._out_names:
                 self.binding.bind_output(name, "cpu")
         self._bound_single = single
 
@@ -142,14 +160,14 @@ class Decoder:
         single = len(ids) == 1
         self._bind_outputs(single)
         self.session.run_with_iobinding(b)
+        L = self.layout.layers
         if single:
-            logits, keys, values = self._logits1, self._k1, self._v1
+            logits, keys, values, scales = self._logits1, self._k1, self._v1, self._s1
         else:
-            outs = [o.numpy() for o in b.get_outputs()]
-            L = self.layout.layers
-            logits, keys, values = outs[0], outs[1 : 1 + L], outs[1 + L :]
+            outs = [o.numpy() for o in b.get_outputs()]  # fp8 comes back as its uint8 bytes
+            logits, keys, values, scales = outs[0], outs[1 : 1 + L], outs[1 + L : 1 + 2 * L], outs[1 + 2 * L :]
         with defer_sigint():
-            self.cache.commit(plan, keys, values)
+            self.cache.commit(plan, keys, values, scales or None)
         return logits
 
     def feed(self, ids, pin: bool = False, all_logits: bool = False) -> np.ndarray:

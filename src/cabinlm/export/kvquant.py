@@ -1,0 +1,85 @@
+"""INT8 / FP8 (E4M3) KV quantization: graph pieces and key-scale calibration.
+
+Symmetric, x = q * scale:
+  keys    per (layer, KV head, channel), calibrated once at export. Keys are cached un-rotated, so a
+          channel's range does not depend on the token's position (KVQuant's pre-RoPE finding);
+  values  per (layer, KV head, token): absmax / QMAX, computed in the graph when the token is
+          written, stored as fp16 next to the value (2 bytes per 64-byte head vector).
+
+In the graph both are explicit QuantizeLinear / DequantizeLinear nodes with a unit scale, around a
+Div / Mul by the real scale: the pattern TensorRT parses for explicit quantization, and the same
+rounding (half to even) and saturation as a numpy reference. Stored data is never re-quantized.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto
+
+from cabinlm.export.graph import GraphBuilder
+from cabinlm.manifest import KVDType
+
+QMAX = {KVDType.INT8: 127.0, KVDType.FP8: 448.0}  # int8 symmetric range; largest finite E4M3FN
+SCALE_FLOOR = 2.0**-24  # smallest fp16 subnormal: an all-zero vector gets a tiny, non-zero scale
+SCALE_CEIL = 65504.0  # largest finite fp16: a scale must survive its fp16 storage (larger values saturate)
+_ZERO_POINT_TYPE = {KVDType.INT8: TensorProto.INT8, KVDType.FP8: TensorProto.FLOAT8E4M3FN}
+
+
+def _zero_point(g: GraphBuilder, kv: KVDType) -> str:
+    # The zero point's type is the quantized type (int8 or float8e4m3fn); symmetric: always 0.
+    return g.scalar(_ZERO_POINT_TYPE[kv], 0)
+
+
+def quantize(g: GraphBuilder, x: str, scale: str, kv: KVDType) -> str:
+    """x / scale, rounded (half to even) and saturated to the type's range."""
+    y = g.op("Div", x, scale, name="kvq/div")
+    if kv == KVDType.INT8:  # symmetric: -127..127 (QuantizeLinear alone would allow -128)
+        y = g.op("Clip", y, g.const(-QMAX[kv]), g.const(QMAX[kv]), name="kvq/clip")
+    return g.op("QuantizeLinear", y, g.const(1.0), _zero_point(g, kv), name="kvq/q")
+
+
+def dequantize(g: GraphBuilder, q: str, scale: str, kv: KVDType) -> str:
+    return g.op("Mul", g.op("DequantizeLinear", q, g.const(1.0), _zero_point(g, kv), name="kvq/dq"), scale)
+
+
+def quantize_per_token(g: GraphBuilder, v: str, kv: KVDType, name: str) -> tuple[str, str, str]:
+    """v (Hkv, T, Dh) -> (quantized v, fp16 scales (Hkv, T, 1), the same scales as float32).
+
+    The scale is rounded to fp16 before it divides, so the stored scale is exactly the one used."""
+    amax = g.reduce("ReduceMax", g.op("Abs", v, name=f"{name}/abs"), [-1], name=f"{name}/amax")
+    scale = g.op("Clip", g.op("Div", amax, g.const(QMAX[kv])), g.const(SCALE_FLOOR), g.const(SCALE_CEIL), name=f"{name}/raw")
+    scale16 = g.op("Cast", scale, to=TensorProto.FLOAT16, name=f"{name}/fp16")
+    scale32 = g.op("Cast", scale16, to=TensorProto.FLOAT, name=f"{name}/f32")
+    return quantize(g, v, scale32, kv), scale16, scale32
+
+
+def key_scales_from_amax(amax: np.ndarray, kv: KVDType) -> np.ndarray:
+    """(layers, Hkv, Dh) calibrated absmax -> per-channel scales."""
+    return np.maximum(amax.astype(np.float32) / QMAX[KVDType(kv)], SCALE_FLOOR).astype(np.float32)
+
+
+def calibrate_key_amax(model, ids: list[int], num_kv_heads: int, head_dim: int, chunk: int = 512) -> np.ndarray:
+    """Per-channel absmax of the un-rotated keys (k_proj outputs, bias included) over `ids`.
+
+    Returns (layers, Hkv, Dh). The text is run densely in pieces of `chunk` tokens."""
+    import torch
+
+    layers = model.model.layers
+    amax = np.zeros((len(layers), num_kv_heads, head_dim), dtype=np.float32)
+
+    def hook(i):
+        def fn(_module, _inputs, out):
+            k = out.detach().reshape(-1, num_kv_heads, head_dim).abs().amax(dim=0).numpy()
+            np.maximum(amax[i], k, out=amax[i])
+
+        return fn
+
+    handles = [layer.self_attn.k_proj.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
+    try:
+        with torch.no_grad():
+            for start in range(0, len(ids), chunk):
+                model(torch.tensor([ids[start : start + chunk]]))
+    finally:
+        for h in handles:
+            h.remove()
+    return amax
