@@ -26,6 +26,11 @@ from cabinlm.errors import LayoutError, ManifestError
 FORMAT_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
 MANIFEST_NAME = "manifest.json"
+# RoPE variants whose inverse frequencies do not depend on the sequence length, so that a
+# fixed-shape graph can hold them as constants (the exporter and the planner both check this).
+STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+# transformers class -> model_type. Both are "Llama-like": RMSNorm, RoPE, GQA, SwiGLU; Qwen2 adds q/k/v biases.
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 
 
 class KVDType(str, enum.Enum):

@@ -21,12 +21,8 @@ import numpy as np
 
 from cabinlm.errors import ModelError
 from cabinlm.export.decoder import DecoderWeights, LayerWeights
-from cabinlm.manifest import ModelSpec
+from cabinlm.manifest import STATIC_ROPE_TYPES, SUPPORTED_ARCHITECTURES, ModelSpec
 
-# transformers class -> our name. Both are "Llama-like": RMSNorm, RoPE, GQA, SwiGLU; Qwen2 adds q/k/v biases.
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
-# RoPE variants whose inverse frequencies do not depend on the sequence length.
-STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
 
 
 @dataclass(frozen=True)
@@ -142,6 +138,9 @@ def check_architecture(config: Any, where: str) -> str:
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
         raise ModelError(f"{where}: hidden_act {act!r} is not supported (the SwiGLU decoder needs 'silu')")
+    if getattr(config, "mlp_bias", False) or (arch == "LlamaForCausalLM" and getattr(config, "attention_bias", False)):
+        # The decoder carries q/k/v biases (Qwen2) but no output-projection or MLP biases.
+        raise ModelError(f"{where}: Llama variants with attention_bias / mlp_bias (o_proj or MLP biases) are not supported")
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
     if heads % kv_heads:
         raise ModelError(f"{where}: {heads} attention heads are not a multiple of {kv_heads} KV heads")
@@ -191,7 +190,7 @@ def load_model(source: str, log: Callable[[str], None] = lambda s: None) -> Load
         vocab_size=c.vocab_size,
         max_positions=c.max_position_embeddings,
         rms_norm_eps=float(c.rms_norm_eps),
-        qkv_bias=bool(getattr(c, "attention_bias", False) or arch == "Qwen2ForCausalLM"),
+        qkv_bias=arch == "Qwen2ForCausalLM",
         tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
         source=source if source in ALIASES else where,
     )

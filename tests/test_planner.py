@@ -1,0 +1,216 @@
+"""The planner: bare config.json -> ModelSpec -> the largest window that fits a profile's budget.
+
+Expected numbers are written out by hand from the published configs (tests/data/configs/), so a
+planner that re-derives them differently from CacheLayout fails here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cabinlm.errors import LayoutError, ModelError
+from cabinlm.manifest import CacheLayout, KVDType
+from cabinlm.profiles import list_profiles, load_profile
+from cabinlm.profiles.planner import (
+    PlanError,
+    activation_bytes,
+    format_plan,
+    parameter_count,
+    plan,
+    spec_from_config,
+    vision_params_from_config,
+)
+
+CONFIGS = Path(__file__).parent / "data" / "configs"
+MODELS = ["smollm2-135m", "qwen2.5-1.5b", "llama-3.2-3b"]
+
+# KV bytes per cached token: 2 (K and V) * layers * kv_heads * head_dim * itemsize,
+# plus for int8/fp8 one fp16 scale per (layer, KV head, token) for K and V: layers * kv_heads * 2.
+KV_PER_TOKEN = {
+    "smollm2-135m": {  # 30 layers, 3 KV heads, head_dim 64
+        "fp32": 2 * 30 * 3 * 64 * 4,
+        "fp16": 2 * 30 * 3 * 64 * 2,
+        "int8": 2 * 30 * 3 * 64 * 1 + 30 * 3 * 2,
+        "fp8": 2 * 30 * 3 * 64 * 1 + 30 * 3 * 2,
+    },
+    "qwen2.5-1.5b": {  # 28 layers, 2 KV heads, head_dim 1536 / 12 = 128
+        "fp32": 2 * 28 * 2 * 128 * 4,
+        "fp16": 2 * 28 * 2 * 128 * 2,
+        "int8": 2 * 28 * 2 * 128 * 1 + 28 * 2 * 2,
+        "fp8": 2 * 28 * 2 * 128 * 1 + 28 * 2 * 2,
+    },
+    "llama-3.2-3b": {  # 28 layers, 8 KV heads, head_dim 128
+        "fp32": 2 * 28 * 8 * 128 * 4,
+        "fp16": 2 * 28 * 8 * 128 * 2,
+        "int8": 2 * 28 * 8 * 128 * 1 + 28 * 8 * 2,
+        "fp8": 2 * 28 * 8 * 128 * 1 + 28 * 8 * 2,
+    },
+}
+
+# Parameters: embeddings (tied: once) + layers * (q + k + v + o [+ qkv bias] + gate/up/down + 2 norms) + final norm
+PARAMS = {
+    "smollm2-135m": 49152 * 576 + 30 * (576 * 576 + 2 * 576 * 192 + 576 * 576 + 3 * 576 * 1536 + 2 * 576) + 576,
+    "qwen2.5-1.5b": 151936 * 1536
+    + 28 * (1536 * 1536 + 2 * 1536 * 256 + 1536 * 1536 + (1536 + 2 * 256) + 3 * 1536 * 8960 + 2 * 1536)
+    + 1536,
+    "llama-3.2-3b": 128256 * 3072
+    + 28 * (3072 * 3072 + 2 * 3072 * 1024 + 3072 * 3072 + 3 * 3072 * 8192 + 2 * 3072)
+    + 3072,
+}
+
+
+@pytest.fixture(scope="module")
+def specs():
+    return {m: spec_from_config(CONFIGS / f"{m}.json") for m in MODELS}
+
+
+def test_specs_read_from_bare_configs(specs):
+    s = specs["smollm2-135m"]
+    assert (s.architecture, s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim) == ("LlamaForCausalLM", 30, 9, 3, 64)
+    assert (s.hidden_size, s.intermediate_size, s.vocab_size, s.max_positions) == (576, 1536, 49152, 8192)
+    assert s.tie_embeddings and not s.qkv_bias
+    q = specs["qwen2.5-1.5b"]
+    assert q.architecture == "Qwen2ForCausalLM"
+    assert (q.num_layers, q.num_heads, q.num_kv_heads, q.head_dim) == (28, 12, 2, 128)
+    assert q.qkv_bias and q.tie_embeddings and q.max_positions == 32768
+    ll = specs["llama-3.2-3b"]
+    assert (ll.num_layers, ll.num_heads, ll.num_kv_heads, ll.head_dim, ll.max_positions) == (28, 24, 8, 128, 131072)
+    assert ll.tie_embeddings and ll.vocab_size == 128256
+
+
+def test_parameter_counts_match_the_published_sizes(specs):
+    for m in MODELS:
+        assert parameter_count(specs[m]) == PARAMS[m]
+    assert parameter_count(specs["smollm2-135m"]) == pytest.approx(134.5e6, rel=1e-3)
+    assert parameter_count(specs["qwen2.5-1.5b"]) == pytest.approx(1.54e9, rel=5e-3)
+    assert parameter_count(specs["llama-3.2-3b"]) == pytest.approx(3.21e9, rel=5e-3)
+
+
+@pytest.mark.parametrize("profile_name", list_profiles())
+@pytest.mark.parametrize("model", MODELS)
+def test_every_model_on_every_profile(specs, model, profile_name):
+    spec, profile = specs[model], load_profile(profile_name)
+    chunk = profile.default_chunk
+
+    # The smallest window always gives a breakdown (fits or not).
+    small = plan(spec, profile, window=chunk)
+    assert small.kv_bytes_per_token == KV_PER_TOKEN[model][profile.default_kv.value]
+    layout = CacheLayout(4, 124, chunk, chunk, spec.num_layers, spec.num_kv_heads, spec.head_dim, profile.default_kv)
+    assert small.kv_bytes == layout.cache_bytes + layout.key_scale_bytes
+    assert small.weights_bytes == PARAMS[model] * profile.weight_dtype.bits // 8
+    parts = small.weights_bytes + small.kv_bytes + small.activation_bytes + small.vision_bytes
+    assert small.total_bytes == parts + profile.runtime_overhead_bytes
+    assert small.budget_bytes == profile.budget_bytes
+
+    if not small.fits:
+        with pytest.raises(PlanError, match=r"bytes \(\d+\.\d MiB\) missing"):
+            plan(spec, profile)
+        return
+    p = plan(spec, profile)
+    assert p.fits and p.total_bytes <= p.budget_bytes
+    assert p.window >= chunk and p.window % chunk == 0
+    assert p.sink + p.pinned + p.window + p.chunk <= spec.max_positions
+    assert p.kv_bytes == p.kv_bytes_per_token * p.slots + layout.key_scale_bytes
+    # the largest: one more chunk of window would break the budget or the model's positions
+    bigger = p.window + chunk
+    assert bigger > p.max_window_by_positions or not plan(spec, profile, window=bigger).fits
+    d = p.to_dict()
+    for key in ("profile", "budget_bytes", "weights_bytes", "kv_bytes", "kv_bytes_per_token",
+                "activation_bytes", "total_bytes", "window", "fits"):  # fmt: skip
+        assert key in d
+    assert d["profile"] == profile_name
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_every_kv_precision_a_profile_allows(specs, model):
+    for profile_name in list_profiles():
+        profile = load_profile(profile_name)
+        for kv in profile.kv_dtypes:
+            p = plan(specs[model], profile, kv=kv, window=profile.default_chunk)
+            assert p.kv_bytes_per_token == KV_PER_TOKEN[model][kv.value]
+
+
+def test_quantized_kv_is_a_quarter_of_fp32_plus_scales(specs):
+    cpu = load_profile("cpu")
+    f32 = plan(specs["smollm2-135m"], cpu, kv="fp32", window=1024)
+    i8 = plan(specs["smollm2-135m"], cpu, kv="int8", window=1024)
+    scales = 30 * 3 * 2 * (4 + 124 + 1024) + 30 * 3 * 64 * 4  # per-token scales + per-channel key scales
+    assert i8.kv_bytes == f32.kv_bytes // 4 + scales
+
+
+def test_fp8_kv_on_orin_is_refused_with_the_reason(specs):
+    with pytest.raises(PlanError, match=r"fp8 is not available on profile orin-x.*no FP8.*int8, fp16"):
+        plan(specs["smollm2-135m"], load_profile("orin-x"), kv="fp8")
+    assert plan(specs["smollm2-135m"], load_profile("thor"), kv="fp8").kv == "fp8"
+
+
+def test_a_budget_too_small_says_how_much_is_missing(specs, tmp_path):
+    text = (
+        'name = "tiny"\nchip = "t"\ndescription = "d"\nmemory_total_bytes = "1 GiB"\nbudget_bytes = "200 MiB"\n'
+        'bandwidth_gbs = 10\nengine = "onnxruntime"\nexecution_provider = "CPUExecutionProvider"\nmax_opset = 17\n'
+        'kv_dtypes = ["fp16"]\ndefault_kv = "fp16"\nweight_dtype = "fp16"\nstatic_shapes = false\n'
+        "default_sink = 4\ndefault_chunk = 64\nruntime_overhead_bytes = 0\n"
+    )
+    (tmp_path / "tiny.toml").write_text(text)
+    tiny = load_profile(tmp_path / "tiny.toml")
+    need = plan(specs["smollm2-135m"], tiny, window=64).total_bytes
+    short = need - 200 * (1 << 20)
+    assert short > 0
+    with pytest.raises(PlanError) as e:
+        plan(specs["smollm2-135m"], tiny)
+    assert f"{short} bytes ({short / (1 << 20):.1f} MiB) missing" in str(e.value)
+
+
+def test_an_explicit_window_is_used_and_judged(specs):
+    cpu = load_profile("cpu")
+    p = plan(specs["smollm2-135m"], cpu, window=1020, chunk=64, pinned=0)
+    assert p.window == 1020 and p.fits and p.slots == 4 + 0 + 1020
+    with pytest.raises(LayoutError, match="only 8192"):
+        plan(specs["smollm2-135m"], cpu, window=8192)
+
+
+def test_activations_cover_scores_and_logits(specs):
+    s = specs["llama-3.2-3b"]
+    layout = CacheLayout(4, 124, 4096, 256, s.num_layers, s.num_kv_heads, s.head_dim, KVDType.FP16)
+    scores = s.num_heads * 256 * (layout.slots + 256) * 4  # heads x chunk x (slots + chunk) x 4 bytes
+    logits = 256 * s.vocab_size * 4
+    mlp = 256 * s.intermediate_size * 4
+    assert scores + logits + mlp < activation_bytes(s, layout) < 4 * (scores + logits + mlp)
+
+
+def test_a_llava_config_gives_its_text_model_and_a_vision_estimate():
+    path = CONFIGS / "llava-1.5-7b.json"
+    s = spec_from_config(path)
+    # text_config names only what differs from LlamaConfig's defaults (4096 hidden, 32 layers, ...)
+    assert (s.architecture, s.hidden_size, s.num_layers, s.vocab_size, s.max_positions) == (
+        "LlamaForCausalLM", 4096, 32, 32064, 4096,
+    )  # fmt: skip
+    assert parameter_count(s) == pytest.approx(6.74e9, rel=5e-3)  # Vicuna-7B
+    # CLIP ViT-L/14 at 336 px: h 1024, MLP 4096, 24 layers, 24x24 patches; projector 1024 -> 4096 -> 4096
+    h, i, n = 1024, 4096, (336 // 14) ** 2
+    tower = 3 * 14 * 14 * h + h + (n + 1) * h + h + 4 * h + 24 * (4 * (h * h + h) + 4 * h + h * i + i + i * h + h)
+    projector = 1024 * 4096 + 4096 + 4096 * 4096 + 4096
+    assert vision_params_from_config(path) == tower + projector
+    assert tower == pytest.approx(303.5e6, rel=1e-3)
+    p = plan(s, load_profile("jetson-agx-orin-64gb"), vision_params=tower + projector, window=256)
+    assert p.vision_bytes == (tower + projector) * 2  # the ViT stays fp16 on int4 profiles
+    assert vision_params_from_config(CONFIGS / "smollm2-135m.json") == 0
+
+
+def test_unsupported_configs_are_refused(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["MistralForCausalLM"], "model_type": "mistral"}')
+    with pytest.raises(ModelError, match="MistralForCausalLM is not supported"):
+        spec_from_config(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "rope_scaling": {"rope_type": "dynamic"}}')
+    with pytest.raises(ModelError, match="'dynamic'"):
+        spec_from_config(tmp_path / "config.json")
+    with pytest.raises(ModelError, match="no such file"):
+        spec_from_config(tmp_path / "missing.json")
+
+
+def test_the_breakdown_prints_every_term(specs):
+    text = format_plan(plan(specs["smollm2-135m"], load_profile("orin-x")))
+    for word in ("weights", "KV cache", "activations", "vision", "runtime overhead", "total", "budget", "fits"):
+        assert word in text
