@@ -45,7 +45,7 @@ def test_the_system_prompt_stays_pinned_through_hundreds_of_turns(tiny_artifact)
     assert (dec.cache.keys.ctypes.data, dec.cache.values.ctypes.data) == addresses
     assert (dec.cache.keys.shape, dec.cache.values.shape) == shapes
     # The buffers the graph reads are still the cache's own memory (bound once at load).
-    bound = [ov.data_ptr() for ov in dec._cache_values]
+    bound = [ov.data_ptr() for _, ov in dec._cache_values]
     expected = []
     for layer in range(lay.layers):
         expected += [dec.cache.keys[layer].ctypes.data, dec.cache.values[layer].ctypes.data]

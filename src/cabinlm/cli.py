@@ -46,12 +46,17 @@ def export(
         "smollm2-135m", help="Built-in name (smollm2-135m), a Hugging Face model folder, or a .gguf file."
     ),
     out: Path = typer.Option(..., "-o", "--out", help="Folder to write the artifact into (created if needed)."),
-    sink: int = typer.Option(4, help="Attention-sink tokens: the first S tokens, never evicted. 0 = window only."),
-    pinned: int = typer.Option(124, help="Slots for pinned spans (the system prompt), never evicted."),
-    window: int = typer.Option(1020, help="Rolling-window slots: the most recent W unpinned tokens."),
-    chunk: int = typer.Option(64, help="Largest prefill chunk C; positions stay below sink+pinned+window+chunk."),
-    kv: KVChoice = typer.Option(
-        KVChoice.fp32, help="KV-cache storage: fp32, fp16, or int8 / fp8 (E4M3) at 1/4 of fp32, calibrated."
+    profile: Optional[str] = typer.Option(
+        None, help="Device profile (see `cabinlm profiles`) or a profile .toml: window and KV come from its plan."
+    ),
+    sink: Optional[int] = typer.Option(None, help="Attention-sink tokens, never evicted; 0 = window only. [default: 4]"),
+    pinned: Optional[int] = typer.Option(None, help="Slots for pinned spans (the system prompt). [default: 124]"),
+    window: Optional[int] = typer.Option(
+        None, help="Rolling-window slots: the most recent W unpinned tokens. [default: 1020, or the plan's]"
+    ),
+    chunk: Optional[int] = typer.Option(None, help="Largest prefill chunk C. [default: 64, or the profile's]"),
+    kv: Optional[KVChoice] = typer.Option(
+        None, help="KV storage: fp32, fp16, or int8 / fp8 (E4M3) at 1/4 of fp32. [default: fp32, or the profile's]"
     ),
     calib: Optional[Path] = typer.Option(
         None, help="Calibration text for int8/fp8 KV (default: built-in prose + in-car dialogue)."
@@ -64,23 +69,118 @@ def export(
 ) -> None:
     """Export MODEL to a fixed-shape sink + rolling-window decoder graph (plain ONNX) with its manifest.
 
+    With --profile, the window (the largest that fits the device's memory budget) and the KV precision
+    come from `cabinlm plan` unless given; what the device cannot run is refused.
+
     With --kv int8 or fp8, keys get per-channel scales calibrated on --calib text and values per-token
     scales; the export then measures perplexity against fp32 KV on held-back text (eviction active)
     and refuses to finish when it rises by more than --max-ppl-increase percent, unless --force.
     """
-    from cabinlm.export import ExportOptions, export_model  # torch lives behind this import
+    from cabinlm.export import ExportOptions, export_for_profile, export_model  # torch lives behind this import
 
-    opts = ExportOptions(
-        sink=sink, pinned=pinned, window=window, chunk=chunk, kv=kv.value, verify=verify,
-        calib=calib, max_ppl_increase=max_ppl_increase, force=force,
-    )
-    m = export_model(model, out, opts, log=_info)
+    layout = {"sink": sink, "pinned": pinned, "window": window, "chunk": chunk, "kv": kv.value if kv else None}
+    given = {k: v for k, v in layout.items() if v is not None}
+    given.update(verify=verify, calib=calib, max_ppl_increase=max_ppl_increase, force=force)
+    if profile is not None:
+        m = export_for_profile(model, out, _profile(profile), given, log=_info)
+    else:
+        m = export_model(model, out, ExportOptions(**given), log=_info)
     lay = m.cache
     typer.echo(
         f"exported {m.model.source} ({m.model.architecture}, {m.model.num_layers} layers) to {out}: "
         f"sink {lay.sink} + pinned {lay.pinned} + window {lay.window} slots, chunk {lay.chunk}, "
         f"{lay.kv_dtype.value} KV = {lay.cache_bytes / 2**20:.1f} MiB"
     )
+
+
+def _profile(name: str):
+    from cabinlm.profiles import load_profile
+
+    return load_profile(name)
+
+
+@app.command()
+def profiles(json_out: bool = typer.Option(False, "--json", help="Print the profiles as JSON.")) -> None:
+    """List the built-in device profiles (pass one to --profile, or a .toml file of your own)."""
+    from cabinlm.profiles import list_profiles, load_profile
+
+    rows = [load_profile(n) for n in list_profiles()]
+    if json_out:
+        typer.echo(json.dumps([
+            {"name": p.name, "chip": p.chip, "engine": p.engine.value, "engine_version": p.engine_version,
+             "budget_bytes": p.budget_bytes, "kv_dtypes": [k.value for k in p.kv_dtypes], "default_kv": p.default_kv.value,
+             "weight_dtype": p.weight_dtype.value, "static_shapes": p.static_shapes, "max_opset": p.max_opset}
+            for p in rows
+        ], indent=2))  # fmt: skip
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("profile", "chip", "engine", "budget", "KV", "weights", "shapes", "opset")
+    for p in rows:
+        engine = p.engine.value + (f" {p.engine_version}" if p.engine_version else "")
+        if p.execution_provider and p.execution_provider != "CPUExecutionProvider":
+            engine += f" ({p.execution_provider.replace('ExecutionProvider', '')} EP)"
+        kvs = ", ".join(k.value + ("*" if k == p.default_kv else "") for k in p.kv_dtypes)
+        table.add_row(p.name, p.chip.split(";")[0].split("(")[0].strip(), engine, f"{p.budget_bytes / 2**30:.1f} GiB",
+                      kvs, p.weight_dtype.value, "static" if p.static_shapes else "dynamic", f"<= {p.max_opset}")  # fmt: skip
+    Console(width=160).print(table)
+    typer.echo("* default KV precision. Details and sources: the TOML files in cabinlm/profiles/builtin/.")
+
+
+@app.command()
+def plan(
+    model: str = typer.Argument(
+        "smollm2-135m", help="A config.json (no weights needed), a model folder, a .gguf file or a built-in name."
+    ),
+    profile: str = typer.Option("cpu", help="Device profile name or .toml file."),
+    kv: Optional[KVChoice] = typer.Option(None, help="KV precision [default: the profile's]."),
+    sink: Optional[int] = typer.Option(None, help="Sink tokens [default: the profile's]."),
+    pinned: int = typer.Option(124, help="Pinned slots (system prompt)."),
+    chunk: Optional[int] = typer.Option(None, help="Prefill chunk [default: the profile's]."),
+    window: Optional[int] = typer.Option(None, help="Check this window instead of searching the largest."),
+    json_out: bool = typer.Option(False, "--json", help="Print the plan as one JSON object."),
+) -> None:
+    """Memory breakdown of MODEL on a device profile, and the largest window that fits its budget."""
+    from cabinlm.profiles.planner import format_plan, plan as make_plan, vision_params_from_config
+
+    spec_path = Path(model).expanduser()
+    if spec_path.suffix == ".json" or (spec_path.is_dir() and (spec_path / "config.json").exists()):
+        from cabinlm.profiles.planner import spec_from_config
+
+        spec, vision = spec_from_config(spec_path), vision_params_from_config(spec_path)
+    else:
+        from cabinlm.export.models import spec_for
+
+        spec, vision = spec_for(model, log=_info), 0
+    p = make_plan(spec, _profile(profile), kv=kv.value if kv else None, sink=sink, chunk=chunk, pinned=pinned,
+                  window=window, vision_params=vision)  # fmt: skip
+    if json_out:
+        typer.echo(json.dumps(p.to_dict()))
+    else:
+        typer.echo(format_plan(p))
+    if not p.fits:
+        raise typer.Exit(1)
+
+
+@app.command()
+def build(
+    artifact: Path = typer.Argument(..., help="Folder written by `cabinlm export`."),
+    profile: str = typer.Option("cpu", help="Device profile name or .toml file."),
+    out: Optional[Path] = typer.Option(None, "-o", "--out", help="Output folder [default: ARTIFACT/build-PROFILE]."),
+) -> None:
+    """Build an exported artifact for a device: ONNX Runtime targets get the graph optimized offline
+    (static prefill + decode graphs for static-shape chips); TensorRT targets are checked for
+    TensorRT compatibility and built where TensorRT and a GPU are present. `cabinlm chat OUT` runs it."""
+    from cabinlm.build import build_artifact
+    from cabinlm.build.trt import TensorRTUnavailable
+
+    try:
+        path = build_artifact(artifact, _profile(profile), out, log=_info)
+    except TensorRTUnavailable as e:
+        _info(e.details)
+        raise
+    typer.echo(f"built {artifact} for {profile}: {path} (run it with `cabinlm chat {path}`)")
 
 
 @app.command()

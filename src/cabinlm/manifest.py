@@ -206,6 +206,15 @@ class DecoderIO:
     def to_dict(self) -> dict[str, Any]:
         return {"inputs": [t.to_dict() for t in self.inputs], "outputs": [t.to_dict() for t in self.outputs]}
 
+    def with_tokens(self, tokens: int, slots: int) -> DecoderIO:
+        """The same I/O with the token range fixed (static-shape builds: a prefill and a decode graph)."""
+
+        def fix(t: TensorSpec) -> TensorSpec:
+            dims = {"tokens": tokens, "total": slots + tokens}
+            return TensorSpec(t.name, t.dtype, tuple(dims.get(d, d) if isinstance(d, str) else d for d in t.shape))
+
+        return DecoderIO(tuple(map(fix, self.inputs)), tuple(map(fix, self.outputs)))
+
 
 # Graph I/O names. One cache tensor per layer: the runtime binds views of its single
 # (layers, kv_heads, slots, head_dim) buffer, so the graph never slices (copies) the whole cache.
@@ -240,13 +249,13 @@ def new_value_scale_name(layer: int) -> str:
     return f"new_value_scale.{layer}"
 
 
-def decoder_io(layout: CacheLayout, vocab_size: int) -> DecoderIO:
+def decoder_io(layout: CacheLayout, vocab_size: int, index_dtype: str = "int64") -> DecoderIO:
     """The graph contract for a layout.
 
-    inputs
-      input_ids           int64  (tokens,)                    the chunk's token ids
-      position_ids        int64  (tokens,)                    the chunk's RoPE positions (ranks)
-      cache_position_ids  int64  (slots,)                     each slot's RoPE position (rank)
+    inputs (index = int64, or int32 for TensorRT targets, whose bindings need INT32 before 9.0)
+      input_ids           index  (tokens,)                    the chunk's token ids
+      position_ids        index  (tokens,)                    the chunk's RoPE positions (ranks)
+      cache_position_ids  index  (slots,)                     each slot's RoPE position (rank)
       attention_mask      float  (tokens, slots + tokens)     additive: 0 attend, -1e30 masked
       key_cache.{l}       kv     (kv_heads, slots, head_dim)  un-rotated keys
       value_cache.{l}     kv     (kv_heads, slots, head_dim)
@@ -262,10 +271,12 @@ def decoder_io(layout: CacheLayout, vocab_size: int) -> DecoderIO:
     """
     kv = layout.kv_dtype.onnx_name
     h, n, d = layout.kv_heads, layout.slots, layout.head_dim
+    if index_dtype not in ("int64", "int32"):
+        raise ValueError(f"index_dtype must be int64 or int32, got {index_dtype!r}")
     inputs = [
-        TensorSpec(INPUT_IDS, "int64", ("tokens",)),
-        TensorSpec(POSITION_IDS, "int64", ("tokens",)),
-        TensorSpec(CACHE_POSITION_IDS, "int64", (n,)),
+        TensorSpec(INPUT_IDS, index_dtype, ("tokens",)),
+        TensorSpec(POSITION_IDS, index_dtype, ("tokens",)),
+        TensorSpec(CACHE_POSITION_IDS, index_dtype, (n,)),
         TensorSpec(ATTENTION_MASK, "float", ("tokens", "total")),
     ]
     outputs = [TensorSpec(LOGITS, "float", ("tokens", vocab_size))]
@@ -307,12 +318,14 @@ class Manifest:
     opset: int
     rope_inv_freq_source: str = "config"
     quality: dict[str, Any] = field(default_factory=dict)
+    index_dtype: str = "int64"  # of input_ids / position_ids / cache_position_ids
+    target: dict[str, Any] | None = None  # {"profile": name, "plan": {...}} when exported for a profile
     format_version: int = FORMAT_VERSION
     cabinlm_version: str = ""
 
     @property
     def io(self) -> DecoderIO:
-        return decoder_io(self.cache, self.model.vocab_size)
+        return decoder_io(self.cache, self.model.vocab_size, self.index_dtype)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -327,6 +340,8 @@ class Manifest:
             "opset": self.opset,
             "rope_inv_freq_source": self.rope_inv_freq_source,
             "quality": self.quality,
+            "index_dtype": self.index_dtype,
+            "target": self.target,
         }
 
     def save(self, folder: Path) -> Path:
@@ -356,6 +371,8 @@ class Manifest:
                 opset=int(d["opset"]),
                 rope_inv_freq_source=d.get("rope_inv_freq_source", "config"),
                 quality=dict(d.get("quality", {})),
+                index_dtype=d.get("index_dtype", "int64"),
+                target=d.get("target"),
                 format_version=version,
                 cabinlm_version=d.get("cabinlm_version", ""),
             )

@@ -1,1 +1,45 @@
-""""""
+"""Build: an exported artifact -> what a device profile's engine loads.
+
+    onnxruntime profiles  build/ort.py  the graph optimized offline for the provider, session
+                                        settings and checksums in build.json; for static-shape
+                                        targets a prefill graph and a decode graph sharing weights
+    tensorrt profiles     build/trt.py  the TensorRT compatibility check (runs anywhere), then the
+                                        engine where TensorRT and an NVIDIA GPU are present
+
+The output folder is itself an artifact: `cabinlm chat OUT` and `cabinlm perplexity OUT` run it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from cabinlm.errors import CabinlmError
+
+BUILD_NAME = "build.json"
+
+
+class BuildError(CabinlmError):
+    """The build cannot be done here or for this artifact."""
+
+
+def build_artifact(artifact: str | Path, profile, out: str | Path | None = None, log: Callable[[str], None] = lambda s: None) -> Path:
+    """Build `artifact` for `profile` (a DeviceProfile) into `out` (default: ARTIFACT/build-PROFILE)."""
+    from cabinlm.manifest import load_manifest
+    from cabinlm.profiles import Engine
+
+    artifact = Path(artifact)
+    manifest = load_manifest(artifact)
+    if manifest.cache.kv_dtype not in profile.kv_dtypes:
+        raise BuildError(
+            f"{artifact} holds {manifest.cache.kv_dtype.value} KV, which profile {profile.name} cannot run "
+            f"({', '.join(k.value for k in profile.kv_dtypes)}); re-export with --profile {profile.name}"
+        )
+    out = Path(out) if out is not None else artifact / f"build-{profile.name}"
+    if profile.engine == Engine.TENSORRT:
+        from cabinlm.build.trt import build_tensorrt
+
+        return build_tensorrt(artifact, manifest, profile, out, log)
+    from cabinlm.build.ort import build_onnxruntime
+
+    return build_onnxruntime(artifact, manifest, profile, out, log)

@@ -45,11 +45,55 @@ class ExportOptions:
     force: bool = False  # write the artifact even when the quality gate fails
     gate: bool = True  # measure the quality gate at all (tests that measure quality themselves skip it)
 
+    index_dtype: str = "int64"  # int32 for TensorRT targets
+    profile: str | None = None  # the device profile the layout was planned for
+    plan: dict | None = None  # that plan (written into the manifest's "target")
+
     @property
     def resolved_opset(self) -> int:
         if self.opset is not None:
             return self.opset
         return 19 if KVDType(self.kv) == KVDType.FP8 else 17
+
+
+def options_for_profile(spec, profile, given: dict) -> ExportOptions:
+    """Export options planned for a device profile. `given` holds what the user set explicitly
+    (sink, pinned, window, chunk, kv, ...): those are kept and checked; the rest comes from the plan.
+    A KV precision the profile cannot run, or a window that does not fit its budget, is refused."""
+    from cabinlm.profiles import Engine
+    from cabinlm.profiles.planner import PlanError, plan
+
+    p = plan(
+        spec,
+        profile,
+        kv=given.get("kv"),
+        sink=given.get("sink"),
+        chunk=given.get("chunk"),
+        pinned=given.get("pinned", ExportOptions.pinned),
+        window=given.get("window"),
+    )
+    if not p.fits:
+        raise PlanError(
+            f"window {p.window} needs {p.total_bytes / 2**20:.0f} MiB but profile {profile.name} budgets "
+            f"{p.budget_bytes / 2**20:.0f} MiB; leave --window out to use the largest that fits"
+        )
+    opts = ExportOptions(
+        **{k: v for k, v in given.items() if k not in ("sink", "pinned", "window", "chunk", "kv")},
+        sink=p.sink,
+        pinned=p.pinned,
+        window=p.window,
+        chunk=p.chunk,
+        kv=KVDType(p.kv),
+        index_dtype="int32" if profile.engine == Engine.TENSORRT else "int64",
+        profile=profile.name,
+        plan=p.to_dict(),
+    )
+    if opts.resolved_opset > profile.max_opset:
+        raise PlanError(
+            f"{opts.kv.value} KV needs ONNX opset {opts.resolved_opset}, but profile {profile.name} accepts "
+            f"opset {profile.max_opset} at most"
+        )
+    return opts
 
 
 def make_layout(spec, opts: ExportOptions) -> CacheLayout:
@@ -120,7 +164,7 @@ def export_loaded(
         weights.key_scales = kvquant.key_scales_from_amax(amax, layout.kv_dtype)
         calibration = {"source": calib_source, "tokens": len(calib_ids), "method": "absmax per channel (keys), per token (values)"}
         log(f"calibrated {layout.kv_dtype.value} key scales on {len(calib_ids)} tokens ({calib_source})")
-    builder = build_decoder(loaded.spec, layout, weights, opset=opset)
+    builder = build_decoder(loaded.spec, layout, weights, opset=opset, index_dtype=opts.index_dtype)
     log(f"built the decoder graph: {len(builder.nodes)} nodes, {layout.slots} cache slots")
     save_model(builder.model(), out / GRAPH_FILE, GRAPH_DATA_FILE)
     del builder
@@ -141,6 +185,8 @@ def export_loaded(
         files={role: FileEntry.of(out, name) for role, name in files.items()},
         opset=opset,
         quality={"kv": KVDType(opts.kv).value},
+        index_dtype=opts.index_dtype,
+        target={"profile": opts.profile, "plan": opts.plan} if opts.profile else None,
         cabinlm_version=__version__,
     )
     if calibration is not None:
@@ -166,6 +212,20 @@ def export_model(
 ) -> Manifest:
     loaded = load_model(source, log)
     return export_loaded(loaded, out, opts, log)
+
+
+def export_for_profile(
+    source: str, out: str | Path, profile, given: dict, log: Callable[[str], None] = lambda s: None
+) -> Manifest:
+    """Plan MODEL for a device profile (before loading any weights, so a refusal is quick), then export."""
+    from cabinlm.export.models import spec_for
+
+    opts = options_for_profile(spec_for(source, log), profile, given)
+    log(
+        f"planned for {profile.name}: sink {opts.sink} + pinned {opts.pinned} + window {opts.window}, "
+        f"chunk {opts.chunk}, {KVDType(opts.kv).value} KV"
+    )
+    return export_model(source, out, opts, log)
 
 
 def verify_against_transformers(loaded: LoadedModel, out: Path, manifest: Manifest, n: int = 24) -> dict:

@@ -51,9 +51,11 @@ class DecoderWeights:
     key_scales: np.ndarray | None = None  # (layers, Hkv, Dh) per-channel key scales, int8 / fp8 KV only
 
 
-def build_decoder(spec: ModelSpec, layout: CacheLayout, w: DecoderWeights, opset: int = 17) -> GraphBuilder:
+def build_decoder(
+    spec: ModelSpec, layout: CacheLayout, w: DecoderWeights, opset: int = 17, index_dtype: str = "int64"
+) -> GraphBuilder:
     g = GraphBuilder("cabinlm_decoder", opset=opset)
-    io = mf.decoder_io(layout, spec.vocab_size)
+    io = mf.decoder_io(layout, spec.vocab_size, index_dtype)
     for t in io.inputs:
         g.input(t.name, ELEM[t.dtype], t.shape)
     kv_elem = ELEM[layout.kv_dtype.onnx_name]

@@ -6,6 +6,7 @@ loaded model into a ModelSpec and the plain numpy DecoderWeights the graph build
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -235,3 +236,24 @@ def decoder_weights(loaded: LoadedModel) -> DecoderWeights:
         inv_freq=t(rotary.inv_freq).astype(np.float32),
         rope_scaling=float(rotary.attention_scaling),
     )
+
+
+def spec_for(source: str, log: Callable[[str], None] = lambda s: None) -> ModelSpec:
+    """The ModelSpec of MODEL without loading its weights: a config.json, a model folder, a .gguf
+    file or a built-in name (the last two read the GGUF metadata through transformers)."""
+    from cabinlm.profiles.planner import spec_from_config, spec_from_dict
+
+    path = Path(source).expanduser()
+    if path.suffix == ".json" and path.is_file():
+        return spec_from_config(path)
+    folder, gguf = resolve_source(source, log)
+    if gguf is None:
+        return spec_from_config(folder)
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(folder, gguf_file=gguf)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelError(f"{folder / gguf}: cannot read the model configuration ({e})") from e
+    spec = spec_from_dict(config.to_dict(), str(folder / gguf))
+    return dataclasses.replace(spec, source=source if source in ALIASES else str(folder / gguf))

@@ -66,6 +66,11 @@ def _text_block(d: dict[str, Any]) -> dict[str, Any]:
 def spec_from_config(path: str | Path) -> ModelSpec:
     """ModelSpec from a bare config.json (or its folder): Llama and Qwen2, or a VLM's text_config."""
     d, where = _read_config(path)
+    return spec_from_dict(d, where)
+
+
+def spec_from_dict(d: dict[str, Any], where: str) -> ModelSpec:
+    """ModelSpec from a config as a dict (a parsed config.json, or transformers' config.to_dict())."""
     c = _text_block(d)
     archs = [a for a in c.get("architectures") or [] if a in SUPPORTED_ARCHITECTURES]
     model_type = c.get("model_type", "")

@@ -9,6 +9,7 @@ their slots. Nothing per step is proportional to the cache, except the graph's o
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import threading
 from pathlib import Path
@@ -19,13 +20,14 @@ import onnxruntime as ort
 from cabinlm import manifest as mf
 from cabinlm.errors import ManifestError
 from cabinlm.manifest import Manifest, load_manifest
-from cabinlm.runtime.cache import KVCache
+from cabinlm.runtime.cache import MASK_VALUE, KVCache
 
 _FLOAT8E4M3FN = 17  # onnx.TensorProto.FLOAT8E4M3FN (the runtime does not import onnx)
 _ORT_TYPES = {
     "float": "tensor(float)",
     "float16": "tensor(float16)",
     "int64": "tensor(int64)",
+    "int32": "tensor(int32)",
     "int8": "tensor(int8)",
     "uint8": "tensor(uint8)",
     "float8e4m3fn": "tensor(float8e4m3fn)",
@@ -48,40 +50,141 @@ def defer_sigint():
             raise KeyboardInterrupt
 
 
-def session_options(threads: int | None = None) -> ort.SessionOptions:
+_LEVELS = {
+    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+
+
+def read_build(folder: Path) -> dict:
+    """build.json of a `cabinlm build` output ({} for a plain export)."""
+    path = folder / "build.json"
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{path}: corrupt build record ({e}); run `cabinlm build` again") from e
+
+
+def session_options(threads: int | None = None, build: dict | None = None) -> ort.SessionOptions:
+    """Session settings: the build's (optimization level, threads, arena), then the caller's threads."""
+    settings = (build or {}).get("session", {})
     so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.graph_optimization_level = _LEVELS[settings.get("graph_optimization_level", "all")]
+    threads = threads or settings.get("intra_op_num_threads")
     if threads:
-        so.intra_op_num_threads = threads
+        so.intra_op_num_threads = int(threads)
+    so.enable_cpu_mem_arena = bool(settings.get("enable_cpu_mem_arena", True))
     so.inter_op_num_threads = 1
     so.log_severity_level = 3
     return so
 
 
+class _Binding:
+    """One graph run configuration: a session, the cache bound once, and output buffers allocated
+    once for a fixed token count (tokens=None: ORT allocates outputs per run, for any chunk size)."""
+
+    def __init__(self, session, cache_values, out_specs: list[tuple[str, tuple, np.dtype, str]], tokens: int | None):
+        self.session = session
+        self.tokens = tokens
+        self.binding = session.io_binding()
+        for name, ov in cache_values:
+            self.binding.bind_ortvalue_input(name, ov)
+        self.names = [name for name, *_ in out_specs]
+        self.outputs: list[np.ndarray] = []
+        self._ovs = []
+        if tokens is not None:
+            for name, shape, dtype, onnx_type in out_specs:
+                arr = np.empty(tuple(tokens if d == "tokens" else d for d in shape), dtype=dtype)
+                ov = _ortvalue(arr, onnx_type)
+                self.binding.bind_ortvalue_output(name, ov)
+                self.outputs.append(arr)
+                self._ovs.append(ov)
+
+    def run(self, ids, position_ids, cache_position_ids, mask) -> list[np.ndarray]:
+        b = self.binding
+        b.bind_cpu_input(mf.INPUT_IDS, ids)
+        b.bind_cpu_input(mf.POSITION_IDS, position_ids)
+        b.bind_cpu_input(mf.CACHE_POSITION_IDS, cache_position_ids)
+        b.bind_cpu_input(mf.ATTENTION_MASK, mask)
+        if self.tokens is None:
+            # Rebound every run: a binding keeps the OrtValues ORT allocated for the previous run,
+            # whose shapes differ when the chunk size changes.
+            for name in self.names:
+                b.bind_output(name, "cpu")
+        self.session.run_with_iobinding(b)
+        if self.tokens is None:
+            return [o.numpy() for o in b.get_outputs()]  # fp8 comes back as its uint8 bytes
+        return self.outputs
+
+
+def _ortvalue(array: np.ndarray, dtype: str) -> ort.OrtValue:
+    """An OrtValue over `array`'s own memory (CPU: no copy). fp8 tensors live in uint8 arrays."""
+    if dtype == "float8e4m3fn":
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array, _FLOAT8E4M3FN)
+    return ort.OrtValue.ortvalue_from_numpy(array)
+
+
+def shared_weights(folder: Path, build: dict) -> list[tuple[str, ort.OrtValue]]:
+    """The weights a static graph pair shares, as OrtValues over one read-only memory map of the
+    weights file: handed to both sessions, they are held in memory once."""
+    table = build.get("shared_weights")
+    if not table:
+        return []
+    data = np.memmap(folder / table["file"], dtype=np.uint8, mode="r")
+    out = []
+    for name, dtype, shape, offset, length in table["tensors"]:
+        arr = data[offset : offset + length].view(np.dtype(dtype)).reshape(shape)
+        out.append((name, ort.OrtValue.ortvalue_from_numpy(arr)))
+    return out
+
+
 class Decoder:
-    """Feeds token chunks through the exported graph and keeps the fixed-size cache up to date."""
+    """Feeds token chunks through the exported graph and keeps the fixed-size cache up to date.
+
+    A plain export or a dynamic build has one graph for every chunk size; a static-shape build has a
+    prefill graph (tokens = chunk; the last chunk of a prompt is padded) and a decode graph (tokens = 1).
+    """
 
     def __init__(self, folder: str | Path, manifest: Manifest | None = None, threads: int | None = None):
         self.folder = Path(folder)
         self.manifest = manifest if manifest is not None else load_manifest(self.folder)
         self.layout = self.manifest.cache
-        graph = self.folder / self.manifest.files["graph"].path
+        self.build = read_build(self.folder)
+        self.static = "graph_decode" in self.manifest.files
+        self._weights = shared_weights(self.folder, self.build)  # kept alive with the sessions
+        self.sessions = {"graph": self._session("graph", threads)}
+        if self.static:
+            self.sessions["graph_decode"] = self._session("graph_decode", threads)
+        C = self.layout.chunk
+        self._check_io(self.sessions["graph"], C if self.static else None)
+        if self.static:
+            self._check_io(self.sessions["graph_decode"], 1)
+        self._index_dtype = np.dtype(self.manifest.index_dtype)
+        self.cache = KVCache(self.layout)
+        self._bind()
+
+    def _session(self, role: str, threads: int | None) -> ort.InferenceSession:
+        graph = self.folder / self.manifest.files[role].path
+        so = session_options(threads, self.build)
+        for name, ov in self._weights:
+            so.add_initializer(name, ov)
+        if self._weights:
+            # Pre-packing would give each session its own re-laid-out copy of every weight matrix.
+            so.add_session_config_entry("session.disable_prepacking", "1")
         try:
-            self.session = ort.InferenceSession(str(graph), session_options(threads), providers=["CPUExecutionProvider"])
+            return ort.InferenceSession(str(graph), so, providers=["CPUExecutionProvider"])
         except Exception as e:  # onnxruntime raises its own exception types for unreadable graphs
             raise ManifestError(f"{graph}: onnxruntime cannot load the graph ({e}); re-export") from e
-        self._check_io()
-        self.cache = KVCache(self.layout)
-        L = self.layout.layers
-        self._new_keys = [mf.new_key_name(i) for i in range(L)]
-        self._new_values = [mf.new_value_name(i) for i in range(L)]
-        self._bind_static()
 
-    def _check_io(self) -> None:
+    def _check_io(self, session, tokens: int | None) -> None:
         """The graph must have exactly the I/O the manifest declares."""
-        io = self.manifest.io
-        got = {i.name: i for i in self.session.get_inputs()}
-        got.update({o.name: o for o in self.session.get_outputs()})
+        io = self.manifest.io if tokens is None else self.manifest.io.with_tokens(tokens, self.layout.slots)
+        got = {i.name: i for i in session.get_inputs()}
+        got.update({o.name: o for o in session.get_outputs()})
         for t in (*io.inputs, *io.outputs):
             arg = got.get(t.name)
             if arg is None:
@@ -97,78 +200,63 @@ class Decoder:
                     f"{list(t.shape)}; the graph and the manifest come from different exports"
                 )
 
-    def _ortvalue(self, array: np.ndarray, dtype: str) -> ort.OrtValue:
-        """An OrtValue over `array`'s own memory (CPU: no copy). fp8 tensors live in uint8 arrays."""
-        if dtype == "float8e4m3fn":
-            return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array, _FLOAT8E4M3FN)
-        return ort.OrtValue.ortvalue_from_numpy(array)
-
-    def _bind_static(self) -> None:
+    def _bind(self) -> None:
         lay, V = self.layout, self.manifest.model.vocab_size
-        kv_onnx = lay.kv_dtype.onnx_name
-        self.binding = self.session.io_binding()
-        self._cache_values = []  # keep the OrtValues (and so the views) alive
+        kv, kv_onnx = np.dtype(lay.kv_dtype.numpy_name), lay.kv_dtype.onnx_name
         c = self.cache
+        cache_values = []  # OrtValues over the cache's own buffers, shared by every binding
         for i in range(lay.layers):
-            pairs = [(mf.key_cache_name(i), c.keys[i], kv_onnx), (mf.value_cache_name(i), c.values[i], kv_onnx)]
+            cache_values += [
+                (mf.key_cache_name(i), _ortvalue(c.keys[i], kv_onnx)),
+                (mf.value_cache_name(i), _ortvalue(c.values[i], kv_onnx)),
+            ]
             if c.value_scales is not None:
-                pairs.append((mf.value_scale_name(i), c.value_scales[i], "float16"))
-            for name, buf, dtype in pairs:
-                ov = self._ortvalue(buf, dtype)
-                self.binding.bind_ortvalue_input(name, ov)
-                self._cache_values.append(ov)
-        # Single-token decode outputs, allocated once.
-        kv = np.dtype(lay.kv_dtype.numpy_name)
-        shape1 = (lay.kv_heads, 1, lay.head_dim)
-        self._logits1 = np.empty((1, V), dtype=np.float32)
-        self._k1 = [np.empty(shape1, dtype=kv) for _ in range(lay.layers)]
-        self._v1 = [np.empty(shape1, dtype=kv) for _ in range(lay.layers)]
-        self._s1 = [np.empty((lay.kv_heads, 1, 1), dtype=np.float16) for _ in range(lay.layers)] if lay.quantized else []
-        self._out1 = [self._ortvalue(self._logits1, "float")]
-        self._out1 += [self._ortvalue(a, kv_onnx) for a in (*self._k1, *self._v1)]
-        self._out1 += [self._ortvalue(a, "float16") for a in self._s1]
-        self._out_names = [mf.LOGITS, *self._new_keys, *self._new_values]
+                cache_values.append((mf.value_scale_name(i), _ortvalue(c.value_scales[i], "float16")))
+        self._cache_values = cache_values
+        H, D = lay.kv_heads, lay.head_dim
+        outs = [(mf.LOGITS, ("tokens", V), np.dtype(np.float32), "float")]
+        outs += [(mf.new_key_name(i), (H, "tokens", D), kv, kv_onnx) for i in range(lay.layers)]
+        outs += [(mf.new_value_name(i), (H, "tokens", D), kv, kv_onnx) for i in range(lay.layers)]
         if lay.quantized:
-            self._out_names += [mf.new_value_scale_name(i) for i in range(lay.layers)]
-        self._bound_single: bool | None = None
-
-    def _bind_outputs(self, single: bool) -> None:
-        # Multi-token outputs are rebound every step: a binding keeps the OrtValues ORT allocated
-        # for the previous run, whose shapes differ when the chunk size changes.
-        if single and self._bound_single:
-            return
-        if single:
-            for name, ov in zip(self._out_names, self._out1):
-                self.binding.bind_ortvalue_output(name, ov)
-        else:
-            for name in self._out_names:
-                self.binding.bind_output(name, "cpu")
-        self._bound_single = single
+            outs += [(mf.new_value_scale_name(i), (H, "tokens", 1), np.dtype(np.float16), "float16") for i in range(lay.layers)]
+        decode_session = self.sessions["graph_decode" if self.static else "graph"]
+        self._decode = _Binding(decode_session, cache_values, outs, tokens=1)
+        self._prefill = _Binding(self.sessions["graph"], cache_values, outs, tokens=lay.chunk if self.static else None)
 
     def reset(self) -> None:
         self.cache.reset()
 
     def step(self, ids: np.ndarray, pin: bool = False) -> np.ndarray:
         """Run one chunk (1..chunk tokens) and commit its K/V. Returns logits (tokens, vocab)."""
-        ids = np.ascontiguousarray(ids, dtype=np.int64)
-        plan = self.cache.plan(len(ids), pin)
-        b = self.binding
-        b.bind_cpu_input(mf.INPUT_IDS, ids)
-        b.bind_cpu_input(mf.POSITION_IDS, plan.position_ids)
-        b.bind_cpu_input(mf.CACHE_POSITION_IDS, plan.cache_position_ids)
-        b.bind_cpu_input(mf.ATTENTION_MASK, plan.attention_mask)
-        single = len(ids) == 1
-        self._bind_outputs(single)
-        self.session.run_with_iobinding(b)
+        index = self._index_dtype
+        n = len(ids)
+        plan = self.cache.plan(n, pin)
+        ids = np.ascontiguousarray(ids, dtype=index)
+        pos, cache_pos, mask = plan.position_ids, plan.cache_position_ids, plan.attention_mask
+        binding = self._decode if n == 1 else self._prefill
+        if binding.tokens is not None and binding.tokens != n:
+            ids, pos, mask = self._pad(ids, pos, mask, binding.tokens)
+        outs = binding.run(ids, pos.astype(index, copy=False), cache_pos.astype(index, copy=False), mask)
         L = self.layout.layers
-        if single:
-            logits, keys, values, scales = self._logits1, self._k1, self._v1, self._s1
-        else:
-            outs = [o.numpy() for o in b.get_outputs()]  # fp8 comes back as its uint8 bytes
-            logits, keys, values, scales = outs[0], outs[1 : 1 + L], outs[1 + L : 1 + 2 * L], outs[1 + 2 * L :]
+        logits = outs[0][:n]
+        keys, values, scales = outs[1 : 1 + L], outs[1 + L : 1 + 2 * L], outs[1 + 2 * L :]
+        if binding.tokens != n:  # padded: keep the real tokens' K/V only
+            keys, values, scales = ([x[:, :n] for x in xs] for xs in (keys, values, scales))
         with defer_sigint():
             self.cache.commit(plan, keys, values, scales or None)
         return logits
+
+    def _pad(self, ids, pos, mask, size: int):
+        """Pad a chunk to a static graph's token count. Pad tokens come after the real ones, so the
+        causal mask hides them from the real tokens; their outputs are dropped."""
+        n, slots = len(ids), self.layout.slots
+        ids_p = np.zeros(size, dtype=ids.dtype)
+        ids_p[:n] = ids
+        pos_p = np.arange(pos[0], pos[0] + size, dtype=pos.dtype)
+        mask_p = np.empty((size, slots + size), dtype=mask.dtype)
+        mask_p[:, :slots] = mask[0, :slots]
+        mask_p[:, slots:] = np.where(np.tri(size, dtype=bool), np.float32(0), MASK_VALUE)
+        return ids_p, pos_p, mask_p
 
     def feed(self, ids, pin: bool = False, all_logits: bool = False) -> np.ndarray:
         """Feed any number of tokens in chunks. Returns the last token's logits (vocab,), or all (n, vocab)."""
