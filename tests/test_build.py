@@ -1,0 +1,119 @@
+"""`cabinlm build` and the profile-aware commands, run as a user runs them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from cabinlm.build.trt_compat import check_file
+from cabinlm.runtime import Decoder, Tokenizer
+from cabinlm.runtime.perplexity import chunked_perplexity
+from test_cli import assert_clean_error, cabinlm
+
+PLAN_KEYS = {"profile", "budget_bytes", "weights_bytes", "kv_bytes", "kv_bytes_per_token", "activation_bytes",
+             "total_bytes", "window", "fits"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fp16_artifact(load, tiny_qwen2_dir, export_to) -> Path:
+    return export_to(load(str(tiny_qwen2_dir)), sink=4, pinned=12, window=48, chunk=16, kv="fp16")
+
+
+def ppl(folder: Path, ids) -> float:
+    return chunked_perplexity(Decoder(folder), ids).ppl
+
+
+def ids_for(folder: Path, text: str, n: int = 300) -> list[int]:
+    return Tokenizer(folder / "tokenizer.json").encode(text, add_special_tokens=True)[:n]
+
+
+def test_cpu_build_is_an_optimized_runnable_artifact(fp16_artifact, tmp_path, long_text):
+    out = tmp_path / "cpu"
+    p = cabinlm("build", fp16_artifact, "--profile", "cpu", "-o", out)
+    assert p.returncode == 0, p.stderr
+    record = json.loads((out / "build.json").read_text())
+    assert record["profile"] == "cpu" and record["engine"] == "onnxruntime"
+    assert record["session"]["graph_optimization_level"] == "basic"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["files"]["graph"]["path"] == "decoder.opt.onnx"
+    assert record["files"]["graph"] == manifest["files"]["graph"]["sha256"]
+    ids = ids_for(out, long_text)  # 300 tokens through 64 slots: eviction active
+    assert ppl(out, ids) == pytest.approx(ppl(fp16_artifact, ids), rel=1e-4)
+    chat = cabinlm("chat", out, "--json", "--max-new-tokens", 4, stdin="hello\n")
+    assert chat.returncode == 0 and json.loads(chat.stdout)["turn"] == 1
+
+
+def test_static_build_has_only_static_shapes_and_shares_its_weights(fp16_artifact, tmp_path, long_text):
+    out = tmp_path / "qc"
+    p = cabinlm("build", fp16_artifact, "--profile", "sa8295p", "-o", out)
+    assert p.returncode == 0, p.stderr
+    for name, tokens in (("decoder.prefill.onnx", 16), ("decoder.decode.onnx", 1)):
+        m = onnx.load(str(out / name), load_external_data=False)
+        for vi in (*m.graph.input, *m.graph.output):
+            dims = vi.type.tensor_type.shape.dim
+            assert all(d.HasField("dim_value") for d in dims), (name, vi.name)
+        assert [d.dim_value for d in m.graph.input[0].type.tensor_type.shape.dim] == [tokens]
+    # one weights file on disk, bound once in memory by both sessions
+    assert len(list(out.glob("*.data"))) == 1
+    dec = Decoder(out)
+    assert dec.static and len(dec._weights) == len(json.loads((out / "build.json").read_text())["shared_weights"]["tensors"])
+    ids = ids_for(out, long_text)
+    # a padded last chunk, single-token decode and eviction: the same numbers as the dynamic graph
+    assert ppl(out, ids) == pytest.approx(ppl(fp16_artifact, ids), rel=1e-3)
+    single = np.stack([dec.step(np.array([t]))[0].copy() for t in ids[:80]])
+    ref = Decoder(fp16_artifact)
+    expected = np.stack([ref.step(np.array([t]))[0].copy() for t in ids[:80]])
+    np.testing.assert_allclose(single, expected, atol=2e-3)
+
+
+def test_build_refuses_a_kv_precision_the_profile_cannot_run(load, tiny_qwen2_dir, export_to, tmp_path):
+    fp32 = export_to(load(str(tiny_qwen2_dir)), sink=4, pinned=12, window=48, chunk=16)
+    assert_clean_error(cabinlm("build", fp32, "--profile", "sa8295p", "-o", tmp_path / "x"), "fp32 KV", "--profile sa8295p")
+
+
+def test_tensorrt_profiles_report_compatibility_then_say_what_is_missing(tiny_qwen2_dir, tmp_path):
+    art = tmp_path / "orin"
+    p = cabinlm("export", tiny_qwen2_dir, "-o", art, "--profile", "orin-x", "--chunk", 16, "--window", 64,
+                "--pinned", 12, "--no-verify")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["index_dtype"] == "int32" and manifest["cache"]["kv_dtype"] == "fp16"
+    assert manifest["target"]["profile"] == "orin-x" and PLAN_KEYS <= set(manifest["target"]["plan"])
+    assert check_file(art / "decoder.onnx", "8.6") == []  # no errors, no warnings
+    b = cabinlm("build", art, "--profile", "orin-x")
+    assert_clean_error(b, "TensorRT 8.6 compatibility check", "cabinlm build")
+    assert "0 error(s)" in b.stderr
+    chat = cabinlm("chat", art, "--json", "--max-new-tokens", 3, stdin="hi\n")  # int32 indices run on ORT too
+    assert chat.returncode == 0, chat.stderr
+
+
+def test_export_and_plan_refuse_fp8_on_orin(tiny_qwen2_dir, tmp_path):
+    p = cabinlm("export", tiny_qwen2_dir, "-o", tmp_path / "x", "--profile", "orin-x", "--kv", "fp8")
+    assert_clean_error(p, "fp8", "orin-x", "no FP8")
+    assert not (tmp_path / "x" / "manifest.json").exists()
+    assert_clean_error(cabinlm("plan", tiny_qwen2_dir, "--profile", "orin-x", "--kv", "fp8"), "fp8")
+
+
+def test_plan_json_and_a_budget_too_small(tmp_path):
+    cfg = Path(__file__).parent / "data" / "configs" / "qwen2.5-1.5b.json"
+    p = cabinlm("plan", cfg, "--profile", "sa8775p", "--json")
+    assert p.returncode == 0, p.stderr
+    plan = json.loads(p.stdout)
+    assert PLAN_KEYS <= set(plan) and plan["fits"] and plan["window"] % plan["chunk"] == 0
+    assert plan["kv_bytes_per_token"] == 2 * 28 * 2 * 128 * 2  # fp16 K and V, 28 layers, 2 KV heads, head_dim 128
+    tiny = tmp_path / "tiny.toml"
+    text = (Path(__file__).parents[1] / "src/cabinlm/profiles/builtin/sa8775p.toml").read_text()
+    tiny.write_text(text.replace('name = "sa8775p"', 'name = "tiny"').replace(
+        next(line for line in text.splitlines() if line.startswith("budget_bytes")), 'budget_bytes = "512 MiB"'))
+    assert_clean_error(cabinlm("plan", cfg, "--profile", tiny), "MiB")
+
+
+def test_profiles_lists_every_target():
+    p = cabinlm("profiles", "--json")
+    assert p.returncode == 0
+    names = {d["name"] for d in json.loads(p.stdout)}
+    assert {"cpu", "orin-x", "jetson-agx-orin-64gb", "jetson-orin-nx-16gb", "thor", "sa8295p", "sa8775p"} <= names
