@@ -1,4 +1,5 @@
-# make demo : set up, export SmolLM2 (sink 4 + window 1020), then a short scripted chat
+# make demo : set up, export SmolLM2 (sink 4 + window 1020, int8 KV), build it for the cpu
+#             profile, then a short scripted multi-turn chat that streams its replies
 # make test : set up and run the test suite
 PYTHON ?= python3
 VENV   := .venv
@@ -22,8 +23,9 @@ model: setup
 	$(CABIN) fetch smollm2-135m
 
 demo: model
-	$(CABIN) export smollm2-135m -o $(DEMO) --sink 4 --window 1020 --chunk 64
-	$(CABIN) chat $(DEMO) --max-new-tokens 96 < demo/dialogue.txt
+	$(CABIN) export smollm2-135m -o $(DEMO) --profile cpu --sink 4 --window 1020
+	$(CABIN) build $(DEMO) --profile cpu -o $(DEMO)/build-cpu
+	$(CABIN) chat $(DEMO)/build-cpu --max-new-tokens 96 < demo/dialogue.txt
 
 test: model
 	$(PY) -m pytest -q
