@@ -136,5 +136,5 @@ def test_interrupting_a_reply_keeps_the_dialogue_consistent(tiny_artifact, monke
     monkeypatch.setattr(Decoder, "step", real_step)
     r2 = d.ask("thanks")
     # The sampled-but-unfed token and the closing of the interrupted turn were fed first.
-    assert r2.prompt_tokens > len(tok.encode(d.chat.user_prefix + "thanks" + d.chat.user_suffix + d.chat.assistant_prefix))
+    assert r2.prompt_tokens > len(d.render_user("thanks"))
     assert dec.cache.seen > seen

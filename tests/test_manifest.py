@@ -52,3 +52,10 @@ def test_a_changed_checksum_is_caught(artifact, tmp_path):
 def test_the_manifest_module_needs_only_the_standard_library():
     code = "import sys; sys.modules['numpy'] = None; sys.modules['onnx'] = None; import cabinlm.manifest"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_fields_of_the_wrong_shape_are_a_manifest_error(artifact):
+    d = json.loads((artifact / "manifest.json").read_text())
+    for field, bad in (("files", []), ("cache", 5), ("chat", "x"), ("stop_ids", None)):
+        with pytest.raises(ManifestError):
+            Manifest.from_dict({**d, field: bad})

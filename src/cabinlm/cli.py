@@ -185,28 +185,55 @@ def build(
 
 @app.command()
 def chat(
-    artifact: Path = typer.Argument(..., help="Folder written by `cabinlm export`."),
+    artifact: Path = typer.Argument(..., help="Folder written by `cabinlm export` or `cabinlm build`."),
     system: Optional[str] = typer.Option(None, help="System prompt (pinned). Default: the model's own, if any."),
     max_new_tokens: int = typer.Option(256, help="Longest reply, in tokens."),
     temperature: float = typer.Option(0.0, help="0 = greedy; > 0 samples."),
     top_p: float = typer.Option(1.0, help="Nucleus sampling threshold (with --temperature > 0)."),
     seed: Optional[int] = typer.Option(None, help="Random seed for sampling."),
     threads: Optional[int] = typer.Option(None, help="ONNX Runtime intra-op threads (default: all cores)."),
+    session: Optional[Path] = typer.Option(
+        None, help="Session file: resumed at start if it exists, saved atomically after every turn."
+    ),
+    seats: int = typer.Option(1, help="Independent conversations on one loaded model (weights held once)."),
+    long_messages: str = typer.Option(
+        "refuse", help="A message longer than the window: 'refuse' it, or 'stream' it through the window."
+    ),
     json_out: bool = typer.Option(False, "--json", help="One JSON object per turn on stdout instead of text."),
 ) -> None:
     """Talk to an exported model. Interactive on a terminal; otherwise one user message per input line.
 
+    With --seats N, a line "@2 text" (or {"seat": 2, "text": "..."}) goes to seat 2; other lines to seat 1.
     In the interactive loop: /reset starts over, /stats shows the cache, /quit leaves. Ctrl-C stops a
     reply (the dialogue goes on); Ctrl-C or Ctrl-D at the prompt leaves.
     """
     from cabinlm.runtime import Dialogue, Sampler, open_artifact
+    from cabinlm.runtime.persist import load_session, save_session
 
+    if seats < 1:
+        raise CabinlmError(f"--seats must be >= 1, got {seats}")
+    if long_messages not in ("refuse", "stream"):
+        raise CabinlmError(f"--long-messages must be 'refuse' or 'stream', got {long_messages!r}")
     try:
-        sampler = Sampler(temperature=temperature, top_p=top_p, seed=seed)
+        Sampler(temperature=temperature, top_p=top_p, seed=seed)
     except ValueError as e:
         raise CabinlmError(str(e)) from e
+    # Input a program cannot decode (invalid UTF-8) becomes U+FFFD instead of ending the session.
+    sys.stdin.reconfigure(errors="replace")
     dec, tok = open_artifact(artifact, threads=threads)
-    dialogue = Dialogue(dec, tok, system=system, sampler=sampler, max_new_tokens=max_new_tokens)
+    decoders = [dec] + [dec.seat() for _ in range(seats - 1)]
+    dialogues = [
+        Dialogue(d, tok, system=system, sampler=Sampler(temperature=temperature, top_p=top_p, seed=seed),
+                 max_new_tokens=max_new_tokens, long_messages=long_messages)
+        for d in decoders
+    ]  # fmt: skip
+    files = [None] * seats
+    if session is not None:
+        files = [session] if seats == 1 else [session.with_name(f"{session.name}.seat{i + 1}") for i in range(seats)]
+        for d, f in zip(dialogues, files):
+            if f.exists():
+                load_session(f, d)
+                _info(f"resumed {f}: {d.turns} turns, {d.decoder.cache.length} tokens cached")
     interactive = sys.stdin.isatty() and not json_out
     failures = 0
 
@@ -227,9 +254,10 @@ def chat(
             if interactive:
                 typer.echo()
             break
-        text = line.strip()
+        seat, text = _route(line, seats)
         if not text:
             continue
+        dialogue = dialogues[seat - 1]
         if interactive and text.startswith("/"):
             cmd = text.split()[0]
             if cmd in ("/quit", "/exit"):
@@ -238,16 +266,17 @@ def chat(
                 dialogue.reset()
                 _info("(dialogue reset; system prompt pinned again)")
             elif cmd == "/stats":
-                c = dec.cache
+                c = dialogue.decoder.cache
                 _info(f"cached {c.length} tokens of {dec.layout.slots} slots; {c.seen} seen, {c.evicted} evicted")
             else:
                 _info("commands: /reset  /stats  /quit")
             continue
+        who = f"[seat {seat}] " if seats > 1 else ""
         if not interactive and not json_out:
-            typer.echo(f"user: {text}")
-            show("assistant: ")
+            typer.echo(f"{who}user: {text}")
+            show(f"{who}assistant: ")
         elif interactive:
-            show("assistant> ")
+            show(f"{who}assistant> ")
         try:
             result = dialogue.ask(text, on_text=None if json_out else show)
         except CabinlmError as e:
@@ -256,13 +285,34 @@ def chat(
             _err(str(e))
             failures += 1
             continue
+        if files[seat - 1] is not None:
+            save_session(files[seat - 1], dialogue)
         if json_out:
-            d = result.to_dict()
-            typer.echo(json.dumps(d, ensure_ascii=False))
+            typer.echo(json.dumps({**result.to_dict(), "seat": seat}, ensure_ascii=False))
         else:
             typer.echo(" [interrupted]" if result.finish == "interrupted" else "")
     if failures:
         raise typer.Exit(1)
+
+
+def _route(line: str, seats: int) -> tuple[int, str]:
+    """(seat, text) of an input line: {"seat": n, "text": ...}, "@n text", or plain text for seat 1."""
+    text = line.strip()
+    seat = 1
+    if text.startswith("{"):
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError:
+            obj = None
+        if isinstance(obj, dict) and isinstance(obj.get("text"), str):
+            seat, text = obj.get("seat", 1), obj["text"].strip()
+    elif text.startswith("@") and text[1:2].isdigit():
+        head, _, rest = text.partition(" ")
+        seat, text = int(head[1:]), rest.strip()
+    if not isinstance(seat, int) or not 1 <= seat <= seats:
+        _err(f"seat {seat} does not exist (--seats {seats}); the message went to seat 1")
+        seat = 1
+    return seat, text
 
 
 @app.command()

@@ -378,7 +378,7 @@ class Manifest:
             )
         except KeyError as e:
             raise ManifestError(f"{where}: missing field {e.args[0]!r}; the file is incomplete, re-export") from e
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, AttributeError) as e:  # a field of the wrong type or shape
             raise ManifestError(f"{where}: invalid content ({e}); re-export the model") from e
         if "io" in d and d["io"] != m.io.to_dict():
             raise ManifestError(

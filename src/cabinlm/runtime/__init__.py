@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cabinlm.manifest import Manifest, load_manifest
+from cabinlm.manifest import Manifest, load_manifest, verify_checksums
 from cabinlm.runtime.cache import KVCache, StepPlan
 from cabinlm.runtime.dialogue import Dialogue, TurnResult
 from cabinlm.runtime.perplexity import PerplexityResult, stream_perplexity
@@ -13,9 +13,14 @@ from cabinlm.runtime.session import Decoder
 from cabinlm.runtime.tokenizer import StreamDecoder, Tokenizer
 
 
-def open_artifact(folder: str | Path, threads: int | None = None) -> tuple[Decoder, Tokenizer]:
-    """Load an exported artifact: its decoder (with fresh cache buffers) and its tokenizer."""
+def open_artifact(folder: str | Path, threads: int | None = None, verify: bool = True) -> tuple[Decoder, Tokenizer]:
+    """Load an exported artifact: its decoder (with fresh cache buffers) and its tokenizer.
+
+    verify: check every file's sha256 against the manifest first (about 0.5 s for 540 MB), so that
+    an edited or swapped graph, weights or tokenizer file is refused instead of run."""
     m = load_manifest(folder)
+    if verify:
+        verify_checksums(folder, m)
     return Decoder(folder, manifest=m, threads=threads), Tokenizer(Path(folder) / m.files["tokenizer"].path)
 
 

@@ -46,9 +46,15 @@ class Dialogue:
         system: str | None = None,
         sampler: Sampler | None = None,
         max_new_tokens: int = 256,
+        long_messages: str = "refuse",
     ):
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if long_messages not in ("refuse", "stream"):
+            raise ValueError(f"long_messages must be 'refuse' or 'stream', got {long_messages!r}")
+        # "refuse": a message longer than the window is an InputError (nothing is fed). "stream": it is
+        # fed in chunks like any other; its beginning leaves the window before the reply is written.
+        self.long_messages = long_messages
         self.decoder = decoder
         self.tok = tokenizer
         self.chat = decoder.manifest.chat
@@ -64,7 +70,7 @@ class Dialogue:
         self.turns = 0
         self._pending: list[int] = []  # tokens that close the previous turn, fed with the next prompt
         if self.system:
-            ids = self.tok.encode(self.chat.system_prefix + self.system + self.chat.system_suffix)
+            ids = self._render(self.chat.system_prefix, self.system, self.chat.system_suffix)
             lay = self.decoder.layout
             if len(ids) > lay.sink + lay.pinned:
                 raise InputError(
@@ -74,12 +80,35 @@ class Dialogue:
                 )
             self.decoder.feed(ids, pin=True)
 
+    def _render(self, prefix: str, text: str, suffix: str) -> list[int]:
+        """Template pieces as control tokens; the text between them as plain text, always."""
+        return self.tok.encode(prefix) + self.tok.encode_text(text) + self.tok.encode(suffix)
+
+    def render_user(self, text: str) -> list[int]:
+        chat = self.chat
+        return self._render(chat.user_prefix, text, chat.user_suffix + chat.assistant_prefix)
+
+    def state(self) -> dict:
+        """The dialogue's own state beyond the cache (for session files): JSON-able."""
+        return {
+            "turns": self.turns,
+            "pending": list(self._pending),
+            "system": self.system,
+            "rng": self.sampler.rng.bit_generator.state,
+        }
+
+    def restore(self, state: dict) -> None:
+        self.turns = int(state["turns"])
+        self._pending = [int(t) for t in state["pending"]]
+        self.system = state["system"]
+        self.sampler.rng.bit_generator.state = state["rng"]
+
     def ask(self, text: str, on_text: Callable[[str], None] | None = None) -> TurnResult:
         """One user turn: feed the prompt, stream the reply through on_text, return the turn's numbers."""
         chat, dec = self.chat, self.decoder
-        prompt = self._pending + self.tok.encode(chat.user_prefix + text + chat.user_suffix + chat.assistant_prefix)
+        prompt = self._pending + self.render_user(text)
         W = dec.layout.window
-        if len(prompt) > W:
+        if len(prompt) > W and self.long_messages == "refuse":
             raise InputError(
                 f"this message is {len(prompt)} tokens but the window holds {W}; the start of it would be "
                 f"evicted before the reply. Shorten it, or re-export with --window {len(prompt)} or more"

@@ -223,6 +223,15 @@ class Decoder:
         self._decode = _Binding(decode_session, cache_values, outs, tokens=1)
         self._prefill = _Binding(self.sessions["graph"], cache_values, outs, tokens=lay.chunk if self.static else None)
 
+    def seat(self) -> Decoder:
+        """Another dialogue seat on the same loaded model: the sessions and weights are shared
+        (held once), the cache buffers and bindings are the new seat's own."""
+        other = object.__new__(Decoder)
+        other.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("cache", "_cache_values", "_decode", "_prefill")})
+        other.cache = KVCache(self.layout)
+        other._bind()
+        return other
+
     def reset(self) -> None:
         self.cache.reset()
 

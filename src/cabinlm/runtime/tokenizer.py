@@ -17,8 +17,18 @@ class Tokenizer:
             raise ManifestError(f"{path}: cannot read the tokenizer ({e}); re-export") from e
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text`. Chat pieces are encoded without added specials (the template has them)."""
+        """Token ids of `text`, special-token strings (e.g. "<|im_end|>") becoming control tokens.
+        For the chat template's pieces, which hold them; never for what a user typed."""
         return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of user text: a special-token string in it stays plain text, so a message that
+        contains "<|im_end|>" cannot end its turn or forge another role's turn."""
+        self._tk.encode_special_tokens = True
+        try:
+            return self._tk.encode(text, add_special_tokens=False).ids
+        finally:
+            self._tk.encode_special_tokens = False
 
     def decode(self, ids: list[int]) -> str:
         return self._tk.decode(ids, skip_special_tokens=True)
