@@ -126,3 +126,46 @@ def export_to(tmp_path_factory):
 def long_text() -> str:
     """Public-domain English prose (Shakespeare's sonnets opening, Project Gutenberg), repeated varied."""
     return (Path(__file__).parent / "data" / "prose.txt").read_text()
+
+
+def make_tiny_llava(folder: Path, tower: str, seed: int = 0) -> Path:
+    """A random-weight LLaVA folder: a CLIP or SigLIP tower, the projector, a tiny Llama text model,
+    a BPE tokenizer with an <image> token and a ChatML template, and the tower's image processor."""
+    import torch
+    from transformers import (
+        CLIPImageProcessorPil,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        SiglipImageProcessorPil,
+        SiglipVisionConfig,
+    )
+
+    tok = _tokenizer(CHATML)
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    image_id = tok.convert_tokens_to_ids("<image>")
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=30,
+                  patch_size=6, initializer_range=0.2)  # fmt: skip
+    if tower == "clip":
+        vcfg, strategy = CLIPVisionConfig(**vision), "default"
+        proc = CLIPImageProcessorPil(size={"shortest_edge": 30}, crop_size={"height": 30, "width": 30})
+    else:
+        vcfg, strategy = SiglipVisionConfig(**vision), "full"
+        proc = SiglipImageProcessorPil(size={"height": 30, "width": 30})
+    text = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.15)  # fmt: skip
+    torch.manual_seed(seed)
+    cfg = LlavaConfig(vision_config=vcfg, text_config=text, image_token_index=image_id,
+                      vision_feature_select_strategy=strategy)  # fmt: skip
+    model = LlavaForConditionalGeneration(cfg).eval()
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    proc.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session", params=["clip", "siglip"])
+def tiny_llava_dir(request, tmp_path_factory) -> Path:
+    return make_tiny_llava(tmp_path_factory.mktemp(f"tiny-llava-{request.param}"), request.param)

@@ -195,6 +195,7 @@ def chat(
     session: Optional[Path] = typer.Option(
         None, help="Session file: resumed at start if it exists, saved atomically after every turn."
     ),
+    image: Optional[Path] = typer.Option(None, help="A camera frame for the first turn (vision-language models)."),
     seats: int = typer.Option(1, help="Independent conversations on one loaded model (weights held once)."),
     long_messages: str = typer.Option(
         "refuse", help="A message longer than the window: 'refuse' it, or 'stream' it through the window."
@@ -203,9 +204,11 @@ def chat(
 ) -> None:
     """Talk to an exported model. Interactive on a terminal; otherwise one user message per input line.
 
-    With --seats N, a line "@2 text" (or {"seat": 2, "text": "..."}) goes to seat 2; other lines to seat 1.
-    In the interactive loop: /reset starts over, /stats shows the cache, /quit leaves. Ctrl-C stops a
-    reply (the dialogue goes on); Ctrl-C or Ctrl-D at the prompt leaves.
+    A line may be a JSON object {"text": ..., "image": PATH, "seat": N}: the image is a new camera frame
+    that replaces the previous one in the cache. With --seats N, "@2 text" goes to seat 2.
+    In the interactive loop: /image PATH attaches a frame to your next message, /reset starts over,
+    /stats shows the cache, /quit leaves. Ctrl-C stops a reply (the dialogue goes on); Ctrl-C or
+    Ctrl-D at the prompt leaves.
     """
     from cabinlm.runtime import Dialogue, Sampler, open_artifact
     from cabinlm.runtime.persist import load_session, save_session
@@ -254,14 +257,18 @@ def chat(
             if interactive:
                 typer.echo()
             break
-        seat, text = _route(line, seats)
+        seat, text, frame = _route(line, seats)
         if not text:
             continue
         dialogue = dialogues[seat - 1]
         if interactive and text.startswith("/"):
-            cmd = text.split()[0]
+            cmd, _, arg = text.partition(" ")
             if cmd in ("/quit", "/exit"):
                 break
+            if cmd == "/image":
+                image = Path(arg.strip()) if arg.strip() else None
+                _info(f"(next message carries {image})" if image else "usage: /image PATH")
+                continue
             if cmd == "/reset":
                 dialogue.reset()
                 _info("(dialogue reset; system prompt pinned again)")
@@ -277,8 +284,10 @@ def chat(
             show(f"{who}assistant: ")
         elif interactive:
             show(f"{who}assistant> ")
+        if frame is None and image is not None:  # --image, or /image: for the next message only
+            frame, image = image, None
         try:
-            result = dialogue.ask(text, on_text=None if json_out else show)
+            result = dialogue.ask(text, on_text=None if json_out else show, image=frame)
         except CabinlmError as e:
             if not json_out:
                 typer.echo()
@@ -295,10 +304,10 @@ def chat(
         raise typer.Exit(1)
 
 
-def _route(line: str, seats: int) -> tuple[int, str]:
-    """(seat, text) of an input line: {"seat": n, "text": ...}, "@n text", or plain text for seat 1."""
+def _route(line: str, seats: int) -> tuple[int, str, Optional[Path]]:
+    """(seat, text, image) of an input line: {"seat": n, "text": ..., "image": PATH}, "@n text", or text."""
     text = line.strip()
-    seat = 1
+    seat, frame = 1, None
     if text.startswith("{"):
         try:
             obj = json.loads(text)
@@ -306,13 +315,15 @@ def _route(line: str, seats: int) -> tuple[int, str]:
             obj = None
         if isinstance(obj, dict) and isinstance(obj.get("text"), str):
             seat, text = obj.get("seat", 1), obj["text"].strip()
+            if isinstance(obj.get("image"), str):
+                frame = Path(obj["image"])
     elif text.startswith("@") and text[1:2].isdigit():
         head, _, rest = text.partition(" ")
         seat, text = int(head[1:]), rest.strip()
     if not isinstance(seat, int) or not 1 <= seat <= seats:
         _err(f"seat {seat} does not exist (--seats {seats}); the message went to seat 1")
         seat = 1
-    return seat, text
+    return seat, text, frame
 
 
 @app.command()

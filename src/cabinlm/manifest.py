@@ -31,6 +31,8 @@ MANIFEST_NAME = "manifest.json"
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 # transformers class -> model_type. Both are "Llama-like": RMSNorm, RoPE, GQA, SwiGLU; Qwen2 adds q/k/v biases.
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+# Vision-language: a CLIP or SigLIP tower + projector in front of one of the text models above.
+SUPPORTED_VLM_ARCHITECTURES = {"LlavaForConditionalGeneration": "llava"}
 
 
 class KVDType(str, enum.Enum):
@@ -59,13 +61,14 @@ class KVDType(str, enum.Enum):
 class CacheLayout:
     """Geometry of the fixed-size KV cache.
 
-    Slot map of one layer's (kv_heads, slots, head_dim) buffer, slots = S + P + W:
+    Slot map of one layer's (kv_heads, slots, head_dim) buffer, slots = S + P + I + W:
 
-        | sink: S | pinned: P | window ring: W |
-          first S   spans the   the most recent W
-          tokens    runtime     unpinned tokens,
-          of the    pins        oldest overwritten
-          stream    (system)    first
+        | sink: S | pinned: P | image: I  | window ring: W |
+          first S   spans the   the current   the most recent W
+          tokens    runtime     camera        unpinned tokens,
+          of the    pins        frame (VLMs;  oldest overwritten
+          stream    (system)    replaced by   first
+                                the next)
 
     A chunk of up to C tokens attends to every cached token and to itself causally, then joins the
     cache. Positions are ranks in stream order, so the largest position ever used is S + P + W + C - 1.
@@ -79,10 +82,11 @@ class CacheLayout:
     kv_heads: int
     head_dim: int
     kv_dtype: KVDType = KVDType.FP32
+    image: int = 0  # slots of one camera frame's tokens (0: a text-only model)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_dtype", KVDType(self.kv_dtype))
-        for name in ("sink", "pinned"):
+        for name in ("sink", "pinned", "image"):
             if getattr(self, name) < 0:
                 raise LayoutError(f"--{name} must be >= 0, got {getattr(self, name)}")
         for name in ("window", "chunk", "layers", "kv_heads", "head_dim"):
@@ -98,8 +102,8 @@ class CacheLayout:
 
     @property
     def slots(self) -> int:
-        """Cache slots per layer and KV head: sink + pinned + window."""
-        return self.sink + self.pinned + self.window
+        """Cache slots per layer and KV head: sink + pinned + image + window."""
+        return self.sink + self.pinned + self.image + self.window
 
     @property
     def max_position(self) -> int:
@@ -107,8 +111,12 @@ class CacheLayout:
         return self.slots + self.chunk
 
     @property
-    def window_start(self) -> int:
+    def image_start(self) -> int:
         return self.sink + self.pinned
+
+    @property
+    def window_start(self) -> int:
+        return self.sink + self.pinned + self.image
 
     @property
     def quantized(self) -> bool:
@@ -185,6 +193,24 @@ class ChatTemplate:
 
 
 @dataclass(frozen=True)
+class VisionSpec:
+    """The vision graph of a vision-language model and how to prepare its input.
+
+    preprocess (the model's image processor, resolved at export):
+      resize: {"shortest_edge": n} or {"height": h, "width": w}; resample: a PIL filter number;
+      crop: {"height", "width"} or None; rescale: factor or None; mean, std: per channel or None.
+    """
+
+    image_size: int
+    patch_size: int
+    image_tokens: int  # rows of the vision graph's image_embeds, slots of the cache's image region
+    embed_dim: int
+    image_token_id: int  # the placeholder id HF processors repeat image_tokens times
+    preprocess: dict[str, Any]
+    graph: str = "vision.onnx"  # role "vision_graph" in files
+
+
+@dataclass(frozen=True)
 class TensorSpec:
     """One graph input or output. Symbolic dims: "tokens" (1..chunk) and "total" (slots + tokens)."""
 
@@ -249,7 +275,11 @@ def new_value_scale_name(layer: int) -> str:
     return f"new_value_scale.{layer}"
 
 
-def decoder_io(layout: CacheLayout, vocab_size: int, index_dtype: str = "int64") -> DecoderIO:
+IMAGE_EMBEDS = "image_embeds"
+IMAGE_MASK = "image_mask"
+
+
+def decoder_io(layout: CacheLayout, vocab_size: int, index_dtype: str = "int64", embed_dim: int = 0) -> DecoderIO:
     """The graph contract for a layout.
 
     inputs (index = int64, or int32 for TensorRT targets, whose bindings need INT32 before 9.0)
@@ -268,6 +298,9 @@ def decoder_io(layout: CacheLayout, vocab_size: int, index_dtype: str = "int64")
       new_value_scale.{l} fp16   (kv_heads, tokens, 1)        the chunk's value scales
     Key scales are per (layer, kv head, channel), calibrated at export and held by the graph:
     keys are stored un-rotated, so their channels keep stable ranges whatever the position.
+    and, for vision-language models (embed_dim = the language model's hidden size):
+      image_embeds        float  (tokens, embed_dim)          rows used where image_mask is true
+      image_mask          bool   (tokens, 1)                  true: the token is an image token
     """
     kv = layout.kv_dtype.onnx_name
     h, n, d = layout.kv_heads, layout.slots, layout.head_dim
@@ -289,6 +322,9 @@ def decoder_io(layout: CacheLayout, vocab_size: int, index_dtype: str = "int64")
         for layer in range(layout.layers):
             inputs.append(TensorSpec(value_scale_name(layer), "float16", (h, n, 1)))
             outputs.append(TensorSpec(new_value_scale_name(layer), "float16", (h, "tokens", 1)))
+    if embed_dim:
+        inputs.append(TensorSpec(IMAGE_EMBEDS, "float", ("tokens", embed_dim)))
+        inputs.append(TensorSpec(IMAGE_MASK, "bool", ("tokens", 1)))
     return DecoderIO(tuple(inputs), tuple(outputs))
 
 
@@ -320,12 +356,14 @@ class Manifest:
     quality: dict[str, Any] = field(default_factory=dict)
     index_dtype: str = "int64"  # of input_ids / position_ids / cache_position_ids
     target: dict[str, Any] | None = None  # {"profile": name, "plan": {...}} when exported for a profile
+    vision: VisionSpec | None = None  # vision-language models only
     format_version: int = FORMAT_VERSION
     cabinlm_version: str = ""
 
     @property
     def io(self) -> DecoderIO:
-        return decoder_io(self.cache, self.model.vocab_size, self.index_dtype)
+        embed_dim = self.vision.embed_dim if self.vision else 0
+        return decoder_io(self.cache, self.model.vocab_size, self.index_dtype, embed_dim)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -342,6 +380,7 @@ class Manifest:
             "quality": self.quality,
             "index_dtype": self.index_dtype,
             "target": self.target,
+            "vision": dataclasses.asdict(self.vision) if self.vision else None,
         }
 
     def save(self, folder: Path) -> Path:
@@ -373,6 +412,7 @@ class Manifest:
                 quality=dict(d.get("quality", {})),
                 index_dtype=d.get("index_dtype", "int64"),
                 target=d.get("target"),
+                vision=VisionSpec(**d["vision"]) if d.get("vision") else None,
                 format_version=version,
                 cabinlm_version=d.get("cabinlm_version", ""),
             )

@@ -21,11 +21,13 @@ from cabinlm.export import kvquant
 from cabinlm.export.calibration import calibration_tokens as _calibration
 from cabinlm.export.decoder import DecoderWeights, build_decoder
 from cabinlm.export.graph import save_model
-from cabinlm.export.models import LoadedModel, decoder_weights, load_model
+from cabinlm.export.models import LoadedModel, decoder_weights, image_preprocessing, load_model
+from cabinlm.export.vision import build_vision
 from cabinlm.export.template import PLAIN, resolve_chat_template
-from cabinlm.manifest import MANIFEST_NAME, CacheLayout, FileEntry, KVDType, Manifest
+from cabinlm.manifest import MANIFEST_NAME, CacheLayout, FileEntry, KVDType, Manifest, VisionSpec
 
 GRAPH_FILE = "decoder.onnx"
+VISION_FILE, VISION_DATA_FILE = "vision.onnx", "vision.onnx.data"
 KEY_SCALES_FILE = "key_scales.json"
 GRAPH_DATA_FILE = "decoder.onnx.data"
 TOKENIZER_FILE = "tokenizer.json"
@@ -96,8 +98,9 @@ def options_for_profile(spec, profile, given: dict) -> ExportOptions:
     return opts
 
 
-def make_layout(spec, opts: ExportOptions) -> CacheLayout:
+def make_layout(spec, opts: ExportOptions, image: int = 0) -> CacheLayout:
     layout = CacheLayout(
+        image=image,
         sink=opts.sink,
         pinned=opts.pinned,
         window=opts.window,
@@ -109,8 +112,9 @@ def make_layout(spec, opts: ExportOptions) -> CacheLayout:
     )
     if layout.max_position > spec.max_positions:
         room = spec.max_positions - opts.sink - opts.pinned - opts.chunk
+        room -= image
         raise LayoutError(
-            f"sink {opts.sink} + pinned {opts.pinned} + window {opts.window} + chunk {opts.chunk} = "
+            f"sink {opts.sink} + pinned {opts.pinned} + image {image} + window {opts.window} + chunk {opts.chunk} = "
             f"{layout.max_position} positions, but the model has only {spec.max_positions}; "
             f"use --window {room} or less"
         )
@@ -142,7 +146,10 @@ def export_loaded(
     if out.exists() and not out.is_dir():
         raise CabinlmError(f"{out}: exists and is not a folder; choose another -o")
     out.mkdir(parents=True, exist_ok=True)
-    layout = make_layout(loaded.spec, opts)
+    vision = None
+    if loaded.vlm:
+        vision_graph, geometry = build_vision(loaded.model, opset=17)
+    layout = make_layout(loaded.spec, opts, image=geometry.image_tokens if loaded.vlm else 0)
     opset = opts.resolved_opset
     if layout.kv_dtype == KVDType.FP8 and opset < 19:
         raise LayoutError(f"fp8 KV needs ONNX opset 19 or newer (float8 QuantizeLinear); opset {opset} was asked for")
@@ -160,16 +167,30 @@ def export_loaded(
     calibration = None
     if layout.quantized:
         calib_ids, heldout_ids, calib_source = _calibration(loaded, chat, opts.calib)
-        amax = kvquant.calibrate_key_amax(loaded.model, calib_ids, layout.kv_heads, layout.head_dim)
+        amax = kvquant.calibrate_key_amax(loaded.model, loaded.text_model.layers, calib_ids, layout.kv_heads, layout.head_dim)
         weights.key_scales = kvquant.key_scales_from_amax(amax, layout.kv_dtype)
         calibration = {"source": calib_source, "tokens": len(calib_ids), "method": "absmax per channel (keys), per token (values)"}
         log(f"calibrated {layout.kv_dtype.value} key scales on {len(calib_ids)} tokens ({calib_source})")
-    builder = build_decoder(loaded.spec, layout, weights, opset=opset, index_dtype=opts.index_dtype)
+    embed_dim = geometry.embed_dim if loaded.vlm else 0
+    builder = build_decoder(loaded.spec, layout, weights, opset=opset, index_dtype=opts.index_dtype, embed_dim=embed_dim)
     log(f"built the decoder graph: {len(builder.nodes)} nodes, {layout.slots} cache slots")
     save_model(builder.model(), out / GRAPH_FILE, GRAPH_DATA_FILE)
     del builder
     loaded.tokenizer.backend_tokenizer.save(str(out / TOKENIZER_FILE))
     files = {"graph": GRAPH_FILE, "graph_data": GRAPH_DATA_FILE, "tokenizer": TOKENIZER_FILE}
+    if loaded.vlm:
+        save_model(vision_graph.model(), out / VISION_FILE, VISION_DATA_FILE)
+        files.update(vision_graph=VISION_FILE, vision_data=VISION_DATA_FILE)
+        vision = VisionSpec(
+            image_size=geometry.image_size,
+            patch_size=geometry.patch_size,
+            image_tokens=geometry.image_tokens,
+            embed_dim=geometry.embed_dim,
+            image_token_id=int(loaded.model.config.image_token_id),
+            preprocess=image_preprocessing(loaded),
+            graph=VISION_FILE,
+        )
+        log(f"built the vision graph: {geometry.image_tokens} image tokens per frame")
     if weights.key_scales is not None:
         (out / KEY_SCALES_FILE).write_text(
             json.dumps({"shape": list(weights.key_scales.shape), "scales": weights.key_scales.tolist()}) + "\n"
@@ -187,6 +208,7 @@ def export_loaded(
         quality={"kv": KVDType(opts.kv).value},
         index_dtype=opts.index_dtype,
         target={"profile": opts.profile, "plan": opts.plan} if opts.profile else None,
+        vision=vision,
         cabinlm_version=__version__,
     )
     if calibration is not None:

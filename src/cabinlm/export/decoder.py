@@ -52,10 +52,16 @@ class DecoderWeights:
 
 
 def build_decoder(
-    spec: ModelSpec, layout: CacheLayout, w: DecoderWeights, opset: int = 17, index_dtype: str = "int64"
+    spec: ModelSpec,
+    layout: CacheLayout,
+    w: DecoderWeights,
+    opset: int = 17,
+    index_dtype: str = "int64",
+    embed_dim: int = 0,
 ) -> GraphBuilder:
+    """embed_dim > 0: a vision-language decoder, whose image tokens take rows of image_embeds."""
     g = GraphBuilder("cabinlm_decoder", opset=opset)
-    io = mf.decoder_io(layout, spec.vocab_size, index_dtype)
+    io = mf.decoder_io(layout, spec.vocab_size, index_dtype, embed_dim)
     for t in io.inputs:
         g.input(t.name, ELEM[t.dtype], t.shape)
     kv_elem = ELEM[layout.kv_dtype.onnx_name]
@@ -105,6 +111,8 @@ def build_decoder(
     q_cos, q_sin = rotary_tables(mf.POSITION_IDS, w.rope_scaling / np.sqrt(Dh), "rope_q")
 
     x = g.op("Gather", g.weight("embed_tokens", w.embed), mf.INPUT_IDS, axis=0, name="embed")  # (T, D)
+    if embed_dim:  # image tokens: the vision graph's embeddings instead of the table's row
+        x = g.op("Where", mf.IMAGE_MASK, mf.IMAGE_EMBEDS, x, name="embed_with_image")
     for i, lw in enumerate(w.layers):
         p = f"layers.{i}"
         h = rms_norm(x, lw.input_norm, f"{p}.input_norm")

@@ -130,6 +130,7 @@ ELEM = {
     "float16": TensorProto.FLOAT16,
     "int64": TensorProto.INT64,
     "int32": TensorProto.INT32,
+    "bool": TensorProto.BOOL,
     "int8": TensorProto.INT8,
     "uint8": TensorProto.UINT8,
     "float8e4m3fn": TensorProto.FLOAT8E4M3FN,

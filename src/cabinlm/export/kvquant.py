@@ -58,13 +58,11 @@ def key_scales_from_amax(amax: np.ndarray, kv: KVDType) -> np.ndarray:
     return np.maximum(amax.astype(np.float32) / QMAX[KVDType(kv)], SCALE_FLOOR).astype(np.float32)
 
 
-def calibrate_key_amax(model, ids: list[int], num_kv_heads: int, head_dim: int, chunk: int = 512) -> np.ndarray:
-    """Per-channel absmax of the un-rotated keys (k_proj outputs, bias included) over `ids`.
-
-    Returns (layers, Hkv, Dh). The text is run densely in pieces of `chunk` tokens."""
+def calibrate_key_amax(model, layers, ids: list[int], num_kv_heads: int, head_dim: int, chunk: int = 512) -> np.ndarray:
+    """Per-channel absmax of the un-rotated keys (k_proj outputs, bias included) of `layers` (the
+    decoder layers of `model`) over `ids`. Returns (layers, Hkv, Dh). The text runs densely in pieces."""
     import torch
 
-    layers = model.model.layers
     amax = np.zeros((len(layers), num_kv_heads, head_dim), dtype=np.float32)
 
     def hook(i):

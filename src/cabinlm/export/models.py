@@ -22,7 +22,7 @@ import numpy as np
 
 from cabinlm.errors import ModelError
 from cabinlm.export.decoder import DecoderWeights, LayerWeights
-from cabinlm.manifest import STATIC_ROPE_TYPES, SUPPORTED_ARCHITECTURES, ModelSpec
+from cabinlm.manifest import STATIC_ROPE_TYPES, SUPPORTED_ARCHITECTURES, SUPPORTED_VLM_ARCHITECTURES, ModelSpec
 
 
 
@@ -99,6 +99,17 @@ class LoadedModel:
     tokenizer: Any  # transformers tokenizer with a `backend_tokenizer`
     spec: ModelSpec
     source: str
+    folder: Path | None = None  # where it was loaded from (the image processor's config lives there)
+
+    @property
+    def vlm(self) -> bool:
+        return is_vlm(self.model.config)
+
+    @property
+    def text_model(self) -> Any:
+        """The decoder's transformer (LlamaModel / Qwen2Model), for text models and VLMs alike."""
+        inner = self.model.model
+        return getattr(inner, "language_model", inner)
 
 
 def resolve_source(source: str, log: Callable[[str], None] = lambda s: None) -> tuple[Path, str | None]:
@@ -125,7 +136,14 @@ def resolve_source(source: str, log: Callable[[str], None] = lambda s: None) -> 
     return path, None
 
 
+def is_vlm(config: Any) -> bool:
+    archs = list(getattr(config, "architectures", None) or [])
+    return any(a in SUPPORTED_VLM_ARCHITECTURES for a in archs) or getattr(config, "model_type", "") == "llava"
+
+
 def check_architecture(config: Any, where: str) -> str:
+    if is_vlm(config):  # the decoder is the VLM's text model
+        return check_architecture(config.text_config, f"{where} (text model)")
     archs = list(getattr(config, "architectures", None) or [])
     model_type = getattr(config, "model_type", "")
     by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
@@ -134,7 +152,8 @@ def check_architecture(config: Any, where: str) -> str:
         found = ", ".join(archs) or model_type or "unknown"
         raise ModelError(
             f"{where}: architecture {found} is not supported; supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama family: SmolLM2, TinyLlama, Llama 3.x; Qwen2/Qwen2.5)"
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama family: SmolLM2, TinyLlama, Llama 3.x; Qwen2/Qwen2.5), "
+            f"and {', '.join(SUPPORTED_VLM_ARCHITECTURES)} over one of them"
         )
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
@@ -169,17 +188,23 @@ def load_model(source: str, log: Callable[[str], None] = lambda s: None) -> Load
         raise ModelError(f"{where}: the tokenizer has no fast (tokenizers) backend; cabinlm needs tokenizer.json")
     log(f"loading {where} as float32")
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
+        if is_vlm(config):
+            from transformers import AutoModelForImageTextToText
+
+            model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **kwargs)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
     except (OSError, ValueError, RuntimeError) as e:
         raise ModelError(f"{where}: cannot load the weights ({e})") from e
     model.eval()
-    rope_type = model.model.rotary_emb.rope_type
+    text_model = getattr(model.model, "language_model", model.model)
+    rope_type = text_model.rotary_emb.rope_type
     if rope_type not in STATIC_ROPE_TYPES:
         raise ModelError(
             f"{where}: RoPE type {rope_type!r} depends on the sequence length and cannot be baked into a "
             f"fixed-shape graph; supported: {', '.join(sorted(STATIC_ROPE_TYPES))}"
         )
-    c = config
+    c = config.text_config if is_vlm(config) else config
     spec = ModelSpec(
         architecture=arch,
         hidden_size=c.hidden_size,
@@ -195,18 +220,19 @@ def load_model(source: str, log: Callable[[str], None] = lambda s: None) -> Load
         tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
         source=source if source in ALIASES else where,
     )
-    return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, source=spec.source)
+    return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, source=spec.source, folder=folder)
 
 
 def decoder_weights(loaded: LoadedModel) -> DecoderWeights:
     """The loaded model's weights as the (in, out)-major numpy arrays the graph multiplies with."""
     m = loaded.model
+    text = loaded.text_model
 
     def t(x) -> np.ndarray:
         return x.detach().to("cpu").float().numpy()
 
     layers = []
-    for layer in m.model.layers:
+    for layer in text.layers:
         a, mlp = layer.self_attn, layer.mlp
         qkv = np.concatenate([t(a.q_proj.weight), t(a.k_proj.weight), t(a.v_proj.weight)], axis=0).T
         bias = None
@@ -224,14 +250,14 @@ def decoder_weights(loaded: LoadedModel) -> DecoderWeights:
                 down=np.ascontiguousarray(t(mlp.down_proj.weight).T),
             )
         )
-    embed = t(m.model.embed_tokens.weight)
+    embed = t(text.embed_tokens.weight)
     head = m.lm_head.weight
-    tied = head.data_ptr() == m.model.embed_tokens.weight.data_ptr()
-    rotary = m.model.rotary_emb
+    tied = head.data_ptr() == text.embed_tokens.weight.data_ptr()
+    rotary = text.rotary_emb
     return DecoderWeights(
         embed=embed,
         layers=layers,
-        final_norm=t(m.model.norm.weight),
+        final_norm=t(text.norm.weight),
         lm_head=None if tied else t(head),
         inv_freq=t(rotary.inv_freq).astype(np.float32),
         rope_scaling=float(rotary.attention_scaling),
@@ -257,3 +283,24 @@ def spec_for(source: str, log: Callable[[str], None] = lambda s: None) -> ModelS
         raise ModelError(f"{folder / gguf}: cannot read the model configuration ({e})") from e
     spec = spec_from_dict(config.to_dict(), str(folder / gguf))
     return dataclasses.replace(spec, source=source if source in ALIASES else str(folder / gguf))
+
+
+def image_preprocessing(loaded: LoadedModel) -> dict:
+    """The model's image processor (preprocessor_config.json) as plain numbers for the runtime."""
+    import json
+
+    path = (loaded.folder or Path(".")) / "preprocessor_config.json"
+    if not path.exists():
+        raise ModelError(f"{loaded.folder}: a vision-language model needs its preprocessor_config.json")
+    c = json.loads(path.read_text())
+    size = c.get("size") or {}
+    crop = c.get("crop_size") if c.get("do_center_crop", False) else None
+    return {
+        "resize": ({"shortest_edge": size["shortest_edge"]} if "shortest_edge" in size else
+                   {"height": size["height"], "width": size["width"]}) if c.get("do_resize", True) else None,
+        "resample": int(c.get("resample", 3)),
+        "crop": {"height": crop["height"], "width": crop["width"]} if crop else None,
+        "rescale": float(c.get("rescale_factor", 1 / 255)) if c.get("do_rescale", True) else None,
+        "mean": list(c["image_mean"]) if c.get("do_normalize", True) else None,
+        "std": list(c["image_std"]) if c.get("do_normalize", True) else None,
+    }  # fmt: skip

@@ -32,7 +32,7 @@ class StepPlan:
     attention_mask: np.ndarray  # (tokens, slots + tokens) float32
     slots: np.ndarray  # (tokens,) int64: destination slot of each chunk token
     evicts: int  # how many cached window tokens this chunk overwrites
-    pin: bool
+    pin: bool | str  # False: window; True: pinned region; "image": the camera-frame region
 
 
 class KVCache:
@@ -59,6 +59,8 @@ class KVCache:
         self.evicted = 0  # window tokens overwritten so far
         self.sink_fill = 0
         self.pinned_fill = 0
+        self.image_fill = 0
+        self.frames = 0  # camera frames started (each replaces the previous one)
         self.window_fill = 0
         self.ring_next = 0  # index inside the window ring of the next slot to write (= the oldest)
 
@@ -67,11 +69,19 @@ class KVCache:
     @property
     def length(self) -> int:
         """Tokens currently cached."""
-        return self.sink_fill + self.pinned_fill + self.window_fill
+        return self.sink_fill + self.pinned_fill + self.image_fill + self.window_fill
 
     @property
     def pinned_free(self) -> int:
         return self.layout.pinned - self.pinned_fill
+
+    def begin_frame(self) -> None:
+        """A new camera frame replaces the current one: its slots are emptied (masked) and the new
+        frame's tokens, fed with pin="image", are written into them."""
+        lay = self.layout
+        self.slot_token[lay.image_start : lay.window_start] = -1
+        self.image_fill = 0
+        self.frames += 1
 
     def cached_stream_indices(self) -> np.ndarray:
         """Stream indices of the cached tokens, in stream order."""
@@ -80,7 +90,7 @@ class KVCache:
 
     # -- one step ----------------------------------------------------------------------------------
 
-    def plan(self, n: int, pin: bool = False) -> StepPlan:
+    def plan(self, n: int, pin: bool | str = False) -> StepPlan:
         """Positions, mask and destination slots for the next chunk of n tokens (nothing changes yet)."""
         lay = self.layout
         if not 1 <= n <= lay.chunk:
@@ -90,13 +100,21 @@ class KVCache:
         slots = np.empty(n, dtype=np.int64)
         slots[:sink_take] = np.arange(self.sink_fill, self.sink_fill + sink_take)
         evicts = 0
-        if pin:
+        if pin == "image":
+            if rest > lay.image - self.image_fill:
+                raise InputError(
+                    f"the image region has {lay.image - self.image_fill} free slots of {lay.image}; a frame's "
+                    f"{rest} more tokens do not fit (call begin_frame() before each frame)"
+                )
+            start = lay.image_start + self.image_fill
+            slots[sink_take:] = np.arange(start, start + rest)
+        elif pin:
             if rest > self.pinned_free:
                 raise InputError(
                     f"the pinned region has {self.pinned_free} free slots of {lay.pinned}; "
                     f"{rest} more tokens cannot be pinned (re-export with a larger --pinned)"
                 )
-            start = lay.window_start - lay.pinned + self.pinned_fill
+            start = lay.sink + self.pinned_fill
             slots[sink_take:] = np.arange(start, start + rest)
         else:
             ring = (self.ring_next + np.arange(rest)) % lay.window
@@ -153,7 +171,9 @@ class KVCache:
         sink_take = min(n, lay.sink - self.sink_fill)
         self.sink_fill += sink_take
         rest = n - sink_take
-        if plan.pin:
+        if plan.pin == "image":
+            self.image_fill += rest
+        elif plan.pin:
             self.pinned_fill += rest
         else:
             self.ring_next = (self.ring_next + rest) % lay.window

@@ -103,15 +103,32 @@ class Dialogue:
         self.system = state["system"]
         self.sampler.rng.bit_generator.state = state["rng"]
 
-    def ask(self, text: str, on_text: Callable[[str], None] | None = None) -> TurnResult:
-        """One user turn: feed the prompt, stream the reply through on_text, return the turn's numbers."""
+    def ask(self, text: str, on_text: Callable[[str], None] | None = None, image=None) -> TurnResult:
+        """One user turn: feed the prompt, stream the reply through on_text, return the turn's numbers.
+
+        image (a path or PIL image; vision-language models): a new camera frame. Its tokens replace the
+        previous frame's in the cache's pinned image region and sit at the start of this user turn:
+            user_prefix | <image> x image_tokens (pinned region) | text + user_suffix + assistant_prefix
+        """
         chat, dec = self.chat, self.decoder
-        prompt = self._pending + self.render_user(text)
+        frame = None
+        if image is not None:
+            if dec.vision is None:
+                raise InputError("this model has no vision input; export a vision-language model to send images")
+            embeds = dec.vision.encode(image)  # an unreadable image is refused here, before anything is fed
+            head = self._pending + self.tok.encode(chat.user_prefix)
+            tail = self.tok.encode_text(text) + self.tok.encode(chat.user_suffix + chat.assistant_prefix)
+            frame = (head, embeds, tail)
+            prompt = head + [dec.manifest.vision.image_token_id] * len(embeds) + tail
+            text_tokens = len(head) + len(tail)
+        else:
+            prompt = self._pending + self.render_user(text)
+            text_tokens = len(prompt)
         W = dec.layout.window
-        if len(prompt) > W and self.long_messages == "refuse":
+        if text_tokens > W and self.long_messages == "refuse":
             raise InputError(
-                f"this message is {len(prompt)} tokens but the window holds {W}; the start of it would be "
-                f"evicted before the reply. Shorten it, or re-export with --window {len(prompt)} or more"
+                f"this message is {text_tokens} tokens but the window holds {W}; the start of it would be "
+                f"evicted before the reply. Shorten it, or re-export with --window {text_tokens} or more"
             )
         self.turns += 1
         reply_ids: list[int] = []
@@ -122,7 +139,16 @@ class Dialogue:
         t_prefill = time.perf_counter()
         t_decode = t_prefill
         try:
-            logits = dec.feed(prompt)
+            if frame is None:
+                logits = dec.feed(prompt)
+            else:
+                head, embeds, tail = frame
+                if head:
+                    dec.feed(head)
+                dec.cache.begin_frame()
+                image_ids = np.full(len(embeds), dec.manifest.vision.image_token_id, dtype=np.int64)
+                dec.feed(image_ids, pin="image", embeds=embeds)
+                logits = dec.feed(tail)
             prefilled = True
             self._pending = []
             t_decode = time.perf_counter()

@@ -28,6 +28,7 @@ _ORT_TYPES = {
     "float16": "tensor(float16)",
     "int64": "tensor(int64)",
     "int32": "tensor(int32)",
+    "bool": "tensor(bool)",
     "int8": "tensor(int8)",
     "uint8": "tensor(uint8)",
     "float8e4m3fn": "tensor(float8e4m3fn)",
@@ -104,12 +105,14 @@ class _Binding:
                 self.outputs.append(arr)
                 self._ovs.append(ov)
 
-    def run(self, ids, position_ids, cache_position_ids, mask) -> list[np.ndarray]:
+    def run(self, ids, position_ids, cache_position_ids, mask, extra: dict | None = None) -> list[np.ndarray]:
         b = self.binding
         b.bind_cpu_input(mf.INPUT_IDS, ids)
         b.bind_cpu_input(mf.POSITION_IDS, position_ids)
         b.bind_cpu_input(mf.CACHE_POSITION_IDS, cache_position_ids)
         b.bind_cpu_input(mf.ATTENTION_MASK, mask)
+        for name, value in (extra or {}).items():
+            b.bind_cpu_input(name, value)
         if self.tokens is None:
             # Rebound every run: a binding keeps the OrtValues ORT allocated for the previous run,
             # whose shapes differ when the chunk size changes.
@@ -164,6 +167,16 @@ class Decoder:
         if self.static:
             self._check_io(self.sessions["graph_decode"], 1)
         self._index_dtype = np.dtype(self.manifest.index_dtype)
+        vision = self.manifest.vision
+        self.vision = None
+        if vision is not None:  # text chunks of a vision-language model: no image rows
+            from cabinlm.runtime.vision import VisionEncoder
+
+            self.vision = VisionEncoder(self.folder / self.manifest.files["vision_graph"].path, vision,
+                                        session_options(threads, self.build))  # fmt: skip
+            self._no_embeds = np.zeros((self.layout.chunk, vision.embed_dim), dtype=np.float32)
+            self._no_image = np.zeros((self.layout.chunk, 1), dtype=bool)
+            self._all_image = np.ones((self.layout.chunk, 1), dtype=bool)
         self.cache = KVCache(self.layout)
         self._bind()
 
@@ -235,17 +248,30 @@ class Decoder:
     def reset(self) -> None:
         self.cache.reset()
 
-    def step(self, ids: np.ndarray, pin: bool = False) -> np.ndarray:
-        """Run one chunk (1..chunk tokens) and commit its K/V. Returns logits (tokens, vocab)."""
+    def step(self, ids: np.ndarray, pin: bool | str = False, embeds: np.ndarray | None = None) -> np.ndarray:
+        """Run one chunk (1..chunk tokens) and commit its K/V. Returns logits (tokens, vocab).
+
+        embeds (tokens, embed_dim): a vision-language model's image-token embeddings for this chunk."""
         index = self._index_dtype
         n = len(ids)
         plan = self.cache.plan(n, pin)
         ids = np.ascontiguousarray(ids, dtype=index)
         pos, cache_pos, mask = plan.position_ids, plan.cache_position_ids, plan.attention_mask
         binding = self._decode if n == 1 else self._prefill
-        if binding.tokens is not None and binding.tokens != n:
-            ids, pos, mask = self._pad(ids, pos, mask, binding.tokens)
-        outs = binding.run(ids, pos.astype(index, copy=False), cache_pos.astype(index, copy=False), mask)
+        size = binding.tokens if binding.tokens is not None else n
+        extra = None
+        if self.manifest.vision is not None:
+            if embeds is None:
+                extra = {mf.IMAGE_EMBEDS: self._no_embeds[:size], mf.IMAGE_MASK: self._no_image[:size]}
+            else:
+                rows = np.zeros((size, embeds.shape[1]), dtype=np.float32)
+                rows[:n] = embeds
+                extra = {mf.IMAGE_EMBEDS: rows, mf.IMAGE_MASK: self._all_image[:size]}
+        elif embeds is not None:
+            raise ValueError("this model has no vision input")
+        if size != n:
+            ids, pos, mask = self._pad(ids, pos, mask, size)
+        outs = binding.run(ids, pos.astype(index, copy=False), cache_pos.astype(index, copy=False), mask, extra)
         L = self.layout.layers
         logits = outs[0][:n]
         keys, values, scales = outs[1 : 1 + L], outs[1 + L : 1 + 2 * L], outs[1 + 2 * L :]
@@ -267,7 +293,7 @@ class Decoder:
         mask_p[:, slots:] = np.where(np.tri(size, dtype=bool), np.float32(0), MASK_VALUE)
         return ids_p, pos_p, mask_p
 
-    def feed(self, ids, pin: bool = False, all_logits: bool = False) -> np.ndarray:
+    def feed(self, ids, pin: bool | str = False, all_logits: bool = False, embeds: np.ndarray | None = None) -> np.ndarray:
         """Feed any number of tokens in chunks. Returns the last token's logits (vocab,), or all (n, vocab)."""
         ids = np.asarray(ids, dtype=np.int64)
         if ids.size == 0:
@@ -275,7 +301,8 @@ class Decoder:
         C = self.layout.chunk
         parts = []
         for start in range(0, len(ids), C):
-            logits = self.step(ids[start : start + C], pin=pin)
+            rows = None if embeds is None else embeds[start : start + C]
+            logits = self.step(ids[start : start + C], pin=pin, embeds=rows)
             if all_logits:
                 parts.append(logits.copy())
         if all_logits:

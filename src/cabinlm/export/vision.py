@@ -1,0 +1,116 @@
+"""The vision graph of a LLaVA-style model: a CLIP or SigLIP vision transformer and the multimodal
+projector, written as ONNX from the `transformers` model's weights, like the decoder.
+
+    pixel_values (1, 3, S, S) ─ Conv patch p, stride p ─ (N, hid) [─ ++ CLS] ─ + positions [─ LayerNorm (CLIP)]
+    ─ k pre-LN encoder layers (attention, MLP) ─ [drop CLS: "default"] ─ Linear ─ GELU ─ Linear ─ image_embeds (I, D)
+
+k = the layer `vision_feature_layer` selects (LLaVA takes the second to last: -2), so the layers
+after it are not exported at all. Fixed shape: one image of the processor's size per call.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from onnx import TensorProto
+
+from cabinlm.export.graph import GraphBuilder
+
+PIXELS, IMAGE_EMBEDS = "pixel_values", "image_embeds"
+
+
+@dataclass(frozen=True)
+class VisionGeometry:
+    image_size: int
+    patch_size: int
+    image_tokens: int  # rows of image_embeds = slots of the cache's image region
+    embed_dim: int  # the language model's hidden size
+
+
+def _t(x) -> np.ndarray:
+    return x.detach().float().numpy()
+
+
+def _activation(g: GraphBuilder, x: str, name: str, kind: str) -> str:
+    if kind == "quick_gelu":  # x * sigmoid(1.702 x)
+        return g.op("Mul", x, g.op("Sigmoid", g.op("Mul", x, g.const(1.702))), name=name)
+    if kind == "gelu":  # exact: 0.5 x (1 + erf(x / sqrt 2))
+        erf = g.op("Erf", g.op("Div", x, g.const(math.sqrt(2.0))))
+        return g.op("Mul", g.op("Mul", x, g.const(0.5)), g.op("Add", erf, g.const(1.0)), name=name)
+    if kind in ("gelu_pytorch_tanh", "gelu_new"):  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+        cube = g.op("Mul", g.op("Pow", x, g.const(3.0)), g.const(0.044715))
+        inner = g.op("Mul", g.op("Add", x, cube), g.const(math.sqrt(2.0 / math.pi)))
+        return g.op("Mul", g.op("Mul", x, g.const(0.5)), g.op("Add", g.op("Tanh", inner), g.const(1.0)), name=name)
+    raise ValueError(f"activation {kind!r} is not supported in the vision graph")
+
+
+def build_vision(model, opset: int = 17) -> tuple[GraphBuilder, VisionGeometry]:
+    """model: a transformers LlavaForConditionalGeneration (float32)."""
+    cfg = model.config
+    vcfg = cfg.vision_config
+    tower = model.model.vision_tower
+    tower = getattr(tower, "vision_model", tower)  # CLIPVisionModel / SiglipVisionModel wrap the transformer
+    is_clip = hasattr(tower.embeddings, "class_embedding")
+    strategy = cfg.vision_feature_select_strategy
+    layer = cfg.vision_feature_layer
+    if not isinstance(layer, int):
+        raise ValueError("several vision feature layers are not supported; use one (e.g. -2)")
+    n_layers = len(tower.encoder.layers)
+    keep = layer if layer >= 0 else n_layers + 1 + layer  # hidden_states[0] is the encoder's input
+    S, p, hid, heads = vcfg.image_size, vcfg.patch_size, vcfg.hidden_size, vcfg.num_attention_heads
+    patches = (S // p) ** 2
+    hd = hid // heads
+    tokens = patches if (strategy == "default" and is_clip) or not is_clip else patches + 1
+    if strategy == "default" and not is_clip:
+        raise ValueError("vision_feature_select_strategy 'default' drops a CLS token this vision tower does not have")
+
+    g = GraphBuilder("cabinlm_vision", opset=opset)
+    g.input(PIXELS, TensorProto.FLOAT, (1, 3, S, S))
+    emb = tower.embeddings
+    conv_in = [PIXELS, g.weight("patch_embedding.weight", _t(emb.patch_embedding.weight))]
+    if emb.patch_embedding.bias is not None:
+        conv_in.append(g.weight("patch_embedding.bias", _t(emb.patch_embedding.bias)))
+    x = g.op("Conv", *conv_in, kernel_shape=[p, p], strides=[p, p], name="patches")  # (1, hid, S/p, S/p)
+    x = g.op("Transpose", g.op("Reshape", x, g.ints([hid, patches])), perm=[1, 0], name="patch_tokens")  # (N, hid)
+    if is_clip:
+        x = g.op("Concat", g.weight("class_embedding", _t(emb.class_embedding).reshape(1, hid)), x, axis=0)
+    x = g.op("Add", x, g.weight("position_embedding", _t(emb.position_embedding.weight)), name="embeddings")
+    eps = vcfg.layer_norm_eps
+
+    def layer_norm(x: str, ln, name: str) -> str:
+        return g.op("LayerNormalization", x, g.weight(f"{name}.weight", _t(ln.weight)), g.weight(f"{name}.bias", _t(ln.bias)),
+                    axis=-1, epsilon=eps, name=name)  # fmt: skip
+
+    def linear(x: str, lin, name: str) -> str:
+        y = g.op("MatMul", x, g.weight(f"{name}.weight", np.ascontiguousarray(_t(lin.weight).T)), name=f"{name}/mm")
+        return g.op("Add", y, g.weight(f"{name}.bias", _t(lin.bias)), name=name) if lin.bias is not None else y
+
+    if is_clip:
+        x = layer_norm(x, tower.pre_layrnorm, "pre_layernorm")
+    for i, lyr in enumerate(tower.encoder.layers[:keep]):
+        pre = f"vision.{i}"
+        h = layer_norm(x, lyr.layer_norm1, f"{pre}.ln1")
+        a = lyr.self_attn
+
+        def heads_first(t: str, nm: str) -> str:  # (N, hid) -> (heads, N, hd)
+            return g.op("Transpose", g.op("Reshape", t, g.ints([-1, heads, hd])), perm=[1, 0, 2], name=nm)
+
+        q = heads_first(g.op("Mul", linear(h, a.q_proj, f"{pre}.q"), g.const(hd**-0.5)), f"{pre}/q")
+        k = heads_first(linear(h, a.k_proj, f"{pre}.k"), f"{pre}/k")
+        v = heads_first(linear(h, a.v_proj, f"{pre}.v"), f"{pre}/v")
+        probs = g.op("Softmax", g.op("MatMul", q, g.op("Transpose", k, perm=[0, 2, 1])), axis=-1, name=f"{pre}/probs")
+        ctx = g.op("Reshape", g.op("Transpose", g.op("MatMul", probs, v), perm=[1, 0, 2]), g.ints([-1, hid]))
+        x = g.op("Add", x, linear(ctx, a.out_proj, f"{pre}.o"), name=f"{pre}/attn_res")
+        h = layer_norm(x, lyr.layer_norm2, f"{pre}.ln2")
+        h = _activation(g, linear(h, lyr.mlp.fc1, f"{pre}.fc1"), f"{pre}/act", vcfg.hidden_act)
+        x = g.op("Add", x, linear(h, lyr.mlp.fc2, f"{pre}.fc2"), name=f"{pre}/mlp_res")
+    if strategy == "default":
+        x = g.op("Slice", x, g.ints([1]), g.ints([patches + 1]), g.ints([0]), name="drop_cls")
+    proj = model.model.multi_modal_projector
+    x = _activation(g, linear(x, proj.linear_1, "projector.1"), "projector/act", cfg.projector_hidden_act)
+    x = linear(x, proj.linear_2, "projector.2")
+    D = cfg.text_config.hidden_size
+    g.output(x, IMAGE_EMBEDS, TensorProto.FLOAT, (tokens, D))
+    return g, VisionGeometry(image_size=S, patch_size=p, image_tokens=tokens, embed_dim=D)

@@ -1,0 +1,101 @@
+"""Camera frames: load an image (Pillow), prepare it as the model's image processor does (numpy),
+and run the vision graph to the image-token embeddings the decoder pins in its image region."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from cabinlm.errors import InputError
+from cabinlm.manifest import VisionSpec
+
+MAX_PIXELS = 64_000_000  # larger images are refused (a cabin camera frame is a few megapixels)
+
+
+def load_image(source):
+    """A PIL RGB image from a path or a PIL image. Grayscale, palette and alpha images are converted
+    (alpha composited on white, as the transformers processors do); anything else is an InputError."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(source, Image.Image):
+        img = source
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise InputError(f"{path}: no such image file")
+        try:
+            img = Image.open(path)
+        except UnidentifiedImageError as e:
+            raise InputError(f"{path}: not an image Pillow can read (PNG, JPEG, BMP, ...)") from e
+        except OSError as e:
+            raise InputError(f"{path}: cannot open the image ({e})") from e
+        if img.width * img.height > MAX_PIXELS:
+            raise InputError(
+                f"{path}: {img.width}x{img.height} is {img.width * img.height / 1e6:.0f} megapixels, more than "
+                f"{MAX_PIXELS / 1e6:.0f}; downscale it first"
+            )
+        try:
+            img.load()
+        except (OSError, SyntaxError, ValueError) as e:  # truncated or corrupt data
+            raise InputError(f"{path}: the image data is corrupt or truncated ({e})") from e
+    if img.mode == "RGB":
+        return img
+    if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
+        rgba = img.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return img.convert("RGB")
+
+
+def preprocess(img, spec: VisionSpec) -> np.ndarray:
+    """(1, 3, S, S) float32 pixel values: resize, center crop, rescale, normalize, channels first."""
+    from PIL import Image
+
+    p = spec.preprocess
+    resize = p.get("resize")
+    if resize:
+        if "shortest_edge" in resize:
+            short = resize["shortest_edge"]
+            w, h = img.size
+            if w <= h:
+                size = (short, int(short * h / w))
+            else:
+                size = (int(short * w / h), short)
+        else:
+            size = (resize["width"], resize["height"])
+        img = img.resize(size, resample=Image.Resampling(p.get("resample", 3)))
+    x = np.asarray(img, dtype=np.uint8)  # (H, W, 3)
+    crop = p.get("crop")
+    if crop:
+        ch, cw = crop["height"], crop["width"]
+        h, w = x.shape[:2]
+        if h < ch or w < cw:  # pad with zeros to the crop size, centred
+            padded = np.zeros((max(h, ch), max(w, cw), 3), dtype=x.dtype)
+            top, left = (padded.shape[0] - h) // 2, (padded.shape[1] - w) // 2
+            padded[top : top + h, left : left + w] = x
+            x, (h, w) = padded, padded.shape[:2]
+        top, left = (h - ch) // 2, (w - cw) // 2
+        x = x[top : top + ch, left : left + cw]
+    y = x.astype(np.float32)
+    if p.get("rescale") is not None:
+        y = y * np.float32(p["rescale"])
+    if p.get("mean") is not None:
+        y = (y - np.asarray(p["mean"], dtype=np.float32)) / np.asarray(p["std"], dtype=np.float32)
+    y = np.ascontiguousarray(y.transpose(2, 0, 1)[None])
+    if y.shape != (1, 3, spec.image_size, spec.image_size):
+        raise InputError(f"the prepared image is {y.shape[2:]}, the vision graph takes {spec.image_size}x{spec.image_size}")
+    return y
+
+
+class VisionEncoder:
+    """The vision graph on ONNX Runtime: one fixed-size image in, (image_tokens, embed_dim) out."""
+
+    def __init__(self, graph: Path, spec: VisionSpec, options: ort.SessionOptions):
+        self.spec = spec
+        self.session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
+
+    def encode(self, image) -> np.ndarray:
+        pixels = preprocess(load_image(image), self.spec)
+        return self.session.run(None, {"pixel_values": pixels})[0]

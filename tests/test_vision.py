@@ -1,0 +1,144 @@
+"""Vision-language models: camera frames in the pinned image region of the constant-memory cache.
+
+Both tower families (CLIP with its CLS token and center crop, SigLIP without either) are checked
+against transformers' own LlavaForConditionalGeneration and its Pillow image processors."""
+
+from __future__ import annotations
+
+import gc
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from cabinlm.errors import InputError
+from cabinlm.runtime import Decoder, Dialogue, open_artifact
+from cabinlm.runtime.memory import rss_mb
+from cabinlm.runtime.vision import load_image, preprocess
+
+
+def picture(w: int, h: int, mode: str = "RGB", seed: int = 0) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    arr = (rng.random((h, w, 4)) * 255).astype(np.uint8)
+    img = Image.fromarray(arr, "RGBA")
+    return img if mode == "RGBA" else img.convert(mode)
+
+
+@pytest.fixture(scope="module")
+def llava(load, tiny_llava_dir, export_to):
+    loaded = load(str(tiny_llava_dir))
+    return loaded, export_to(loaded, sink=4, pinned=12, window=48, chunk=16)
+
+
+def hf_processor(folder):
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("size", [(47, 61), (61, 47), (30, 30), (12, 90), (640, 480)])
+@pytest.mark.parametrize("mode", ["RGB", "L", "RGBA", "P"])
+def test_preprocessing_equals_the_transformers_processor(llava, tiny_llava_dir, size, mode):
+    _, folder = llava
+    dec = Decoder(folder)
+    img = picture(*size, mode=mode)
+    ours = preprocess(load_image(img), dec.manifest.vision)
+    ref = hf_processor(tiny_llava_dir)(images=img, return_tensors="np")["pixel_values"]
+    np.testing.assert_allclose(ours, ref, atol=1e-5)
+
+
+def test_the_first_turn_with_an_image_equals_transformers(llava):
+    loaded, folder = llava
+    dec = Decoder(folder)
+    vision = dec.manifest.vision
+    tok = loaded.tokenizer.backend_tokenizer
+    head = tok.encode("<|im_start|>user\n", add_special_tokens=False).ids
+    tail = tok.encode(" what is on the road ahead?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False).ids
+    img = picture(64, 48, seed=3)
+    ids = head + [vision.image_token_id] * vision.image_tokens + tail
+    pixels = hf_processor(loaded.folder)(images=img, return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        ref = loaded.model(input_ids=torch.tensor([ids]), pixel_values=pixels).logits[0].numpy()
+    ours = [dec.feed(head, all_logits=True)]
+    dec.cache.begin_frame()
+    ours.append(dec.feed([vision.image_token_id] * vision.image_tokens, pin="image", all_logits=True,
+                         embeds=dec.vision.encode(img)))  # fmt: skip
+    ours.append(dec.feed(tail, all_logits=True))
+    np.testing.assert_allclose(np.concatenate(ours), ref, atol=1e-3)
+    # the comparison can tell: another image changes the logits after the image
+    with torch.no_grad():
+        other = loaded.model(input_ids=torch.tensor([ids]), pixel_values=hf_processor(loaded.folder)(
+            images=picture(64, 48, seed=4), return_tensors="pt")["pixel_values"]).logits[0].numpy()  # fmt: skip
+    assert np.abs(other[-1] - ref[-1]).max() > 1e-2
+
+
+def test_many_frames_and_turns_keep_one_frame_pinned_at_constant_memory(llava):
+    _, folder = llava
+    dec, tok = open_artifact(folder, verify=False)
+    d = Dialogue(dec, tok, max_new_tokens=5)
+    lay = dec.layout
+    c = dec.cache
+    addresses = (c.keys.ctypes.data, c.values.ctypes.data, c.keys.shape)
+    samples = []
+    for i in range(120):
+        image = picture(40 + i % 7, 30 + i % 5, seed=i) if i % 3 == 0 else None
+        d.ask(f"turn {i}: anything new?", image=image)
+        region = c.slot_token[lay.image_start : lay.window_start]
+        # exactly one frame's tokens: consecutive stream indices, all present
+        assert (region >= 0).all() and (np.diff(region) == 1).all()
+        window = np.sort(c.slot_token[lay.window_start :][c.slot_token[lay.window_start :] >= 0])
+        # the window holds the most recent unpinned tokens: nothing newer is missing from it
+        newer_than_window = np.arange(window[0], c.seen)
+        missing = np.setdiff1d(newer_than_window, np.concatenate([window, region]))
+        assert missing.size == 0
+        if i in (30, 119):
+            gc.collect()
+            samples.append(rss_mb())
+    assert c.frames == 40 and c.evicted > 5 * lay.window
+    assert (c.keys.ctypes.data, c.values.ctypes.data, c.keys.shape) == addresses
+    assert c.slot_token[: lay.sink].tolist() == list(range(lay.sink))
+    assert samples[1] - samples[0] < 8.0, samples
+
+
+def test_bad_images_are_refused_and_the_dialogue_goes_on(llava, tmp_path):
+    _, folder = llava
+    dec, tok = open_artifact(folder, verify=False)
+    d = Dialogue(dec, tok, max_new_tokens=3)
+    d.ask("hello", image=picture(50, 40))
+    (tmp_path / "notes.txt").write_text("not an image")
+    picture(50, 40).save(tmp_path / "good.png")
+    data = (tmp_path / "good.png").read_bytes()
+    (tmp_path / "cut.png").write_bytes(data[: len(data) // 2])
+    Image.new("L", (9000, 8000)).save(tmp_path / "huge.png")
+    cases = [(tmp_path / "notes.txt", "not an image"), (tmp_path / "cut.png", "corrupt or truncated"),
+             (tmp_path / "huge.png", "megapixels"), (tmp_path / "missing.jpg", "no such image")]  # fmt: skip
+    for path, message in cases:
+        before = (dec.cache.slot_token.copy(), dec.cache.seen, d.turns)
+        with pytest.raises(InputError, match=message):
+            d.ask("look", image=path)
+        assert (dec.cache.slot_token == before[0]).all() and dec.cache.seen == before[1] and d.turns == before[2]
+    picture(50, 40, mode="LA").save(tmp_path / "gray_alpha.png")
+    assert d.ask("and this one?", image=tmp_path / "gray_alpha.png").turn == d.turns
+
+
+def test_a_text_model_refuses_images(load, tiny_qwen2_dir, export_to):
+    dec, tok = open_artifact(export_to(load(str(tiny_qwen2_dir)), sink=4, pinned=28, window=64, chunk=16), verify=False)
+    with pytest.raises(InputError, match="no vision input"):
+        Dialogue(dec, tok).ask("what do you see?", image=picture(10, 10))
+
+
+def test_chat_cli_takes_images_by_flag_and_json_lines(llava, tmp_path):
+    _, folder = llava
+    picture(50, 40, seed=1).save(tmp_path / "a.png")
+    picture(50, 40, seed=2).save(tmp_path / "b.jpg")
+    lines = "hello\n" + json.dumps({"text": "and now?", "image": str(tmp_path / "b.jpg")}) + "\n" + \
+        json.dumps({"text": "broken", "image": str(tmp_path / "nope.png")}) + "\nstill there?\n"  # fmt: skip
+    p = subprocess.run([sys.executable, "-m", "cabinlm", "chat", str(folder), "--json", "--max-new-tokens", "3",
+                        "--image", str(tmp_path / "a.png")], input=lines, capture_output=True, text=True, timeout=120)  # fmt: skip
+    turns = [json.loads(line) for line in p.stdout.splitlines()]
+    assert [t["turn"] for t in turns] == [1, 2, 3]
+    assert "no such image" in p.stderr and "Traceback" not in p.stderr and p.returncode == 1
