@@ -58,7 +58,7 @@ class ExportOptions:
         return 19 if KVDType(self.kv) == KVDType.FP8 else 17
 
 
-def options_for_profile(spec, profile, given: dict) -> ExportOptions:
+def options_for_profile(spec, profile, given: dict, vision_params: int = 0) -> ExportOptions:
     """Export options planned for a device profile. `given` holds what the user set explicitly
     (sink, pinned, window, chunk, kv, ...): those are kept and checked; the rest comes from the plan.
     A KV precision the profile cannot run, or a window that does not fit its budget, is refused."""
@@ -73,6 +73,7 @@ def options_for_profile(spec, profile, given: dict) -> ExportOptions:
         chunk=given.get("chunk"),
         pinned=given.get("pinned", ExportOptions.pinned),
         window=given.get("window"),
+        vision_params=vision_params,
     )
     if not p.fits:
         raise PlanError(
@@ -240,9 +241,12 @@ def export_for_profile(
     source: str, out: str | Path, profile, given: dict, log: Callable[[str], None] = lambda s: None
 ) -> Manifest:
     """Plan MODEL for a device profile (before loading any weights, so a refusal is quick), then export."""
-    from cabinlm.export.models import spec_for
+    from cabinlm.export.models import resolve_source, spec_for
+    from cabinlm.profiles.planner import vision_params_from_config
 
-    opts = options_for_profile(spec_for(source, log), profile, given)
+    folder, gguf = resolve_source(source, log)
+    vision = vision_params_from_config(folder) if gguf is None else 0
+    opts = options_for_profile(spec_for(source, log), profile, given, vision_params=vision)
     log(
         f"planned for {profile.name}: sink {opts.sink} + pinned {opts.pinned} + window {opts.window}, "
         f"chunk {opts.chunk}, {KVDType(opts.kv).value} KV"

@@ -6,14 +6,16 @@ One decoder layer, T = chunk tokens, N = cache slots, H = heads, Hkv = KV heads,
     x (T, D) ─ RMSNorm ─ MatMul W_qkv (+bias) ─ Split ─┬─ q (T, H*Dh) ─ (H, T, Dh) ─ RoPE(pos, x 1/sqrt(Dh))
                                                        ├─ k (T, Hkv*Dh) ─ (Hkv, T, Dh) ──────────────> new_key.l
                                                        └─ v ─────────── (Hkv, T, Dh) ──────────────> new_value.l
-    key_cache.l (Hkv, N, Dh) ─ Concat k ─ (Hkv, N+T, Dh) ─ RoPE(cache_pos ++ pos) ─ K
-    value_cache.l ─────────── Concat v ─ (Hkv, N+T, Dh) ────────────────────────── V
-    q as (Hkv, G, T, Dh) @ K^T (Hkv, 1, Dh, N+T) + mask (T, N+T) ─ Softmax ─ @ V ─ (T, H*Dh) ─ W_o ─ + x
-    ─ RMSNorm ─ MatMul W_gate|up ─ Split ─ SiLU(gate) * up ─ W_down ─ + x
+    key_cache.l (Hkv, N, Dh) ─ RoPE(cache_pos) ─ Kc      k ─ RoPE(pos) ─ Kn
+    q^T (Hkv, Dh, G*T) ─ scores = [Kc q^T ; Kn q^T] (Hkv, N+T, G*T) + mask^T ─ Softmax over keys
+    ─ probs^T (Hkv, G*T, N+T) ─ [p_cache | p_chunk] ─ p_cache @ value_cache.l + p_chunk @ v
+    ─ (T, H*Dh) ─ W_o ─ + x ─ RMSNorm ─ MatMul W_gate|up ─ Split ─ SiLU(gate) * up ─ W_down ─ + x
 
 Keys are cached un-rotated and rotated inside the graph with the positions of this step, which is
-what lets positions be cache ranks (StreamingLLM) without ever re-rotating stored data. Grouped
-attention broadcasts K/V over the G query heads of a group instead of repeating them.
+what lets positions be cache ranks (StreamingLLM) without ever re-rotating stored data. The cache
+and the chunk are attended separately and joined only at the small score tensor, so the cache is
+never concatenated or transposed (each was a full copy per layer per step); grouped attention
+lets the G query heads of a group share their K/V instead of repeating them.
 """
 
 from __future__ import annotations
@@ -81,34 +83,35 @@ def build_decoder(
         rms = g.op("Sqrt", g.op("Add", var, eps, name=f"{name}/eps"), name=f"{name}/rms")
         return g.op("Mul", g.op("Div", x, rms, name=f"{name}/div"), g.weight(f"{name}.weight", weight), name=name)
 
+    half = Dh // 2
+    # rotate_half(x) = [-x2, x1] = [x2, x1] * [-1 | +1]: the sign lives in the sin table. (Split and
+    # Concat, not a Gather over the last axis: ONNX Runtime's Gather there is several times slower.)
+    sign = np.concatenate([-np.ones(half), np.ones(half)]).astype(np.float32).reshape(1, -1)
+
     def rotary_tables(pos: str, scale: float, name: str) -> tuple[str, str]:
-        # pos (n,) int64 -> cos, sin (n, Dh) float, HF's "rotate_half" convention.
+        # pos (n,) -> cos (n, Dh), signed sin (n, Dh), HF's "rotate_half" convention.
         p = g.op("Unsqueeze", g.op("Cast", pos, to=TensorProto.FLOAT), g.ints([1]), name=f"{name}/pos")
         freqs = g.op("Mul", p, g.const(w.inv_freq.reshape(1, -1).astype(np.float32)), name=f"{name}/freqs")
         emb = g.op("Concat", freqs, freqs, axis=1, name=f"{name}/emb")
         cos = g.op("Cos", emb, name=f"{name}/cos")
-        sin = g.op("Sin", emb, name=f"{name}/sin")
+        sin = g.op("Mul", g.op("Sin", emb, name=f"{name}/sin"), g.const(sign * scale), name=f"{name}/sin_signed")
         if scale != 1.0:
             cos = g.op("Mul", cos, g.const(scale), name=f"{name}/cos_scaled")
-            sin = g.op("Mul", sin, g.const(scale), name=f"{name}/sin_scaled")
         return cos, sin
 
     def rope(x: str, cos: str, sin: str, name: str) -> str:
-        # x (heads, n, Dh): x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]
-        x1, x2 = g.split(x, [Dh // 2, Dh // 2], axis=-1, name=f"{name}/half")
-        rot = g.op("Concat", g.op("Neg", x2, name=f"{name}/neg"), x1, axis=-1, name=f"{name}/rot")
-        return g.op(
-            "Add",
-            g.op("Mul", x, cos, name=f"{name}/xcos"),
-            g.op("Mul", rot, sin, name=f"{name}/rsin"),
-            name=name,
-        )
+        # x (heads, n, Dh): x * cos + rotate_half(x) * sin
+        x1, x2 = g.split(x, [half, half], axis=-1, name=f"{name}/half")
+        rot = g.op("Concat", x2, x1, axis=-1, name=f"{name}/rot")
+        return g.op("Add", g.op("Mul", x, cos, name=f"{name}/xcos"), g.op("Mul", rot, sin, name=f"{name}/rsin"), name=name)
 
-    # Shared by all layers: RoPE tables for the cache ++ chunk keys, and for the chunk queries with
-    # the softmax scale 1/sqrt(Dh) folded in.
-    all_pos = g.op("Concat", mf.CACHE_POSITION_IDS, mf.POSITION_IDS, axis=0, name="rope/all_pos")
-    k_cos, k_sin = rotary_tables(all_pos, w.rope_scaling, "rope_k")
+    # Shared by all layers: RoPE tables for the cached keys, the chunk's keys, and the chunk's
+    # queries (with the softmax scale 1/sqrt(Dh) folded in); the mask laid out for K.q^T scores.
+    c_cos, c_sin = rotary_tables(mf.CACHE_POSITION_IDS, w.rope_scaling, "rope_cache")
+    n_cos, n_sin = rotary_tables(mf.POSITION_IDS, w.rope_scaling, "rope_chunk")
     q_cos, q_sin = rotary_tables(mf.POSITION_IDS, w.rope_scaling / np.sqrt(Dh), "rope_q")
+    mask_t = g.op("Unsqueeze", g.op("Transpose", mf.ATTENTION_MASK, perm=[1, 0]), g.ints([1]), name="mask_t")  # (N+T,1,T)
+    N = layout.slots
 
     x = g.op("Gather", g.weight("embed_tokens", w.embed), mf.INPUT_IDS, axis=0, name="embed")  # (T, D)
     if embed_dim:  # image tokens: the vision graph's embeddings instead of the table's row
@@ -127,6 +130,7 @@ def build_decoder(
         # The new tokens' un-rotated K/V leave the graph; the runtime writes them into its buffers.
         # Quantized once here, when written; the chunk itself attends to its unquantized K/V.
         k_cache, v_cache = mf.key_cache_name(i), mf.value_cache_name(i)
+        v_scales = None  # per-slot value scales, folded into the attention probabilities below
         kv_shape = (Hkv, "tokens", Dh)
         if layout.quantized:
             k_scale = g.weight(f"{p}.key_scale", w.key_scales[i][:, None, :].astype(np.float32))  # (Hkv,1,Dh)
@@ -135,8 +139,9 @@ def build_decoder(
             g.output(v_q, mf.new_value_name(i), kv_elem, kv_shape)
             g.output(v_scale16, mf.new_value_scale_name(i), TensorProto.FLOAT16, (Hkv, "tokens", 1))
             k_cache = kvq.dequantize(g, k_cache, k_scale, layout.kv_dtype)
-            v_scales = g.op("Cast", mf.value_scale_name(i), to=TensorProto.FLOAT, name=f"{p}/v_cache_scale")
-            v_cache = kvq.dequantize(g, v_cache, v_scales, layout.kv_dtype)
+            v_cache = kvq.dequantize(g, v_cache, g.const(1.0), layout.kv_dtype)  # unit scale: see v_scales
+            scales = g.op("Cast", mf.value_scale_name(i), to=TensorProto.FLOAT, name=f"{p}/v_cache_scale")  # (Hkv,N,1)
+            v_scales = g.op("Transpose", scales, perm=[0, 2, 1], name=f"{p}/v_scale_t")  # (Hkv,1,N)
         elif kv_is_float32:
             g.output(k, mf.new_key_name(i), kv_elem, kv_shape)
             g.output(v, mf.new_value_name(i), kv_elem, kv_shape)
@@ -146,17 +151,21 @@ def build_decoder(
             k_cache = g.op("Cast", k_cache, to=TensorProto.FLOAT, name=f"{p}/k_cache_f32")
             v_cache = g.op("Cast", v_cache, to=TensorProto.FLOAT, name=f"{p}/v_cache_f32")
 
-        keys = g.op("Concat", k_cache, k, axis=1, name=f"{p}/keys")  # (Hkv, N+T, Dh)
-        vals = g.op("Concat", v_cache, v, axis=1, name=f"{p}/values")
-        keys = rope(keys, k_cos, k_sin, f"{p}/rope_k")
-        q = rope(q, q_cos, q_sin, f"{p}/rope_q")
-
-        qg = g.op("Reshape", q, g.ints([Hkv, G, -1, Dh]), name=f"{p}/q_groups")  # (Hkv, G, T, Dh)
-        kt = g.op("Unsqueeze", g.op("Transpose", keys, perm=[0, 2, 1]), g.ints([1]), name=f"{p}/kT")
-        scores = g.op("MatMul", qg, kt, name=f"{p}/scores")  # (Hkv, G, T, N+T)
-        scores = g.op("Add", scores, mf.ATTENTION_MASK, name=f"{p}/masked")
-        probs = g.op("Softmax", scores, axis=-1, name=f"{p}/probs")
-        ctx = g.op("MatMul", probs, g.op("Unsqueeze", vals, g.ints([1])), name=f"{p}/ctx")  # (Hkv, G, T, Dh)
+        # Attention over the cache and over the chunk, joined only at the (small) scores, so the
+        # cache is neither concatenated nor transposed: scores are K . q^T, (keys, queries).
+        kc = rope(k_cache, c_cos, c_sin, f"{p}/rope_kc")  # (Hkv, N, Dh)
+        kn = rope(k, n_cos, n_sin, f"{p}/rope_kn")  # (Hkv, T, Dh)
+        q = rope(q, q_cos, q_sin, f"{p}/rope_q")  # (H, T, Dh), scaled
+        q_t = g.op("Transpose", g.op("Reshape", q, g.ints([Hkv, -1, Dh])), perm=[0, 2, 1], name=f"{p}/q_t")  # (Hkv,Dh,G*T)
+        scores = g.op("Concat", g.op("MatMul", kc, q_t), g.op("MatMul", kn, q_t), axis=1, name=f"{p}/scores")  # (Hkv,N+T,G*T)
+        scores = g.op("Add", g.op("Reshape", scores, g.ints([0, 0, G, -1])), mask_t, name=f"{p}/masked")  # (Hkv,N+T,G,T)
+        probs = g.op("Softmax", scores, axis=1, name=f"{p}/probs")
+        probs = g.op("Transpose", g.op("Reshape", probs, g.ints([0, 0, -1])), perm=[0, 2, 1], name=f"{p}/probs_t")  # (Hkv,G*T,N+T)
+        p_cache = g.op("Slice", probs, g.ints([0]), g.ints([N]), g.ints([2]), name=f"{p}/p_cache")
+        p_chunk = g.op("Slice", probs, g.ints([N]), g.ints([2**62]), g.ints([2]), name=f"{p}/p_chunk")
+        if v_scales is not None:
+            p_cache = g.op("Mul", p_cache, v_scales, name=f"{p}/p_cache_scaled")
+        ctx = g.op("Add", g.op("MatMul", p_cache, v_cache), g.op("MatMul", p_chunk, v), name=f"{p}/ctx")  # (Hkv,G*T,Dh)
         ctx = g.op("Reshape", ctx, g.ints([H, -1, Dh]), name=f"{p}/ctx_heads")
         ctx = g.op("Reshape", g.op("Transpose", ctx, perm=[1, 0, 2]), g.ints([-1, H * Dh]), name=f"{p}/ctx_flat")
         x = g.op("Add", x, g.op("MatMul", ctx, g.weight(f"{p}.o", lw.o), name=f"{p}/o"), name=f"{p}/attn_res")
