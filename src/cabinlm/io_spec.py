@@ -1,0 +1,127 @@
+"""The decoder graph's inputs and outputs, declared once: the exporter builds them, the runtime binds
+them, the manifest records them. Standard library only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cabinlm.layout import CacheLayout
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One graph input or output. Symbolic dims: "tokens" (1..chunk) and "total" (slots + tokens)."""
+
+    name: str
+    dtype: str  # ONNX element type name, e.g. "float", "int64", "float16"
+    shape: tuple[int | str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+
+@dataclass(frozen=True)
+class DecoderIO:
+    """The decoder graph's inputs and outputs: declared here, used by the exporter and the runtime."""
+
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"inputs": [t.to_dict() for t in self.inputs], "outputs": [t.to_dict() for t in self.outputs]}
+
+    def with_tokens(self, tokens: int, slots: int) -> DecoderIO:
+        """The same I/O with the token range fixed (static-shape builds: a prefill and a decode graph)."""
+
+        def fix(t: TensorSpec) -> TensorSpec:
+            dims = {"tokens": tokens, "total": slots + tokens}
+            return TensorSpec(t.name, t.dtype, tuple(dims.get(d, d) if isinstance(d, str) else d for d in t.shape))
+
+        return DecoderIO(tuple(map(fix, self.inputs)), tuple(map(fix, self.outputs)))
+
+
+# Graph I/O names. One cache tensor per layer: the runtime binds views of its single
+# (layers, kv_heads, slots, head_dim) buffer, so the graph never slices (copies) the whole cache.
+INPUT_IDS = "input_ids"
+POSITION_IDS = "position_ids"
+CACHE_POSITION_IDS = "cache_position_ids"
+ATTENTION_MASK = "attention_mask"
+LOGITS = "logits"
+
+
+def key_cache_name(layer: int) -> str:
+    return f"key_cache.{layer}"
+
+
+def value_cache_name(layer: int) -> str:
+    return f"value_cache.{layer}"
+
+
+def new_key_name(layer: int) -> str:
+    return f"new_key.{layer}"
+
+
+def new_value_name(layer: int) -> str:
+    return f"new_value.{layer}"
+
+
+def value_scale_name(layer: int) -> str:
+    return f"value_scale.{layer}"
+
+
+def new_value_scale_name(layer: int) -> str:
+    return f"new_value_scale.{layer}"
+
+
+IMAGE_EMBEDS = "image_embeds"
+IMAGE_MASK = "image_mask"
+
+
+def decoder_io(layout: CacheLayout, vocab_size: int, index_dtype: str = "int64", embed_dim: int = 0) -> DecoderIO:
+    """The graph contract for a layout.
+
+    inputs (index = int64, or int32 for TensorRT targets, whose bindings need INT32 before 9.0)
+      input_ids           index  (tokens,)                    the chunk's token ids
+      position_ids        index  (tokens,)                    the chunk's RoPE positions (ranks)
+      cache_position_ids  index  (slots,)                     each slot's RoPE position (rank)
+      attention_mask      float  (tokens, slots + tokens)     additive: 0 attend, -1e30 masked
+      key_cache.{l}       kv     (kv_heads, slots, head_dim)  un-rotated keys
+      value_cache.{l}     kv     (kv_heads, slots, head_dim)
+    outputs
+      logits              float  (tokens, vocab)
+      new_key.{l}         kv     (kv_heads, tokens, head_dim) the chunk's un-rotated keys
+      new_value.{l}       kv     (kv_heads, tokens, head_dim)
+    and, for int8 / fp8 KV (symmetric; x = q * scale):
+      value_scale.{l}     fp16   (kv_heads, slots, 1)         per-token value scales
+      new_value_scale.{l} fp16   (kv_heads, tokens, 1)        the chunk's value scales
+    Key scales are per (layer, kv head, channel), calibrated at export and held by the graph:
+    keys are stored un-rotated, so their channels keep stable ranges whatever the position.
+    and, for vision-language models (embed_dim = the language model's hidden size):
+      image_embeds        float  (tokens, embed_dim)          rows used where image_mask is true
+      image_mask          bool   (tokens, 1)                  true: the token is an image token
+    """
+    kv = layout.kv_dtype.onnx_name
+    h, n, d = layout.kv_heads, layout.slots, layout.head_dim
+    if index_dtype not in ("int64", "int32"):
+        raise ValueError(f"index_dtype must be int64 or int32, got {index_dtype!r}")
+    inputs = [
+        TensorSpec(INPUT_IDS, index_dtype, ("tokens",)),
+        TensorSpec(POSITION_IDS, index_dtype, ("tokens",)),
+        TensorSpec(CACHE_POSITION_IDS, index_dtype, (n,)),
+        TensorSpec(ATTENTION_MASK, "float", ("tokens", "total")),
+    ]
+    outputs = [TensorSpec(LOGITS, "float", ("tokens", vocab_size))]
+    for layer in range(layout.layers):
+        inputs.append(TensorSpec(key_cache_name(layer), kv, (h, n, d)))
+        inputs.append(TensorSpec(value_cache_name(layer), kv, (h, n, d)))
+        outputs.append(TensorSpec(new_key_name(layer), kv, (h, "tokens", d)))
+        outputs.append(TensorSpec(new_value_name(layer), kv, (h, "tokens", d)))
+    if layout.quantized:
+        for layer in range(layout.layers):
+            inputs.append(TensorSpec(value_scale_name(layer), "float16", (h, n, 1)))
+            outputs.append(TensorSpec(new_value_scale_name(layer), "float16", (h, "tokens", 1)))
+    if embed_dim:
+        inputs.append(TensorSpec(IMAGE_EMBEDS, "float", ("tokens", embed_dim)))
+        inputs.append(TensorSpec(IMAGE_MASK, "bool", ("tokens", 1)))
+    return DecoderIO(tuple(inputs), tuple(outputs))
