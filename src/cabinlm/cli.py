@@ -276,7 +276,7 @@ def chat(
                 c = dialogue.decoder.cache
                 _info(f"cached {c.length} tokens of {dec.layout.slots} slots; {c.seen} seen, {c.evicted} evicted")
             else:
-                _info("commands: /reset  /stats  /quit")
+                _info("commands: /image PATH (a camera frame for the next message)  /reset  /stats  /quit")
             continue
         who = f"[seat {seat}] " if seats > 1 else ""
         if not interactive and not json_out:
