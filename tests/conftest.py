@@ -124,7 +124,7 @@ def export_to(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def long_text() -> str:
-    """Public-domain English prose (Shakespeare's sonnets opening, Project Gutenberg), repeated varied."""
+    """Public-domain English prose: the opening of Milton's Areopagitica (tests/data/README.md)."""
     return (Path(__file__).parent / "data" / "prose.txt").read_text()
 
 
