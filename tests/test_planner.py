@@ -16,6 +16,7 @@ from cabinlm.profiles import list_profiles, load_profile
 from cabinlm.profiles.planner import (
     PlanError,
     activation_bytes,
+    image_tokens_from_config,
     format_plan,
     parameter_count,
     plan,
@@ -196,6 +197,10 @@ def test_a_llava_config_gives_its_text_model_and_a_vision_estimate():
     assert tower == pytest.approx(303.5e6, rel=1e-3)
     p = plan(s, load_profile("jetson-agx-orin-64gb"), vision_params=tower + projector, window=256)
     assert p.vision_bytes == (tower + projector) * 2  # the ViT stays fp16 on int4 profiles
+    # one camera frame's 576 patch tokens (CLS dropped by the "default" strategy) take cache slots too
+    assert image_tokens_from_config(path) == 576
+    with_frame = plan(s, load_profile("jetson-agx-orin-64gb"), vision_params=tower + projector, window=256, image_tokens=576)
+    assert with_frame.kv_bytes - p.kv_bytes == 576 * with_frame.kv_bytes_per_token
     assert vision_params_from_config(CONFIGS / "smollm2-135m.json") == 0
 
 

@@ -142,19 +142,20 @@ def plan(
     json_out: bool = typer.Option(False, "--json", help="Print the plan as one JSON object."),
 ) -> None:
     """Memory breakdown of MODEL on a device profile, and the largest window that fits its budget."""
-    from cabinlm.profiles.planner import format_plan, plan as make_plan, vision_params_from_config
+    from cabinlm.profiles.planner import format_plan, image_tokens_from_config, plan as make_plan, vision_params_from_config
 
     spec_path = Path(model).expanduser()
     if spec_path.suffix == ".json" or (spec_path.is_dir() and (spec_path / "config.json").exists()):
         from cabinlm.profiles.planner import spec_from_config
 
-        spec, vision = spec_from_config(spec_path), vision_params_from_config(spec_path)
+        spec = spec_from_config(spec_path)
+        vision, image = vision_params_from_config(spec_path), image_tokens_from_config(spec_path)
     else:
         from cabinlm.export.models import spec_for
 
-        spec, vision = spec_for(model, log=_info), 0
+        spec, vision, image = spec_for(model, log=_info), 0, 0
     p = make_plan(spec, _profile(profile), kv=kv.value if kv else None, sink=sink, chunk=chunk, pinned=pinned,
-                  window=window, vision_params=vision)  # fmt: skip
+                  window=window, vision_params=vision, image_tokens=image)  # fmt: skip
     if json_out:
         typer.echo(json.dumps(p.to_dict()))
     else:

@@ -58,7 +58,7 @@ class ExportOptions:
         return 19 if KVDType(self.kv) == KVDType.FP8 else 17
 
 
-def options_for_profile(spec, profile, given: dict, vision_params: int = 0) -> ExportOptions:
+def options_for_profile(spec, profile, given: dict, vision_params: int = 0, image_tokens: int = 0) -> ExportOptions:
     """Export options planned for a device profile. `given` holds what the user set explicitly
     (sink, pinned, window, chunk, kv, ...): those are kept and checked; the rest comes from the plan.
     A KV precision the profile cannot run, or a window that does not fit its budget, is refused."""
@@ -74,6 +74,7 @@ def options_for_profile(spec, profile, given: dict, vision_params: int = 0) -> E
         pinned=given.get("pinned", ExportOptions.pinned),
         window=given.get("window"),
         vision_params=vision_params,
+        image_tokens=image_tokens,
     )
     if not p.fits:
         raise PlanError(
@@ -242,11 +243,12 @@ def export_for_profile(
 ) -> Manifest:
     """Plan MODEL for a device profile (before loading any weights, so a refusal is quick), then export."""
     from cabinlm.export.models import resolve_source, spec_for
-    from cabinlm.profiles.planner import vision_params_from_config
+    from cabinlm.profiles.planner import image_tokens_from_config, vision_params_from_config
 
     folder, gguf = resolve_source(source, log)
     vision = vision_params_from_config(folder) if gguf is None else 0
-    opts = options_for_profile(spec_for(source, log), profile, given, vision_params=vision)
+    image = image_tokens_from_config(folder) if gguf is None else 0
+    opts = options_for_profile(spec_for(source, log), profile, given, vision_params=vision, image_tokens=image)
     log(
         f"planned for {profile.name}: sink {opts.sink} + pinned {opts.pinned} + window {opts.window}, "
         f"chunk {opts.chunk}, {KVDType(opts.kv).value} KV"

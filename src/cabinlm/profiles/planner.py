@@ -150,6 +150,20 @@ def vision_params_from_config(path: str | Path) -> int:
     return embed + layers * layer + projector
 
 
+def image_tokens_from_config(path: str | Path) -> int:
+    """Cache slots one camera frame takes (the image region): (image / patch)^2 patch tokens, plus
+    the CLS token unless LLaVA's "default" feature strategy drops it (0 when there is no vision)."""
+    d, _ = _read_config(path)
+    v = d.get("vision_config")
+    if not isinstance(v, dict):
+        return 0
+    v = {**_VISION_DEFAULTS, **v}
+    patches = (int(v["image_size"]) // int(v["patch_size"])) ** 2
+    has_cls = v.get("model_type", "clip_vision_model") != "siglip_vision_model"
+    keep_cls = has_cls and d.get("vision_feature_select_strategy", "default") != "default"
+    return patches + int(keep_cls)
+
+
 # -- counting ------------------------------------------------------------------------------------
 
 
@@ -222,6 +236,7 @@ class Plan:
     activation_bytes: int
     vision_params: int
     vision_bytes: int
+    image_tokens: int  # slots of the cache's image region (one camera frame)
     runtime_overhead_bytes: int
     total_bytes: int
     budget_bytes: int
@@ -267,6 +282,7 @@ def plan(
     pinned: int = 124,
     window: int | None = None,
     vision_params: int = 0,
+    image_tokens: int = 0,
 ) -> Plan:
     """The memory breakdown and the largest window that fits `profile`'s budget.
 
@@ -288,12 +304,13 @@ def plan(
     vision_dtype = WeightDType.FP32 if profile.weight_dtype is WeightDType.FP32 else WeightDType.FP16
     vision = weight_bytes(vision_params, vision_dtype)
     fixed = weights + vision + profile.runtime_overhead_bytes
-    room = spec.max_positions - sink - pinned - chunk  # positions left for the window
+    room = spec.max_positions - sink - pinned - image_tokens - chunk  # positions left for the window
     max_by_positions = (room // chunk) * chunk
 
     def make(w: int) -> Plan:
         layout = CacheLayout(sink=sink, pinned=pinned, window=w, chunk=chunk, layers=spec.num_layers,
-                             kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, kv_dtype=kv)  # fmt: skip
+                             kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, kv_dtype=kv,
+                             image=image_tokens)  # fmt: skip
         kv_total = layout.cache_bytes + layout.key_scale_bytes
         act = activation_bytes(spec, layout)
         total = fixed + kv_total + act
@@ -302,13 +319,13 @@ def plan(
             weight_dtype=profile.weight_dtype.value, sink=sink, pinned=pinned, window=w, chunk=chunk,
             parameters=params, weights_bytes=weights, kv_bytes=kv_total,
             kv_bytes_per_token=layout.bytes_per_token, activation_bytes=act, vision_params=vision_params,
-            vision_bytes=vision, runtime_overhead_bytes=profile.runtime_overhead_bytes, total_bytes=total,
+            vision_bytes=vision, image_tokens=image_tokens, runtime_overhead_bytes=profile.runtime_overhead_bytes, total_bytes=total,
             budget_bytes=profile.budget_bytes, fits=total <= profile.budget_bytes,
             max_window_by_positions=max(max_by_positions, 0),
         )  # fmt: skip
 
     if window is not None:
-        if sink + pinned + window + chunk > spec.max_positions:
+        if sink + pinned + image_tokens + window + chunk > spec.max_positions:
             raise LayoutError(
                 f"sink {sink} + pinned {pinned} + window {window} + chunk {chunk} = "
                 f"{sink + pinned + window + chunk} positions, but the model has only {spec.max_positions}; "
@@ -350,7 +367,9 @@ def format_plan(p: Plan) -> str:
 
     rows = [
         (f"weights ({p.parameters / 1e6:.1f}M params at {p.weight_dtype})", p.weights_bytes),
-        (f"KV cache ({p.sink}+{p.pinned}+{p.window} slots at {p.kv}, {p.kv_bytes_per_token} B/token)", p.kv_bytes),
+        (f"KV cache ({p.sink}+{p.pinned}+{p.image_tokens}+{p.window} slots at {p.kv}, {p.kv_bytes_per_token} B/token)"
+         if p.image_tokens else f"KV cache ({p.sink}+{p.pinned}+{p.window} slots at {p.kv}, {p.kv_bytes_per_token} B/token)",
+         p.kv_bytes),
         (f"activations (chunk of {p.chunk})", p.activation_bytes),
         (f"vision tower ({p.vision_params / 1e6:.1f}M params)", p.vision_bytes),
         ("runtime overhead", p.runtime_overhead_bytes),
