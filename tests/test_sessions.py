@@ -238,3 +238,32 @@ def test_the_cli_resumes_a_session_and_survives_bad_bytes(artifact, tmp_path):
     p = run(b"hello\n")
     assert p.returncode == 2 and b"not a cabinlm session file" in p.stderr and b"Traceback" not in p.stderr
     assert (tmp_path / "s.seat1").read_bytes() == b"garbage"
+
+
+@pytest.mark.parametrize(
+    "line, seat, text, image, warned",
+    [
+        ("hello", 1, "hello", None, False),
+        ("@2 route please", 2, "route please", None, False),
+        ("@1x hello", 1, "@1x hello", None, False),  # not a seat prefix: plain text (this once crashed chat)
+        ("@", 1, "@", None, False),
+        ("@9 nobody", 1, "nobody", None, True),
+        ('{"seat": 2, "text": "weather", "image": "f.jpg"}', 2, "weather", "f.jpg", False),
+        ('{"seat": true, "text": "x"}', 1, "x", None, True),
+        ('{"seat": "2", "text": "x"}', 1, "x", None, True),
+        ('{"text": 5}', 1, '{"text": 5}', None, False),
+        ("{not json", 1, "{not json", None, False),
+    ],
+)
+def test_input_lines_are_routed_and_never_crash(line, seat, text, image, warned):
+    from cabinlm.runtime.inputs import parse_input_line
+
+    got = parse_input_line(line, seats=2)
+    assert (got.seat, got.text, str(got.image) if got.image else None, got.warning is not None) == (seat, text, image, warned)
+
+
+def test_the_cli_takes_a_malformed_seat_prefix_as_text(artifact):
+    p = subprocess.run([sys.executable, "-m", "cabinlm", "chat", str(artifact), "--json", "--seats", "2",
+                        "--max-new-tokens", "2"], input="@1x hello\n", capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert json.loads(p.stdout)["seat"] == 1

@@ -212,6 +212,7 @@ def chat(
     Ctrl-D at the prompt leaves.
     """
     from cabinlm.runtime import Dialogue, Sampler, open_artifact
+    from cabinlm.runtime.inputs import parse_input_line
     from cabinlm.runtime.persist import load_session, save_session
 
     if seats < 1:
@@ -258,7 +259,10 @@ def chat(
             if interactive:
                 typer.echo()
             break
-        seat, text, frame = _route(line, seats)
+        parsed = parse_input_line(line, seats)
+        if parsed.warning:
+            _err(parsed.warning)
+        seat, text, frame = parsed.seat, parsed.text, parsed.image
         if not text:
             continue
         dialogue = dialogues[seat - 1]
@@ -303,28 +307,6 @@ def chat(
             typer.echo(" [interrupted]" if result.finish == "interrupted" else "")
     if failures:
         raise typer.Exit(1)
-
-
-def _route(line: str, seats: int) -> tuple[int, str, Optional[Path]]:
-    """(seat, text, image) of an input line: {"seat": n, "text": ..., "image": PATH}, "@n text", or text."""
-    text = line.strip()
-    seat, frame = 1, None
-    if text.startswith("{"):
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError:
-            obj = None
-        if isinstance(obj, dict) and isinstance(obj.get("text"), str):
-            seat, text = obj.get("seat", 1), obj["text"].strip()
-            if isinstance(obj.get("image"), str):
-                frame = Path(obj["image"])
-    elif text.startswith("@") and text[1:2].isdigit():
-        head, _, rest = text.partition(" ")
-        seat, text = int(head[1:]), rest.strip()
-    if not isinstance(seat, int) or not 1 <= seat <= seats:
-        _err(f"seat {seat} does not exist (--seats {seats}); the message went to seat 1")
-        seat = 1
-    return seat, text, frame
 
 
 @app.command()
