@@ -8,7 +8,7 @@ CABIN  := $(VENV)/bin/cabinlm
 STAMP  := $(VENV)/.installed
 DEMO   := out/smollm2-135m
 
-.PHONY: setup model demo test clean
+.PHONY: setup model demo test bench-deps clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,12 @@ demo: model
 
 test: model
 	$(PY) -m pytest -q
+
+# The peers `cabinlm bench --baseline` runs (not needed by demo or test): llama-cpp-python builds
+# llama.cpp from source for this CPU (about 20 minutes on 2 cores); onnxruntime-genai is a wheel.
+bench-deps: setup
+	CMAKE_ARGS='-DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_BLAS=OFF' CMAKE_BUILD_PARALLEL_LEVEL=2 \
+	  $(PY) -m pip install -c constraints.txt -e '.[bench]'
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

@@ -123,11 +123,11 @@ def test_interrupting_a_reply_keeps_the_dialogue_consistent(tiny_artifact, monke
     d = Dialogue(dec, tok, max_new_tokens=20)
     real_step, calls = Decoder.step, {"n": 0}
 
-    def flaky_step(self, ids, pin=False, embeds=None):
+    def flaky_step(self, ids, pin=False, embeds=None, logits="all"):
         calls["n"] += 1
         if calls["n"] == 4:  # Ctrl-C arrives while the graph runs, before its K/V are committed
             raise KeyboardInterrupt
-        return real_step(self, ids, pin, embeds)
+        return real_step(self, ids, pin, embeds, logits)
 
     monkeypatch.setattr(Decoder, "step", flaky_step)
     r = d.ask("where is the next charging station")

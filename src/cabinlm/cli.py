@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from enum import Enum
 from pathlib import Path
 from typing import Optional
@@ -40,6 +41,12 @@ class KVChoice(str, Enum):
     fp8 = "fp8"
 
 
+class WeightChoice(str, Enum):
+    fp32 = "fp32"
+    int8 = "int8"
+    int4 = "int4"
+
+
 @app.command()
 def export(
     model: str = typer.Argument(
@@ -57,6 +64,11 @@ def export(
     chunk: Optional[int] = typer.Option(None, help="Largest prefill chunk C. [default: 64, or the profile's]"),
     kv: Optional[KVChoice] = typer.Option(
         None, help="KV storage: fp32, fp16, or int8 / fp8 (E4M3) at 1/4 of fp32. [default: fp32, or the profile's]"
+    ),
+    weights: Optional[WeightChoice] = typer.Option(
+        None,
+        help="Weight storage: fp32, or int8 / int4 in blocks of 32 (a .gguf's Q8_0/Q4_0/Q4_1 blocks are "
+        "imported as they are). [default: fp32, or the profile's for CPU targets]",
     ),
     calib: Optional[Path] = typer.Option(
         None, help="Calibration text for int8/fp8 KV (default: built-in prose + in-car dialogue)."
@@ -81,6 +93,8 @@ def export(
     layout = {"sink": sink, "pinned": pinned, "window": window, "chunk": chunk, "kv": kv.value if kv else None}
     given = {k: v for k, v in layout.items() if v is not None}
     given.update(verify=verify, calib=calib, max_ppl_increase=max_ppl_increase, force=force)
+    if weights is not None:
+        given["weights"] = weights.value
     if profile is not None:
         m = export_for_profile(model, out, _profile(profile), given, log=_info)
     else:
@@ -89,7 +103,7 @@ def export(
     typer.echo(
         f"exported {m.model.source} ({m.model.architecture}, {m.model.num_layers} layers) to {out}: "
         f"sink {lay.sink} + pinned {lay.pinned} + window {lay.window} slots, chunk {lay.chunk}, "
-        f"{lay.kv_dtype.value} KV = {lay.cache_bytes / 2**20:.1f} MiB"
+        f"{lay.kv_dtype.value} KV = {lay.cache_bytes / 2**20:.1f} MiB, {m.weights} weights"
     )
 
 
@@ -359,6 +373,91 @@ def _quiet_console():
     from rich.console import Console
 
     return Console(file=open("/dev/null", "w"), force_terminal=False)  # noqa: SIM115 - lives as long as the bar
+
+
+class BaselineChoice(str, Enum):
+    hf = "hf"
+    llama_cpp = "llama.cpp"
+    ort_genai = "ort-genai"
+
+
+@app.command()
+def bench(
+    artifact: Path = typer.Argument(..., help="Folder written by `cabinlm export` or `cabinlm build`."),
+    tokens: int = typer.Option(2000, help="Tokens to process in all (prompts + replies)."),
+    threads: int = typer.Option(2, help="CPU threads, for cabinlm and for every baseline."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the report."),
+    plot: Optional[Path] = typer.Option(None, help="Draw latency and memory against tokens into this PNG (matplotlib)."),
+    baseline: list[BaselineChoice] = typer.Option(
+        [], help="Also run this peer on the same model and threads: hf (transformers, growing cache), "
+        "llama.cpp (llama-cpp-python, same GGUF), ort-genai (onnxruntime-genai's own builder). Repeatable.",
+    ),
+    context: Optional[int] = typer.Option(None, help="Context of llama.cpp / ort-genai. [default: cabinlm's cache slots]"),
+    baseline_config: Optional[str] = typer.Option(
+        None, help="One baseline configuration (ort-genai: int4, int4-kv8, fp32); default: all, the fastest reported."
+    ),
+    max_new: int = typer.Option(128, help="Longest reply per turn."),
+    seed: int = typer.Option(0, help="Seed of the scripted user turns."),
+    time_limit: float = typer.Option(1800, help="Seconds each engine may run before it is stopped."),
+    model: Optional[str] = typer.Option(None, help="Model the baselines load [default: the artifact's source]."),
+    trace_out: Optional[Path] = typer.Option(None, "--trace", help="Write every per-token sample (JSON) here."),
+) -> None:
+    """A long scripted in-car dialogue (seeded user turns, greedy replies) through the runtime,
+    timing every token and sampling process memory.
+
+    Reports median decode and prefill tokens/s, p50/p99 per-token latency (and medians over the first
+    and last 1000 decoded tokens), memory at start and end with its slope per 1000 tokens, and the
+    tokens evicted. --baseline runs a peer engine on the same dialogue, model and threads, each in its
+    own process; a peer whose context fills stops there, and says so.
+
+    Example: cabinlm bench out/smollm2/build-cpu --tokens 20000 --baseline llama.cpp --plot bench.png
+    """
+    from cabinlm.bench import baselines as bl
+    from cabinlm.bench.runner import model_for_baselines, report, run_cabinlm, summaries
+    from cabinlm.bench.runner import plot as draw
+    from cabinlm.manifest import load_manifest
+
+    if tokens < 1:
+        raise CabinlmError(f"--tokens must be at least 1, got {tokens}")
+    m = load_manifest(artifact)  # a wrong path or a broken manifest fails here, before any run
+    for b in baseline:
+        reason = bl.available(b.value)
+        if reason:
+            raise CabinlmError(f"--baseline {b.value}: {reason}")
+    last = [0.0]
+
+    def progress(msg: str) -> None:
+        now = time.monotonic()
+        if now - last[0] > 2.0:
+            last[0] = now
+            _info(msg)
+
+    _info(f"cabinlm: {tokens} tokens through {artifact} ({m.weights} weights, {m.cache.kv_dtype.value} KV, "
+          f"{m.cache.slots} slots, {threads} threads)")  # fmt: skip
+    trace = run_cabinlm(artifact, tokens=tokens, threads=threads, max_new=max_new, seed=seed,
+                        time_limit_s=time_limit, log=progress)  # fmt: skip
+    others = []
+    ctx = context or m.cache.slots
+    source = model or model_for_baselines(Path(artifact))
+    for b in baseline:
+        _info(f"{b.value}: {tokens} tokens on {source}, context {ctx}, {threads} threads")
+        others.append(bl.run_baseline(b.value, source, tokens=tokens, threads=threads, context=ctx, max_new=max_new,
+                                      seed=seed, config=baseline_config, time_limit_s=time_limit, progress=progress))  # fmt: skip
+    out = summaries(trace, others)
+    if trace_out is not None:
+        trace_out.write_text(json.dumps({"cabinlm": trace.to_dict(), "baselines": [t.to_dict() for t in others]}))
+    if plot is not None:
+        draw([trace, *others], plot, title=f"{m.model.source}: {m.weights} weights, {m.cache.kv_dtype.value} KV, "
+             f"window {m.cache.window}, {threads} threads")  # fmt: skip
+        _info(f"wrote {plot}")
+    if json_out:
+        typer.echo(json.dumps(out, indent=1))
+        return
+    from cabinlm.bench.trace import summarize
+
+    for t in [trace, *others]:
+        for line in report(summarize(t)):
+            typer.echo(line)
 
 
 @app.command()

@@ -11,7 +11,8 @@ from cabinlm.layout import CacheLayout
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One graph input or output. Symbolic dims: "tokens" (1..chunk) and "total" (slots + tokens)."""
+    """One graph input or output. Symbolic dims: "tokens" (1..chunk), "total" (slots + tokens) and
+    "rows" (1..tokens, the tokens that get logits)."""
 
     name: str
     dtype: str  # ONNX element type name, e.g. "float", "int64", "float16"
@@ -35,7 +36,7 @@ class DecoderIO:
         """The same I/O with the token range fixed (static-shape builds: a prefill and a decode graph)."""
 
         def fix(t: TensorSpec) -> TensorSpec:
-            dims = {"tokens": tokens, "total": slots + tokens}
+            dims = {"tokens": tokens, "total": slots + tokens, "rows": tokens}
             return TensorSpec(t.name, t.dtype, tuple(dims.get(d, d) if isinstance(d, str) else d for d in t.shape))
 
         return DecoderIO(tuple(map(fix, self.inputs)), tuple(map(fix, self.outputs)))
@@ -47,6 +48,7 @@ INPUT_IDS = "input_ids"
 POSITION_IDS = "position_ids"
 CACHE_POSITION_IDS = "cache_position_ids"
 ATTENTION_MASK = "attention_mask"
+LOGIT_ROWS = "logit_rows"
 LOGITS = "logits"
 
 
@@ -86,10 +88,11 @@ def decoder_io(layout: CacheLayout, vocab_size: int, index_dtype: str = "int64",
       position_ids        index  (tokens,)                    the chunk's RoPE positions (ranks)
       cache_position_ids  index  (slots,)                     each slot's RoPE position (rank)
       attention_mask      float  (tokens, slots + tokens)     additive: 0 attend, -1e30 masked
+      logit_rows          index  (rows,)                      which of the chunk's tokens get logits
       key_cache.{l}       kv     (kv_heads, slots, head_dim)  un-rotated keys
       value_cache.{l}     kv     (kv_heads, slots, head_dim)
     outputs
-      logits              float  (tokens, vocab)
+      logits              float  (rows, vocab)               (prefill: the last token; scoring: all)
       new_key.{l}         kv     (kv_heads, tokens, head_dim) the chunk's un-rotated keys
       new_value.{l}       kv     (kv_heads, tokens, head_dim)
     and, for int8 / fp8 KV (symmetric; x = q * scale):
@@ -110,8 +113,9 @@ def decoder_io(layout: CacheLayout, vocab_size: int, index_dtype: str = "int64",
         TensorSpec(POSITION_IDS, index_dtype, ("tokens",)),
         TensorSpec(CACHE_POSITION_IDS, index_dtype, (n,)),
         TensorSpec(ATTENTION_MASK, "float", ("tokens", "total")),
+        TensorSpec(LOGIT_ROWS, index_dtype, ("rows",)),
     ]
-    outputs = [TensorSpec(LOGITS, "float", ("tokens", vocab_size))]
+    outputs = [TensorSpec(LOGITS, "float", ("rows", vocab_size))]
     for layer in range(layout.layers):
         inputs.append(TensorSpec(key_cache_name(layer), kv, (h, n, d)))
         inputs.append(TensorSpec(value_cache_name(layer), kv, (h, n, d)))

@@ -28,6 +28,7 @@ from cabinlm.io_spec import (  # noqa: F401 - re-exported: the manifest is where
     IMAGE_EMBEDS,
     IMAGE_MASK,
     INPUT_IDS,
+    LOGIT_ROWS,
     LOGITS,
     POSITION_IDS,
     DecoderIO,
@@ -42,8 +43,8 @@ from cabinlm.io_spec import (  # noqa: F401 - re-exported: the manifest is where
 )
 from cabinlm.layout import CacheLayout, KVDType  # noqa: F401 - re-exported
 
-FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+FORMAT_VERSION = 2  # 2: logit_rows input, block-quantized weights
+SUPPORTED_VERSIONS = (2,)
 MANIFEST_NAME = "manifest.json"
 # RoPE variants whose inverse frequencies do not depend on the sequence length, so that a
 # fixed-shape graph can hold them as constants (the exporter and the planner both check this).
@@ -139,6 +140,7 @@ class Manifest:
     index_dtype: str = "int64"  # of input_ids / position_ids / cache_position_ids
     target: dict[str, Any] | None = None  # {"profile": name, "plan": {...}} when exported for a profile
     vision: VisionSpec | None = None  # vision-language models only
+    weights: str = "fp32"  # fp32, int8 or int4 (blocks of 32; see export/wquant.py)
     format_version: int = FORMAT_VERSION
     cabinlm_version: str = ""
 
@@ -163,6 +165,7 @@ class Manifest:
             "index_dtype": self.index_dtype,
             "target": self.target,
             "vision": dataclasses.asdict(self.vision) if self.vision else None,
+            "weights": self.weights,
         }
 
     def save(self, folder: Path) -> Path:
@@ -195,6 +198,7 @@ class Manifest:
                 index_dtype=d.get("index_dtype", "int64"),
                 target=d.get("target"),
                 vision=VisionSpec(**d["vision"]) if d.get("vision") else None,
+                weights=str(d.get("weights", "fp32")),
                 format_version=version,
                 cabinlm_version=d.get("cabinlm_version", ""),
             )

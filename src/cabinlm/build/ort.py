@@ -47,7 +47,7 @@ def _optimize_offline(src: Path, out: Path) -> None:
 
 def fix_tokens(model: onnx.ModelProto, tokens: int, slots: int) -> None:
     """Replace the symbolic token range of every graph input and output by a fixed size."""
-    dims = {"tokens": tokens, "total": slots + tokens}
+    dims = {"tokens": tokens, "total": slots + tokens, "rows": tokens}
     for vi in (*model.graph.input, *model.graph.output):
         for d in vi.type.tensor_type.shape.dim:
             if d.HasField("dim_param"):

@@ -27,8 +27,9 @@ from cabinlm.profiles import DeviceProfile, load_profile
 
 Version = tuple[int, int]
 KINDS = ("op", "dtype", "opset", "dynamic_dim", "attribute")
-# Symbolic dims the graph contract declares (manifest.TensorSpec): the chunk length and slots + chunk.
-DECLARED_DIMS = ("tokens", "total")
+# Symbolic dims the graph contract declares (manifest.TensorSpec): the chunk length, slots + chunk,
+# and the number of logit rows.
+DECLARED_DIMS = ("tokens", "total", "rows")
 
 # -- TensorRT's ONNX operator support ------------------------------------------------------------
 # Source: onnx/onnx-tensorrt docs/operators.md, the "Operator Support Matrix" (rows marked Y), read at

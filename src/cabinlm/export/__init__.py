@@ -23,6 +23,7 @@ from cabinlm.export.decoder import DecoderWeights, build_decoder
 from cabinlm.export.graph import save_model
 from cabinlm.export.models import LoadedModel, decoder_weights, image_preprocessing, load_model
 from cabinlm.export.vision import build_vision
+from cabinlm.export.wquant import WeightFormat
 from cabinlm.export.template import PLAIN, resolve_chat_template
 from cabinlm.manifest import MANIFEST_NAME, CacheLayout, FileEntry, KVDType, Manifest, VisionSpec
 
@@ -40,7 +41,8 @@ class ExportOptions:
     window: int = 1020
     chunk: int = 64
     kv: KVDType = KVDType.FP32
-    opset: int | None = None  # None: 17 (TensorRT 8.6 parses it), 19 when fp8 KV needs it
+    weights: str = "fp32"  # fp32, int8, int4 (export/wquant.py)
+    opset: int | None = None  # None: 17 (TensorRT 8.6 parses it), 19 when fp8 KV needs it, 21 for int8/int4 weights
     verify: bool = True  # compare the graph with transformers on a short prompt and record it
     calib: Path | None = None  # calibration text for int8 / fp8 KV; None: the built-in mix
     max_ppl_increase: float = 2.0  # percent, quantized KV vs fp32 KV on held-back text
@@ -55,6 +57,8 @@ class ExportOptions:
     def resolved_opset(self) -> int:
         if self.opset is not None:
             return self.opset
+        if WeightFormat(self.weights) != WeightFormat.FP32:
+            return 21  # DequantizeLinear with block_size
         return 19 if KVDType(self.kv) == KVDType.FP8 else 17
 
 
@@ -81,8 +85,15 @@ def options_for_profile(spec, profile, given: dict, vision_params: int = 0, imag
             f"window {p.window} needs {p.total_bytes / 2**20:.0f} MiB but profile {profile.name} budgets "
             f"{p.budget_bytes / 2**20:.0f} MiB; leave --window out to use the largest that fits"
         )
+    weights = given.get("weights")
+    if weights is None:
+        # Block-quantized weights go into the exported graph for ONNX Runtime's CPU provider; other
+        # engines get float32 weights and apply the profile's precision when they build.
+        cpu = profile.engine == Engine.ONNXRUNTIME and profile.execution_provider == "CPUExecutionProvider"
+        weights = profile.weight_dtype.value if cpu and profile.weight_dtype.value in ("int8", "int4") else "fp32"
     opts = ExportOptions(
-        **{k: v for k, v in given.items() if k not in ("sink", "pinned", "window", "chunk", "kv")},
+        **{k: v for k, v in given.items() if k not in ("sink", "pinned", "window", "chunk", "kv", "weights")},
+        weights=weights,
         sink=p.sink,
         pinned=p.pinned,
         window=p.window,
@@ -93,8 +104,9 @@ def options_for_profile(spec, profile, given: dict, vision_params: int = 0, imag
         plan=p.to_dict(),
     )
     if opts.resolved_opset > profile.max_opset:
+        what = f"{opts.weights} weights" if opts.weights != "fp32" else f"{opts.kv.value} KV"
         raise PlanError(
-            f"{opts.kv.value} KV needs ONNX opset {opts.resolved_opset}, but profile {profile.name} accepts "
+            f"{what} need ONNX opset {opts.resolved_opset}, but profile {profile.name} accepts "
             f"opset {profile.max_opset} at most"
         )
     return opts
@@ -165,7 +177,7 @@ def export_loaded(
         chat = PLAIN
 
     t0 = time.perf_counter()
-    weights = decoder_weights(loaded)
+    weights = decoder_weights(loaded, opts.weights, log)
     calibration = None
     if layout.quantized:
         calib_ids, heldout_ids, calib_source = _calibration(loaded, chat, opts.calib)
@@ -208,6 +220,7 @@ def export_loaded(
         files={role: FileEntry.of(out, name) for role, name in files.items()},
         opset=opset,
         quality={"kv": KVDType(opts.kv).value},
+        weights=weights.weight_format,
         index_dtype=opts.index_dtype,
         target={"profile": opts.profile, "plan": opts.plan} if opts.profile else None,
         vision=vision,
@@ -215,6 +228,8 @@ def export_loaded(
     )
     if calibration is not None:
         manifest.quality["calibration"] = calibration
+    if weights.weight_source:
+        manifest.quality["weights"] = {"format": weights.weight_format, **weights.weight_source}
     if calibration is not None and opts.gate:
         gate = quality_gate(loaded, out, manifest, weights, heldout_ids, opts, log)
         manifest.quality["gate"] = gate
@@ -296,7 +311,8 @@ def quality_gate(
     twin_layout = replace(manifest.cache, kv_dtype=KVDType.FP32)
     twin_weights = replace(weights, key_scales=None)
     with tempfile.TemporaryDirectory(dir=out, prefix=".fp32-twin-") as tmp:
-        save_model(build_decoder(loaded.spec, twin_layout, twin_weights, opset=17).model(), Path(tmp) / GRAPH_FILE, GRAPH_DATA_FILE)
+        twin_opset = 21 if twin_weights.quantized else 17
+        save_model(build_decoder(loaded.spec, twin_layout, twin_weights, opset=twin_opset).model(), Path(tmp) / GRAPH_FILE, GRAPH_DATA_FILE)
         shutil.copy(out / TOKENIZER_FILE, Path(tmp) / TOKENIZER_FILE)
         twin = Manifest(
             model=manifest.model,
@@ -304,7 +320,8 @@ def quality_gate(
             chat=manifest.chat,
             stop_ids=manifest.stop_ids,
             files={r: FileEntry.of(Path(tmp), n) for r, n in (("graph", GRAPH_FILE), ("tokenizer", TOKENIZER_FILE))},
-            opset=17,
+            opset=twin_opset,
+            weights=manifest.weights,
         )
         ppl_fp32 = chunked_perplexity(Decoder(tmp, manifest=twin), heldout).ppl
     increase = (ppl_kv / ppl_fp32 - 1.0) * 100.0

@@ -27,30 +27,41 @@ from onnx import TensorProto
 
 from cabinlm import manifest as mf
 from cabinlm.export import kvquant as kvq
+from cabinlm.export import wquant
+from cabinlm.export.wquant import QuantMatrix
 from cabinlm.export.graph import ELEM, GraphBuilder
 from cabinlm.manifest import CacheLayout, ModelSpec
+
+
+Matrix = np.ndarray | QuantMatrix  # float32 (in, out), or block-quantized (export/wquant.py)
 
 
 @dataclass
 class LayerWeights:
     input_norm: np.ndarray  # (D,)
-    qkv: np.ndarray  # (D, (H + 2 Hkv) Dh), q|k|v columns
+    qkv: Matrix  # (D, (H + 2 Hkv) Dh), q|k|v columns
     qkv_bias: np.ndarray | None  # ((H + 2 Hkv) Dh,)
-    o: np.ndarray  # (H Dh, D)
+    o: Matrix  # (H Dh, D)
     post_norm: np.ndarray  # (D,)
-    gate_up: np.ndarray  # (D, 2 I), gate|up columns
-    down: np.ndarray  # (I, D)
+    gate_up: Matrix  # (D, 2 I), gate|up columns
+    down: Matrix  # (I, D)
 
 
 @dataclass
 class DecoderWeights:
-    embed: np.ndarray  # (V, D)
+    embed: np.ndarray | QuantMatrix  # (V, D) float32, or quantized as the (D, V) output projection
     layers: list[LayerWeights]
     final_norm: np.ndarray  # (D,)
-    lm_head: np.ndarray | None  # (V, D); None when tied to embed
+    lm_head: Matrix | None  # (V, D) float32 or (D, V) quantized; None when tied to embed
     inv_freq: np.ndarray  # (Dh / 2,) RoPE inverse frequencies (any static scaling applied)
     rope_scaling: float  # multiplies cos and sin (1.0 unless the RoPE type says otherwise)
     key_scales: np.ndarray | None = None  # (layers, Hkv, Dh) per-channel key scales, int8 / fp8 KV only
+    weight_format: str = "fp32"  # fp32, int8 or int4 (what the matrices hold; the manifest records it)
+    weight_source: dict | None = None  # quantized formats: how many matrices were imported / quantized
+
+    @property
+    def quantized(self) -> bool:
+        return any(isinstance(m, QuantMatrix) for m in (self.embed, *(l.qkv for l in self.layers)))
 
 
 def build_decoder(
@@ -83,6 +94,49 @@ def build_decoder(
         rms = g.op("Sqrt", g.op("Add", var, eps, name=f"{name}/eps"), name=f"{name}/rms")
         return g.op("Mul", g.op("Div", x, rms, name=f"{name}/div"), g.weight(f"{name}.weight", weight), name=name)
 
+    if w.quantized and opset < 21:
+        raise ValueError("block-quantized weights need opset 21 or newer (DequantizeLinear block_size)")
+
+    def linear(x: str, m: Matrix, name: str) -> str:
+        """x (T, K) @ W (K, N). Quantized: DequantizeLinear (blocks of 32 along K) -> MatMul, which
+        ONNX Runtime fuses into MatMulNBits; a Q4_1 offset adds blocksum(x) @ offset."""
+        if isinstance(m, np.ndarray):
+            return g.op("MatMul", x, g.weight(name, m), name=f"{name}/matmul")
+        K, N = m.shape
+        elem = TensorProto.UINT4 if m.bits == 4 else TensorProto.INT8
+        data = wquant.pack_uint4(m.q) if m.bits == 4 else np.ascontiguousarray(m.q, np.int8).tobytes()
+        ins = [g.raw(f"{name}.q", elem, (K, N), data), g.weight(f"{name}.scale", m.scale)]
+        if m.zero_point is not None:
+            ins.append(g.raw(f"{name}.zero_point", elem, m.zero_point.shape, wquant.pack_uint4(m.zero_point)))
+        wt = g.op("DequantizeLinear", *ins, axis=0, block_size=wquant.BLOCK, name=f"{name}/dq")
+        y = g.op("MatMul", x, wt, name=f"{name}/matmul")
+        if m.offset is not None:
+            blocks = g.op("Reshape", x, g.ints([-1, K // wquant.BLOCK, wquant.BLOCK]), name=f"{name}/blocks")
+            sums = g.op("ReduceSum", blocks, g.ints([-1]), keepdims=0, name=f"{name}/block_sums")  # (T, K/32)
+            y = g.op("Add", y, g.op("MatMul", sums, g.weight(f"{name}.offset", m.offset), name=f"{name}/offset"), name=f"{name}/with_offset")
+        return y
+
+    def embedding(ids: str) -> str:
+        """Rows of the token table; a quantized table is gathered as integers and scaled per block."""
+        if isinstance(w.embed, np.ndarray):
+            return g.op("Gather", g.weight("embed_tokens", w.embed), ids, axis=0, name="embed")
+        m = w.embed  # (D, V) as the output projection; the table is its transpose
+        D, V = m.shape
+        nb = D // wquant.BLOCK
+
+        def rows(name: str, table: np.ndarray) -> str:
+            t = g.weight(name, np.ascontiguousarray(table.T))
+            return g.op("Gather", t, ids, axis=0, name=f"{name}/gather")
+
+        q = g.op("Cast", rows("embed_tokens.q", m.q), to=TensorProto.FLOAT, name="embed/q_f32")
+        q = g.op("Reshape", q, g.ints([-1, nb, wquant.BLOCK]), name="embed/blocks")
+        if m.zero_point is not None:
+            q = g.op("Sub", q, g.op("Unsqueeze", g.op("Cast", rows("embed_tokens.zero_point", m.zero_point), to=TensorProto.FLOAT), g.ints([2])))
+        x = g.op("Mul", q, g.op("Unsqueeze", rows("embed_tokens.scale", m.scale), g.ints([2])), name="embed/scaled")
+        if m.offset is not None:
+            x = g.op("Add", x, g.op("Unsqueeze", rows("embed_tokens.offset", m.offset), g.ints([2])), name="embed/offset")
+        return g.op("Reshape", x, g.ints([-1, D]), name="embed")
+
     half = Dh // 2
     # rotate_half(x) = [-x2, x1] = [x2, x1] * [-1 | +1]: the sign lives in the sin table. (Split and
     # Concat, not a Gather over the last axis: ONNX Runtime's Gather there is several times slower.)
@@ -110,16 +164,19 @@ def build_decoder(
     c_cos, c_sin = rotary_tables(mf.CACHE_POSITION_IDS, w.rope_scaling, "rope_cache")
     n_cos, n_sin = rotary_tables(mf.POSITION_IDS, w.rope_scaling, "rope_chunk")
     q_cos, q_sin = rotary_tables(mf.POSITION_IDS, w.rope_scaling / np.sqrt(Dh), "rope_q")
-    mask_t = g.op("Unsqueeze", g.op("Transpose", mf.ATTENTION_MASK, perm=[1, 0]), g.ints([1]), name="mask_t")  # (N+T,1,T)
     N = layout.slots
+    # Score shapes, from the mask's key count N+T (computed once for all layers).
+    total = g.op("Shape", mf.ATTENTION_MASK, start=1, name="keys_total")
+    shape_grouped = g.op("Concat", g.ints([Hkv, G, -1]), total, axis=0, name="scores_grouped_shape")
+    shape_flat = g.op("Concat", g.ints([Hkv, -1]), total, axis=0, name="scores_flat_shape")
 
-    x = g.op("Gather", g.weight("embed_tokens", w.embed), mf.INPUT_IDS, axis=0, name="embed")  # (T, D)
+    x = embedding(mf.INPUT_IDS)  # (T, D)
     if embed_dim:  # image tokens: the vision graph's embeddings instead of the table's row
         x = g.op("Where", mf.IMAGE_MASK, mf.IMAGE_EMBEDS, x, name="embed_with_image")
     for i, lw in enumerate(w.layers):
         p = f"layers.{i}"
         h = rms_norm(x, lw.input_norm, f"{p}.input_norm")
-        qkv = g.op("MatMul", h, g.weight(f"{p}.qkv", lw.qkv), name=f"{p}/qkv")
+        qkv = linear(h, lw.qkv, f"{p}.qkv")
         if lw.qkv_bias is not None:
             qkv = g.op("Add", qkv, g.weight(f"{p}.qkv_bias", lw.qkv_bias), name=f"{p}/qkv_bias")
         q, k, v = g.split(qkv, [H * Dh, Hkv * Dh, Hkv * Dh], axis=1, name=f"{p}/split_qkv")
@@ -141,7 +198,7 @@ def build_decoder(
             k_cache = kvq.dequantize(g, k_cache, k_scale, layout.kv_dtype)
             v_cache = kvq.dequantize(g, v_cache, g.const(1.0), layout.kv_dtype)  # unit scale: see v_scales
             scales = g.op("Cast", mf.value_scale_name(i), to=TensorProto.FLOAT, name=f"{p}/v_cache_scale")  # (Hkv,N,1)
-            v_scales = g.op("Transpose", scales, perm=[0, 2, 1], name=f"{p}/v_scale_t")  # (Hkv,1,N)
+            v_scales = g.op("Reshape", scales, g.ints([0, 1, -1]), name=f"{p}/v_scale_t")  # (Hkv,1,N)
         elif kv_is_float32:
             g.output(k, mf.new_key_name(i), kv_elem, kv_shape)
             g.output(v, mf.new_value_name(i), kv_elem, kv_shape)
@@ -152,15 +209,18 @@ def build_decoder(
             v_cache = g.op("Cast", v_cache, to=TensorProto.FLOAT, name=f"{p}/v_cache_f32")
 
         # Attention over the cache and over the chunk, joined only at the (small) scores, so the
-        # cache is neither concatenated nor transposed: scores are K . q^T, (keys, queries).
+        # cache is never concatenated: scores = q . K^T (a transposed-B MatMul, no copy of K), laid
+        # out (Hkv, G*T, keys) so the softmax runs over the innermost axis.
         kc = rope(k_cache, c_cos, c_sin, f"{p}/rope_kc")  # (Hkv, N, Dh)
         kn = rope(k, n_cos, n_sin, f"{p}/rope_kn")  # (Hkv, T, Dh)
         q = rope(q, q_cos, q_sin, f"{p}/rope_q")  # (H, T, Dh), scaled
-        q_t = g.op("Transpose", g.op("Reshape", q, g.ints([Hkv, -1, Dh])), perm=[0, 2, 1], name=f"{p}/q_t")  # (Hkv,Dh,G*T)
-        scores = g.op("Concat", g.op("MatMul", kc, q_t), g.op("MatMul", kn, q_t), axis=1, name=f"{p}/scores")  # (Hkv,N+T,G*T)
-        scores = g.op("Add", g.op("Reshape", scores, g.ints([0, 0, G, -1])), mask_t, name=f"{p}/masked")  # (Hkv,N+T,G,T)
-        probs = g.op("Softmax", scores, axis=1, name=f"{p}/probs")
-        probs = g.op("Transpose", g.op("Reshape", probs, g.ints([0, 0, -1])), perm=[0, 2, 1], name=f"{p}/probs_t")  # (Hkv,G*T,N+T)
+        q_g = g.op("Reshape", q, g.ints([Hkv, -1, Dh]), name=f"{p}/q_groups")  # (Hkv, G*T, Dh): head h uses KV head h // G
+        s_cache = g.op("MatMul", q_g, g.op("Transpose", kc, perm=[0, 2, 1], name=f"{p}/kc_t"), name=f"{p}/s_cache")
+        s_chunk = g.op("MatMul", q_g, g.op("Transpose", kn, perm=[0, 2, 1], name=f"{p}/kn_t"), name=f"{p}/s_chunk")
+        scores = g.op("Concat", s_cache, s_chunk, axis=2, name=f"{p}/scores")  # (Hkv, G*T, N+T)
+        scores = g.op("Reshape", scores, shape_grouped, name=f"{p}/scores_g")  # (Hkv, G, T, N+T)
+        scores = g.op("Add", scores, mf.ATTENTION_MASK, name=f"{p}/masked")  # mask (T, N+T) broadcasts
+        probs = g.op("Reshape", g.op("Softmax", scores, axis=-1, name=f"{p}/probs"), shape_flat, name=f"{p}/probs_flat")
         p_cache = g.op("Slice", probs, g.ints([0]), g.ints([N]), g.ints([2]), name=f"{p}/p_cache")
         p_chunk = g.op("Slice", probs, g.ints([N]), g.ints([2**62]), g.ints([2]), name=f"{p}/p_chunk")
         if v_scales is not None:
@@ -168,24 +228,29 @@ def build_decoder(
         ctx = g.op("Add", g.op("MatMul", p_cache, v_cache), g.op("MatMul", p_chunk, v), name=f"{p}/ctx")  # (Hkv,G*T,Dh)
         ctx = g.op("Reshape", ctx, g.ints([H, -1, Dh]), name=f"{p}/ctx_heads")
         ctx = g.op("Reshape", g.op("Transpose", ctx, perm=[1, 0, 2]), g.ints([-1, H * Dh]), name=f"{p}/ctx_flat")
-        x = g.op("Add", x, g.op("MatMul", ctx, g.weight(f"{p}.o", lw.o), name=f"{p}/o"), name=f"{p}/attn_res")
+        x = g.op("Add", x, linear(ctx, lw.o, f"{p}.o"), name=f"{p}/attn_res")
 
         h = rms_norm(x, lw.post_norm, f"{p}.post_norm")
         gate, up = g.split(
-            g.op("MatMul", h, g.weight(f"{p}.gate_up", lw.gate_up), name=f"{p}/gate_up"),
+            linear(h, lw.gate_up, f"{p}.gate_up"),
             [lw.down.shape[0], lw.down.shape[0]],
             axis=1,
             name=f"{p}/split_gate_up",
         )
         act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up, name=f"{p}/swiglu")
-        x = g.op("Add", x, g.op("MatMul", act, g.weight(f"{p}.down", lw.down), name=f"{p}/down"), name=f"{p}/mlp_res")
+        x = g.op("Add", x, linear(act, lw.down, f"{p}.down"), name=f"{p}/mlp_res")
 
+    # Logits only for the rows asked for (prefill: the last token; perplexity: all of them).
+    x = g.op("Gather", x, mf.LOGIT_ROWS, axis=0, name="logit_rows")
     h = rms_norm(x, w.final_norm, "final_norm")
-    if w.lm_head is None:  # tied: reuse the embedding table, weights held once
+    head = w.embed if w.lm_head is None else w.lm_head
+    if isinstance(head, QuantMatrix):
+        logits = linear(h, head, "lm_head")
+    elif w.lm_head is None:  # tied: reuse the embedding table, weights held once
         logits = g.op("Gemm", h, "embed_tokens", transB=1, name="lm_head")
     else:
         logits = g.op("Gemm", h, g.weight("lm_head", w.lm_head), transB=1, name="lm_head")
-    g.output(logits, mf.LOGITS, TensorProto.FLOAT, ("tokens", spec.vocab_size))
+    g.output(logits, mf.LOGITS, TensorProto.FLOAT, ("rows", spec.vocab_size))
 
     # Graph outputs in the declared order.
     order = {t.name: i for i, t in enumerate(io.outputs)}

@@ -59,6 +59,12 @@ class GraphBuilder:
         self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
         return name
 
+    def raw(self, name: str, elem_type: int, dims: tuple[int, ...], data: bytes) -> str:
+        """An initializer from raw little-endian bytes (packed 4-bit types numpy cannot hold)."""
+        name = self._fresh(name)
+        self.initializers.append(helper.make_tensor(name, elem_type, list(dims), data, raw=True))
+        return name
+
     def const(self, value, dtype=np.float32) -> str:
         """A small constant, deduplicated by value."""
         arr = np.asarray(value, dtype=dtype)

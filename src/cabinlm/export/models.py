@@ -21,7 +21,9 @@ from typing import Any, Callable
 import numpy as np
 
 from cabinlm.errors import ModelError
+from cabinlm.export import wquant
 from cabinlm.export.decoder import DecoderWeights, LayerWeights
+from cabinlm.export.wquant import QuantMatrix, WeightFormat
 from cabinlm.manifest import STATIC_ROPE_TYPES, SUPPORTED_ARCHITECTURES, SUPPORTED_VLM_ARCHITECTURES, ModelSpec
 
 
@@ -100,6 +102,7 @@ class LoadedModel:
     spec: ModelSpec
     source: str
     folder: Path | None = None  # where it was loaded from (the image processor's config lives there)
+    gguf: Path | None = None  # the .gguf file, when the model came from one (its blocks can be imported)
 
     @property
     def vlm(self) -> bool:
@@ -220,47 +223,133 @@ def load_model(source: str, log: Callable[[str], None] = lambda s: None) -> Load
         tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
         source=source if source in ALIASES else where,
     )
-    return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, source=spec.source, folder=folder)
+    return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, source=spec.source, folder=folder,
+                       gguf=folder / gguf if gguf else None)  # fmt: skip
 
 
-def decoder_weights(loaded: LoadedModel) -> DecoderWeights:
-    """The loaded model's weights as the (in, out)-major numpy arrays the graph multiplies with."""
+# GGUF tensor name (per layer) -> transformers module path, for the block import.
+_GGUF_LINEARS = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}  # fmt: skip
+
+
+def gguf_blocks(path: Path, spec: ModelSpec) -> dict[str, tuple[str, np.ndarray]]:
+    """The GGUF tensors stored in an importable block type: name -> (ggml type, raw block rows)."""
+    from gguf import GGUFReader
+
+    out = {}
+    for t in GGUFReader(str(path)).tensors:
+        kind = t.tensor_type.name
+        if kind in wquant.GGUF_TYPES:
+            out[t.name] = (kind, np.asarray(t.data))
+    return out
+
+
+def _gguf_matrix(blocks: dict, name: str, k: int, heads: int | None, head_dim: int) -> QuantMatrix | None:
+    """One GGUF linear as QuantMatrix (K inputs, N outputs), rows un-permuted for q / k (llama.cpp's
+    converter interleaves the RoPE halves of q and k; transformers reverses it the same way)."""
+    if name not in blocks:
+        return None
+    kind, raw = blocks[name]
+    m = wquant.from_gguf_rows(raw, kind, k)
+    if heads is not None:
+        n = m.shape[1]
+        order = np.arange(n).reshape(heads, n // heads // 2, 2).swapaxes(2, 1).reshape(-1)
+        m = wquant.permute_rows(m, order)
+    return m
+
+
+def decoder_weights(loaded: LoadedModel, fmt: WeightFormat | str = WeightFormat.FP32, log: Callable[[str], None] = lambda s: None) -> DecoderWeights:
+    """The loaded model's weights as the graph multiplies with them: float32 (in, out) arrays, or
+    block-quantized matrices. From a .gguf, Q8_0 / Q4_0 / Q4_1 tensors are imported as their own
+    blocks (the same numbers llama.cpp computes with); other tensors are quantized from float32."""
+    fmt = WeightFormat(fmt)
     m = loaded.model
     text = loaded.text_model
+    spec = loaded.spec
 
     def t(x) -> np.ndarray:
         return x.detach().to("cpu").float().numpy()
 
+    blocks = {}
+    if fmt != WeightFormat.FP32 and loaded.gguf is not None:
+        blocks = gguf_blocks(loaded.gguf, spec)
+    counts = {"imported": 0, "quantized": 0}
+
+    def mat(module, gguf_name: str | None, heads: int | None = None):
+        """(in, out) float32, or a QuantMatrix: imported from the GGUF when it holds this tensor's
+        blocks in a type that matches the format, else quantized here."""
+        if fmt == WeightFormat.FP32:
+            return np.ascontiguousarray(t(module.weight).T)
+        k = module.weight.shape[1]
+        if gguf_name is not None and gguf_name in blocks:
+            kind = blocks[gguf_name][0]
+            if fmt == WeightFormat.INT4 or kind == "Q8_0":  # int8 asked: only Q8_0 is imported as is
+                counts["imported"] += 1
+                return _gguf_matrix(blocks, gguf_name, k, heads, spec.head_dim)
+        counts["quantized"] += 1
+        return wquant.quantize(np.ascontiguousarray(t(module.weight).T), fmt)
+
+    def cat(parts):
+        return np.concatenate(parts, axis=1) if isinstance(parts[0], np.ndarray) else wquant.concat(parts)
+
     layers = []
-    for layer in text.layers:
+    for i, layer in enumerate(text.layers):
         a, mlp = layer.self_attn, layer.mlp
-        qkv = np.concatenate([t(a.q_proj.weight), t(a.k_proj.weight), t(a.v_proj.weight)], axis=0).T
+        name = lambda n: f"blk.{i}.{n}.weight"  # noqa: E731
+        qkv = cat([mat(a.q_proj, name("attn_q"), spec.num_heads), mat(a.k_proj, name("attn_k"), spec.num_kv_heads),
+                   mat(a.v_proj, name("attn_v"))])  # fmt: skip
         bias = None
         if a.q_proj.bias is not None:
             bias = np.concatenate([t(a.q_proj.bias), t(a.k_proj.bias), t(a.v_proj.bias)])
-        gate_up = np.concatenate([t(mlp.gate_proj.weight), t(mlp.up_proj.weight)], axis=0).T
         layers.append(
             LayerWeights(
                 input_norm=t(layer.input_layernorm.weight),
-                qkv=np.ascontiguousarray(qkv),
+                qkv=qkv,
                 qkv_bias=bias,
-                o=np.ascontiguousarray(t(a.o_proj.weight).T),
+                o=mat(a.o_proj, name("attn_output")),
                 post_norm=t(layer.post_attention_layernorm.weight),
-                gate_up=np.ascontiguousarray(gate_up),
-                down=np.ascontiguousarray(t(mlp.down_proj.weight).T),
+                gate_up=cat([mat(mlp.gate_proj, name("ffn_gate")), mat(mlp.up_proj, name("ffn_up"))]),
+                down=mat(mlp.down_proj, name("ffn_down")),
             )
         )
-    embed = t(text.embed_tokens.weight)
     head = m.lm_head.weight
     tied = head.data_ptr() == text.embed_tokens.weight.data_ptr()
+    if fmt == WeightFormat.FP32:
+        embed, lm_head = t(text.embed_tokens.weight), (None if tied else t(head))
+    else:
+        # The token table and output projection stay at 8 bits (as llama.cpp's Q4 files keep them)
+        # unless the file itself holds them at 4.
+        table_fmt = WeightFormat.INT8
+        embed_src = blocks.get("token_embd.weight")
+        if embed_src is not None and (embed_src[0] == "Q8_0" or fmt == WeightFormat.INT4):
+            embed = _gguf_matrix(blocks, "token_embd.weight", spec.hidden_size, None, spec.head_dim)
+            counts["imported"] += 1
+        else:
+            embed = wquant.quantize(np.ascontiguousarray(t(text.embed_tokens.weight).T), table_fmt)
+            counts["quantized"] += 1
+        lm_head = None
+        if not tied:
+            out_src = blocks.get("output.weight")
+            if out_src is not None and (out_src[0] == "Q8_0" or fmt == WeightFormat.INT4):
+                lm_head = _gguf_matrix(blocks, "output.weight", spec.hidden_size, None, spec.head_dim)
+                counts["imported"] += 1
+            else:
+                lm_head = wquant.quantize(np.ascontiguousarray(t(head).T), table_fmt)
+                counts["quantized"] += 1
+        log(f"{fmt.value} weights: {counts['imported']} matrices imported from the GGUF blocks, "
+            f"{counts['quantized']} quantized from float32")  # fmt: skip
     rotary = text.rotary_emb
     return DecoderWeights(
         embed=embed,
         layers=layers,
         final_norm=t(text.norm.weight),
-        lm_head=None if tied else t(head),
+        lm_head=lm_head,
         inv_freq=t(rotary.inv_freq).astype(np.float32),
         rope_scaling=float(rotary.attention_scaling),
+        weight_format=fmt.value,
+        weight_source=dict(counts),
     )
 
 

@@ -86,42 +86,50 @@ def session_options(threads: int | None = None, build: dict | None = None) -> or
 
 class _Binding:
     """One graph run configuration: a session, the cache bound once, and output buffers allocated
-    once for a fixed token count (tokens=None: ORT allocates outputs per run, for any chunk size)."""
+    once for a fixed token count (tokens=None: ORT allocates outputs per run, for any chunk size).
+    rows: the fixed number of logit rows (None: any, allocated per run)."""
 
-    def __init__(self, session, cache_values, out_specs: list[tuple[str, tuple, np.dtype, str]], tokens: int | None):
+    def __init__(self, session, cache_values, out_specs: list[tuple[str, tuple, np.dtype, str]], tokens: int | None,
+                 rows: int | None = None):
         self.session = session
         self.tokens = tokens
         self.binding = session.io_binding()
         for name, ov in cache_values:
             self.binding.bind_ortvalue_input(name, ov)
         self.names = [name for name, *_ in out_specs]
-        self.outputs: list[np.ndarray] = []
+        self.outputs: list[np.ndarray | None] = []
         self._ovs = []
-        if tokens is not None:
-            for name, shape, dtype, onnx_type in out_specs:
-                arr = np.empty(tuple(tokens if d == "tokens" else d for d in shape), dtype=dtype)
-                ov = _ortvalue(arr, onnx_type)
-                self.binding.bind_ortvalue_output(name, ov)
-                self.outputs.append(arr)
-                self._ovs.append(ov)
+        self.dynamic: list[str] = []  # outputs ORT allocates per run
+        for name, shape, dtype, onnx_type in out_specs:  # bound in declared order: get_outputs() keeps it
+            if tokens is None or ("rows" in shape and rows is None):
+                self.dynamic.append(name)
+                self.binding.bind_output(name, "cpu")
+                self.outputs.append(None)
+                continue
+            arr = np.empty(tuple({"tokens": tokens, "rows": rows}.get(d, d) for d in shape), dtype=dtype)
+            ov = _ortvalue(arr, onnx_type)
+            self.binding.bind_ortvalue_output(name, ov)
+            self.outputs.append(arr)
+            self._ovs.append(ov)
 
-    def run(self, ids, position_ids, cache_position_ids, mask, extra: dict | None = None) -> list[np.ndarray]:
+    def run(self, ids, position_ids, cache_position_ids, mask, rows, extra: dict | None = None) -> list[np.ndarray]:
         b = self.binding
         b.bind_cpu_input(mf.INPUT_IDS, ids)
         b.bind_cpu_input(mf.POSITION_IDS, position_ids)
         b.bind_cpu_input(mf.CACHE_POSITION_IDS, cache_position_ids)
         b.bind_cpu_input(mf.ATTENTION_MASK, mask)
+        b.bind_cpu_input(mf.LOGIT_ROWS, rows)
         for name, value in (extra or {}).items():
             b.bind_cpu_input(name, value)
-        if self.tokens is None:
-            # Rebound every run: a binding keeps the OrtValues ORT allocated for the previous run,
-            # whose shapes differ when the chunk size changes.
-            for name in self.names:
-                b.bind_output(name, "cpu")
+        # Rebound every run: a binding keeps the OrtValues ORT allocated for the previous run,
+        # whose shapes differ when the chunk size or the number of logit rows changes.
+        for name in self.dynamic:
+            b.bind_output(name, "cpu")
         self.session.run_with_iobinding(b)
-        if self.tokens is None:
-            return [o.numpy() for o in b.get_outputs()]  # fp8 comes back as its uint8 bytes
-        return self.outputs
+        if not self.dynamic:
+            return self.outputs
+        got = b.get_outputs()  # in binding order; fp8 comes back as its uint8 bytes
+        return [got[i].numpy() if a is None else a for i, a in enumerate(self.outputs)]
 
 
 def _ortvalue(array: np.ndarray, dtype: str) -> ort.OrtValue:
@@ -178,6 +186,8 @@ class Decoder:
             self._no_image = np.zeros((self.layout.chunk, 1), dtype=bool)
             self._all_image = np.ones((self.layout.chunk, 1), dtype=bool)
         self.cache = KVCache(self.layout)
+        self._all_rows = np.arange(C, dtype=self._index_dtype)
+        self._last_row = [self._all_rows[i : i + 1] for i in range(C)]
         self._bind()
 
     def _session(self, role: str, threads: int | None) -> ort.InferenceSession:
@@ -227,14 +237,16 @@ class Decoder:
                 cache_values.append((mf.value_scale_name(i), _ortvalue(c.value_scales[i], "float16")))
         self._cache_values = cache_values
         H, D = lay.kv_heads, lay.head_dim
-        outs = [(mf.LOGITS, ("tokens", V), np.dtype(np.float32), "float")]
+        outs = [(mf.LOGITS, ("rows", V), np.dtype(np.float32), "float")]
         outs += [(mf.new_key_name(i), (H, "tokens", D), kv, kv_onnx) for i in range(lay.layers)]
         outs += [(mf.new_value_name(i), (H, "tokens", D), kv, kv_onnx) for i in range(lay.layers)]
         if lay.quantized:
             outs += [(mf.new_value_scale_name(i), (H, "tokens", 1), np.dtype(np.float16), "float16") for i in range(lay.layers)]
         decode_session = self.sessions["graph_decode" if self.static else "graph"]
-        self._decode = _Binding(decode_session, cache_values, outs, tokens=1)
-        self._prefill = _Binding(self.sessions["graph"], cache_values, outs, tokens=lay.chunk if self.static else None)
+        self._decode = _Binding(decode_session, cache_values, outs, tokens=1, rows=1)
+        # static graphs have every dimension fixed: the prefill graph returns a row per token
+        size = lay.chunk if self.static else None
+        self._prefill = _Binding(self.sessions["graph"], cache_values, outs, tokens=size, rows=size)
 
     def seat(self) -> Decoder:
         """Another dialogue seat on the same loaded model: the sessions and weights are shared
@@ -248,10 +260,14 @@ class Decoder:
     def reset(self) -> None:
         self.cache.reset()
 
-    def step(self, ids: np.ndarray, pin: bool | str = False, embeds: np.ndarray | None = None) -> np.ndarray:
-        """Run one chunk (1..chunk tokens) and commit its K/V. Returns logits (tokens, vocab).
+    def step(self, ids: np.ndarray, pin: bool | str = False, embeds: np.ndarray | None = None, logits: str = "all") -> np.ndarray:
+        """Run one chunk (1..chunk tokens) and commit its K/V. Returns logits (tokens, vocab), or
+        with logits="last" only the last token's (1, vocab): the graph then computes just that row.
 
         embeds (tokens, embed_dim): a vision-language model's image-token embeddings for this chunk."""
+        if logits not in ("all", "last"):
+            raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
+        mode = logits
         index = self._index_dtype
         n = len(ids)
         plan = self.cache.plan(n, pin)
@@ -271,15 +287,21 @@ class Decoder:
             raise ValueError("this model has no vision input")
         if size != n:
             ids, pos, mask = self._pad(ids, pos, mask, size)
-        outs = binding.run(ids, pos.astype(index, copy=False), cache_pos.astype(index, copy=False), mask, extra)
+        if binding.tokens is not None and binding.tokens > 1:  # static prefill: every row, then pick
+            logit_rows = self._all_rows[:size]
+        else:
+            logit_rows = self._last_row[n - 1] if mode == "last" or n == 1 else self._all_rows[:n]
+        outs = binding.run(ids, pos.astype(index, copy=False), cache_pos.astype(index, copy=False), mask, logit_rows, extra)
         L = self.layout.layers
-        logits = outs[0][:n]
+        out = outs[0]
+        if len(out) != (1 if mode == "last" or n == 1 else n):  # a static graph's rows: pick the asked ones
+            out = out[n - 1 : n] if mode == "last" else out[:n]
         keys, values, scales = outs[1 : 1 + L], outs[1 + L : 1 + 2 * L], outs[1 + 2 * L :]
         if binding.tokens != n:  # padded: keep the real tokens' K/V only
             keys, values, scales = ([x[:, :n] for x in xs] for xs in (keys, values, scales))
         with defer_sigint():
             self.cache.commit(plan, keys, values, scales or None)
-        return logits
+        return out
 
     def _pad(self, ids, pos, mask, size: int):
         """Pad a chunk to a static graph's token count. Pad tokens come after the real ones, so the
@@ -302,7 +324,7 @@ class Decoder:
         parts = []
         for start in range(0, len(ids), C):
             rows = None if embeds is None else embeds[start : start + C]
-            logits = self.step(ids[start : start + C], pin=pin, embeds=rows)
+            logits = self.step(ids[start : start + C], pin=pin, embeds=rows, logits="all" if all_logits else "last")
             if all_logits:
                 parts.append(logits.copy())
         if all_logits:
