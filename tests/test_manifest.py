@@ -28,8 +28,9 @@ def test_io_is_declared_from_the_layout(artifact):
     m = load_manifest(artifact)
     io = decoder_io(m.cache, m.model.vocab_size)
     names = [t.name for t in io.inputs]
-    assert names[:4] == ["input_ids", "position_ids", "cache_position_ids", "attention_mask"]
-    assert len(io.inputs) == 4 + 2 * m.cache.layers and len(io.outputs) == 1 + 2 * m.cache.layers
+    assert names[:5] == ["input_ids", "position_ids", "cache_position_ids", "attention_mask", "logit_rows"]
+    assert len(io.inputs) == 5 + 2 * m.cache.layers and len(io.outputs) == 1 + 2 * m.cache.layers
+    assert io.outputs[0].shape == ("rows", m.model.vocab_size)
     k0 = next(t for t in io.inputs if t.name == "key_cache.0")
     assert k0.shape == (m.cache.kv_heads, 2 + 6 + 32, m.cache.head_dim)
 

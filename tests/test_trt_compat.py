@@ -177,10 +177,11 @@ def decoder(load, tiny_llama_dir, export_to):
 def test_the_exported_decoder_parses_for_orin_x(decoder):
     m = onnx.load(str(decoder), load_external_data=False)
     found = check_model(m, "orin-x")
-    # No errors. The three int64 index inputs are cast to INT32 by TensorRT 8.6: the runtime must
+    # No errors. The four int64 index inputs are cast to INT32 by TensorRT 8.6: the runtime must
     # bind INT32 buffers for them on that engine (TensorRT >= 9 takes INT64 natively).
     assert errors(found) == [], format_report(found, "orin-x")
-    assert kinds(found, "warning") == {("dtype", n) for n in ("input_ids", "position_ids", "cache_position_ids")}
+    indices = ("input_ids", "position_ids", "cache_position_ids", "logit_rows")
+    assert kinds(found, "warning") == {("dtype", n) for n in indices}
     assert check_file(decoder, "10.3") == []
     for profile in ("jetson-agx-orin-64gb", "jetson-orin-nx-16gb", "thor"):
         assert check_file(decoder, profile) == [], profile
