@@ -117,3 +117,21 @@ def test_profiles_lists_every_target():
     assert p.returncode == 0
     names = {d["name"] for d in json.loads(p.stdout)}
     assert {"cpu", "orin-x", "jetson-agx-orin-64gb", "jetson-orin-nx-16gb", "thor", "sa8295p", "sa8775p"} <= names
+
+
+@pytest.mark.parametrize("kv", ["fp32", "int8"])
+def test_cpu_build_fuses_the_cached_keys_rotary_embedding_exactly(kv, load, tiny_llama_dir, export_to, tmp_path):
+    """The build rewrites the cache keys' RoPE into ONNX Runtime's RotaryEmbedding kernel: one node per
+    layer instead of five, and the same logits, step by step, with eviction running."""
+    art = export_to(load(str(tiny_llama_dir)), sink=4, pinned=4, window=40, chunk=8, kv=kv)
+    out = tmp_path / "cpu"
+    assert cabinlm("build", art, "--profile", "cpu", "-o", out).returncode == 0
+    m = onnx.load(str(out / "decoder.opt.onnx"), load_external_data=False)
+    ops = [n.op_type for n in m.graph.node]
+    assert ops.count("RotaryEmbedding") == 2  # one per layer (the tiny model has 2)
+    assert not any(n.name.endswith(("rope_kc/rot", "rope_kc/xcos")) for n in m.graph.node)
+    a, b = Decoder(art), Decoder(out)
+    ids = np.arange(3, 150) % 300
+    np.testing.assert_allclose(b.feed(ids[:50], all_logits=True), a.feed(ids[:50], all_logits=True), atol=1e-4)
+    for t in ids[50:]:  # one token per step, 100 steps past the 48-slot cache
+        np.testing.assert_allclose(b.step(np.array([t]))[0], a.step(np.array([t]))[0], atol=1e-4)

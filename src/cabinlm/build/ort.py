@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import onnx
 import onnxruntime as ort
 
@@ -34,7 +35,72 @@ def _copy_common(artifact: Path, manifest: Manifest, out: Path) -> dict[str, str
     return files
 
 
-def _optimize_offline(src: Path, out: Path) -> None:
+def fuse_rotary(model: onnx.ModelProto, max_position: int) -> int:
+    """Rewrite the rotary embedding of the cached keys (the exported Split / Concat / Mul / Mul / Add
+    over every slot of every layer) into ONNX Runtime's one-pass RotaryEmbedding kernel. An
+    engine-specific rewrite, like a TensorRT engine's layer fusions: the export stays plain ONNX.
+    Returns the number of layers rewritten (0 when the graph has no such pattern)."""
+    from onnx import helper, numpy_helper
+
+    nodes = {n.name: n for n in model.graph.node}
+    inits = {i.name: i for i in model.graph.initializer}
+    freqs = nodes.get("n/rope_cache/freqs")
+    if freqs is None or freqs.input[1] not in inits:
+        return 0
+    inv_freq = numpy_helper.to_array(inits[freqs.input[1]]).reshape(-1).astype(np.float64)
+    scale = 1.0
+    scaled = nodes.get("n/rope_cache/cos_scaled")
+    if scaled is not None and scaled.input[1] in inits:
+        scale = float(numpy_helper.to_array(inits[scaled.input[1]]))
+    angles = np.arange(max_position, dtype=np.float64)[:, None] * inv_freq[None, :]
+    model.graph.initializer.extend([
+        numpy_helper.from_array((np.cos(angles) * scale).astype(np.float32), "rotary/cos_cache"),
+        numpy_helper.from_array((np.sin(angles) * scale).astype(np.float32), "rotary/sin_cache"),
+        numpy_helper.from_array(np.array([0], dtype=np.int64), "rotary/axis0"),
+    ])  # fmt: skip
+    ids = "cache_position_ids"
+    new = [helper.make_node("Unsqueeze", [ids], ["rotary/positions_i"], name="n/rotary/positions")]
+    if _elem_type(model, ids) != onnx.TensorProto.INT64:
+        new[0].output[0] = "rotary/positions_raw"
+        new.append(helper.make_node("Cast", ["rotary/positions_raw"], ["rotary/positions_i"], to=onnx.TensorProto.INT64,
+                                    name="n/rotary/positions_int64"))  # fmt: skip
+    new[0].input.append("rotary/axis0")
+    drop, layers = set(), 0
+    for name, add in nodes.items():
+        if not (name.startswith("n/layers.") and name.endswith("/rope_kc")) or add.op_type != "Add":
+            continue
+        base = name
+        parts = [nodes.get(f"{base}/{s}") for s in ("half", "rot", "xcos", "rsin")]
+        if any(p is None for p in parts):
+            continue
+        x = parts[0].input[0]
+        tag = base[2:]
+        new += [
+            helper.make_node("Unsqueeze", [x, "rotary/axis0"], [f"{tag}/x4"], name=f"{base}/x4"),
+            helper.make_node("RotaryEmbedding", [f"{tag}/x4", "rotary/positions_i", "rotary/cos_cache", "rotary/sin_cache"],
+                             [f"{tag}/y4"], name=f"{base}/rotary", domain="com.microsoft", interleaved=0),
+            helper.make_node("Squeeze", [f"{tag}/y4", "rotary/axis0"], [add.output[0]], name=f"{base}/y"),
+        ]  # fmt: skip
+        drop.update(id(n) for n in (*parts, add))
+        layers += 1
+    if not layers:
+        return 0
+    kept = [n for n in model.graph.node if id(n) not in drop]
+    del model.graph.node[:]
+    model.graph.node.extend(new + kept)  # the new nodes read only graph inputs and initializers first
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return layers
+
+
+def _elem_type(model: onnx.ModelProto, name: str) -> int:
+    for vi in model.graph.input:
+        if vi.name == name:
+            return vi.type.tensor_type.elem_type
+    return onnx.TensorProto.INT64
+
+
+def _optimize_offline(src: Path | bytes, out: Path) -> None:
     """ORT's extended (provider-independent fusions) optimizations, saved with external weights."""
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
@@ -42,7 +108,7 @@ def _optimize_offline(src: Path, out: Path) -> None:
     so.add_session_config_entry("session.optimized_model_external_initializers_file_name", OPT_DATA)
     so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
     so.log_severity_level = 3
-    ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])
+    ort.InferenceSession(src if isinstance(src, bytes) else str(src), so, providers=["CPUExecutionProvider"])
 
 
 def fix_tokens(model: onnx.ModelProto, tokens: int, slots: int) -> None:
@@ -100,7 +166,13 @@ def build_onnxruntime(artifact: Path, manifest: Manifest, profile, out: Path, lo
         log(f"wrote a static prefill graph (tokens = {manifest.cache.chunk}) and a decode graph (tokens = 1) sharing weights")
         optimization = "all"  # the target's provider (QNN) compiles the static graphs itself
     else:
-        _optimize_offline(artifact / manifest.files["graph"].path, out)
+        graph = onnx.load(str(artifact / manifest.files["graph"].path))  # with its weights
+        lay = manifest.cache
+        fused = fuse_rotary(graph, lay.slots + lay.chunk)
+        if fused:
+            log(f"fused the cached keys' rotary embedding into RotaryEmbedding in {fused} layers")
+        _optimize_offline(graph.SerializeToString(), out)
+        del graph
         files.update({"graph": OPT_GRAPH, "graph_data": OPT_DATA})
         log(f"optimized the graph offline for {profile.execution_provider}")
         optimization = "basic"  # the heavy fusions are done; the host adds its own at load
