@@ -160,8 +160,12 @@ class Decoder:
     prefill graph (tokens = chunk; the last chunk of a prompt is padded) and a decode graph (tokens = 1).
     """
 
-    def __init__(self, folder: str | Path, manifest: Manifest | None = None, threads: int | None = None):
+    def __init__(self, folder: str | Path, manifest: Manifest | None = None, threads: int | None = None,
+                 session_config: dict[str, str] | None = None):
+        """session_config: extra ONNX Runtime session entries, e.g. {"session.qdq_matmulnbits_accuracy_level":
+        "0"} to run block-quantized weights with float32 activations (default: int8, level 4)."""
         self.folder = Path(folder)
+        self._session_config = dict(session_config or {})
         self.manifest = manifest if manifest is not None else load_manifest(self.folder)
         self.layout = self.manifest.cache
         self.build = read_build(self.folder)
@@ -193,6 +197,8 @@ class Decoder:
     def _session(self, role: str, threads: int | None) -> ort.InferenceSession:
         graph = self.folder / self.manifest.files[role].path
         so = session_options(threads, self.build)
+        for key, value in self._session_config.items():
+            so.add_session_config_entry(key, str(value))
         for name, ov in self._weights:
             so.add_initializer(name, ov)
         if self._weights:
