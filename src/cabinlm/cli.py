@@ -448,7 +448,7 @@ def bench(
         trace_out.write_text(json.dumps({"cabinlm": trace.to_dict(), "baselines": [t.to_dict() for t in others]}))
     if plot is not None:
         draw([trace, *others], plot, title=f"{m.model.source}: {m.weights} weights, {m.cache.kv_dtype.value} KV, "
-             f"window {m.cache.window}, {threads} threads")  # fmt: skip
+             f"window {m.cache.window}, {threads} thread{'s' if threads != 1 else ''}")  # fmt: skip
         _info(f"wrote {plot}")
     if json_out:
         typer.echo(json.dumps(out, indent=1))
