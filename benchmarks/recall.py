@@ -61,7 +61,7 @@ for pin in (False, True):
                         "seconds": round(time.perf_counter() - t0, 1)})  # fmt: skip
         r = results[-1]
         print(f"{'pinned' if pin else 'in the stream'}: fact {r['distance']:5d} tokens back "
-              f"({'inside' if r['in_window'] or pin else 'outside'} the window): recalled {hits}/{a.trials}", flush=True)
+              f"({'pinned' if pin else 'inside the window' if r['in_window'] else 'outside the window'}): recalled {hits}/{a.trials}", flush=True)
     if not pin:
         a.distances = "1600,2400"  # pinned facts: only far beyond the window is interesting
 if a.json:

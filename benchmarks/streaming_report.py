@@ -19,7 +19,7 @@ def cell(x):
 
 
 rows = []
-ranges = [(0, 255, "tokens 2-256 (nothing evicted yet)"), (0, 7999, "tokens 2-8000"), (255, 20479, "tokens 257-20480 (evicting)")]
+ranges = [(0, 255, "tokens 2-256 (nothing evicted yet)"), (0, 7999, "tokens 2-8000"), (255, 20479, "tokens 257-20480 (evicting)"), (0, 20479, "all 20480")]
 print("| attention | KV | " + " | ".join(r[2] for r in ranges) + " |")
 print("|---|---|" + "---|" * len(ranges))
 for label, prefix in (("dense (all 8000 in the cache)", "dense"), ("window only, S=0, W=252", "stream-s0"), ("sink + window, S=4, W=252", "stream-s4")):

@@ -166,7 +166,10 @@ def build_onnxruntime(artifact: Path, manifest: Manifest, profile, out: Path, lo
         log(f"wrote a static prefill graph (tokens = {manifest.cache.chunk}) and a decode graph (tokens = 1) sharing weights")
         optimization = "all"  # the target's provider (QNN) compiles the static graphs itself
     else:
-        graph = onnx.load(str(artifact / manifest.files["graph"].path))  # with its weights
+        try:
+            graph = onnx.load(str(artifact / manifest.files["graph"].path))  # with its weights
+        except Exception as e:  # noqa: BLE001 - onnx raises its own validation errors for unreadable data
+            raise BuildError(f"{artifact}: cannot read the graph and its weights ({str(e).splitlines()[0]}); re-export") from e
         lay = manifest.cache
         fused = fuse_rotary(graph, lay.slots + lay.chunk)
         if fused:
