@@ -185,10 +185,10 @@ def _run_configs(name, model_path, threads, config, args, progress) -> Trace:
         raise ValueError(f"unknown baseline {name!r}; known: {', '.join(BASELINES)}")
     if config is not None and config not in CONFIGS[name]:
         raise ValueError(f"{name} has no configuration {config!r}; it has: {', '.join(CONFIGS[name])}")
+    path = _resolve_model(model_path)  # a wrong model file is said first, whatever is installed
     reason = available(name)
     if reason:
         raise BaselineUnavailable(f"{name}: {reason}")
-    path = _resolve_model(model_path)
     if config is not None:
         return _spawn(name, path, threads, config, args, progress)
     traces, errors = [], []
