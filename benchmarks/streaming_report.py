@@ -1,6 +1,5 @@
 """The StreamingLLM table from benchmarks/streaming_table.sh's per-token NLL files (markdown)."""
 
-import json
 import sys
 from pathlib import Path
 

@@ -1,5 +1,5 @@
 """`cabinlm bench`: the scripted dialogue through cabinlm's own runtime, on the protocol every
-baseline runs (bench/baselines.py: `dialogue` and `fixed_context`), so the figures compare like
+baseline runs (bench/protocol.py: `dialogue` and `fixed_context`), so the figures compare like
 with like. Only numpy, onnxruntime and tokenizers are imported here."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from typing import Callable
 
 import numpy as np
 
-from cabinlm.bench import baselines as bl
+from cabinlm.bench import protocol
 from cabinlm.bench.script import SYSTEM
 from cabinlm.bench.trace import Trace, summarize
 from cabinlm.errors import CabinlmError
 
 
-class CabinlmEngine(bl.Engine):
+class CabinlmEngine(protocol.Engine):
     """The runtime's Decoder behind the baselines' engine interface: greedy, the system prompt pinned
     (as `cabinlm chat` pins it), logits for the last token only during prefill."""
 
@@ -60,7 +60,7 @@ class CabinlmEngine(bl.Engine):
         return int(np.argmax(self.dec.step(np.array([token]))[0]))
 
 
-def script_for(folder: Path) -> bl.Script:
+def script_for(folder: Path) -> protocol.Script:
     """The dialogue script rendered with the artifact's own tokenizer and chat-template pieces."""
     from cabinlm.manifest import load_manifest
     from cabinlm.runtime.tokenizer import Tokenizer
@@ -69,7 +69,7 @@ def script_for(folder: Path) -> bl.Script:
     tok = Tokenizer(folder / m.files["tokenizer"].path)
     chat = dataclasses.asdict(m.chat)
     system = tok.encode(chat["system_prefix"]) + tok.encode_text(SYSTEM) + tok.encode(chat["system_suffix"])
-    return bl.Script(system=system, assistant_suffix=tok.encode(chat["assistant_suffix"]), stop_ids=set(m.stop_ids),
+    return protocol.Script(system=system, assistant_suffix=tok.encode(chat["assistant_suffix"]), stop_ids=set(m.stop_ids),
                      max_positions=m.model.max_positions, _tok=tok, _chat=chat)  # fmt: skip
 
 
@@ -90,7 +90,7 @@ def run_cabinlm(
     t = time.perf_counter()
     engine = CabinlmEngine(folder, threads, script.system)
     load_s = time.perf_counter() - t
-    trace = bl.dialogue(engine, script, tokens=tokens, max_new=max_new, seed=seed, time_limit_s=time_limit_s,
+    trace = protocol.dialogue(engine, script, tokens=tokens, max_new=max_new, seed=seed, time_limit_s=time_limit_s,
                         log=log, on_reply=on_reply)  # fmt: skip
     trace.load_s = round(load_s, 3)
     trace.evicted_tokens = int(engine.dec.cache.evicted)
@@ -104,7 +104,7 @@ def fixed_context_cabinlm(folder: str | Path, *, threads: int, decode: int = 128
     script = script_for(folder)
     engine = CabinlmEngine(folder, threads, [])
     context = engine.dec.layout.slots if context is None else context
-    trace = bl.fixed_context(engine, script, context=context, decode=decode)
+    trace = protocol.fixed_context(engine, script, context=context, decode=decode)
     trace.evicted_tokens = int(engine.dec.cache.evicted)
     trace.config.update(threads=threads, loadavg_1m=round(os.getloadavg()[0], 2))
     return trace
