@@ -125,7 +125,7 @@ def test_cpu_build_fuses_the_cached_keys_rotary_embedding_exactly(kv, load, tiny
     layer instead of five, and the same logits, step by step, with eviction running."""
     art = export_to(load(str(tiny_llama_dir)), sink=4, pinned=4, window=40, chunk=8, kv=kv)
     out = tmp_path / "cpu"
-    assert cabinlm("build", art, "--profile", "cpu", "-o", out).returncode == 0
+    assert cabinlm("build", art, "--profile", "cpu", "-o", out, "--attention", "graph").returncode == 0
     m = onnx.load(str(out / "decoder.opt.onnx"), load_external_data=False)
     ops = [n.op_type for n in m.graph.node]
     assert ops.count("RotaryEmbedding") == 2  # one per layer (the tiny model has 2)

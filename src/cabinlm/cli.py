@@ -183,15 +183,22 @@ def build(
     artifact: Path = typer.Argument(..., help="Folder written by `cabinlm export`."),
     profile: str = typer.Option("cpu", help="Device profile name or .toml file."),
     out: Optional[Path] = typer.Option(None, "-o", "--out", help="Output folder [default: ARTIFACT/build-PROFILE]."),
+    attention: str = typer.Option(
+        "auto", help="cpu builds: 'fused' re-emits the decoder around ONNX Runtime's GroupQueryAttention and "
+        "MatMulNBits kernels (about 4x faster decode; int8 / fp32 KV, text models); 'graph' keeps the exported "
+        "graph; 'auto' fuses where it applies."),
+    accuracy_level: int = typer.Option(4, help="Fused cpu builds: activations of the quantized matmuls, 4 = int8 "
+                                       "(as llama.cpp computes), 0 = float32 (slower, exact to the weights)."),
 ) -> None:
     """Build an exported artifact for a device: ONNX Runtime targets get the graph optimized offline
-    (static prefill + decode graphs for static-shape chips); TensorRT targets are checked for
-    TensorRT compatibility and built where TensorRT and a GPU are present. `cabinlm chat OUT` runs it."""
+    (the cpu profile fuses the decoder; static prefill + decode graphs for static-shape chips);
+    TensorRT targets are checked for TensorRT compatibility and built where TensorRT and a GPU are
+    present. `cabinlm chat OUT` runs it."""
     from cabinlm.build import build_artifact
     from cabinlm.build.trt import TensorRTUnavailable
 
     try:
-        path = build_artifact(artifact, _profile(profile), out, log=_info)
+        path = build_artifact(artifact, _profile(profile), out, log=_info, attention=attention, accuracy_level=accuracy_level)
     except TensorRTUnavailable as e:
         _info(e.details)
         raise

@@ -129,3 +129,68 @@ def decoder_io(layout: CacheLayout, vocab_size: int, index_dtype: str = "int64",
         inputs.append(TensorSpec(IMAGE_EMBEDS, "float", ("tokens", embed_dim)))
         inputs.append(TensorSpec(IMAGE_MASK, "bool", ("tokens", 1)))
     return DecoderIO(tuple(inputs), tuple(outputs))
+
+
+# The fused-attention contract of cpu builds (build/ort_fused.py): ONNX Runtime's GroupQueryAttention
+# reads the cache and writes the chunk's rotated, quantized K/V into the cache's scratch rows itself.
+ROPE_COS = "rope_cos"
+ROPE_SIN = "rope_sin"
+ATTENTION_BIAS = "attention_bias"
+SEQLENS_K = "seqlens_k"
+TOTAL_SEQUENCE_LENGTH = "total_sequence_length"
+
+
+def present_key_name(layer: int) -> str:
+    return f"present_key.{layer}"
+
+
+def present_value_name(layer: int) -> str:
+    return f"present_value.{layer}"
+
+
+def qkv_name(layer: int) -> str:
+    return f"qkv.{layer}"
+
+
+def fused_decoder_io(layout: CacheLayout, num_heads: int, vocab_size: int) -> DecoderIO:
+    """The graph contract of a fused-attention build (slots N, chunk C, rows = N + C):
+
+    inputs
+      input_ids              int64  (tokens,)
+      position_ids           int64  (1, tokens)            rows of rope_cos / rope_sin for the chunk
+      rope_cos, rope_sin     float  (N + C, head_dim / 2)  the chunk's rotation, computed by the runtime
+      attention_bias         float  (1, 1, tokens, total)  additive: the slot mask, then the chunk (causal)
+      seqlens_k              int32  (1,)                    N + tokens - 1
+      total_sequence_length  int32  ()                      N + tokens
+      logit_rows             int64  (rows,)
+      key_cache.{l}          kv     (1, kv_heads, N + C, head_dim)  keys rotated at write time
+      value_cache.{l}        kv     (1, kv_heads, N + C, head_dim)
+    outputs
+      logits                 float  (rows, vocab)
+      present_key.{l}, present_value.{l}: the cache buffers themselves (bound to the inputs' memory);
+                             the chunk's K/V land in rows N .. N + tokens - 1 (the scratch rows)
+      qkv.{l}                float  (tokens, (heads + 2 kv_heads) head_dim)  the chunk's un-rotated q|k|v
+    Rows 0..N-1 are the cache slots (runtime/cache.py). int8 KV: static per-channel scales (keys per
+    rotation pair), held by the graph.
+    """
+    kv = layout.kv_dtype.onnx_name
+    h, d = layout.kv_heads, layout.head_dim
+    rows = layout.slots + layout.chunk
+    inputs = [
+        TensorSpec(INPUT_IDS, "int64", ("tokens",)),
+        TensorSpec(POSITION_IDS, "int64", (1, "tokens")),
+        TensorSpec(ROPE_COS, "float", (rows, d // 2)),
+        TensorSpec(ROPE_SIN, "float", (rows, d // 2)),
+        TensorSpec(ATTENTION_BIAS, "float", (1, 1, "tokens", "total")),
+        TensorSpec(SEQLENS_K, "int32", (1,)),
+        TensorSpec(TOTAL_SEQUENCE_LENGTH, "int32", ()),
+        TensorSpec(LOGIT_ROWS, "int64", ("rows",)),
+    ]
+    outputs = [TensorSpec(LOGITS, "float", ("rows", vocab_size))]
+    for layer in range(layout.layers):
+        inputs.append(TensorSpec(key_cache_name(layer), kv, (1, h, rows, d)))
+        inputs.append(TensorSpec(value_cache_name(layer), kv, (1, h, rows, d)))
+        outputs.append(TensorSpec(present_key_name(layer), kv, (1, h, rows, d)))
+        outputs.append(TensorSpec(present_value_name(layer), kv, (1, h, rows, d)))
+        outputs.append(TensorSpec(qkv_name(layer), "float", ("tokens", (num_heads + 2 * h) * d)))
+    return DecoderIO(tuple(inputs), tuple(outputs))

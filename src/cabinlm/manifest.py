@@ -34,8 +34,17 @@ from cabinlm.io_spec import (  # noqa: F401 - re-exported: the manifest is where
     DecoderIO,
     TensorSpec,
     decoder_io,
+    fused_decoder_io,
     key_cache_name,
     new_key_name,
+    present_key_name,
+    present_value_name,
+    qkv_name,
+    ATTENTION_BIAS,
+    ROPE_COS,
+    ROPE_SIN,
+    SEQLENS_K,
+    TOTAL_SEQUENCE_LENGTH,
     new_value_name,
     new_value_scale_name,
     value_cache_name,
@@ -43,8 +52,9 @@ from cabinlm.io_spec import (  # noqa: F401 - re-exported: the manifest is where
 )
 from cabinlm.layout import CacheLayout, KVDType  # noqa: F401 - re-exported
 
-FORMAT_VERSION = 2  # 2: logit_rows input, block-quantized weights
-SUPPORTED_VERSIONS = (2,)
+FORMAT_VERSION = 3  # 2: logit_rows input, block-quantized weights; 3: "attention" (fused cpu builds)
+SUPPORTED_VERSIONS = (2, 3)
+ATTENTION_KINDS = ("graph", "fused")  # the exported graph's own attention / build/ort_fused.py
 MANIFEST_NAME = "manifest.json"
 # RoPE variants whose inverse frequencies do not depend on the sequence length, so that a
 # fixed-shape graph can hold them as constants (the exporter and the planner both check this).
@@ -141,11 +151,16 @@ class Manifest:
     target: dict[str, Any] | None = None  # {"profile": name, "plan": {...}} when exported for a profile
     vision: VisionSpec | None = None  # vision-language models only
     weights: str = "fp32"  # fp32, int8 or int4 (blocks of 32; see export/wquant.py)
+    # "graph": the exported graph (un-rotated keys, the chunk's K/V as outputs); "fused": a cpu
+    # build's fused attention (keys rotated when written, K/V written into the cache's scratch rows)
+    attention: str = "graph"
     format_version: int = FORMAT_VERSION
     cabinlm_version: str = ""
 
     @property
     def io(self) -> DecoderIO:
+        if self.attention == "fused":
+            return fused_decoder_io(self.cache, self.model.num_heads, self.model.vocab_size)
         embed_dim = self.vision.embed_dim if self.vision else 0
         return decoder_io(self.cache, self.model.vocab_size, self.index_dtype, embed_dim)
 
@@ -166,6 +181,7 @@ class Manifest:
             "target": self.target,
             "vision": dataclasses.asdict(self.vision) if self.vision else None,
             "weights": self.weights,
+            "attention": self.attention,
         }
 
     def save(self, folder: Path) -> Path:
@@ -199,6 +215,7 @@ class Manifest:
                 target=d.get("target"),
                 vision=VisionSpec(**d["vision"]) if d.get("vision") else None,
                 weights=str(d.get("weights", "fp32")),
+                attention=str(d.get("attention", "graph")),
                 format_version=version,
                 cabinlm_version=d.get("cabinlm_version", ""),
             )
@@ -206,6 +223,8 @@ class Manifest:
             raise ManifestError(f"{where}: missing field {e.args[0]!r}; the file is incomplete, re-export") from e
         except (TypeError, ValueError, AttributeError) as e:  # a field of the wrong type or shape
             raise ManifestError(f"{where}: invalid content ({e}); re-export the model") from e
+        if m.attention not in ATTENTION_KINDS:
+            raise ManifestError(f"{where}: unknown attention {m.attention!r} (known: {', '.join(ATTENTION_KINDS)}); rebuild")
         if "io" in d and d["io"] != m.io.to_dict():
             raise ManifestError(
                 f"{where}: the declared graph I/O does not match the cache layout it declares; "

@@ -23,8 +23,15 @@ class BuildError(CabinlmError):
     """The build cannot be done here or for this artifact."""
 
 
-def build_artifact(artifact: str | Path, profile, out: str | Path | None = None, log: Callable[[str], None] = lambda s: None) -> Path:
-    """Build `artifact` for `profile` (a DeviceProfile) into `out` (default: ARTIFACT/build-PROFILE)."""
+def build_artifact(artifact: str | Path, profile, out: str | Path | None = None, log: Callable[[str], None] = lambda s: None,
+                   attention: str = "auto", accuracy_level: int = 4) -> Path:
+    """Build `artifact` for `profile` (a DeviceProfile) into `out` (default: ARTIFACT/build-PROFILE).
+
+    ONNX Runtime cpu builds: attention "auto" fuses the decoder (build/ort_fused.py) where the
+    artifact allows and keeps the exported graph otherwise; "fused" insists; "graph" keeps the export.
+    accuracy_level: the fused build's MatMulNBits activations (4: int8, as llama.cpp; 0: float32)."""
+    if attention not in ("auto", "fused", "graph"):
+        raise BuildError(f"attention must be auto, fused or graph, got {attention!r}")
     from cabinlm.manifest import load_manifest
     from cabinlm.profiles import Engine
 
@@ -42,4 +49,4 @@ def build_artifact(artifact: str | Path, profile, out: str | Path | None = None,
         return build_tensorrt(artifact, manifest, profile, out, log)
     from cabinlm.build.ort import build_onnxruntime
 
-    return build_onnxruntime(artifact, manifest, profile, out, log)
+    return build_onnxruntime(artifact, manifest, profile, out, log, attention=attention, accuracy_level=accuracy_level)

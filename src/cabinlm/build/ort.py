@@ -20,7 +20,7 @@ import onnxruntime as ort
 
 from cabinlm import __version__
 from cabinlm.build import BUILD_NAME, BuildError
-from cabinlm.manifest import FileEntry, Manifest
+from cabinlm.manifest import FORMAT_VERSION, FileEntry, Manifest
 
 OPT_GRAPH, OPT_DATA = "decoder.opt.onnx", "decoder.opt.onnx.data"
 PREFILL_GRAPH, DECODE_GRAPH, SHARED_DATA = "decoder.prefill.onnx", "decoder.decode.onnx", "decoder.onnx.data"
@@ -152,7 +152,18 @@ def static_pair(artifact: Path, manifest: Manifest, out: Path) -> tuple[dict[str
     return files, weight_table(src, data_name)
 
 
-def build_onnxruntime(artifact: Path, manifest: Manifest, profile, out: Path, log: Callable[[str], None]) -> Path:
+def _kv_scales(artifact: Path, manifest: Manifest) -> dict | None:
+    if "key_scales" not in manifest.files:
+        return None
+    path = artifact / manifest.files["key_scales"].path
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise BuildError(f"{path}: unreadable KV scales ({e}); re-export") from e
+
+
+def build_onnxruntime(artifact: Path, manifest: Manifest, profile, out: Path, log: Callable[[str], None],
+                      attention: str = "auto", accuracy_level: int = 4) -> Path:
     if manifest.opset > profile.max_opset:
         raise BuildError(f"{artifact}: graph opset {manifest.opset} is above {profile.name}'s {profile.max_opset}")
     out.mkdir(parents=True, exist_ok=True)
@@ -160,6 +171,8 @@ def build_onnxruntime(artifact: Path, manifest: Manifest, profile, out: Path, lo
     t0 = time.perf_counter()
     files = _copy_common(artifact, manifest, out)
     shared = None
+    fused_record = None
+    kind = "graph"
     if profile.static_shapes:
         pair, shared = static_pair(artifact, manifest, out)
         files.update(pair)
@@ -171,15 +184,34 @@ def build_onnxruntime(artifact: Path, manifest: Manifest, profile, out: Path, lo
         except Exception as e:  # noqa: BLE001 - onnx raises its own validation errors for unreadable data
             raise BuildError(f"{artifact}: cannot read the graph and its weights ({str(e).splitlines()[0]}); re-export") from e
         lay = manifest.cache
-        fused = fuse_rotary(graph, lay.slots + lay.chunk)
-        if fused:
-            log(f"fused the cached keys' rotary embedding into RotaryEmbedding in {fused} layers")
+        from cabinlm.build import ort_fused
+
+        scales = _kv_scales(artifact, manifest)
+        why = ort_fused.ineligible(manifest, scales) if attention != "graph" else "--attention graph"
+        if why is not None and attention == "fused":
+            raise BuildError(f"{artifact}: the fused attention does not apply: {why}")
+        if why is None:
+            fused_model = ort_fused.fused_model(graph, manifest, scales, accuracy_level)
+            inv_freq, rope_scale = ort_fused.rope_tables(graph)
+            kv_scales = scales.get("rotated_key_scales") if lay.kv_dtype.value == "int8" else None
+            fused_record = {"inv_freq": inv_freq, "rope_scale": rope_scale, "key_scales": kv_scales,
+                            "accuracy_level": accuracy_level}  # fmt: skip
+            log(f"fused the decoder: {len(fused_model.graph.node)} nodes (the export has {len(graph.graph.node)}), "
+                f"GroupQueryAttention over {lay.kv_dtype.value} KV, MatMulNBits accuracy level {accuracy_level}")
+            del graph
+            graph, kind = fused_model, "fused"
+        else:
+            log(f"kept the exported attention ({why})")
+            fused = fuse_rotary(graph, lay.slots + lay.chunk)
+            if fused:
+                log(f"fused the cached keys' rotary embedding into RotaryEmbedding in {fused} layers")
         _optimize_offline(graph.SerializeToString(), out)
         del graph
         files.update({"graph": OPT_GRAPH, "graph_data": OPT_DATA})
         log(f"optimized the graph offline for {profile.execution_provider}")
         optimization = "basic"  # the heavy fusions are done; the host adds its own at load
-    built = Manifest(**{**manifest.__dict__, "files": {r: FileEntry.of(out, p) for r, p in files.items()}})
+    built = Manifest(**{**manifest.__dict__, "files": {r: FileEntry.of(out, p) for r, p in files.items()},
+                        "attention": kind, "format_version": FORMAT_VERSION})  # fmt: skip
     built.target = {**(manifest.target or {}), "profile": profile.name, "built_from": str(artifact.resolve())}
     session = {
         "execution_provider": profile.execution_provider,
@@ -196,6 +228,7 @@ def build_onnxruntime(artifact: Path, manifest: Manifest, profile, out: Path, lo
         "session": session,
         "plan": (manifest.target or {}).get("plan"),
         "shared_weights": shared,
+        "fused": fused_record,
         "source": {"artifact": str(artifact.resolve()), "graph_sha256": manifest.files["graph"].sha256},
         "files": {r: e.sha256 for r, e in built.files.items()},
         "seconds": round(time.perf_counter() - t0, 1),

@@ -179,10 +179,15 @@ def export_loaded(
     t0 = time.perf_counter()
     weights = decoder_weights(loaded, opts.weights, log)
     calibration = None
+    static_scales = {}
     if layout.quantized:
         calib_ids, heldout_ids, calib_source = _calibration(loaded, chat, opts.calib)
-        amax = kvquant.calibrate_key_amax(loaded.model, loaded.text_model.layers, calib_ids, layout.kv_heads, layout.head_dim)
-        weights.key_scales = kvquant.key_scales_from_amax(amax, layout.kv_dtype)
+        stats = kvquant.calibrate_kv_amax(loaded.model, loaded.text_model.layers, calib_ids, layout.kv_heads, layout.head_dim)
+        weights.key_scales = kvquant.key_scales_from_amax(stats["keys"], layout.kv_dtype)
+        # Static scales for engines that cache rotated keys and quantize values per channel
+        # (ONNX Runtime's fused attention in cpu builds, build/ort_fused.py).
+        static_scales = {name: kvquant.key_scales_from_amax(stats[k], layout.kv_dtype).tolist()
+                         for name, k in (("rotated_key_scales", "rotated_keys"), ("value_scales", "values"))}  # fmt: skip
         calibration = {"source": calib_source, "tokens": len(calib_ids), "method": "absmax per channel (keys), per token (values)"}
         log(f"calibrated {layout.kv_dtype.value} key scales on {len(calib_ids)} tokens ({calib_source})")
     embed_dim = geometry.embed_dim if loaded.vlm else 0
@@ -207,7 +212,7 @@ def export_loaded(
         log(f"built the vision graph: {geometry.image_tokens} image tokens per frame")
     if weights.key_scales is not None:
         (out / KEY_SCALES_FILE).write_text(
-            json.dumps({"shape": list(weights.key_scales.shape), "scales": weights.key_scales.tolist()}) + "\n"
+            json.dumps({"shape": list(weights.key_scales.shape), "scales": weights.key_scales.tolist(), **static_scales}) + "\n"
         )
         files["key_scales"] = KEY_SCALES_FILE
     log(f"wrote {out / GRAPH_FILE} and its weights in {time.perf_counter() - t0:.1f}s")

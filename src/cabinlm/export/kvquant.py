@@ -58,21 +58,40 @@ def key_scales_from_amax(amax: np.ndarray, kv: KVDType) -> np.ndarray:
     return np.maximum(amax.astype(np.float32) / QMAX[KVDType(kv)], SCALE_FLOOR).astype(np.float32)
 
 
-def calibrate_key_amax(model, layers, ids: list[int], num_kv_heads: int, head_dim: int, chunk: int = 512) -> np.ndarray:
-    """Per-channel absmax of the un-rotated keys (k_proj outputs, bias included) of `layers` (the
-    decoder layers of `model`) over `ids`. Returns (layers, Hkv, Dh). The text runs densely in pieces."""
+def calibrate_kv_amax(model, layers, ids: list[int], num_kv_heads: int, head_dim: int, chunk: int = 512) -> dict[str, np.ndarray]:
+    """Absmax statistics of `layers` (the decoder layers of `model`) over `ids`, each (layers, Hkv, Dh):
+
+      keys          per channel of the un-rotated keys (k_proj outputs, bias included): the scales of
+                    the exported graph, which caches keys un-rotated;
+      rotated_keys  per rotation pair: max over tokens of sqrt(k[j]^2 + k[j + Dh/2]^2), written to both
+                    channels of the pair. A rotation moves magnitude only inside a pair, so this bounds
+                    the key's channels at any position: the scales of engines that cache rotated keys;
+      values        per channel of the values (v_proj outputs): static value scales for those engines.
+
+    The text runs densely in pieces of `chunk` tokens."""
     import torch
 
-    amax = np.zeros((len(layers), num_kv_heads, head_dim), dtype=np.float32)
+    stats = {k: np.zeros((len(layers), num_kv_heads, head_dim), dtype=np.float32) for k in ("keys", "rotated_keys", "values")}
+    half = head_dim // 2
 
-    def hook(i):
+    def key_hook(i):
         def fn(_module, _inputs, out):
-            k = out.detach().reshape(-1, num_kv_heads, head_dim).abs().amax(dim=0).numpy()
-            np.maximum(amax[i], k, out=amax[i])
+            k = out.detach().float().reshape(-1, num_kv_heads, head_dim)
+            np.maximum(stats["keys"][i], k.abs().amax(dim=0).numpy(), out=stats["keys"][i])
+            pair = torch.sqrt(k[..., :half] ** 2 + k[..., half:] ** 2).amax(dim=0).numpy()
+            np.maximum(stats["rotated_keys"][i], np.concatenate([pair, pair], axis=-1), out=stats["rotated_keys"][i])
 
         return fn
 
-    handles = [layer.self_attn.k_proj.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
+    def value_hook(i):
+        def fn(_module, _inputs, out):
+            v = out.detach().float().reshape(-1, num_kv_heads, head_dim).abs().amax(dim=0).numpy()
+            np.maximum(stats["values"][i], v, out=stats["values"][i])
+
+        return fn
+
+    handles = [layer.self_attn.k_proj.register_forward_hook(key_hook(i)) for i, layer in enumerate(layers)]
+    handles += [layer.self_attn.v_proj.register_forward_hook(value_hook(i)) for i, layer in enumerate(layers)]
     try:
         with torch.no_grad():
             for start in range(0, len(ids), chunk):
@@ -80,4 +99,9 @@ def calibrate_key_amax(model, layers, ids: list[int], num_kv_heads: int, head_di
     finally:
         for h in handles:
             h.remove()
-    return amax
+    return stats
+
+
+def calibrate_key_amax(model, layers, ids: list[int], num_kv_heads: int, head_dim: int, chunk: int = 512) -> np.ndarray:
+    """Per-channel absmax of the un-rotated keys, (layers, Hkv, Dh) (see calibrate_kv_amax)."""
+    return calibrate_kv_amax(model, layers, ids, num_kv_heads, head_dim, chunk)["keys"]

@@ -38,16 +38,24 @@ class StepPlan:
 class KVCache:
     """Owns the (layers, kv_heads, slots, head_dim) key and value buffers of one dialogue."""
 
-    def __init__(self, layout: CacheLayout):
+    def __init__(self, layout: CacheLayout, scratch: int = 0, value_scales: bool = True, key_source: bool = False):
+        """scratch: extra rows after the slots where a fused kernel writes the chunk's K/V before
+        commit() moves them into their slots (fused cpu builds: the chunk size; else 0).
+        value_scales: per-token value scales (the exported graph's int8 / fp8 KV; a fused build's
+        scales are static). key_source: an un-rotated float32 copy of the sink and pinned tokens'
+        keys, for caches that hold keys rotated (runtime/rotated.py)."""
         self.layout = layout
+        self.scratch = scratch
         dtype = np.dtype(layout.kv_dtype.numpy_name)
-        # (layers, kv_heads, slots, head_dim); allocated once, written in place by commit().
-        self.keys = np.zeros(layout.buffer_shape, dtype=dtype)
-        self.values = np.zeros(layout.buffer_shape, dtype=dtype)
+        L, H, N, D = layout.buffer_shape
+        # (layers, kv_heads, slots + scratch, head_dim); allocated once, written in place by commit().
+        self.keys = np.zeros((L, H, N + scratch, D), dtype=dtype)
+        self.values = np.zeros((L, H, N + scratch, D), dtype=dtype)
         # (layers, kv_heads, slots, 1) fp16 per-token value scales, for int8 / fp8 KV only.
         self.value_scales = (
-            np.zeros(layout.buffer_shape[:3] + (1,), dtype=np.float16) if layout.quantized else None
+            np.zeros(layout.buffer_shape[:3] + (1,), dtype=np.float16) if layout.quantized and value_scales else None
         )
+        self.key_source = np.zeros((L, H, layout.sink + layout.pinned, D), dtype=np.float32) if key_source else None
         # (slots,) stream index of the token held by each slot, -1 while empty.
         self.slot_token = np.full(layout.slots, -1, dtype=np.int64)
         self.reset()
@@ -183,4 +191,15 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes held by the cache buffers, read from the arrays themselves."""
         scales = 0 if self.value_scales is None else self.value_scales.nbytes
-        return int(self.keys.nbytes + self.values.nbytes + scales)
+        source = 0 if self.key_source is None else self.key_source.nbytes
+        return int(self.keys.nbytes + self.values.nbytes + scales + source)
+
+    def commit_scratch(self, plan: StepPlan) -> None:
+        """A fused kernel wrote the chunk's K/V into the scratch rows: move them into their slots."""
+        slots, N = plan.slots, self.layout.slots
+        n = len(slots)
+        lo, hi = int(slots[0]), int(slots[-1]) + 1
+        where = slice(lo, hi) if hi - lo == n else slots
+        for buf in (self.keys, self.values):
+            buf[:, :, where] = buf[:, :, N : N + n]
+        self._advance(plan)

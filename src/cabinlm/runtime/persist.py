@@ -56,6 +56,8 @@ def _buffers(d: Dialogue) -> list[np.ndarray]:
     bufs = [c.slot_token, c.keys, c.values]
     if c.value_scales is not None:
         bufs.append(c.value_scales)
+    if c.key_source is not None:  # fused builds: the sink and pinned keys, un-rotated
+        bufs.append(c.key_source)
     return bufs
 
 
@@ -154,4 +156,6 @@ def load_session(path: str | Path, d: Dialogue) -> None:
             np.copyto(buf, saved)
         for k, v in cache_state.items():
             setattr(c, k, int(v))
+        if d.decoder.rotated is not None:
+            d.decoder.rotated.forget()
         d.restore(dialogue_state)

@@ -90,12 +90,15 @@ class _Binding:
     rows: the fixed number of logit rows (None: any, allocated per run)."""
 
     def __init__(self, session, cache_values, out_specs: list[tuple[str, tuple, np.dtype, str]], tokens: int | None,
-                 rows: int | None = None):
+                 rows: int | None = None, aliases: list[tuple[str, ort.OrtValue]] = ()):
+        """aliases: outputs bound to an input's own memory (a fused kernel's in-place cache)."""
         self.session = session
         self.tokens = tokens
         self.binding = session.io_binding()
         for name, ov in cache_values:
             self.binding.bind_ortvalue_input(name, ov)
+        for name, ov in aliases:
+            self.binding.bind_ortvalue_output(name, ov)
         self.names = [name for name, *_ in out_specs]
         self.outputs: list[np.ndarray | None] = []
         self._ovs = []
@@ -112,14 +115,9 @@ class _Binding:
             self.outputs.append(arr)
             self._ovs.append(ov)
 
-    def run(self, ids, position_ids, cache_position_ids, mask, rows, extra: dict | None = None) -> list[np.ndarray]:
+    def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
         b = self.binding
-        b.bind_cpu_input(mf.INPUT_IDS, ids)
-        b.bind_cpu_input(mf.POSITION_IDS, position_ids)
-        b.bind_cpu_input(mf.CACHE_POSITION_IDS, cache_position_ids)
-        b.bind_cpu_input(mf.ATTENTION_MASK, mask)
-        b.bind_cpu_input(mf.LOGIT_ROWS, rows)
-        for name, value in (extra or {}).items():
+        for name, value in inputs.items():
             b.bind_cpu_input(name, value)
         # Rebound every run: a binding keeps the OrtValues ORT allocated for the previous run,
         # whose shapes differ when the chunk size or the number of logit rows changes.
@@ -128,8 +126,9 @@ class _Binding:
         self.session.run_with_iobinding(b)
         if not self.dynamic:
             return self.outputs
-        got = b.get_outputs()  # in binding order; fp8 comes back as its uint8 bytes
-        return [got[i].numpy() if a is None else a for i, a in enumerate(self.outputs)]
+        got = b.get_outputs()  # in binding order (aliases first); fp8 comes back as its uint8 bytes
+        skip = len(got) - len(self.outputs)
+        return [got[skip + i].numpy() if a is None else a for i, a in enumerate(self.outputs)]
 
 
 def _ortvalue(array: np.ndarray, dtype: str) -> ort.OrtValue:
@@ -189,10 +188,24 @@ class Decoder:
             self._no_embeds = np.zeros((self.layout.chunk, vision.embed_dim), dtype=np.float32)
             self._no_image = np.zeros((self.layout.chunk, 1), dtype=bool)
             self._all_image = np.ones((self.layout.chunk, 1), dtype=bool)
-        self.cache = KVCache(self.layout)
+        self.fused = self.manifest.attention == "fused"
+        self._fused = self.build.get("fused") if self.fused else None
+        if self.fused and not self._fused:
+            raise ManifestError(f"{self.folder}: a fused build without its build.json record; run `cabinlm build` again")
+        self._new_cache()
         self._all_rows = np.arange(C, dtype=self._index_dtype)
         self._last_row = [self._all_rows[i : i + 1] for i in range(C)]
         self._bind()
+
+    def _new_cache(self) -> None:
+        if not self.fused:
+            self.cache, self.rotated = KVCache(self.layout), None
+            return
+        from cabinlm.runtime.rotated import RotatedKeys
+
+        self.cache = KVCache(self.layout, scratch=self.layout.chunk, value_scales=False, key_source=True)
+        rec = self._fused
+        self.rotated = RotatedKeys(self.cache, rec["inv_freq"], rec["rope_scale"], rec.get("key_scales"))
 
     def _session(self, role: str, threads: int | None) -> ort.InferenceSession:
         graph = self.folder / self.manifest.files[role].path
@@ -229,7 +242,28 @@ class Decoder:
                     f"{list(t.shape)}; the graph and the manifest come from different exports"
                 )
 
+    def _bind_fused(self) -> None:
+        lay, V = self.layout, self.manifest.model.vocab_size
+        kv_onnx = lay.kv_dtype.onnx_name
+        c = self.cache
+        cache_values, aliases = [], []
+        for i in range(lay.layers):
+            k, v = _ortvalue(c.keys[i][None], kv_onnx), _ortvalue(c.values[i][None], kv_onnx)
+            cache_values += [(mf.key_cache_name(i), k), (mf.value_cache_name(i), v)]
+            aliases += [(mf.present_key_name(i), k), (mf.present_value_name(i), v)]
+        self._cache_values = cache_values
+        width = (self.manifest.model.num_heads + 2 * lay.kv_heads) * lay.head_dim
+        f32 = np.dtype(np.float32)
+        outs = [(mf.LOGITS, ("rows", V), f32, "float")]
+        outs += [(mf.qkv_name(i), ("tokens", width), f32, "float") for i in range(lay.layers)]
+        session = self.sessions["graph"]
+        self._decode = _Binding(session, cache_values, outs, tokens=1, rows=1, aliases=aliases)
+        self._prefill = _Binding(session, cache_values, outs, tokens=None, aliases=aliases)
+        self._chunk_rows = np.arange(lay.chunk, dtype=np.int64)[None]
+
     def _bind(self) -> None:
+        if self.fused:
+            return self._bind_fused()
         lay, V = self.layout, self.manifest.model.vocab_size
         kv, kv_onnx = np.dtype(lay.kv_dtype.numpy_name), lay.kv_dtype.onnx_name
         c = self.cache
@@ -258,13 +292,15 @@ class Decoder:
         """Another dialogue seat on the same loaded model: the sessions and weights are shared
         (held once), the cache buffers and bindings are the new seat's own."""
         other = object.__new__(Decoder)
-        other.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("cache", "_cache_values", "_decode", "_prefill")})
-        other.cache = KVCache(self.layout)
+        other.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("cache", "rotated", "_cache_values", "_decode", "_prefill")})
+        other._new_cache()
         other._bind()
         return other
 
     def reset(self) -> None:
         self.cache.reset()
+        if self.rotated is not None:
+            self.rotated.forget()
 
     def step(self, ids: np.ndarray, pin: bool | str = False, embeds: np.ndarray | None = None, logits: str = "all") -> np.ndarray:
         """Run one chunk (1..chunk tokens) and commit its K/V. Returns logits (tokens, vocab), or
@@ -274,6 +310,10 @@ class Decoder:
         if logits not in ("all", "last"):
             raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
         mode = logits
+        if self.fused:
+            if embeds is not None:
+                raise ValueError("this model has no vision input")
+            return self._step_fused(ids, pin, mode)
         index = self._index_dtype
         n = len(ids)
         plan = self.cache.plan(n, pin)
@@ -297,7 +337,10 @@ class Decoder:
             logit_rows = self._all_rows[:size]
         else:
             logit_rows = self._last_row[n - 1] if mode == "last" or n == 1 else self._all_rows[:n]
-        outs = binding.run(ids, pos.astype(index, copy=False), cache_pos.astype(index, copy=False), mask, logit_rows, extra)
+        inputs = {mf.INPUT_IDS: ids, mf.POSITION_IDS: pos.astype(index, copy=False),
+                  mf.CACHE_POSITION_IDS: cache_pos.astype(index, copy=False), mf.ATTENTION_MASK: mask,
+                  mf.LOGIT_ROWS: logit_rows, **(extra or {})}  # fmt: skip
+        outs = binding.run(inputs)
         L = self.layout.layers
         out = outs[0]
         if len(out) != (1 if mode == "last" or n == 1 else n):  # a static graph's rows: pick the asked ones
@@ -308,6 +351,31 @@ class Decoder:
         with defer_sigint():
             self.cache.commit(plan, keys, values, scales or None)
         return out
+
+    def _step_fused(self, ids: np.ndarray, pin: bool | str, mode: str) -> np.ndarray:
+        """One chunk through a fused build (build/ort_fused.py, runtime/rotated.py): the kernel writes
+        the chunk's rotated K/V into the scratch rows; commit moves them into their slots."""
+        n, N = len(ids), self.layout.slots
+        plan = self.cache.plan(n, pin)
+        self.rotated.refresh(plan)
+        self.rotated.chunk_tables(plan)
+        binding = self._decode if n == 1 else self._prefill
+        rows = self._last_row[n - 1] if mode == "last" or n == 1 else self._all_rows[:n]
+        inputs = {
+            mf.INPUT_IDS: np.ascontiguousarray(ids, dtype=np.int64),
+            mf.POSITION_IDS: self._chunk_rows[:, :n],
+            mf.ROPE_COS: self.rotated.cos,
+            mf.ROPE_SIN: self.rotated.sin,
+            mf.ATTENTION_BIAS: plan.attention_mask[None, None],
+            mf.SEQLENS_K: np.array([N + n - 1], dtype=np.int32),
+            mf.TOTAL_SEQUENCE_LENGTH: np.array(N + n, dtype=np.int32),
+            mf.LOGIT_ROWS: rows.astype(np.int64, copy=False),
+        }
+        outs = binding.run(inputs)
+        with defer_sigint():
+            self.rotated.keep_sources(plan, outs[1:], self.manifest.model.num_heads)
+            self.cache.commit_scratch(plan)
+        return outs[0]
 
     def _pad(self, ids, pos, mask, size: int):
         """Pad a chunk to a static graph's token count. Pad tokens come after the real ones, so the

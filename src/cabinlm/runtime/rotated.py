@@ -1,0 +1,93 @@
+"""Positions for a cache that holds keys already rotated (fused cpu builds, build/ort_fused.py).
+
+The normative semantics give every cached token its rank as position. A fused attention kernel
+rotates a key once, when it is written, so each token gets a *virtual* position v instead:
+
+    a chunk token (rank L + i when written)   v = L + i + E      E = window evictions so far
+    the query of that token                   rotated at the same v
+
+Every eviction removes the oldest window token, so a window token's rank falls by one at every
+later eviction and is always v - E_now; the query at L + E_now then sees it at distance L - rank,
+exactly the rank semantics. Sink and pinned tokens keep their rank while E grows; their keys are
+re-written before each step at rank + E_now from an un-rotated float32 copy (KVCache.key_source,
+taken from the graph's q|k|v output when they are fed), so quantized keys are never rotated twice.
+The rotation tables are computed here in float64 for the chunk's rows only, so positions may grow
+without bound (hours of dialogue) with no loss of precision in the graph.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cabinlm.runtime.cache import KVCache, StepPlan
+
+
+class RotatedKeys:
+    """Rotation tables for each step and the sink / pinned keys' refresh."""
+
+    def __init__(self, cache: KVCache, inv_freq, rope_scale: float, key_scales=None):
+        lay = cache.layout
+        self.cache = cache
+        self.inv_freq = np.asarray(inv_freq, dtype=np.float64)
+        if self.inv_freq.shape != (lay.head_dim // 2,):
+            raise ValueError(f"{self.inv_freq.shape[0]} RoPE frequencies for head_dim {lay.head_dim}")
+        self.rope_scale = float(rope_scale)
+        # int8 KV: static per-channel key scales (layers, kv_heads, 1, head_dim); None for float KV.
+        self.key_scales = None if key_scales is None else np.asarray(key_scales, np.float32)[:, :, None, :]
+        rows = lay.slots + lay.chunk
+        self.cos = np.zeros((rows, lay.head_dim // 2), dtype=np.float32)
+        self.sin = np.zeros_like(self.cos)
+        self._refreshed: tuple | None = None  # (evictions, tokens seen) of the last refresh
+
+    def forget(self) -> None:
+        """The pinned rows must be re-written before the next step (after a reset or a restore)."""
+        self._refreshed = None
+
+    def _tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        angles = positions.astype(np.float64)[:, None] * self.inv_freq[None, :]
+        return np.cos(angles) * self.rope_scale, np.sin(angles) * self.rope_scale
+
+    def chunk_tables(self, plan: StepPlan) -> None:
+        """The chunk's virtual positions L + i + E into rows 0..n-1 of the cos / sin inputs (the rows
+        the graph's position_ids name), and the same values at rows N.. (where the kernel would
+        look without position_ids)."""
+        n, N = len(plan.slots), self.cache.layout.slots
+        cos, sin = self._tables(plan.position_ids + self.cache.evicted)
+        for start in (0, N):
+            self.cos[start : start + n] = cos
+            self.sin[start : start + n] = sin
+
+    def keep_sources(self, plan: StepPlan, qkv: list[np.ndarray], num_heads: int) -> None:
+        """Keep the un-rotated keys of the chunk's tokens that go to sink or pinned slots."""
+        lay = self.cache.layout
+        pinned = plan.slots < lay.sink + lay.pinned
+        if not pinned.any():
+            return
+        H, Hkv, D = num_heads, lay.kv_heads, lay.head_dim
+        rows = np.flatnonzero(pinned)
+        for layer, x in enumerate(qkv):
+            k = x[rows, H * D : (H + Hkv) * D].reshape(len(rows), Hkv, D)
+            self.cache.key_source[layer][:, plan.slots[rows]] = k.transpose(1, 0, 2)
+
+    def refresh(self, plan: StepPlan) -> None:
+        """Before a step: write the sink and pinned keys rotated at rank + E (only when E or the set
+        of pinned tokens changed since the last refresh)."""
+        c, lay = self.cache, self.cache.layout
+        state = (c.evicted, c.sink_fill, c.pinned_fill)
+        if state == self._refreshed:
+            return
+        slots = np.concatenate([np.arange(c.sink_fill), lay.sink + np.arange(c.pinned_fill)]).astype(np.int64)
+        self._refreshed = state
+        if not len(slots):
+            return
+        cos, sin = self._tables(plan.cache_position_ids[slots] + c.evicted)  # (rows, D/2)
+        cos, sin = cos.astype(np.float32), sin.astype(np.float32)
+        src = c.key_source[:, :, slots]  # (layers, kv_heads, rows, D)
+        half = lay.head_dim // 2
+        x1, x2 = src[..., :half], src[..., half:]
+        rotated = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        if self.key_scales is not None:
+            rotated = np.clip(np.rint(rotated / self.key_scales), -127, 127)
+        lo, hi = int(slots[0]), int(slots[-1]) + 1
+        where = slice(lo, hi) if hi - lo == len(slots) else slots
+        c.keys[:, :, where] = rotated.astype(c.keys.dtype)

@@ -1,0 +1,150 @@
+"""The cpu build's fused decoder (build/ort_fused.py, runtime/rotated.py): the same logits as the
+exported graph, step by step, with eviction, pinning and sinks at work; sessions and seats on it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from cabinlm.build import build_artifact
+from cabinlm.profiles import load_profile
+from cabinlm.runtime import Decoder, Dialogue, open_artifact
+from cabinlm.runtime.persist import load_session, save_session
+from test_cli import assert_clean_error, cabinlm
+
+ACC0 = {"session.qdq_matmulnbits_accuracy_level": "0"}  # the export's quantized matmuls in float32
+LAYOUT = dict(sink=2, pinned=10, window=16, chunk=4)
+
+
+def fused_build(art: Path, out: Path, **kw) -> Path:
+    if not (out / "manifest.json").exists():
+        build_artifact(art, load_profile("cpu"), out, attention="fused", accuracy_level=0, **kw)
+    return out
+
+
+def drive(decoders, rng, steps: int = 60) -> float:
+    """The same stream through every decoder: a pinned system prompt, prefill chunks of 1..chunk,
+    a second pinned span after the window has turned over (its rank then falls with every
+    eviction), then single-token decode far past the cache. Returns the largest logit difference."""
+    worst = 0.0
+    for d in decoders:
+        d.reset()
+
+    def feed(ids, **kw):
+        nonlocal worst
+        outs = [d.feed(ids, all_logits=True, **kw) for d in decoders]
+        worst = max(worst, max(float(np.abs(o - outs[0]).max()) for o in outs[1:]))
+
+    feed(rng.integers(3, 300, 5), pin=True)
+    for _ in range(steps // 2):
+        feed(rng.integers(3, 300, int(rng.integers(1, 5))))
+    feed(rng.integers(3, 300, 3), pin=True)
+    for _ in range(steps):
+        feed(rng.integers(3, 300, 1))
+    assert len({d.cache.evicted for d in decoders}) == 1 and decoders[0].cache.evicted > 3 * LAYOUT["window"]
+    return worst
+
+
+@pytest.mark.parametrize("arch,weights", [("llama", "fp32"), ("qwen2", "fp32"), ("llama", "int4"), ("qwen2", "int8")])
+def test_fused_build_gives_the_exported_graphs_logits_with_eviction_and_pins(arch, weights, load, tiny_llama_dir,
+                                                                             tiny_qwen2_dir, export_to, tmp_path):  # fmt: skip
+    """fp32 KV: the rotated cache with virtual positions is the rank semantics exactly (the exported
+    graph is itself checked against transformers and the reference implementation)."""
+    src = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
+    art = export_to(load(str(src)), kv="fp32", weights=weights, **LAYOUT)
+    out = fused_build(art, tmp_path / "fused")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["attention"] == "fused" and manifest["format_version"] == 3
+    m = onnx.load(str(out / "decoder.opt.onnx"), load_external_data=False)
+    ops = [n.op_type for n in m.graph.node]
+    assert ops.count("GroupQueryAttention") == 2  # one per layer of the tiny model
+    assert "Softmax" not in ops and "RotaryEmbedding" not in ops
+    worst = drive([Decoder(art, session_config=ACC0), Decoder(out)], np.random.default_rng(1))
+    assert worst < 1e-4
+
+
+def test_fused_int8_kv_stays_close_to_float_kv(load, tiny_llama_dir, export_to, tmp_path):
+    """Static per-channel int8 scales (keys per rotation pair): the fused int8 build's logits stay as
+    close to float KV as the exported graph's own int8 KV does (same order of error)."""
+    loaded = load(str(tiny_llama_dir))
+    ref = Decoder(export_to(loaded, kv="fp32", **LAYOUT))
+    art8 = export_to(loaded, kv="int8", **LAYOUT)
+    scales = json.loads((art8 / "key_scales.json").read_text())
+    assert np.asarray(scales["rotated_key_scales"]).shape == np.asarray(scales["scales"]).shape
+    pair = np.asarray(scales["rotated_key_scales"])
+    half = pair.shape[-1] // 2
+    np.testing.assert_array_equal(pair[..., :half], pair[..., half:])  # one scale per rotation pair
+    assert (pair >= np.asarray(scales["scales"]) - 1e-7).all()  # a pair bounds each of its channels
+    fused = Decoder(fused_build(art8, tmp_path / "fused8"))
+    graph8 = Decoder(art8)
+    err_fused = drive([ref, fused], np.random.default_rng(2))
+    err_graph = drive([ref, graph8], np.random.default_rng(2))
+    assert 0 < err_fused < max(3 * err_graph, 0.5)
+
+
+def test_pinned_keys_are_rewritten_from_float_sources_not_from_quantized_data(load, tiny_llama_dir, export_to, tmp_path):
+    """Sink / pinned keys are re-written at rank + evictions before a step; doing it twice, or after
+    a thousand evictions, gives the bytes a fresh rotation of the float32 source gives."""
+    art = export_to(load(str(tiny_llama_dir)), kv="int8", **LAYOUT)
+    dec = Decoder(fused_build(art, tmp_path / "fused8"))
+    dec.feed(np.arange(3, 10), pin=True)
+    for t in range(400):
+        dec.step(np.array([20 + t % 200]))
+    c, rot = dec.cache, dec.rotated
+    plan = c.plan(1)
+    rot.forget()
+    rot.refresh(plan)
+    first = c.keys[:, :, :7].copy()
+    rot.forget()
+    rot.refresh(plan)
+    np.testing.assert_array_equal(c.keys[:, :, :7], first)
+    # independent numpy: rotate the float source at rank + evictions, quantize with the static scales
+    pos = np.arange(7) + c.evicted
+    ang = pos[:, None] * np.asarray(dec._fused["inv_freq"])[None, :]
+    cos, sin = np.cos(ang), np.sin(ang)
+    src = c.key_source[:, :, :7].astype(np.float64)
+    h = src.shape[-1] // 2
+    rotated = np.concatenate([src[..., :h] * cos - src[..., h:] * sin, src[..., h:] * cos + src[..., :h] * sin], -1)
+    scale = np.asarray(dec._fused["key_scales"])[:, :, None, :]
+    expect = np.clip(np.rint(rotated / scale), -127, 127)
+    assert np.abs(first.astype(np.int32) - expect).max() <= 1  # float32 vs float64 rounding at .5
+
+
+def test_a_fused_session_resumes_exactly_and_seats_stay_apart(load, tiny_qwen2_dir, export_to, tmp_path):
+    art = export_to(load(str(tiny_qwen2_dir)), sink=4, pinned=28, window=40, chunk=8, kv="int8")
+    out = fused_build(art, tmp_path / "fused")
+    turns = ["check the route", "and the weather", "play some music", "how far is it", "thanks", "one more thing"]
+
+    def dialogue():
+        dec, tok = open_artifact(out, verify=False)
+        return Dialogue(dec, tok, max_new_tokens=6)
+
+    whole = dialogue()
+    expected = [whole.ask(t).reply for t in turns]
+    assert whole.decoder.cache.evicted > 0
+    first = dialogue()
+    for t in turns[:3]:
+        first.ask(t)
+    save_session(tmp_path / "s", first)
+    resumed = dialogue()
+    load_session(tmp_path / "s", resumed)
+    np.testing.assert_array_equal(resumed.decoder.cache.key_source, first.decoder.cache.key_source)
+    assert [resumed.ask(t).reply for t in turns[3:]] == expected[3:]
+    other = Dialogue(first.decoder.seat(), first.tok, max_new_tokens=6)
+    assert other.decoder.cache.keys.ctypes.data != first.decoder.cache.keys.ctypes.data
+    assert [other.ask(t).reply for t in turns] == expected
+
+
+def test_attention_choice_is_explained(load, tiny_qwen2_dir, export_to, tmp_path):
+    art16 = export_to(load(str(tiny_qwen2_dir)), kv="fp16", **LAYOUT)
+    p = cabinlm("build", art16, "--profile", "cpu", "-o", tmp_path / "a", "--attention", "fused")
+    assert_clean_error(p, "fp16 KV")
+    p = cabinlm("build", art16, "--profile", "cpu", "-o", tmp_path / "b")  # auto: keeps the graph, says why
+    assert p.returncode == 0 and "kept the exported attention (fp16 KV" in p.stderr + p.stdout
+    assert json.loads((tmp_path / "b" / "manifest.json").read_text())["attention"] == "graph"
+    p = cabinlm("build", art16, "--profile", "cpu", "-o", tmp_path / "c", "--attention", "sideways")
+    assert_clean_error(p, "attention must be auto, fused or graph")
