@@ -102,6 +102,12 @@ def test_pinned_keys_are_rewritten_from_float_sources_not_from_quantized_data(lo
     rot.forget()
     rot.refresh(plan)
     np.testing.assert_array_equal(c.keys[:, :, :7], first)
+    session, rot.session = rot.session, None  # the numpy fallback: the same arithmetic
+    assert session is not None  # the build's rotation graph is in use
+    rot.forget()
+    rot.refresh(plan)
+    assert np.abs(c.keys[:, :, :7].astype(np.int32) - first).max() <= 1
+    rot.session = session
     # independent numpy: rotate the float source at rank + evictions, quantize with the static scales
     pos = np.arange(7) + c.evicted
     ang = pos[:, None] * np.asarray(dec._fused["inv_freq"])[None, :]
@@ -148,3 +154,19 @@ def test_attention_choice_is_explained(load, tiny_qwen2_dir, export_to, tmp_path
     assert json.loads((tmp_path / "b" / "manifest.json").read_text())["attention"] == "graph"
     p = cabinlm("build", art16, "--profile", "cpu", "-o", tmp_path / "c", "--attention", "sideways")
     assert_clean_error(p, "attention must be auto, fused or graph")
+
+
+@pytest.mark.slow
+def test_smollm2_fused_int8_kv_perplexity_stays_within_half_a_percent(smollm2, export_to, long_text, tmp_path):
+    """Static per-channel scales are enough on the real model: the fused int8 build (float32
+    activations, to isolate the KV) within 0.5% of float32 KV, eviction active (as test_kvquant)."""
+    from cabinlm.runtime import Tokenizer
+    from cabinlm.runtime.perplexity import chunked_perplexity
+
+    layout = dict(sink=4, pinned=0, window=252, chunk=64)
+    fp32 = export_to(smollm2, **layout)
+    ids = Tokenizer(fp32 / "tokenizer.json").encode(long_text, add_special_tokens=True)[:1500]
+    fused = fused_build(export_to(smollm2, kv="int8", **layout), tmp_path / "fused8")
+    base = chunked_perplexity(Decoder(fp32), ids).ppl
+    got = chunked_perplexity(Decoder(fused), ids).ppl
+    assert got / base - 1 <= 0.005, (got, base)

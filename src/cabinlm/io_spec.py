@@ -153,25 +153,26 @@ def qkv_name(layer: int) -> str:
 
 
 def fused_decoder_io(layout: CacheLayout, num_heads: int, vocab_size: int) -> DecoderIO:
-    """The graph contract of a fused-attention build (slots N, chunk C, rows = N + C):
+    """The graph contract of a fused-attention build (slots N, chunk C, F = slots in use, 1 + the
+    highest one; rows 0..N-1 of the buffers are the slots, rows N..N+C-1 scratch):
 
     inputs
       input_ids              int64  (tokens,)
       position_ids           int64  (1, tokens)            rows of rope_cos / rope_sin for the chunk
       rope_cos, rope_sin     float  (N + C, head_dim / 2)  the chunk's rotation, computed by the runtime
-      attention_bias         float  (1, 1, tokens, total)  additive: the slot mask, then the chunk (causal)
-      seqlens_k              int32  (1,)                    N + tokens - 1
-      total_sequence_length  int32  ()                      N + tokens
+      attention_bias         float  (1, 1, tokens, total)  additive, total = F + tokens: the first F
+                                                             slots' mask, then the chunk (causal)
+      seqlens_k              int32  (1,)                    F + tokens - 1
+      total_sequence_length  int32  ()                      F + tokens
       logit_rows             int64  (rows,)
       key_cache.{l}          kv     (1, kv_heads, N + C, head_dim)  keys rotated at write time
       value_cache.{l}        kv     (1, kv_heads, N + C, head_dim)
     outputs
       logits                 float  (rows, vocab)
       present_key.{l}, present_value.{l}: the cache buffers themselves (bound to the inputs' memory);
-                             the chunk's K/V land in rows N .. N + tokens - 1 (the scratch rows)
+                             the chunk's K/V land in rows F .. F + tokens - 1 (empty slots, or scratch)
       qkv.{l}                float  (tokens, (heads + 2 kv_heads) head_dim)  the chunk's un-rotated q|k|v
-    Rows 0..N-1 are the cache slots (runtime/cache.py). int8 KV: static per-channel scales (keys per
-    rotation pair), held by the graph.
+    int8 KV: static per-channel scales (keys per rotation pair), held by the graph.
     """
     kv = layout.kv_dtype.onnx_name
     h, d = layout.kv_heads, layout.head_dim

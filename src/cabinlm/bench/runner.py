@@ -34,6 +34,7 @@ class CabinlmEngine(protocol.Engine):
             "name": "cabinlm",
             "artifact": str(folder),
             "weights": m.weights,
+            "attention": m.attention,
             "kv": lay.kv_dtype.value,
             "sink": lay.sink,
             "pinned": lay.pinned,

@@ -200,6 +200,8 @@ def build_onnxruntime(artifact: Path, manifest: Manifest, profile, out: Path, lo
                 f"GroupQueryAttention over {lay.kv_dtype.value} KV, MatMulNBits accuracy level {accuracy_level}")
             del graph
             graph, kind = fused_model, "fused"
+            onnx.save_model(ort_fused.rotation_model(manifest), str(out / ort_fused.ROTATE_GRAPH))
+            files["rotate_graph"] = ort_fused.ROTATE_GRAPH
         else:
             log(f"kept the exported attention ({why})")
             fused = fuse_rotary(graph, lay.slots + lay.chunk)

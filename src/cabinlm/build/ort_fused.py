@@ -262,3 +262,34 @@ def rope_tables(graph: onnx.ModelProto) -> tuple[list[float], float]:
     if scaled is not None and W.has(scaled.input[1]):
         scale = float(W.get(scaled.input[1]))
     return inv_freq.tolist(), scale
+
+
+ROTATE_GRAPH = "decoder.rotate.onnx"
+
+
+def rotation_model(manifest: Manifest) -> onnx.ModelProto:
+    """The runtime's refresh of the sink / pinned keys as one small graph: RotaryEmbedding over the
+    float32 sources (already divided by the key scales: one scale per rotation pair commutes with the
+    rotation), then int8 rounding (half to even) and saturation to +-127, for every layer and head
+    at once. Inputs: source (1, layers * kv_heads, rows, head_dim), position_ids (1, rows), cos / sin
+    (rows, head_dim / 2); output keys (1, layers * kv_heads, rows, head_dim) in the cache's type."""
+    lay = manifest.cache
+    b = _Builder()
+    y = b.op("RotaryEmbedding", "source", "position_ids", "cos", "sin", domain=MS, interleaved=0, hint="rotate",
+             out=None if lay.kv_dtype == KVDType.INT8 else "keys")  # fmt: skip
+    out_type = TensorProto.FLOAT
+    if lay.kv_dtype == KVDType.INT8:
+        clipped = b.op("Clip", y, b.const(np.array(-127.0, np.float32)), b.const(np.array(127.0, np.float32)))
+        zero = helper.make_tensor("zero_point", TensorProto.INT8, [], [0])
+        b.inits.append(zero)
+        b.op("QuantizeLinear", clipped, b.const(np.array(1.0, np.float32)), "zero_point", out="keys")
+        out_type = TensorProto.INT8
+    heads, d = lay.layers * lay.kv_heads, lay.head_dim
+    inputs = [helper.make_tensor_value_info("source", TensorProto.FLOAT, [1, heads, "rows", d]),
+              helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, "rows"]),
+              helper.make_tensor_value_info("cos", TensorProto.FLOAT, ["rows", d // 2]),
+              helper.make_tensor_value_info("sin", TensorProto.FLOAT, ["rows", d // 2])]  # fmt: skip
+    outputs = [helper.make_tensor_value_info("keys", out_type, [1, heads, "rows", d])]
+    g = helper.make_graph(b.nodes, "cabinlm_rotate_pinned", inputs, outputs, b.inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)],
+                             producer_name="cabinlm", ir_version=10)  # fmt: skip

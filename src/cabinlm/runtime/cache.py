@@ -194,12 +194,27 @@ class KVCache:
         source = 0 if self.key_source is None else self.key_source.nbytes
         return int(self.keys.nbytes + self.values.nbytes + scales + source)
 
-    def commit_scratch(self, plan: StepPlan) -> None:
-        """A fused kernel wrote the chunk's K/V into the scratch rows: move them into their slots."""
-        slots, N = plan.slots, self.layout.slots
+    @property
+    def extent(self) -> int:
+        """1 + the highest slot in use (0 when empty): every slot from here on is empty. The ring
+        fills its slots in order, so this is the slot count once the window has turned over."""
+        lay = self.layout
+        if self.window_fill:
+            return lay.slots if self.window_fill == lay.window else lay.window_start + self.window_fill
+        if self.image_fill:
+            return lay.image_start + self.image_fill
+        if self.pinned_fill:
+            return lay.sink + self.pinned_fill
+        return self.sink_fill
+
+    def commit_rows(self, plan: StepPlan, start: int) -> None:
+        """A fused kernel wrote the chunk's K/V into rows start.. (empty slots, or the scratch rows
+        after the last slot): move them into their slots (often the same rows: then nothing moves)."""
+        slots = plan.slots
         n = len(slots)
         lo, hi = int(slots[0]), int(slots[-1]) + 1
-        where = slice(lo, hi) if hi - lo == n else slots
-        for buf in (self.keys, self.values):
-            buf[:, :, where] = buf[:, :, N : N + n]
+        if not (lo == start and hi - lo == n):
+            where = slice(lo, hi) if hi - lo == n else slots
+            for buf in (self.keys, self.values):
+                buf[:, :, where] = buf[:, :, start : start + n]  # numpy copies overlapping ranges safely
         self._advance(plan)

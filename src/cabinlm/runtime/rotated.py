@@ -25,7 +25,9 @@ from cabinlm.runtime.cache import KVCache, StepPlan
 class RotatedKeys:
     """Rotation tables for each step and the sink / pinned keys' refresh."""
 
-    def __init__(self, cache: KVCache, inv_freq, rope_scale: float, key_scales=None):
+    def __init__(self, cache: KVCache, inv_freq, rope_scale: float, key_scales=None, session=None):
+        """session: the build's rotation graph (build/ort_fused.rotation_model), an ONNX Runtime
+        session; without one the refresh runs in numpy (the same arithmetic)."""
         lay = cache.layout
         self.cache = cache
         self.inv_freq = np.asarray(inv_freq, dtype=np.float64)
@@ -34,32 +36,46 @@ class RotatedKeys:
         self.rope_scale = float(rope_scale)
         # int8 KV: static per-channel key scales (layers, kv_heads, 1, head_dim); None for float KV.
         self.key_scales = None if key_scales is None else np.asarray(key_scales, np.float32)[:, :, None, :]
+        self.session = session
         rows = lay.slots + lay.chunk
         self.cos = np.zeros((rows, lay.head_dim // 2), dtype=np.float32)
         self.sin = np.zeros_like(self.cos)
-        self._refreshed: tuple | None = None  # (evictions, tokens seen) of the last refresh
+        self._refreshed: tuple | None = None  # (evictions, sink fill, pinned fill) of the last refresh
+        self._slots: np.ndarray | None = None  # the sink / pinned slots the working copy holds
+        self._scaled = self._positions = None
 
     def forget(self) -> None:
         """The pinned rows must be re-written before the next step (after a reset or a restore)."""
         self._refreshed = None
+        self._slots = None
 
+    def _prepare(self, slots: np.ndarray) -> None:
+        """A contiguous working copy of the sources of `slots`, divided by the key scales (one scale
+        per rotation pair, so scaling commutes with rotating)."""
+        src = self.cache.key_source[:, :, slots]
+        if self.key_scales is not None:
+            src = src / self.key_scales
+        L, H, n, D = src.shape
+        self._scaled = np.ascontiguousarray(src, dtype=np.float32).reshape(1, L * H, n, D)
+        self._positions = np.arange(n, dtype=np.int64)[None]
+        self._slots = slots
     def _tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         angles = positions.astype(np.float64)[:, None] * self.inv_freq[None, :]
         return np.cos(angles) * self.rope_scale, np.sin(angles) * self.rope_scale
 
     def chunk_tables(self, plan: StepPlan) -> None:
         """The chunk's virtual positions L + i + E into rows 0..n-1 of the cos / sin inputs (the rows
-        the graph's position_ids name), and the same values at rows N.. (where the kernel would
-        look without position_ids)."""
-        n, N = len(plan.slots), self.cache.layout.slots
+        the graph's position_ids name)."""
+        n = len(plan.slots)
         cos, sin = self._tables(plan.position_ids + self.cache.evicted)
-        for start in (0, N):
-            self.cos[start : start + n] = cos
-            self.sin[start : start + n] = sin
+        self.cos[:n] = cos
+        self.sin[:n] = sin
 
     def keep_sources(self, plan: StepPlan, qkv: list[np.ndarray], num_heads: int) -> None:
         """Keep the un-rotated keys of the chunk's tokens that go to sink or pinned slots."""
         lay = self.cache.layout
+        if not plan.pin and self.cache.sink_fill >= lay.sink:  # a window chunk: nothing to keep
+            return
         pinned = plan.slots < lay.sink + lay.pinned
         if not pinned.any():
             return
@@ -68,6 +84,7 @@ class RotatedKeys:
         for layer, x in enumerate(qkv):
             k = x[rows, H * D : (H + Hkv) * D].reshape(len(rows), Hkv, D)
             self.cache.key_source[layer][:, plan.slots[rows]] = k.transpose(1, 0, 2)
+        self._slots = None
 
     def refresh(self, plan: StepPlan) -> None:
         """Before a step: write the sink and pinned keys rotated at rank + E (only when E or the set
@@ -80,14 +97,18 @@ class RotatedKeys:
         self._refreshed = state
         if not len(slots):
             return
+        if self._slots is None or not np.array_equal(self._slots, slots):
+            self._prepare(slots)
         cos, sin = self._tables(plan.cache_position_ids[slots] + c.evicted)  # (rows, D/2)
         cos, sin = cos.astype(np.float32), sin.astype(np.float32)
-        src = c.key_source[:, :, slots]  # (layers, kv_heads, rows, D)
-        half = lay.head_dim // 2
-        x1, x2 = src[..., :half], src[..., half:]
-        rotated = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-        if self.key_scales is not None:
-            rotated = np.clip(np.rint(rotated / self.key_scales), -127, 127)
+        if self.session is not None:
+            (rotated,) = self.session.run(None, {"source": self._scaled, "position_ids": self._positions, "cos": cos, "sin": sin})
+        else:
+            half = lay.head_dim // 2
+            x1, x2 = self._scaled[..., :half], self._scaled[..., half:]
+            rotated = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+            if self.key_scales is not None:
+                rotated = np.clip(np.rint(rotated), -127, 127)
         lo, hi = int(slots[0]), int(slots[-1]) + 1
         where = slice(lo, hi) if hi - lo == len(slots) else slots
-        c.keys[:, :, where] = rotated.astype(c.keys.dtype)
+        c.keys[:, :, where] = rotated.reshape(lay.layers, lay.kv_heads, len(slots), lay.head_dim)

@@ -205,7 +205,10 @@ class Decoder:
 
         self.cache = KVCache(self.layout, scratch=self.layout.chunk, value_scales=False, key_source=True)
         rec = self._fused
-        self.rotated = RotatedKeys(self.cache, rec["inv_freq"], rec["rope_scale"], rec.get("key_scales"))
+        if "rotate_graph" in self.manifest.files and "rotate" not in self.sessions:
+            self.sessions["rotate"] = self._session("rotate_graph", 1)
+        self.rotated = RotatedKeys(self.cache, rec["inv_freq"], rec["rope_scale"], rec.get("key_scales"),
+                                   self.sessions.get("rotate"))  # fmt: skip
 
     def _session(self, role: str, threads: int | None) -> ort.InferenceSession:
         graph = self.folder / self.manifest.files[role].path
@@ -354,11 +357,16 @@ class Decoder:
 
     def _step_fused(self, ids: np.ndarray, pin: bool | str, mode: str) -> np.ndarray:
         """One chunk through a fused build (build/ort_fused.py, runtime/rotated.py): the kernel writes
-        the chunk's rotated K/V into the scratch rows; commit moves them into their slots."""
+        the chunk's rotated K/V after the slots in use; commit moves them into their slots."""
         n, N = len(ids), self.layout.slots
         plan = self.cache.plan(n, pin)
         self.rotated.refresh(plan)
         self.rotated.chunk_tables(plan)
+        # Attend to the slots in use only (F of N): the kernel reads rows 0..F-1 and writes the
+        # chunk's K/V into rows F..F+n-1, empty slots or the scratch rows after the last slot.
+        F = self.cache.extent
+        mask = plan.attention_mask
+        bias = mask[None, None] if F == N else np.concatenate([mask[:, :F], mask[:, N:]], axis=1)[None, None]
         binding = self._decode if n == 1 else self._prefill
         rows = self._last_row[n - 1] if mode == "last" or n == 1 else self._all_rows[:n]
         inputs = {
@@ -366,15 +374,15 @@ class Decoder:
             mf.POSITION_IDS: self._chunk_rows[:, :n],
             mf.ROPE_COS: self.rotated.cos,
             mf.ROPE_SIN: self.rotated.sin,
-            mf.ATTENTION_BIAS: plan.attention_mask[None, None],
-            mf.SEQLENS_K: np.array([N + n - 1], dtype=np.int32),
-            mf.TOTAL_SEQUENCE_LENGTH: np.array(N + n, dtype=np.int32),
+            mf.ATTENTION_BIAS: bias,
+            mf.SEQLENS_K: np.array([F + n - 1], dtype=np.int32),
+            mf.TOTAL_SEQUENCE_LENGTH: np.array(F + n, dtype=np.int32),
             mf.LOGIT_ROWS: rows.astype(np.int64, copy=False),
         }
         outs = binding.run(inputs)
         with defer_sigint():
             self.rotated.keep_sources(plan, outs[1:], self.manifest.model.num_heads)
-            self.cache.commit_scratch(plan)
+            self.cache.commit_rows(plan, F)
         return outs[0]
 
     def _pad(self, ids, pos, mask, size: int):
