@@ -38,6 +38,24 @@ def test_summary_of_a_known_trace():
     assert empty["decode_tok_s"] is None and empty["rss_mb_slope_per_1k"] is None
 
 
+def test_cabinlm_is_also_summarized_over_a_shorter_baselines_span():
+    """A peer whose context filled up stops early: cabinlm is then also judged over the same prompts
+    and replies (the same cache fill), next to its whole run."""
+    from cabinlm.bench.runner import summaries
+
+    ms = list(np.r_[np.full(500, 10.0), np.full(1500, 20.0)])  # faster while the cache fills
+    cab = Trace(engine="cabinlm", decode_ms=ms, decode_context=list(range(2000)), prefill=[(100, 0.25)] * 30,
+                rss=[(k, 300.0) for k in range(0, 5000, 100)], tokens=5000)  # fmt: skip
+    peer = Trace(engine="llama.cpp", decode_ms=[12.0] * 500, prefill=[(100, 0.5)] * 8, tokens=1300)
+    out = summaries(cab, [peer])
+    same = out["same_span"]["llama.cpp"]
+    assert same["decoded_tokens"] == 500 and same["tokens"] == 8 * 100 + 500
+    assert same["decode_tok_s"] == pytest.approx(100.0) and out["decode_tok_s"] == pytest.approx(50.0)
+    assert same["prefill_tok_s"] == pytest.approx(400.0)
+    assert "same_span" not in summaries(cab, [Trace(engine="hf", decode_ms=ms, tokens=5000)]) or \
+        summaries(cab, [Trace(engine="hf", decode_ms=ms, tokens=5000)])["same_span"] == {}
+
+
 @pytest.fixture(scope="module")
 def small_artifact(smollm2, export_to):
     return export_to(smollm2, sink=4, pinned=60, window=124, chunk=32, weights="int4")

@@ -465,6 +465,9 @@ def bench(
     for t in [trace, *others]:
         for line in report(summarize(t)):
             typer.echo(line)
+    for engine, s in out.get("same_span", {}).items():
+        typer.echo(f"cabinlm over the span {engine} ran ({s['tokens']} tokens, {s['decoded_tokens']} decoded): "
+                   f"decode {s['decode_tok_s']} tok/s (median), prefill {s['prefill_tok_s']} tok/s")  # fmt: skip
 
 
 @app.command()

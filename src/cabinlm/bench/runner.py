@@ -14,7 +14,7 @@ import numpy as np
 
 from cabinlm.bench import protocol
 from cabinlm.bench.script import SYSTEM
-from cabinlm.bench.trace import Trace, summarize
+from cabinlm.bench.trace import Trace, summarize, truncate
 from cabinlm.errors import CabinlmError
 
 
@@ -189,8 +189,13 @@ def _decode_positions(t: Trace) -> np.ndarray:
 
 
 def summaries(trace: Trace, baseline_traces: list[Trace]) -> dict:
+    """cabinlm's summary, each baseline's, and, for a baseline that stopped early (its context
+    full), cabinlm's summary over the same span: the same prompts and replies at the same cache
+    fill, since cabinlm attends only to the slots in use."""
     out = summarize(trace)
     if baseline_traces:
         out["baseline"] = summarize(baseline_traces[0]) if len(baseline_traces) == 1 else None
         out["baselines"] = {b.engine: summarize(b) for b in baseline_traces}
+        out["same_span"] = {b.engine: summarize(truncate(trace, len(b.decode_ms), len(b.prefill)))
+                            for b in baseline_traces if b.tokens < trace.tokens}  # fmt: skip
     return out

@@ -95,3 +95,15 @@ def summarize(trace: Trace) -> dict:
         "stopped": trace.stopped,
     }
     return out
+
+
+def truncate(trace: Trace, decoded: int, prefills: int) -> Trace:
+    """The first `decoded` decode steps and `prefills` prompts of a trace: the part of a run that a
+    shorter one (a peer whose context filled up) also went through, for a comparison over the same
+    tokens and cache fill."""
+    decoded, prefills = min(decoded, len(trace.decode_ms)), min(prefills, len(trace.prefill))
+    tokens = sum(n for n, _ in trace.prefill[:prefills]) + decoded
+    return Trace(engine=trace.engine, config=dict(trace.config, span=f"first {tokens} tokens"),
+                 decode_ms=trace.decode_ms[:decoded], decode_context=trace.decode_context[:decoded],
+                 prefill=trace.prefill[:prefills], rss=[r for r in trace.rss if r[0] <= tokens],
+                 tokens=tokens, evicted_tokens=0, turns=0, stopped="cut")  # fmt: skip

@@ -186,8 +186,10 @@ def export_loaded(
         weights.key_scales = kvquant.key_scales_from_amax(stats["keys"], layout.kv_dtype)
         # Static scales for engines that cache rotated keys and quantize values per channel
         # (ONNX Runtime's fused attention in cpu builds, build/ort_fused.py).
-        static_scales = {name: kvquant.key_scales_from_amax(stats[k], layout.kv_dtype).tolist()
-                         for name, k in (("rotated_key_scales", "rotated_keys"), ("value_scales", "values"))}  # fmt: skip
+        static_scales = {
+            "rotated_key_scales": kvquant.key_scales_from_amax(stats["rotated_keys"] * kvquant.ROTATED_KEY_HEADROOM, layout.kv_dtype).tolist(),
+            "value_scales": kvquant.key_scales_from_amax(stats["values"], layout.kv_dtype).tolist(),
+        }
         calibration = {"source": calib_source, "tokens": len(calib_ids), "method": "absmax per channel (keys), per token (values)"}
         log(f"calibrated {layout.kv_dtype.value} key scales on {len(calib_ids)} tokens ({calib_source})")
     embed_dim = geometry.embed_dim if loaded.vlm else 0

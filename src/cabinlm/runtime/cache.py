@@ -216,5 +216,6 @@ class KVCache:
         if not (lo == start and hi - lo == n):
             where = slice(lo, hi) if hi - lo == n else slots
             for buf in (self.keys, self.values):
-                buf[:, :, where] = buf[:, :, start : start + n]  # numpy copies overlapping ranges safely
+                # through a small copy: the rows never overlap, but numpy would prove it the slow way
+                buf[:, :, where] = buf[:, :, start : start + n].copy()
         self._advance(plan)
