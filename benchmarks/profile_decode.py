@@ -50,7 +50,7 @@ for e in events:
         by_op[op] += e["dur"]
         count[op] += 1
         name = re.sub(r"layers\.\d+", "L", e["name"][: -len("_kernel_time")])
-        by_name[re.sub(r"_\d+$", "", name)] += e["dur"]
+        by_name[re.sub(r"(_\d+|#\d+)$", "", name)] += e["dur"]
 n_runs = len([e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"])
 total = sum(by_op.values())
 print(f"{a.build}: {lay.slots} slots, {dec.manifest.weights} weights, {lay.kv_dtype.value} KV, {a.threads} threads")
