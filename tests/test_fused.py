@@ -170,3 +170,19 @@ def test_smollm2_fused_int8_kv_perplexity_stays_within_half_a_percent(smollm2, e
     base = chunked_perplexity(Decoder(fp32), ids).ppl
     got = chunked_perplexity(Decoder(fused), ids).ppl
     assert got / base - 1 <= 0.005, (got, base)
+
+
+def test_smollm2_gguf_blocks_give_the_exported_graphs_logits(smollm2, export_to, tmp_path):
+    """The GGUF's own Q4_1 / Q8_0 blocks through MatMulNBits (a Q4_1 minimum moved by the kernel's
+    implicit zero point 8, a Q8_0 table as 8-bit blocks): with float KV and float activations the
+    fused build's logits are the exported graph's, through eviction."""
+    art = export_to(smollm2, sink=4, pinned=60, window=124, chunk=32, weights="int4")
+    out = fused_build(art, tmp_path / "fused")
+    a, b = Decoder(art, session_config=ACC0), Decoder(out)
+    ids = np.arange(1000, 1300)
+    np.testing.assert_allclose(b.feed(ids[:8], pin=True, all_logits=True), a.feed(ids[:8], pin=True, all_logits=True),
+                               atol=2e-3, rtol=0)  # fmt: skip
+    for start in range(8, 300, 32):
+        chunk = ids[start : start + 32]
+        np.testing.assert_allclose(b.feed(chunk, all_logits=True), a.feed(chunk, all_logits=True), atol=2e-3, rtol=0)
+    assert a.cache.evicted == b.cache.evicted > 100

@@ -144,12 +144,18 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, scales: dict | None,
         else:
             blob = _pack4(q.T.reshape(N, nb, BLOCK))
         ins = [x, b.weight(f"{name}.nbits", blob), b.weight(f"{name}.nbits_scale", scale.T)]
+        offset = W.get(f"{name}.offset").astype(np.float32) if W.has(f"{name}.offset") else None
         if W.has(f"{name}.zero_point"):  # int4 zero points, packed along the blocks
             zp = W.get(f"{name}.zero_point").T  # (N, nb)
             if nb % 2:
                 zp = np.concatenate([zp, np.zeros((N, 1), zp.dtype)], axis=1)
             ins.append(b.weight(f"{name}.nbits_zero_point", _pack4(zp)))
-        offset = W.get(f"{name}.offset").astype(np.float32) if W.has(f"{name}.offset") else None
+        elif bits == 4:
+            # Without zero points MatMulNBits computes scale * (q - 8): a GGUF Q4_1 block (d * q + m)
+            # is then d * (q - 8) + (m + 8 d), the minimum moved by 8 steps (exact in float32 for
+            # fp16 d and m), which keeps the kernel on its zero-point-free path.
+            base = np.zeros_like(scale) if offset is None else offset
+            offset = (base + 8.0 * scale).astype(np.float32)
         if bias is not None:
             ins += ["", "", bias]  # zero_points (if absent), g_idx, bias
             if len(ins) == 7:  # zero points were given: drop the empty slot
