@@ -2,8 +2,13 @@
 
     python benchmarks/step_time.py BUILD_DIR [THREADS]
 """
-import sys, time, statistics, numpy as np
+import sys
+import time
+
+import numpy as np
+
 from cabinlm.runtime import Decoder
+
 build = sys.argv[1]; threads = int(sys.argv[2]) if len(sys.argv) > 2 else 2
 dec = Decoder(build, threads=threads)
 lay = dec.layout

@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from test_cli import assert_clean_error, cabinlm
 
 from cabinlm.build import build_artifact
 from cabinlm.profiles import load_profile
 from cabinlm.runtime import Decoder, Dialogue, open_artifact
 from cabinlm.runtime.persist import load_session, save_session
-from test_cli import assert_clean_error, cabinlm
 
 ACC0 = {"session.qdq_matmulnbits_accuracy_level": "0"}  # the export's quantized matmuls in float32
 LAYOUT = dict(sink=2, pinned=10, window=16, chunk=4)

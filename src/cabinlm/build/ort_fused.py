@@ -126,7 +126,6 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, scales: dict | None,
     W = _Weights(graph)
     b = _Builder()
     eps = float(spec.rms_norm_eps)
-    rows = lay.slots + lay.chunk
 
     def linear(x: str, name: str, out: str | None = None, bias: str | None = None) -> str:
         """x (tokens, K) @ W: MatMulNBits over the exported blocks (a GGUF Q4_1 minimum adds
