@@ -59,6 +59,7 @@ class RotatedKeys:
         self._scaled = np.ascontiguousarray(src, dtype=np.float32).reshape(1, L * H, n, D)
         self._positions = np.arange(n, dtype=np.int64)[None]
         self._slots = slots
+
     def _tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         angles = positions.astype(np.float64)[:, None] * self.inv_freq[None, :]
         return np.cos(angles) * self.rope_scale, np.sin(angles) * self.rope_scale
