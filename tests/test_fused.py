@@ -154,6 +154,8 @@ def test_attention_choice_is_explained(load, tiny_qwen2_dir, export_to, tmp_path
     assert json.loads((tmp_path / "b" / "manifest.json").read_text())["attention"] == "graph"
     p = cabinlm("build", art16, "--profile", "cpu", "-o", tmp_path / "c", "--attention", "sideways")
     assert_clean_error(p, "attention must be auto, fused or graph")
+    p = cabinlm("build", art16, "--profile", "cpu", "-o", tmp_path / "d", "--minimums", "int3")
+    assert_clean_error(p, "minimums must be exact or int8")
 
 
 @pytest.mark.slow
@@ -177,7 +179,7 @@ def test_smollm2_gguf_blocks_give_the_exported_graphs_logits(smollm2, export_to,
     implicit zero point 8, a Q8_0 table as 8-bit blocks): with float KV and float activations the
     fused build's logits are the exported graph's, through eviction."""
     art = export_to(smollm2, sink=4, pinned=60, window=124, chunk=32, weights="int4")
-    out = fused_build(art, tmp_path / "fused")
+    out = fused_build(art, tmp_path / "fused", minimums="exact")
     a, b = Decoder(art, session_config=ACC0), Decoder(out)
     ids = np.arange(1000, 1300)
     np.testing.assert_allclose(b.feed(ids[:8], pin=True, all_logits=True), a.feed(ids[:8], pin=True, all_logits=True),
@@ -186,3 +188,56 @@ def test_smollm2_gguf_blocks_give_the_exported_graphs_logits(smollm2, export_to,
         chunk = ids[start : start + 32]
         np.testing.assert_allclose(b.feed(chunk, all_logits=True), a.feed(chunk, all_logits=True), atol=2e-3, rtol=0)
     assert a.cache.evicted == b.cache.evicted > 100
+
+
+def test_q4_1_blocks_as_int8_move_each_block_by_one_small_constant():
+    """Q4_1 (d * q + m) as 8-bit codes with an integer zero point, checked against the float64
+    values block by block: a block holding zero moves as a whole by one constant (the levels keep
+    their spacing) of at most d / 34; a block far from zero is re-rounded value by value within
+    half its new step; a constant block is kept."""
+    from cabinlm.build.ort_fused import q4_1_as_int8
+
+    rng = np.random.default_rng(0)
+    K, N = 96, 40
+    q = rng.integers(0, 16, (K, N)).astype(np.uint8)
+    q[0:32:2, 0], q[1:32:2, 0] = 0, 15  # a block spanning all 16 levels
+    d = rng.uniform(1e-3, 2e-2, (K // 32, N)).astype(np.float16).astype(np.float32)
+    m = (-d * rng.uniform(0, 15, (K // 32, N))).astype(np.float16).astype(np.float32)
+    q[32:64, 1] = np.arange(32) % 16
+    m[1, 1] = -0.5 * 15 * d[1, 1]  # zero in the middle of the block
+    m[0, 2] = 0.3  # every value positive, far from zero
+    m[1, 2] = -7.0  # every value far below zero
+    d[2, 3], q[64:96, 3] = 0.0, 0  # a constant block (one level)
+    q8, s, z = q4_1_as_int8(q, d, m)
+    assert q8.dtype == z.dtype == np.uint8 and s.dtype == np.float32
+    true = d.astype(np.float64)[:, None] * q.reshape(3, 32, N) + m[:, None]
+    got = s.astype(np.float64)[:, None] * (q8.reshape(3, 32, N).astype(np.float64) - z[:, None])
+    shift = got - true
+    assert (np.abs(shift).max(axis=1) <= s * (0.5 + 1e-4)).all()  # within half a new step (float32 s), everywhere
+    holds_zero = (true.min(axis=1) <= 0) & (true.max(axis=1) >= 0)
+    assert holds_zero.mean() > 0.8
+    spread = shift.max(axis=1) - shift.min(axis=1)
+    assert (spread[holds_zero] <= 1e-4 * s[holds_zero]).all(), spread[holds_zero].max()  # one constant per block
+    assert (np.abs(shift).max(axis=1)[holds_zero] <= d[holds_zero] * (1 / 34 + 1e-4)).all()
+    assert not holds_zero[0, 2] and not holds_zero[1, 2]
+    assert abs(got[2, :, 3] - true[2, :, 3]).max() <= abs(m[2, 3]) * 1e-6  # the constant block
+    assert np.abs(shift).max() > 0  # not a copy: the minimums do move
+
+
+def test_smollm2_q4_1_as_int8_blocks_stay_close_to_the_exact_build(smollm2, export_to, long_text, tmp_path):
+    """--minimums int8 against the exact build on the real model (float KV, float activations, so
+    only the re-expressed blocks differ): the same next token almost everywhere, logits close."""
+    art = export_to(smollm2, sink=4, pinned=60, window=124, chunk=32, weights="int4")
+    exact = Decoder(fused_build(art, tmp_path / "exact", minimums="exact"))
+    int8 = Decoder(fused_build(art, tmp_path / "int8", minimums="int8"))
+    graph = onnx.load(str(tmp_path / "int8" / "decoder.opt.onnx"), load_external_data=False)
+    bits = {a.i for n in graph.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "bits"}
+    assert bits == {8} and not any(n.op_type == "Gemm" for n in graph.graph.node)  # no block-sum kernels left
+    from cabinlm.runtime import Tokenizer
+
+    ids = Tokenizer(tmp_path / "int8" / "tokenizer.json").encode(long_text, add_special_tokens=True)[:256]
+    a, b = exact.feed(ids, all_logits=True), int8.feed(ids, all_logits=True)
+    agree, worst = (a.argmax(-1) == b.argmax(-1)).mean(), np.abs(a - b).max()
+    print(f"next-token agreement {agree:.3f}, max |logit diff| {worst:.3f}")
+    assert agree >= 0.95 and worst < 2.0, (agree, worst)
+    assert json.loads((tmp_path / "int8" / "build.json").read_text())["fused"]["minimums"] == "int8"

@@ -189,6 +189,11 @@ def build(
         "graph; 'auto' fuses where it applies."),
     accuracy_level: int = typer.Option(4, help="Fused cpu builds: activations of the quantized matmuls, 4 = int8 "
                                        "(as llama.cpp computes), 0 = float32 (slower, exact to the weights)."),
+    minimums: str = typer.Option(
+        "int8", help="Fused cpu builds of a GGUF's Q4_1 blocks (4-bit codes plus a block minimum): 'int8' re-expresses "
+        "each block as 8-bit codes with an integer zero point, the minimum rounded to 1/34 of the block's step "
+        "(about 10% faster decode, 43 MB more weights for SmolLM2); 'exact' adds each minimum through block sums "
+        "(two more kernels per matrix). docs/benchmarks.md measures both."),
 ) -> None:
     """Build an exported artifact for a device: ONNX Runtime targets get the graph optimized offline
     (the cpu profile fuses the decoder; static prefill + decode graphs for static-shape chips);
@@ -198,7 +203,8 @@ def build(
     from cabinlm.build.trt import TensorRTUnavailable
 
     try:
-        path = build_artifact(artifact, _profile(profile), out, log=_info, attention=attention, accuracy_level=accuracy_level)
+        path = build_artifact(artifact, _profile(profile), out, log=_info, attention=attention, accuracy_level=accuracy_level,
+                             minimums=minimums)
     except TensorRTUnavailable as e:
         _info(e.details)
         raise

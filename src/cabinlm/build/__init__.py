@@ -24,14 +24,17 @@ class BuildError(CabinlmError):
 
 
 def build_artifact(artifact: str | Path, profile, out: str | Path | None = None, log: Callable[[str], None] = lambda s: None,
-                   attention: str = "auto", accuracy_level: int = 4) -> Path:
+                   attention: str = "auto", accuracy_level: int = 4, minimums: str = "int8") -> Path:
     """Build `artifact` for `profile` (a DeviceProfile) into `out` (default: ARTIFACT/build-PROFILE).
 
     ONNX Runtime cpu builds: attention "auto" fuses the decoder (build/ort_fused.py) where the
     artifact allows and keeps the exported graph otherwise; "fused" insists; "graph" keeps the export.
-    accuracy_level: the fused build's MatMulNBits activations (4: int8, as llama.cpp; 0: float32)."""
+    accuracy_level: the fused build's MatMulNBits activations (4: int8, as llama.cpp; 0: float32).
+    minimums: how the fused build runs GGUF Q4_1 blocks ("exact", or "int8": build/ort_fused.py)."""
     if attention not in ("auto", "fused", "graph"):
         raise BuildError(f"attention must be auto, fused or graph, got {attention!r}")
+    if minimums not in ("exact", "int8"):
+        raise BuildError(f"minimums must be exact or int8, got {minimums!r}")
     from cabinlm.manifest import load_manifest
     from cabinlm.profiles import Engine
 
@@ -49,4 +52,5 @@ def build_artifact(artifact: str | Path, profile, out: str | Path | None = None,
         return build_tensorrt(artifact, manifest, profile, out, log)
     from cabinlm.build.ort import build_onnxruntime
 
-    return build_onnxruntime(artifact, manifest, profile, out, log, attention=attention, accuracy_level=accuracy_level)
+    return build_onnxruntime(artifact, manifest, profile, out, log, attention=attention, accuracy_level=accuracy_level,
+                             minimums=minimums)

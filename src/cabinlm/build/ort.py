@@ -163,7 +163,7 @@ def _kv_scales(artifact: Path, manifest: Manifest) -> dict | None:
 
 
 def build_onnxruntime(artifact: Path, manifest: Manifest, profile, out: Path, log: Callable[[str], None],
-                      attention: str = "auto", accuracy_level: int = 4) -> Path:
+                      attention: str = "auto", accuracy_level: int = 4, minimums: str = "int8") -> Path:
     if manifest.opset > profile.max_opset:
         raise BuildError(f"{artifact}: graph opset {manifest.opset} is above {profile.name}'s {profile.max_opset}")
     out.mkdir(parents=True, exist_ok=True)
@@ -191,13 +191,17 @@ def build_onnxruntime(artifact: Path, manifest: Manifest, profile, out: Path, lo
         if why is not None and attention == "fused":
             raise BuildError(f"{artifact}: the fused attention does not apply: {why}")
         if why is None:
-            fused_model = ort_fused.fused_model(graph, manifest, scales, accuracy_level)
+            q4_1 = sum(1 for i in graph.graph.initializer if i.name.endswith(".offset"))
+            fused_model = ort_fused.fused_model(graph, manifest, scales, accuracy_level, minimums)
             inv_freq, rope_scale = ort_fused.rope_tables(graph)
             kv_scales = scales.get("rotated_key_scales") if lay.kv_dtype.value == "int8" else None
             fused_record = {"inv_freq": inv_freq, "rope_scale": rope_scale, "key_scales": kv_scales,
-                            "accuracy_level": accuracy_level}  # fmt: skip
+                            "accuracy_level": accuracy_level, "minimums": minimums}  # fmt: skip
             log(f"fused the decoder: {len(fused_model.graph.node)} nodes (the export has {len(graph.graph.node)}), "
                 f"GroupQueryAttention over {lay.kv_dtype.value} KV, MatMulNBits accuracy level {accuracy_level}")
+            if q4_1:
+                log(f"{q4_1} Q4_1 matrices: " + ("4-bit blocks, minimums added exactly (block sums)" if minimums == "exact"
+                    else "8-bit blocks with integer zero points (each minimum rounded to 1/34 of its block's step)"))
             del graph
             graph, kind = fused_model, "fused"
             onnx.save_model(ort_fused.rotation_model(manifest), str(out / ort_fused.ROTATE_GRAPH))

@@ -116,8 +116,57 @@ def _pack4(q: np.ndarray) -> np.ndarray:
     return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
 
 
-def fused_model(graph: onnx.ModelProto, manifest: Manifest, scales: dict | None, accuracy_level: int = 4) -> onnx.ModelProto:
-    """The fused decoder (module docstring) built from the exported graph's initializers."""
+MINIMUMS = ("exact", "int8")
+
+
+def q4_1_as_int8(q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GGUF Q4_1 blocks (w = d * q + m, q in 0..15) re-expressed as 8-bit blocks with an integer zero
+    point, w' = s * (q8 - z), without a block-sum kernel for the minimum.
+
+    s = d / k with the largest k <= 17 for which the block, zero included, fits 256 codes: the 16
+    levels keep their spacing exactly (k codes apart) and the whole block moves by one constant, the
+    minimum's rounding to the finer grid, at most s / 2 = d / (2k). A block holding zero (every block
+    of a trained model's weights) gets k = 17: d / 34. A block far from zero (none in the models
+    measured) falls back to s = its span / 255, each value rounded alone (at most s / 2). A constant
+    block is exact.
+
+    q (K, N) codes; scale, offset (K / 32, N). Returns q8 (K, N) uint8, s and z (K / 32, N)."""
+    K, N = q.shape
+    nb = K // BLOCK
+    qb = q.reshape(nb, BLOCK, N).astype(np.int64)
+    d, m = scale.astype(np.float64), offset.astype(np.float64)
+    qlo, qhi = qb.min(axis=1), qb.max(axis=1)
+    s = np.zeros((nb, N))
+    z = np.zeros((nb, N), np.int64)
+    k_of = np.zeros((nb, N), np.int64)  # 0: not placed on a finer grid yet
+    for k in range(17, 0, -1):
+        sk = d / k
+        t = np.rint(np.divide(m, sk, out=np.zeros_like(m), where=d > 0))  # the minimum, in codes of sk
+        zk = np.clip(-(k * qlo + t), 0, 255)
+        fits = (d > 0) & (k_of == 0) & (k * qlo + t + zk >= 0) & (k * qhi + t + zk <= 255)
+        s, z, k_of = np.where(fits, sk, s), np.where(fits, zk, z), np.where(fits, k, k_of)
+    q8 = k_of[:, None, :] * qb + np.rint(np.divide(m, s, out=np.zeros_like(m), where=s > 0))[:, None, :] + z[:, None, :]
+    w = d[:, None, :] * qb + m[:, None, :]
+    lo, hi = np.minimum(w.min(axis=1), 0), np.maximum(w.max(axis=1), 0)
+    far = (d > 0) & (k_of == 0)
+    flat = d == 0  # one level: m itself, 127 codes from the zero point
+    s = np.where(far, (hi - lo) / 255, s)
+    s = np.where(flat, np.maximum(np.abs(m), np.finfo(np.float32).tiny) / 127, s)
+    z = np.where(far, np.clip(np.rint(-lo / np.where(far, s, 1)), 0, 255), np.where(flat, 128, z))
+    other = np.clip(np.rint(w / s[:, None, :]) + z[:, None, :], 0, 255)
+    q8 = np.where((far | flat)[:, None, :], other, q8)
+    return q8.reshape(K, N).astype(np.uint8), s.astype(np.float32), z.astype(np.uint8)
+
+
+def fused_model(graph: onnx.ModelProto, manifest: Manifest, scales: dict | None, accuracy_level: int = 4,
+                minimums: str = "int8") -> onnx.ModelProto:
+    """The fused decoder (module docstring) built from the exported graph's initializers.
+
+    minimums: how GGUF Q4_1 blocks (which carry a block minimum) run. "exact": 4-bit MatMulNBits plus
+    the minimum through blocksum(x) @ minimum (two more kernels per matrix); "int8": 8-bit blocks with
+    an integer zero point (q4_1_as_int8: the minimum rounds to 1/34 of a step), one kernel."""
+    if minimums not in MINIMUMS:
+        raise BuildError(f"minimums must be {' or '.join(MINIMUMS)}, got {minimums!r}")
     why = ineligible(manifest, scales)
     if why:
         raise BuildError(f"the fused attention does not apply: {why}")
@@ -142,8 +191,16 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, scales: dict | None,
             blob = (q.T.astype(np.int16) + 128).astype(np.uint8).reshape(N, nb, BLOCK)
         else:
             blob = _pack4(q.T.reshape(N, nb, BLOCK))
-        ins = [x, b.weight(f"{name}.nbits", blob), b.weight(f"{name}.nbits_scale", scale.T)]
         offset = W.get(f"{name}.offset").astype(np.float32) if W.has(f"{name}.offset") else None
+        if offset is not None and minimums == "int8":
+            q8, s8, z8 = q4_1_as_int8(q, scale, offset)
+            ins = [x, b.weight(f"{name}.nbits", q8.T.reshape(N, nb, BLOCK)), b.weight(f"{name}.nbits_scale", s8.T),
+                   b.weight(f"{name}.nbits_zero_point", z8.T)]  # fmt: skip
+            if bias is not None:
+                ins += ["", bias]  # g_idx, bias
+            attrs = dict(K=K, N=N, bits=8, block_size=BLOCK, accuracy_level=accuracy_level)
+            return b.op("MatMulNBits", *ins, domain=MS, out=out, hint=name, **attrs)
+        ins = [x, b.weight(f"{name}.nbits", blob), b.weight(f"{name}.nbits_scale", scale.T)]
         if W.has(f"{name}.zero_point"):  # int4 zero points, packed along the blocks
             zp = W.get(f"{name}.zero_point").T  # (N, nb)
             if nb % 2:
