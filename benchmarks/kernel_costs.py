@@ -35,8 +35,9 @@ def session(model):
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def model(nodes, inputs, outputs, inits):
-    g = helper.make_graph(nodes, "k", inputs, [helper.make_tensor_value_info(o, T.FLOAT, None) for o in outputs], inits)
+def model(nodes, inputs, outputs, inits, typed=()):
+    outs = [helper.make_tensor_value_info(o, T.FLOAT, None) for o in outputs] + list(typed)
+    g = helper.make_graph(nodes, "k", inputs, outs, inits)
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)], ir_version=10)
 
 
@@ -59,8 +60,9 @@ def attention(kv: str, filled: int, tokens: int) -> float:
            helper.make_tensor_value_info("cos", T.FLOAT, [rows, DH // 2]), helper.make_tensor_value_info("sin", T.FLOAT, [rows, DH // 2]),
            helper.make_tensor_value_info("pos", T.INT64, [1, tokens]), helper.make_tensor_value_info("bias", T.FLOAT, [1, 1, tokens, filled + tokens]),
            helper.make_tensor_value_info("seqlens", T.INT32, [1]), helper.make_tensor_value_info("total", T.INT32, [])]  # fmt: skip
-    nodes, inits, outs = [], [], []
+    nodes, inits, outs, caches = [], [], [], []
     for i in range(LAYERS):
+        caches += [helper.make_tensor_value_info(f"p{n}{i}", etype, [1, HKV, rows, width]) for n in ("k", "v")]
         ins += [helper.make_tensor_value_info(f"k{i}", etype, [1, HKV, rows, width]),
                 helper.make_tensor_value_info(f"v{i}", etype, [1, HKV, rows, width])]  # fmt: skip
         gi = ["qkv", "", "", f"k{i}", f"v{i}", "seqlens", "total", "cos", "sin", "pos", "bias", ""]
@@ -72,7 +74,7 @@ def attention(kv: str, filled: int, tokens: int) -> float:
             attrs.update(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL", kv_cache_bit_width=4 if packed else 8)
         nodes.append(helper.make_node("GroupQueryAttention", gi, [f"o{i}", f"pk{i}", f"pv{i}"], domain=MS, **attrs))
         outs.append(f"o{i}")
-    s = session(model(nodes, ins, outs, inits))
+    s = session(model(nodes, ins, outs, inits, caches))
     rng = np.random.default_rng(0)
     b = s.io_binding()
     feeds = {"qkv": rng.standard_normal((1, tokens, (H + 2 * HKV) * DH), np.float32),
@@ -108,9 +110,12 @@ def matmuls(kind: str) -> float:
             if bits == 8:
                 inits.append(numpy_helper.from_array(rng.integers(100, 156, (N, nb), dtype=np.uint8), p + "z"))
                 mm.append(p + "z")
-            out = p + ("y" if kind.startswith("int4 + ") else "o")
+            elif kind.startswith("int4 + float zero points"):  # the minimum as a float zero point (-m / d)
+                inits.append(numpy_helper.from_array(rng.random((N, nb), np.float32) * 15, p + "z"))
+                mm.append(p + "z")
+            out = p + ("y" if kind.startswith("int4 + exact") else "o")
             nodes.append(helper.make_node("MatMulNBits", mm, [out], domain=MS, K=K, N=N, bits=bits, block_size=32, accuracy_level=4))
-            if kind.startswith("int4 + "):  # the exact Q4_1 minimum: blocksum(x) @ minimum, added
+            if kind.startswith("int4 + exact"):  # the exact Q4_1 minimum: blocksum(x) @ minimum, added
                 inits += [numpy_helper.from_array(np.kron(np.eye(nb, dtype=np.float32), np.ones((32, 1), np.float32)), p + "i"),
                           numpy_helper.from_array(rng.random((nb, N), np.float32) * 0.01, p + "m")]  # fmt: skip
                 nodes += [helper.make_node("MatMul", [x, p + "i"], [p + "b"]), helper.make_node("Gemm", [p + "b", p + "m", out], [p + "o"])]
@@ -118,7 +123,7 @@ def matmuls(kind: str) -> float:
     ins = [helper.make_tensor_value_info("x", T.FLOAT, [1, 576]), helper.make_tensor_value_info("y", T.FLOAT, [1, 1536])]
     s = session(model(nodes, ins, outs, inits))
     feeds = {"x": rng.standard_normal((1, 576), np.float32), "y": rng.standard_normal((1, 1536), np.float32)}
-    return timed(lambda: s.run(None, feeds), a.runs)
+    return timed(lambda: s.run(None, feeds), a.runs if "float zero" not in kind else max(10, a.runs // 20))
 
 
 def genai_step(folder: str, context: int) -> float:
@@ -153,7 +158,8 @@ for tokens in (1, 40):
             what = "decode (1 token)" if tokens == 1 else f"prefill ({tokens} tokens)"
             print(f"| {what} | {kv} | {filled} | {attention(kv, filled, tokens):.2f} |", flush=True)
 print("\n| the 120 layer projections (M = 1) | ms |\n|---|---:|")
-for kind in ("int4 (no minimum)", "int4 + exact Q4_1 minimum (MatMul + Gemm)", "int8 + zero points (Q4_1 as int8)"):
+for kind in ("int4 (no minimum)", "int4 + exact Q4_1 minimum (MatMul + Gemm)", "int8 + zero points (Q4_1 as int8)",
+             "int4 + float zero points (the minimum in the kernel)"):
     print(f"| {kind} | {matmuls(kind):.2f} |", flush=True)
 if a.ort_genai:
     print(f"\n| {a.ort_genai}: one decode step | context | ms |\n|---|---:|---:|")
