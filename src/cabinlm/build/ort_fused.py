@@ -5,7 +5,8 @@ kernels, so that a decode step runs about 20 kernels per layer instead of about 
       ─ SkipSimplifiedLayerNorm ─ MatMulNBits gate|up ─ SiLU(gate) * up ─ MatMulNBits down
 
 An engine-specific build, like a TensorRT engine: the exported graph stays plain ONNX, and this file
-only rearranges its initializers (the weights are the same bytes, the GGUF blocks included).
+only rearranges its initializers (the same bytes, the GGUF blocks included, except a Q4_1 block's
+float minimum: by default the block becomes 8-bit codes with an integer zero point, q4_1_as_int8).
 
 How the cache semantics survive the fusion. GroupQueryAttention rotates the chunk's keys before it
 stores them, so keys are cached *rotated*, at a virtual position v = rank + E, where E is the number
@@ -177,8 +178,9 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, scales: dict | None,
     eps = float(spec.rms_norm_eps)
 
     def linear(x: str, name: str, out: str | None = None, bias: str | None = None) -> str:
-        """x (tokens, K) @ W: MatMulNBits over the exported blocks (a GGUF Q4_1 minimum adds
-        blocksum(x) @ offset: a MatMul by a block indicator and a Gemm), or MatMul for float32."""
+        """x (tokens, K) @ W: MatMulNBits over the exported blocks (a GGUF Q4_1 block: 8-bit codes with
+        zero points, or with minimums="exact" the 4-bit codes plus blocksum(x) @ offset, a MatMul by a
+        block indicator and a Gemm), or MatMul for float32."""
         if not W.has(f"{name}.q"):
             y = b.op("MatMul", x, f"{name}", hint=name, out=None if bias else out)
             return b.op("Add", y, bias, out=out, hint=f"{name}/bias") if bias else y
@@ -186,11 +188,6 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, scales: dict | None,
         K, N = q.shape
         nb = K // BLOCK
         scale = W.get(f"{name}.scale").astype(np.float32)  # (nb, N)
-        bits = 8 if q.dtype == np.int8 else 4
-        if bits == 8:  # symmetric int8 -> MatMulNBits' 8-bit blocks, default zero point 128
-            blob = (q.T.astype(np.int16) + 128).astype(np.uint8).reshape(N, nb, BLOCK)
-        else:
-            blob = _pack4(q.T.reshape(N, nb, BLOCK))
         offset = W.get(f"{name}.offset").astype(np.float32) if W.has(f"{name}.offset") else None
         if offset is not None and minimums == "int8":
             q8, s8, z8 = q4_1_as_int8(q, scale, offset)
@@ -200,6 +197,11 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, scales: dict | None,
                 ins += ["", bias]  # g_idx, bias
             attrs = dict(K=K, N=N, bits=8, block_size=BLOCK, accuracy_level=accuracy_level)
             return b.op("MatMulNBits", *ins, domain=MS, out=out, hint=name, **attrs)
+        bits = 8 if q.dtype == np.int8 else 4
+        if bits == 8:  # symmetric int8 -> MatMulNBits' 8-bit blocks, default zero point 128
+            blob = (q.T.astype(np.int16) + 128).astype(np.uint8).reshape(N, nb, BLOCK)
+        else:
+            blob = _pack4(q.T.reshape(N, nb, BLOCK))
         ins = [x, b.weight(f"{name}.nbits", blob), b.weight(f"{name}.nbits_scale", scale.T)]
         if W.has(f"{name}.zero_point"):  # int4 zero points, packed along the blocks
             zp = W.get(f"{name}.zero_point").T  # (N, nb)
