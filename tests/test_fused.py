@@ -240,4 +240,8 @@ def test_smollm2_q4_1_as_int8_blocks_stay_close_to_the_exact_build(smollm2, expo
     agree, worst = (a.argmax(-1) == b.argmax(-1)).mean(), np.abs(a - b).max()
     print(f"next-token agreement {agree:.3f}, max |logit diff| {worst:.3f}")
     assert agree >= 0.95 and worst < 2.0, (agree, worst)
-    assert json.loads((tmp_path / "int8" / "build.json").read_text())["fused"]["minimums"] == "int8"
+    records = {name: json.loads((tmp_path / name / "build.json").read_text()) for name in ("exact", "int8")}
+    assert records["int8"]["fused"]["minimums"] == "int8"
+    for name, record in records.items():  # the weights as each build holds them
+        assert record["weights_bytes"] == (tmp_path / name / "decoder.opt.onnx.data").stat().st_size
+    assert records["int8"]["weights_bytes"] > records["exact"]["weights_bytes"]  # 8 bits against 4 + minimums

@@ -225,6 +225,13 @@ def build_onnxruntime(artifact: Path, manifest: Manifest, profile, out: Path, lo
         "intra_op_num_threads": profile.threads,
         "enable_cpu_mem_arena": True,
     }
+    weights_bytes = built.files["graph_data"].bytes if "graph_data" in built.files else None
+    plan = (manifest.target or {}).get("plan") or {}
+    if weights_bytes and plan.get("weights_bytes"):
+        # The plan sizes the weights at their nominal bits; the build holds them as its kernels want
+        # them (float32 scales, a fused build's 8-bit Q4_1 blocks, the token table for the output).
+        log(f"weights as built: {weights_bytes / 1e6:.1f} MB (the export's plan counted {plan['weights_bytes'] / 1e6:.1f} MB "
+            f"of {plan.get('weight_dtype', 'quantized')} weights; `cabinlm plan` sizes the window from the latter)")
     record = {
         "cabinlm_version": __version__,
         "engine": "onnxruntime",
@@ -234,6 +241,7 @@ def build_onnxruntime(artifact: Path, manifest: Manifest, profile, out: Path, lo
         "session": session,
         "plan": (manifest.target or {}).get("plan"),
         "shared_weights": shared,
+        "weights_bytes": weights_bytes,
         "fused": fused_record,
         "source": {"artifact": str(artifact.resolve()), "graph_sha256": manifest.files["graph"].sha256},
         "files": {r: e.sha256 for r, e in built.files.items()},
