@@ -33,8 +33,10 @@ def build_artifact(artifact: str | Path, profile, out: str | Path | None = None,
     minimums: how the fused build runs GGUF Q4_1 blocks ("exact", or "int8": build/ort_fused.py)."""
     if attention not in ("auto", "fused", "graph"):
         raise BuildError(f"attention must be auto, fused or graph, got {attention!r}")
-    if minimums not in ("exact", "int8"):
-        raise BuildError(f"minimums must be exact or int8, got {minimums!r}")
+    from cabinlm.build.ort_fused import MINIMUMS
+
+    if minimums not in MINIMUMS:
+        raise BuildError(f"minimums must be {' or '.join(MINIMUMS)}, got {minimums!r}")
     from cabinlm.manifest import load_manifest
     from cabinlm.profiles import Engine
 
