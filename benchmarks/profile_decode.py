@@ -42,16 +42,18 @@ for t in range(a.steps):
     dec.step(np.array([500 + t]))
     wall.append(time.perf_counter() - t0)
 events = json.load(open(dec._decode.session.end_profiling()))
-runs = [e["dur"] for e in events if e.get("cat") == "Session" and e["name"] == "model_run"][-a.steps :]
+step_runs = [e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"][-a.steps :]
+runs = [e["dur"] for e in step_runs]
+since = step_runs[0]["ts"]  # the decode steps only: the feed's prefill chunks ran in the same session
 by_op, by_name, count = collections.Counter(), collections.Counter(), collections.Counter()
 for e in events:
-    if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
+    if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["ts"] >= since:
         op = e["args"]["op_name"]
         by_op[op] += e["dur"]
         count[op] += 1
         name = re.sub(r"layers\.\d+", "L", e["name"][: -len("_kernel_time")])
         by_name[re.sub(r"(_\d+|#\d+)$", "", name)] += e["dur"]
-n_runs = len([e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"])
+n_runs = len(step_runs)
 total = sum(by_op.values())
 print(f"{a.build}: {lay.slots} slots, {dec.manifest.weights} weights, {lay.kv_dtype.value} KV, {a.threads} threads")
 print(f"wall median {statistics.median(wall) * 1e3:.2f} ms/token; ONNX Runtime run median {statistics.median(runs) / 1e3:.2f} ms; "

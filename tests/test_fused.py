@@ -67,6 +67,53 @@ def test_fused_build_gives_the_exported_graphs_logits_with_eviction_and_pins(arc
     assert worst < 1e-4
 
 
+def test_fused_decode_with_a_full_pinned_region_and_with_none(load, tiny_llama_dir, export_to, tmp_path):
+    """Single-token decode binds its inputs once and its bias only when the slots in use change:
+    a pinned region filled to the last slot (no slot below F is empty: a zero bias), a layout with
+    no pinned slots, and the window filling up (F grows every step), against the exported graph."""
+    for pinned in (4, 0):
+        layout = dict(sink=2, pinned=pinned, window=12, chunk=4)
+        art = export_to(load(str(tiny_llama_dir)), kv="fp32", **layout)
+        ref, dec = Decoder(art, session_config=ACC0), Decoder(fused_build(art, tmp_path / f"fused-p{pinned}"))
+        rng = np.random.default_rng(pinned)
+        worst = 0.0
+        if pinned:
+            ids = rng.integers(3, 300, 2 + pinned)  # the sink, then every pinned slot
+            worst = float(np.abs(ref.feed(ids, pin=True) - dec.feed(ids, pin=True)).max())
+            assert dec.cache.length == dec.cache.extent == 2 + pinned
+        for t in range(40):
+            ids = rng.integers(3, 300, 1)
+            worst = max(worst, float(np.abs(ref.step(ids) - dec.step(ids)).max()))
+        assert dec.cache.evicted > 12 and dec._bias_held[0] == dec.layout.slots
+        assert worst < 1e-4
+
+
+def test_sink_and_pinned_ranks_match_the_slot_tables_ranks(load, tiny_llama_dir, export_to, tmp_path):
+    """The refresh's ranks of the sink and pinned keys (a shortcut while they are the oldest tokens)
+    against the ranks the plan works out from the whole slot table, before and after a pinned span
+    that comes after window tokens."""
+    art = export_to(load(str(tiny_llama_dir)), kv="fp32", **LAYOUT)
+    dec = Decoder(fused_build(art, tmp_path / "fused"))
+    c, rot = dec.cache, dec.rotated
+    sink, pinned = LAYOUT["sink"], LAYOUT["pinned"]
+
+    def check():
+        slots = np.concatenate([np.arange(c.sink_fill), sink + np.arange(c.pinned_fill)]).astype(np.int64)
+        plan = c.plan(1)
+        np.testing.assert_array_equal(rot._ranks(plan, slots), plan.cache_position_ids[slots])
+
+    dec.feed(np.arange(3, 8), pin=True)
+    check()
+    dec.feed(np.arange(20, 60))  # the window turns over
+    check()
+    dec.feed(np.arange(60, 63), pin=True)  # pinned tokens younger than the window's
+    check()
+    assert not np.array_equal(rot._ranks(c.plan(1), np.arange(sink + 6)), np.arange(sink + 6))  # the slow way taken
+    dec.feed(np.arange(70, 100))
+    check()
+    assert c.pinned_fill == 6 < pinned  # 5 pinned tokens: 2 went to the sink
+
+
 def test_fused_int8_kv_stays_close_to_float_kv(load, tiny_llama_dir, export_to, tmp_path):
     """Static per-channel int8 scales (keys per rotation pair): the fused int8 build's logits stay as
     close to float KV as the exported graph's own int8 KV does (same order of error)."""

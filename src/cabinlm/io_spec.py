@@ -171,7 +171,7 @@ def fused_decoder_io(layout: CacheLayout, num_heads: int, vocab_size: int) -> De
       logits                 float  (rows, vocab)
       present_key.{l}, present_value.{l}: the cache buffers themselves (bound to the inputs' memory);
                              the chunk's K/V land in rows F .. F + tokens - 1 (empty slots, or scratch)
-      qkv.{l}                float  (tokens, (heads + 2 kv_heads) head_dim)  the chunk's un-rotated q|k|v
+      qkv.{l}                float  (1, tokens, (heads + 2 kv_heads) head_dim)  the chunk's un-rotated q|k|v
     int8 KV: static per-channel scales (keys per rotation pair), held by the graph.
     """
     kv = layout.kv_dtype.onnx_name
@@ -193,5 +193,5 @@ def fused_decoder_io(layout: CacheLayout, num_heads: int, vocab_size: int) -> De
         inputs.append(TensorSpec(value_cache_name(layer), kv, (1, h, rows, d)))
         outputs.append(TensorSpec(present_key_name(layer), kv, (1, h, rows, d)))
         outputs.append(TensorSpec(present_value_name(layer), kv, (1, h, rows, d)))
-        outputs.append(TensorSpec(qkv_name(layer), "float", ("tokens", (num_heads + 2 * h) * d)))
+        outputs.append(TensorSpec(qkv_name(layer), "float", (1, "tokens", (num_heads + 2 * h) * d)))
     return DecoderIO(tuple(inputs), tuple(outputs))

@@ -228,7 +228,8 @@ class Manifest:
         if "io" in d and d["io"] != m.io.to_dict():
             raise ManifestError(
                 f"{where}: the declared graph I/O does not match the cache layout it declares; "
-                "the manifest was edited or is from another build, re-export"
+                + ("a fused build from an older cabinlm (its graph I/O changed since): run `cabinlm build` again"
+                   if m.attention == "fused" else "the manifest was edited or is from another build, re-export")
             )
         for role in ("graph", "tokenizer"):
             if role not in m.files:

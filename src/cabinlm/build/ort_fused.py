@@ -178,9 +178,9 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, scales: dict | None,
     eps = float(spec.rms_norm_eps)
 
     def linear(x: str, name: str, out: str | None = None, bias: str | None = None) -> str:
-        """x (tokens, K) @ W: MatMulNBits over the exported blocks (a GGUF Q4_1 block: 8-bit codes with
-        zero points, or with minimums="exact" the 4-bit codes plus blocksum(x) @ offset, a MatMul by a
-        block indicator and a Gemm), or MatMul for float32."""
+        """x (1, tokens, K) @ W: MatMulNBits over the exported blocks (a GGUF Q4_1 block: 8-bit codes
+        with zero points, or with minimums="exact" the 4-bit codes plus blocksum(x) @ offset: a MatMul
+        by a block indicator, a MatMul and an Add), or MatMul for float32."""
         if not W.has(f"{name}.q"):
             y = b.op("MatMul", x, f"{name}", hint=name, out=None if bias else out)
             return b.op("Add", y, bias, out=out, hint=f"{name}/bias") if bias else y
@@ -224,13 +224,14 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, scales: dict | None,
         y = b.op("MatMulNBits", *ins, domain=MS, hint=name, **attrs)
         indicator = np.kron(np.eye(nb, dtype=np.float32), np.ones((BLOCK, 1), np.float32))  # (K, nb)
         sums = b.op("MatMul", x, b.const(indicator), hint=f"{name}/block_sums")
-        return b.op("Gemm", sums, b.weight(f"{name}.nbits_offset", offset), y, out=out, hint=f"{name}/offset")
+        shift = b.op("MatMul", sums, b.weight(f"{name}.nbits_offset", offset), hint=f"{name}/offset")
+        return b.op("Add", y, shift, out=out, hint=f"{name}/offset")
 
     # Embedding: as exported (a float table, or int8 / int4 rows scaled per block).
     ids = mf.INPUT_IDS
     if W.has("embed_tokens"):
         b.weight("embed_tokens", W.get("embed_tokens"))
-        x = b.op("Gather", "embed_tokens", ids, axis=0, hint="embed")
+        x = b.op("Unsqueeze", b.op("Gather", "embed_tokens", ids, axis=0), b.const(np.array([0], np.int64)), hint="embed")
     else:
         q = W.get("embed_tokens.q")  # (V, D)
         nb = D // BLOCK
@@ -248,7 +249,7 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, scales: dict | None,
             b.weight("embed_tokens.offset", W.get("embed_tokens.offset"))
             off = b.op("Gather", "embed_tokens.offset", ids, axis=0)
             xq = b.op("Add", xq, b.op("Unsqueeze", off, b.const(np.array([2], np.int64))))
-        x = b.op("Reshape", xq, b.const(np.array([-1, D], np.int64)), hint="embed")
+        x = b.op("Reshape", xq, b.const(np.array([1, -1, D], np.int64)), hint="embed")
 
     def float_weight(name: str) -> str:
         return b.weight(name, W.get(name).astype(np.float32))
@@ -261,7 +262,6 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, scales: dict | None,
     if quantized_kv:
         kv_scales = {k: np.asarray(scales[k], np.float32) for k in ("rotated_key_scales", "value_scales")}
     I = spec.intermediate_size
-    one = b.const(np.array([0], np.int64))
     residual = None
     for i in range(lay.layers):
         p = f"layers.{i}"
@@ -274,7 +274,7 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, scales: dict | None,
                                      epsilon=eps, hint=f"{p}/input_norm")  # fmt: skip
         bias = float_weight(f"{p}.qkv_bias") if W.has(f"{p}.qkv_bias") else None
         qkv = linear(h, f"{p}.qkv", out=mf.qkv_name(i), bias=bias)
-        gqa_in = [b.op("Unsqueeze", qkv, one), "", "", mf.key_cache_name(i), mf.value_cache_name(i), mf.SEQLENS_K,
+        gqa_in = [qkv, "", "", mf.key_cache_name(i), mf.value_cache_name(i), mf.SEQLENS_K,
                   mf.TOTAL_SEQUENCE_LENGTH, mf.ROPE_COS, mf.ROPE_SIN, mf.POSITION_IDS, mf.ATTENTION_BIAS, ""]  # fmt: skip
         attrs = dict(num_heads=H, kv_num_heads=Hkv, scale=float(1 / np.sqrt(Dh)), do_rotary=1, rotary_interleaved=0,
                      local_window_size=-1)  # fmt: skip
@@ -285,14 +285,13 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, scales: dict | None,
         att, _, _ = b.op("GroupQueryAttention", *gqa_in, domain=MS, outputs=3, hint=f"{p}/attention", **attrs)
         b.nodes[-1].output[1] = mf.present_key_name(i)
         b.nodes[-1].output[2] = mf.present_value_name(i)
-        att = b.op("Squeeze", att, one)
         o = linear(att, f"{p}.o")
         h, _, _, residual = b.op("SkipSimplifiedLayerNormalization", o, residual, float_weight(f"{p}.post_norm.weight"),
                                  outputs=4, domain=MS, epsilon=eps, hint=f"{p}/post_norm")  # fmt: skip
-        gate, up = b.op("Split", linear(h, f"{p}.gate_up"), b.const(np.array([I, I], np.int64)), outputs=2, axis=1)
+        gate, up = b.op("Split", linear(h, f"{p}.gate_up"), b.const(np.array([I, I], np.int64)), outputs=2, axis=-1)
         act = b.op("Mul", b.op("Mul", gate, b.op("Sigmoid", gate)), up, hint=f"{p}/swiglu")
         x = linear(act, f"{p}.down")
-    x = b.op("Add", x, residual)
+    x = b.op("Squeeze", b.op("Add", x, residual), b.const(np.array([0], np.int64)))
     x = b.op("Gather", x, mf.LOGIT_ROWS, axis=0, hint="logit_rows")
     h = b.op("SimplifiedLayerNormalization", x, float_weight("final_norm.weight"), axis=-1, epsilon=eps, stash_type=1)
     if W.has("lm_head.q"):

@@ -13,7 +13,7 @@ Invariants (tested property-wise in tests/test_cache.py):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
 
 import numpy as np
 
@@ -23,16 +23,39 @@ from cabinlm.manifest import CacheLayout
 MASK_VALUE = np.float32(-1e30)  # additive mask for slots a token must not see
 
 
-@dataclass
 class StepPlan:
-    """Everything one graph call needs besides the token ids, and where its K/V go afterwards."""
+    """Everything one graph call needs besides the token ids, and where its K/V go afterwards.
 
-    position_ids: np.ndarray  # (tokens,) int64
-    cache_position_ids: np.ndarray  # (slots,) int64
-    attention_mask: np.ndarray  # (tokens, slots + tokens) float32
-    slots: np.ndarray  # (tokens,) int64: destination slot of each chunk token
-    evicts: int  # how many cached window tokens this chunk overwrites
-    pin: bool | str  # False: window; True: pinned region; "image": the camera-frame region
+    The cached slots' positions and the mask are worked out on first use (a fused decode step needs
+    neither most of the time), from the slot table as it stood when the plan was made."""
+
+    def __init__(self, position_ids: np.ndarray, slots: np.ndarray, evicts: int, pin: bool | str, slot_token: np.ndarray):
+        self.position_ids = position_ids  # (tokens,) int64
+        self.slots = slots  # (tokens,) int64: destination slot of each chunk token
+        self.evicts = evicts  # how many cached window tokens this chunk overwrites
+        self.pin = pin  # False: window; True: pinned region; "image": the camera-frame region
+        self._slot_token = slot_token  # a copy: the cache moves on after commit
+
+    @functools.cached_property
+    def cache_position_ids(self) -> np.ndarray:
+        """(slots,) int64: each cached slot's rank in stream order (0 for empty slots). Stream indices
+        are unique and increasing, so a slot's rank is the number of cached tokens older than it."""
+        st = self._slot_token
+        valid = st >= 0
+        cached = int(valid.sum())
+        cache_pos = np.zeros(len(st), dtype=np.int64)
+        order = np.argsort(np.where(valid, st, np.iinfo(np.int64).max), kind="stable")
+        cache_pos[order[:cached]] = np.arange(cached)
+        return cache_pos
+
+    @functools.cached_property
+    def attention_mask(self) -> np.ndarray:
+        """(tokens, slots + tokens) float32, additive: every cached slot, then the chunk causally."""
+        n, N = len(self.slots), len(self._slot_token)
+        mask = np.empty((n, N + n), dtype=np.float32)
+        mask[:, :N] = np.where(self._slot_token >= 0, np.float32(0), MASK_VALUE)
+        mask[:, N:] = np.where(np.tri(n, dtype=bool), np.float32(0), MASK_VALUE)
+        return mask
 
 
 class KVCache:
@@ -129,20 +152,9 @@ class KVCache:
             slots[sink_take:] = lay.window_start + ring
             evicts = max(0, self.window_fill + rest - lay.window)
 
-        valid = self.slot_token >= 0
-        cached = int(valid.sum())
-        # Ranks in stream order: stream indices are unique and increasing, so a slot's rank is the
-        # number of cached tokens older than it.
-        cache_pos = np.zeros(lay.slots, dtype=np.int64)
-        order = np.argsort(np.where(valid, self.slot_token, np.iinfo(np.int64).max), kind="stable")
-        cache_pos[order[:cached]] = np.arange(cached)
+        cached = self.length
         position_ids = np.arange(cached, cached + n, dtype=np.int64)
-
-        # (tokens, slots + tokens): every cached slot, then the chunk causally.
-        mask = np.empty((n, lay.slots + n), dtype=np.float32)
-        mask[:, : lay.slots] = np.where(valid, np.float32(0), MASK_VALUE)
-        mask[:, lay.slots :] = np.where(np.tri(n, dtype=bool), np.float32(0), MASK_VALUE)
-        return StepPlan(position_ids, cache_pos, mask, slots, evicts, pin)
+        return StepPlan(position_ids, slots, evicts, pin, self.slot_token.copy())
 
     def commit(
         self,

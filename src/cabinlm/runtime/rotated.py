@@ -82,10 +82,22 @@ class RotatedKeys:
             return
         H, Hkv, D = num_heads, lay.kv_heads, lay.head_dim
         rows = np.flatnonzero(pinned)
-        for layer, x in enumerate(qkv):
-            k = x[rows, H * D : (H + Hkv) * D].reshape(len(rows), Hkv, D)
+        for layer, x in enumerate(qkv):  # (1, tokens, (heads + 2 kv_heads) head_dim)
+            k = x[0, rows, H * D : (H + Hkv) * D].reshape(len(rows), Hkv, D)
             self.cache.key_source[layer][:, plan.slots[rows]] = k.transpose(1, 0, 2)
         self._slots = None
+
+    def _ranks(self, plan: StepPlan, slots: np.ndarray) -> np.ndarray:
+        """Ranks of the sink and pinned slots (sink first, then pinned, each in slot order). Sink
+        tokens are the stream's first; pinned ones fill their slots in stream order; so unless a
+        camera-frame or window token is older than a pinned one, the ranks are 0, 1, 2, ..."""
+        lay = self.cache.layout
+        st = self.cache.slot_token
+        later = st[lay.sink + lay.pinned :]
+        later = later[later >= 0]
+        if not len(later) or later.min() > st[slots].max():
+            return np.arange(len(slots), dtype=np.int64)
+        return plan.cache_position_ids[slots]
 
     def refresh(self, plan: StepPlan) -> None:
         """Before a step: write the sink and pinned keys rotated at rank + E (only when E or the set
@@ -100,7 +112,7 @@ class RotatedKeys:
             return
         if self._slots is None or not np.array_equal(self._slots, slots):
             self._prepare(slots)
-        cos, sin = self._tables(plan.cache_position_ids[slots] + c.evicted)  # (rows, D/2)
+        cos, sin = self._tables(self._ranks(plan, slots) + c.evicted)  # (rows, D/2)
         cos, sin = cos.astype(np.float32), sin.astype(np.float32)
         if self.session is not None:
             (rotated,) = self.session.run(None, {"source": self._scaled, "position_ids": self._positions, "cos": cos, "sin": sin})

@@ -243,6 +243,7 @@ class Decoder:
                 raise ManifestError(
                     f"{self.folder}: graph tensor {t.name!r} has shape {arg.shape}, the manifest says "
                     f"{list(t.shape)}; the graph and the manifest come from different exports"
+                    + ("" if not self.build else ", or an older cabinlm made this build: run `cabinlm build` again")
                 )
 
     def _bind_fused(self) -> None:
@@ -258,11 +259,26 @@ class Decoder:
         width = (self.manifest.model.num_heads + 2 * lay.kv_heads) * lay.head_dim
         f32 = np.dtype(np.float32)
         outs = [(mf.LOGITS, ("rows", V), f32, "float")]
-        outs += [(mf.qkv_name(i), ("tokens", width), f32, "float") for i in range(lay.layers)]
+        outs += [(mf.qkv_name(i), (1, "tokens", width), f32, "float") for i in range(lay.layers)]
         session = self.sessions["graph"]
         self._decode = _Binding(session, cache_values, outs, tokens=1, rows=1, aliases=aliases)
         self._prefill = _Binding(session, cache_values, outs, tokens=None, aliases=aliases)
         self._chunk_rows = np.arange(lay.chunk, dtype=np.int64)[None]
+        # Single-token decode binds its inputs once, over buffers a step writes in place: the token,
+        # F and F + 1 (seqlens_k, total_sequence_length), the rotation tables (RotatedKeys fills row
+        # 0), row 0 of them and of the logits. Only the bias is rebound, when F changes.
+        self._ids1 = np.zeros(1, dtype=np.int64)
+        self._seqlens1 = np.zeros(1, dtype=np.int32)
+        self._total1 = np.zeros((), dtype=np.int32)
+        self._zero_bias = np.zeros((1, 1, 1, lay.slots + 1), dtype=np.float32)
+        self._bias: np.ndarray | None = None  # the bias bound now, kept alive while bound
+        self._bias_held: tuple | None = None  # the slots in use it was made for
+        fixed = {mf.INPUT_IDS: self._ids1, mf.POSITION_IDS: np.zeros((1, 1), dtype=np.int64),
+                 mf.ROPE_COS: self.rotated.cos, mf.ROPE_SIN: self.rotated.sin, mf.SEQLENS_K: self._seqlens1,
+                 mf.TOTAL_SEQUENCE_LENGTH: self._total1, mf.LOGIT_ROWS: np.zeros(1, dtype=np.int64)}  # fmt: skip
+        self._decode_inputs = [(name, _ortvalue(arr, "")) for name, arr in fixed.items()]
+        for name, ov in self._decode_inputs:
+            self._decode.binding.bind_ortvalue_input(name, ov)
 
     def _bind(self) -> None:
         if self.fused:
@@ -365,6 +381,8 @@ class Decoder:
         # Attend to the slots in use only (F of N): the kernel reads rows 0..F-1 and writes the
         # chunk's K/V into rows F..F+n-1, empty slots or the scratch rows after the last slot.
         F = self.cache.extent
+        if n == 1:
+            return self._decode_fused(ids, plan, F)
         mask = plan.attention_mask
         bias = mask[None, None] if F == N else np.concatenate([mask[:, :F], mask[:, N:]], axis=1)[None, None]
         binding = self._decode if n == 1 else self._prefill
@@ -380,6 +398,30 @@ class Decoder:
             mf.LOGIT_ROWS: rows.astype(np.int64, copy=False),
         }
         outs = binding.run(inputs)
+        with defer_sigint():
+            self.rotated.keep_sources(plan, outs[1:], self.manifest.model.num_heads)
+            self.cache.commit_rows(plan, F)
+        return outs[0]
+
+    def _decode_fused(self, ids: np.ndarray, plan, F: int) -> np.ndarray:
+        """One token through a fused build: the inputs bound at load are written in place."""
+        self._ids1[0] = ids[0]
+        self._seqlens1[0] = F
+        self._total1[()] = F + 1
+        c = self.cache
+        bias = {}
+        # The bias changes only with the set of slots in use: F, and the sink / pinned / camera-frame
+        # fills (a window step replaces the oldest window token, a slot that stays in use).
+        held = (F, c.sink_fill, c.pinned_fill, c.image_fill, c.frames)
+        if held != self._bias_held:
+            if c.length == F:  # every slot below F holds a token: nothing to mask
+                self._bias = self._zero_bias[..., : F + 1]
+            else:  # empty slots below F (pinned slots not yet used, for one): the plan's mask
+                mask = plan.attention_mask
+                self._bias = np.concatenate([mask[:, :F], mask[:, self.layout.slots :]], axis=1)[None, None]
+            bias[mf.ATTENTION_BIAS] = self._bias
+            self._bias_held = held
+        outs = self._decode.run(bias)
         with defer_sigint():
             self.rotated.keep_sources(plan, outs[1:], self.manifest.model.num_heads)
             self.cache.commit_rows(plan, F)
