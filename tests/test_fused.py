@@ -62,7 +62,7 @@ def test_fused_build_gives_the_exported_graphs_logits_with_eviction_and_pins(arc
     m = onnx.load(str(out / "decoder.opt.onnx"), load_external_data=False)
     ops = [n.op_type for n in m.graph.node]
     assert ops.count("GroupQueryAttention") == 2  # one per layer of the tiny model
-    assert "Softmax" not in ops and "RotaryEmbedding" not in ops
+    assert "Softmax" not in ops and ops.count("RotaryEmbedding") == 1  # the sink / pinned keys' side rotation
     worst = drive([Decoder(art, session_config=ACC0), Decoder(out)], np.random.default_rng(1))
     assert worst < 1e-4
 
@@ -165,6 +165,40 @@ def test_pinned_keys_are_rewritten_from_float_sources_not_from_quantized_data(lo
     scale = np.asarray(dec._fused["key_scales"])[:, :, None, :]
     expect = np.clip(np.rint(rotated / scale), -127, 127)
     assert np.abs(first.astype(np.int32) - expect).max() <= 1  # float32 vs float64 rounding at .5
+
+
+def test_decode_steps_rotate_the_next_steps_pinned_keys_as_the_rotation_graph_does(load, tiny_llama_dir, export_to, tmp_path):
+    """A steady decode step rotates the sink / pinned keys for the next step on the side (in the
+    decoder graph); the next refresh copies them in. They must be the bytes the rotation graph
+    writes from the float sources, and the side path must stand aside while a pinned span is
+    younger than window tokens (their ranks then fall with each eviction)."""
+    art = export_to(load(str(tiny_llama_dir)), kv="int8", **LAYOUT)
+    dec = Decoder(fused_build(art, tmp_path / "fused8"))
+    c, rot = dec.cache, dec.rotated
+    rows = LAYOUT["sink"] + 5
+    dec.feed(np.arange(3, 10), pin=True)  # 2 sink + 5 pinned
+
+    def steps(count: int) -> int:
+        taken = 0
+        for t in range(count):
+            dec.step(np.array([20 + t % 200]))
+            plan = c.plan(1)
+            if rot._ahead != (c.evicted, c.sink_fill, c.pinned_fill):
+                continue
+            taken += 1
+            rot.refresh(plan)  # the side path: a copy
+            got = c.keys[:, :, :rows].copy()
+            c.keys[:, :, :rows] = 0
+            rot.forget()
+            rot.refresh(plan)  # the rotation graph, from the float sources
+            np.testing.assert_array_equal(c.keys[:, :, :rows], got)
+        return taken
+
+    assert steps(LAYOUT["window"] - 1) == 0  # the window fills: nothing is evicted, nothing to refresh
+    assert steps(40) >= 39
+    dec.feed(np.arange(60, 63), pin=True)  # pinned tokens younger than the window's
+    assert steps(LAYOUT["window"] - 2) == 0
+    assert steps(20) >= 18  # those window tokens are gone: the pinned tokens are the oldest again
 
 
 def test_a_fused_session_resumes_exactly_and_seats_stay_apart(load, tiny_qwen2_dir, export_to, tmp_path):

@@ -138,6 +138,13 @@ ROPE_SIN = "rope_sin"
 ATTENTION_BIAS = "attention_bias"
 SEQLENS_K = "seqlens_k"
 TOTAL_SEQUENCE_LENGTH = "total_sequence_length"
+# The sink and pinned keys for the next step, rotated at their rank + the evictions after this step
+# (runtime/rotated.py): a small side computation the decode step carries, in the same kernel pool.
+REFRESH_SOURCE = "refresh_source"
+REFRESH_POSITION_IDS = "refresh_position_ids"
+REFRESH_COS = "refresh_cos"
+REFRESH_SIN = "refresh_sin"
+REFRESH_KEYS = "refresh_keys"
 
 
 def present_key_name(layer: int) -> str:
@@ -172,6 +179,11 @@ def fused_decoder_io(layout: CacheLayout, num_heads: int, vocab_size: int) -> De
       present_key.{l}, present_value.{l}: the cache buffers themselves (bound to the inputs' memory);
                              the chunk's K/V land in rows F .. F + tokens - 1 (empty slots, or scratch)
       qkv.{l}                float  (1, tokens, (heads + 2 kv_heads) head_dim)  the chunk's un-rotated q|k|v
+    and, apart from the decoder, the sink / pinned keys' rotation for the next step (P = their rows):
+      refresh_source         float  (1, layers * kv_heads, P, head_dim)  their un-rotated keys ÷ key scales
+      refresh_position_ids   int64  (1, P)                  rows of refresh_cos / refresh_sin
+      refresh_cos, refresh_sin float (P, head_dim / 2)
+      refresh_keys           kv     (1, layers * kv_heads, P, head_dim)  rotated (int8: rounded, +-127)
     int8 KV: static per-channel scales (keys per rotation pair), held by the graph.
     """
     kv = layout.kv_dtype.onnx_name
@@ -186,8 +198,13 @@ def fused_decoder_io(layout: CacheLayout, num_heads: int, vocab_size: int) -> De
         TensorSpec(SEQLENS_K, "int32", (1,)),
         TensorSpec(TOTAL_SEQUENCE_LENGTH, "int32", ()),
         TensorSpec(LOGIT_ROWS, "int64", ("rows",)),
+        TensorSpec(REFRESH_SOURCE, "float", (1, layout.layers * h, "pinned_rows", d)),
+        TensorSpec(REFRESH_POSITION_IDS, "int64", (1, "pinned_rows")),
+        TensorSpec(REFRESH_COS, "float", ("pinned_rows", d // 2)),
+        TensorSpec(REFRESH_SIN, "float", ("pinned_rows", d // 2)),
     ]
-    outputs = [TensorSpec(LOGITS, "float", ("rows", vocab_size))]
+    outputs = [TensorSpec(LOGITS, "float", ("rows", vocab_size)),
+               TensorSpec(REFRESH_KEYS, kv, (1, layout.layers * h, "pinned_rows", d))]  # fmt: skip
     for layer in range(layout.layers):
         inputs.append(TensorSpec(key_cache_name(layer), kv, (1, h, rows, d)))
         inputs.append(TensorSpec(value_cache_name(layer), kv, (1, h, rows, d)))

@@ -17,7 +17,9 @@ of window tokens evicted before the token was written (runtime/rotated.py):
     at the distance of the ranks, L - rank, which is what the normative semantics ask;
   * sink and pinned tokens keep their rank while E grows, so the runtime re-writes their keys at
     rank + E_now before every step from an un-rotated float32 copy (the graph's qkv outputs): at
-    most sink + pinned rows, never the window, and never from quantized data.
+    most sink + pinned rows, never the window, and never from quantized data. A decode step computes
+    the next step's copy on the side (refresh_* inputs, refresh_keys output), in the same kernel pool,
+    so a steady dialogue runs no second session per token.
 
 Positions are never large inside the graph: the runtime computes the chunk's cos / sin in float64
 and passes them as inputs, so a dialogue of millions of tokens rotates as exactly as its first.
@@ -302,6 +304,7 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, scales: dict | None,
             float_weight("lm_head")
         b.op("Gemm", h, table, transB=1, out=mf.LOGITS, hint="lm_head")
 
+    _rotation(b, lay, mf.REFRESH_SOURCE, mf.REFRESH_POSITION_IDS, mf.REFRESH_COS, mf.REFRESH_SIN, mf.REFRESH_KEYS)
     io = mf.fused_decoder_io(lay, H, spec.vocab_size)
     elem = {"float": TensorProto.FLOAT, "int64": TensorProto.INT64, "int32": TensorProto.INT32,
             "int8": TensorProto.INT8}  # fmt: skip
@@ -330,6 +333,18 @@ def rope_tables(graph: onnx.ModelProto) -> tuple[list[float], float]:
 ROTATE_GRAPH = "decoder.rotate.onnx"
 
 
+def _rotation(b: _Builder, lay, source: str, position_ids: str, cos: str, sin: str, out: str) -> None:
+    """RotaryEmbedding over the float32 sources, then (int8 KV) rounding half to even and saturation
+    to +-127: the sink / pinned keys' refresh, in the decoder and in the rotation graph alike."""
+    int8 = lay.kv_dtype == KVDType.INT8
+    y = b.op("RotaryEmbedding", source, position_ids, cos, sin, domain=MS, interleaved=0, hint="rotate",
+             out=None if int8 else out)  # fmt: skip
+    if int8:
+        clipped = b.op("Clip", y, b.const(np.array(-127.0, np.float32)), b.const(np.array(127.0, np.float32)))
+        zero = b.const(np.array(0, np.int8))
+        b.op("QuantizeLinear", clipped, b.const(np.array(1.0, np.float32)), zero, out=out)
+
+
 def rotation_model(manifest: Manifest) -> onnx.ModelProto:
     """The runtime's refresh of the sink / pinned keys as one small graph: RotaryEmbedding over the
     float32 sources (already divided by the key scales: one scale per rotation pair commutes with the
@@ -338,15 +353,8 @@ def rotation_model(manifest: Manifest) -> onnx.ModelProto:
     (rows, head_dim / 2); output keys (1, layers * kv_heads, rows, head_dim) in the cache's type."""
     lay = manifest.cache
     b = _Builder()
-    y = b.op("RotaryEmbedding", "source", "position_ids", "cos", "sin", domain=MS, interleaved=0, hint="rotate",
-             out=None if lay.kv_dtype == KVDType.INT8 else "keys")  # fmt: skip
-    out_type = TensorProto.FLOAT
-    if lay.kv_dtype == KVDType.INT8:
-        clipped = b.op("Clip", y, b.const(np.array(-127.0, np.float32)), b.const(np.array(127.0, np.float32)))
-        zero = helper.make_tensor("zero_point", TensorProto.INT8, [], [0])
-        b.inits.append(zero)
-        b.op("QuantizeLinear", clipped, b.const(np.array(1.0, np.float32)), "zero_point", out="keys")
-        out_type = TensorProto.INT8
+    _rotation(b, lay, "source", "position_ids", "cos", "sin", "keys")
+    out_type = TensorProto.INT8 if lay.kv_dtype == KVDType.INT8 else TensorProto.FLOAT
     heads, d = lay.layers * lay.kv_heads, lay.head_dim
     inputs = [helper.make_tensor_value_info("source", TensorProto.FLOAT, [1, heads, "rows", d]),
               helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, "rows"]),

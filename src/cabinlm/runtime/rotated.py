@@ -11,6 +11,12 @@ later eviction and is always v - E_now; the query at L + E_now then sees it at d
 exactly the rank semantics. Sink and pinned tokens keep their rank while E grows; their keys are
 re-written before each step at rank + E_now from an un-rotated float32 copy (KVCache.key_source,
 taken from the graph's q|k|v output when they are fed), so quantized keys are never rotated twice.
+
+In a steady dialogue (window tokens, one at a time, each evicting the oldest) the next step's E is
+known before this step runs: the decode graph then rotates the copy at rank + E_next on the side
+(its refresh_* inputs and refresh_keys output) and the next refresh only copies those rows in. Any
+other step (a prefill chunk, a pin, the window still filling, a pinned span younger than window
+tokens) refreshes through the build's rotation graph, with the same arithmetic.
 The rotation tables are computed here in float64 for the chunk's rows only, so positions may grow
 without bound (hours of dialogue) with no loss of precision in the graph.
 """
@@ -42,12 +48,33 @@ class RotatedKeys:
         self.sin = np.zeros_like(self.cos)
         self._refreshed: tuple | None = None  # (evictions, sink fill, pinned fill) of the last refresh
         self._slots: np.ndarray | None = None  # the sink / pinned slots the working copy holds
-        self._scaled = self._positions = None
+        self._oldest: bool | None = None  # the sink / pinned tokens are the oldest cached (ranks 0..n-1)
+        self._ahead: tuple | None = None  # the state whose keys the last decode step left in `ahead`
+        self._pending: tuple | None = None  # the state the decode step in flight rotates them for
+        self.ahead_version = 0  # bumped when the `ahead` arrays are replaced (the session rebinds)
+        self._set_source(np.zeros((1, lay.layers * lay.kv_heads, 0, lay.head_dim), np.float32))
+
+    def _set_source(self, scaled: np.ndarray) -> None:
+        """The working copy and the decode graph's side inputs / output over it (P = its rows)."""
+        lay = self.cache.layout
+        rows = scaled.shape[2]
+        self._scaled = scaled
+        self._positions = np.arange(rows, dtype=np.int64)[None]
+        self._ahead_cos = np.zeros((max(rows, 1), lay.head_dim // 2), np.float32)
+        self._ahead_sin = np.zeros_like(self._ahead_cos)
+        self._ahead_keys = np.zeros(scaled.shape, self.cache.keys.dtype)
+        self.ahead = {"refresh_source": self._scaled, "refresh_position_ids": self._positions,
+                      "refresh_cos": self._ahead_cos, "refresh_sin": self._ahead_sin}  # fmt: skip
+        self.ahead_out = self._ahead_keys
+        self.ahead_version += 1
+        self._ahead = None
 
     def forget(self) -> None:
         """The pinned rows must be re-written before the next step (after a reset or a restore)."""
         self._refreshed = None
         self._slots = None
+        self._oldest = None
+        self._ahead = None
 
     def _prepare(self, slots: np.ndarray) -> None:
         """A contiguous working copy of the sources of `slots`, divided by the key scales (one scale
@@ -56,8 +83,7 @@ class RotatedKeys:
         if self.key_scales is not None:
             src = src / self.key_scales
         L, H, n, D = src.shape
-        self._scaled = np.ascontiguousarray(src, dtype=np.float32).reshape(1, L * H, n, D)
-        self._positions = np.arange(n, dtype=np.int64)[None]
+        self._set_source(np.ascontiguousarray(src, dtype=np.float32).reshape(1, L * H, n, D))
         self._slots = slots
 
     def _tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -95,7 +121,8 @@ class RotatedKeys:
         st = self.cache.slot_token
         later = st[lay.sink + lay.pinned :]
         later = later[later >= 0]
-        if not len(later) or later.min() > st[slots].max():
+        self._oldest = not len(later) or later.min() > st[slots].max()
+        if self._oldest:
             return np.arange(len(slots), dtype=np.int64)
         return plan.cache_position_ids[slots]
 
@@ -106,6 +133,11 @@ class RotatedKeys:
         state = (c.evicted, c.sink_fill, c.pinned_fill)
         if state == self._refreshed:
             return
+        if state == self._ahead:  # the last decode step rotated them already
+            self._write(self._ahead_keys)
+            self._refreshed, self._ahead = state, None
+            return
+        self._ahead = None
         slots = np.concatenate([np.arange(c.sink_fill), lay.sink + np.arange(c.pinned_fill)]).astype(np.int64)
         self._refreshed = state
         if not len(slots):
@@ -122,6 +154,31 @@ class RotatedKeys:
             rotated = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
             if self.key_scales is not None:
                 rotated = np.clip(np.rint(rotated), -127, 127)
+        self._write(rotated)
+
+    def _write(self, rotated: np.ndarray) -> None:
+        """(1, layers * kv_heads, rows, head_dim) rotated keys into the sink / pinned slots."""
+        lay, slots = self.cache.layout, self._slots
         lo, hi = int(slots[0]), int(slots[-1]) + 1
         where = slice(lo, hi) if hi - lo == len(slots) else slots
-        c.keys[:, :, where] = rotated.reshape(lay.layers, lay.kv_heads, len(slots), lay.head_dim)
+        self.cache.keys[:, :, where] = rotated.reshape(lay.layers, lay.kv_heads, len(slots), lay.head_dim)
+
+    def plan_ahead(self, plan: StepPlan) -> None:
+        """Before a single-token step: if it is a window token that evicts, with the sink full and the
+        sink / pinned tokens the oldest (their ranks stay 0..n-1), fill the side tables for rank +
+        E_next, so the step's graph run leaves the next step's keys in `ahead_out`. Otherwise the
+        side output is left unused. Call `ahead_done()` after the run."""
+        c, lay = self.cache, self.cache.layout
+        self._pending = None
+        if (plan.pin or not plan.evicts or c.sink_fill < lay.sink or not self._oldest or self._slots is None
+                or self._refreshed != (c.evicted, c.sink_fill, c.pinned_fill)):  # fmt: skip
+            return
+        rows = len(self._slots)
+        cos, sin = self._tables(np.arange(rows) + (c.evicted + plan.evicts))
+        self._ahead_cos[:rows] = cos
+        self._ahead_sin[:rows] = sin
+        self._pending = (c.evicted + plan.evicts, c.sink_fill, c.pinned_fill)
+
+    def ahead_done(self) -> None:
+        """The graph run that carried the side tables finished: its keys stand for that state."""
+        self._ahead, self._pending = self._pending, None

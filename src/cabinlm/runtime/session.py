@@ -261,6 +261,9 @@ class Decoder:
         outs = [(mf.LOGITS, ("rows", V), f32, "float")]
         outs += [(mf.qkv_name(i), (1, "tokens", width), f32, "float") for i in range(lay.layers)]
         session = self.sessions["graph"]
+        # Bound with the aliases, before the outputs ORT allocates per run (which come back in binding
+        # order); re-binding it later keeps its place.
+        aliases.append((mf.REFRESH_KEYS, _ortvalue(self.rotated.ahead_out, kv_onnx)))
         self._decode = _Binding(session, cache_values, outs, tokens=1, rows=1, aliases=aliases)
         self._prefill = _Binding(session, cache_values, outs, tokens=None, aliases=aliases)
         self._chunk_rows = np.arange(lay.chunk, dtype=np.int64)[None]
@@ -279,6 +282,23 @@ class Decoder:
         self._decode_inputs = [(name, _ortvalue(arr, "")) for name, arr in fixed.items()]
         for name, ov in self._decode_inputs:
             self._decode.binding.bind_ortvalue_input(name, ov)
+        self._ahead_bound = None
+        self._bind_ahead()
+
+    def _bind_ahead(self) -> None:
+        """The side inputs / output of the sink and pinned keys' next rotation (RotatedKeys.ahead),
+        bound again whenever the rotated-keys helper replaces them (a new set of pinned tokens)."""
+        rot = self.rotated
+        if self._ahead_bound == rot.ahead_version:
+            return
+        values = [(name, _ortvalue(arr, "")) for name, arr in rot.ahead.items()]
+        out = _ortvalue(rot.ahead_out, self.layout.kv_dtype.onnx_name)
+        for binding in (self._decode.binding, self._prefill.binding):
+            for name, ov in values:
+                binding.bind_ortvalue_input(name, ov)
+            binding.bind_ortvalue_output(mf.REFRESH_KEYS, out)
+        self._ahead_values = (values, out)  # kept alive while bound
+        self._ahead_bound = rot.ahead_version
 
     def _bind(self) -> None:
         if self.fused:
@@ -397,6 +417,7 @@ class Decoder:
             mf.TOTAL_SEQUENCE_LENGTH: np.array(F + n, dtype=np.int32),
             mf.LOGIT_ROWS: rows.astype(np.int64, copy=False),
         }
+        self._bind_ahead()
         outs = binding.run(inputs)
         with defer_sigint():
             self.rotated.keep_sources(plan, outs[1:], self.manifest.model.num_heads)
@@ -421,7 +442,11 @@ class Decoder:
                 self._bias = np.concatenate([mask[:, :F], mask[:, self.layout.slots :]], axis=1)[None, None]
             bias[mf.ATTENTION_BIAS] = self._bias
             self._bias_held = held
+        rot = self.rotated
+        self._bind_ahead()
+        rot.plan_ahead(plan)
         outs = self._decode.run(bias)
+        rot.ahead_done()
         with defer_sigint():
             self.rotated.keep_sources(plan, outs[1:], self.manifest.model.num_heads)
             self.cache.commit_rows(plan, F)
