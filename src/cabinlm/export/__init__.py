@@ -42,6 +42,7 @@ class ExportOptions:
     chunk: int = 64
     kv: KVDType = KVDType.FP32
     weights: str = "fp32"  # fp32, int8, int4 (export/wquant.py)
+    head: str | None = None  # the token table / output projection of quantized weights: None (8 bits), int8, int4
     opset: int | None = None  # None: 17 (TensorRT 8.6 parses it), 19 when fp8 KV needs it, 21 for int8/int4 weights
     verify: bool = True  # compare the graph with transformers on a short prompt and record it
     calib: Path | None = None  # calibration text for int8 / fp8 KV; None: the built-in mix
@@ -177,7 +178,9 @@ def export_loaded(
         chat = PLAIN
 
     t0 = time.perf_counter()
-    weights = decoder_weights(loaded, opts.weights, log)
+    if opts.head is not None and WeightFormat(opts.weights) == WeightFormat.FP32:
+        raise CabinlmError("--head sets the width of quantized weights' token table: give --weights int8 or int4 too")
+    weights = decoder_weights(loaded, opts.weights, log, head=opts.head)
     calibration = None
     static_scales = {}
     if layout.quantized:

@@ -260,11 +260,20 @@ def _gguf_matrix(blocks: dict, name: str, k: int, heads: int | None, head_dim: i
     return m
 
 
-def decoder_weights(loaded: LoadedModel, fmt: WeightFormat | str = WeightFormat.FP32, log: Callable[[str], None] = lambda s: None) -> DecoderWeights:
+def decoder_weights(loaded: LoadedModel, fmt: WeightFormat | str = WeightFormat.FP32, log: Callable[[str], None] = lambda s: None,
+                    head: WeightFormat | str | None = None) -> DecoderWeights:  # fmt: skip
     """The loaded model's weights as the graph multiplies with them: float32 (in, out) arrays, or
     block-quantized matrices. From a .gguf, Q8_0 / Q4_0 / Q4_1 tensors are imported as their own
-    blocks (the same numbers llama.cpp computes with); other tensors are quantized from float32."""
+    blocks (the same numbers llama.cpp computes with); other tensors are quantized from float32.
+
+    head: the format of the token table and output projection of a quantized export. None: 8 bits
+    (as llama.cpp's Q4 files keep them), or a .gguf's own blocks for int4 weights. "int4": 4-bit
+    blocks (as onnxruntime-genai's int4 models hold the output projection); "int8": 8-bit. A .gguf's
+    table is imported when its blocks have the asked width, else re-rounded from its float values."""
     fmt = WeightFormat(fmt)
+    head_fmt = None if head is None else WeightFormat(head)
+    if head_fmt == WeightFormat.FP32 and fmt != WeightFormat.FP32:
+        raise ValueError("a quantized export keeps its token table at int8 or int4 (head fp32 comes with fp32 weights)")
     m = loaded.model
     text = loaded.text_model
     spec = loaded.spec
@@ -320,10 +329,19 @@ def decoder_weights(loaded: LoadedModel, fmt: WeightFormat | str = WeightFormat.
         embed, lm_head = t(text.embed_tokens.weight), (None if tied else t(head))
     else:
         # The token table and output projection stay at 8 bits (as llama.cpp's Q4 files keep them)
-        # unless the file itself holds them at 4.
-        table_fmt = WeightFormat.INT8
+        # unless the file itself holds them at 4, or `head` asks for a width.
+        table_fmt = head_fmt or WeightFormat.INT8
+        width = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}
+
+        def importable(src) -> bool:
+            if src is None:
+                return False
+            if head_fmt is not None:
+                return width.get(src[0]) == head_fmt.bits
+            return src[0] == "Q8_0" or fmt == WeightFormat.INT4
+
         embed_src = blocks.get("token_embd.weight")
-        if embed_src is not None and (embed_src[0] == "Q8_0" or fmt == WeightFormat.INT4):
+        if importable(embed_src):
             embed = _gguf_matrix(blocks, "token_embd.weight", spec.hidden_size, None, spec.head_dim)
             counts["imported"] += 1
         else:
@@ -332,14 +350,14 @@ def decoder_weights(loaded: LoadedModel, fmt: WeightFormat | str = WeightFormat.
         lm_head = None
         if not tied:
             out_src = blocks.get("output.weight")
-            if out_src is not None and (out_src[0] == "Q8_0" or fmt == WeightFormat.INT4):
+            if importable(out_src):
                 lm_head = _gguf_matrix(blocks, "output.weight", spec.hidden_size, None, spec.head_dim)
                 counts["imported"] += 1
             else:
                 lm_head = wquant.quantize(np.ascontiguousarray(t(head).T), table_fmt)
                 counts["quantized"] += 1
         log(f"{fmt.value} weights: {counts['imported']} matrices imported from the GGUF blocks, "
-            f"{counts['quantized']} quantized from float32")  # fmt: skip
+            f"{counts['quantized']} quantized from float32; token table {embed.bits}-bit")  # fmt: skip
     rotary = text.rotary_emb
     return DecoderWeights(
         embed=embed,
@@ -349,7 +367,7 @@ def decoder_weights(loaded: LoadedModel, fmt: WeightFormat | str = WeightFormat.
         inv_freq=t(rotary.inv_freq).astype(np.float32),
         rope_scaling=float(rotary.attention_scaling),
         weight_format=fmt.value,
-        weight_source=dict(counts),
+        weight_source={**counts, **({} if fmt == WeightFormat.FP32 else {"head": f"int{embed.bits}"})},
     )
 
 

@@ -126,6 +126,11 @@ class KVCache:
         lay = self.layout
         if not 1 <= n <= lay.chunk:
             raise InputError(f"a chunk holds 1..{lay.chunk} tokens, got {n}")
+        if n == 1 and not pin and self.sink_fill == lay.sink:  # a decode step's window token
+            cached = self.length
+            slots = np.array([lay.window_start + self.ring_next], dtype=np.int64)
+            evicts = 1 if self.window_fill == lay.window else 0
+            return StepPlan(np.array([cached], dtype=np.int64), slots, evicts, pin, self.slot_token.copy())
         sink_take = min(n, lay.sink - self.sink_fill)
         rest = n - sink_take
         slots = np.empty(n, dtype=np.int64)
@@ -225,7 +230,11 @@ class KVCache:
         slots = plan.slots
         n = len(slots)
         lo, hi = int(slots[0]), int(slots[-1]) + 1
-        if not (lo == start and hi - lo == n):
+        if n == 1:  # a decode step: one row per layer and head
+            if lo != start:
+                self.keys[:, :, lo] = self.keys[:, :, start]
+                self.values[:, :, lo] = self.values[:, :, start]
+        elif not (lo == start and hi - lo == n):
             where = slice(lo, hi) if hi - lo == n else slots
             for buf in (self.keys, self.values):
                 # through a small copy: the rows never overlap, but numpy would prove it the slow way

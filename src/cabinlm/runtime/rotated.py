@@ -51,6 +51,7 @@ class RotatedKeys:
         self._oldest: bool | None = None  # the sink / pinned tokens are the oldest cached (ranks 0..n-1)
         self._ahead: tuple | None = None  # the state whose keys the last decode step left in `ahead`
         self._pending: tuple | None = None  # the state the decode step in flight rotates them for
+        self._runs: list[tuple | None] = [None, None]  # (first position, cos, sin): the query's, the refresh's
         self.ahead_version = 0  # bumped when the `ahead` arrays are replaced (the session rebinds)
         self._set_source(np.zeros((1, lay.layers * lay.kv_heads, 0, lay.head_dim), np.float32))
 
@@ -90,11 +91,27 @@ class RotatedKeys:
         angles = positions.astype(np.float64)[:, None] * self.inv_freq[None, :]
         return np.cos(angles) * self.rope_scale, np.sin(angles) * self.rope_scale
 
+    def _run(self, which: int, start: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos / sin (float32) of positions start .. start + rows - 1, cut from a table of the next
+        AHEAD positions that is computed again only when the run leaves it: a decode step's positions
+        move by one per step, so this costs a copy instead of two transcendental passes."""
+        table = self._runs[which]
+        if table is None or not table[0] <= start <= start + rows <= table[0] + len(table[1]):
+            cos, sin = self._tables(np.arange(start, start + rows + self.AHEAD))
+            table = self._runs[which] = (start, cos.astype(np.float32), sin.astype(np.float32))
+        o = start - table[0]
+        return table[1][o : o + rows], table[2][o : o + rows]
+
+    AHEAD = 256
+
     def chunk_tables(self, plan: StepPlan) -> None:
         """The chunk's virtual positions L + i + E into rows 0..n-1 of the cos / sin inputs (the rows
         the graph's position_ids name)."""
         n = len(plan.slots)
-        cos, sin = self._tables(plan.position_ids + self.cache.evicted)
+        if n == 1:
+            cos, sin = self._run(0, int(plan.position_ids[0]) + self.cache.evicted, 1)
+        else:
+            cos, sin = self._tables(plan.position_ids + self.cache.evicted)
         self.cos[:n] = cos
         self.sin[:n] = sin
 
@@ -174,7 +191,7 @@ class RotatedKeys:
                 or self._refreshed != (c.evicted, c.sink_fill, c.pinned_fill)):  # fmt: skip
             return
         rows = len(self._slots)
-        cos, sin = self._tables(np.arange(rows) + (c.evicted + plan.evicts))
+        cos, sin = self._run(1, c.evicted + plan.evicts, rows)
         self._ahead_cos[:rows] = cos
         self._ahead_sin[:rows] = sin
         self._pending = (c.evicted + plan.evicts, c.sink_fill, c.pinned_fill)
