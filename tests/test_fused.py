@@ -49,13 +49,14 @@ def drive(decoders, rng, steps: int = 60) -> float:
     return worst
 
 
-@pytest.mark.parametrize("arch,weights", [("llama", "fp32"), ("qwen2", "fp32"), ("llama", "int4"), ("qwen2", "int8")])
-def test_fused_build_gives_the_exported_graphs_logits_with_eviction_and_pins(arch, weights, load, tiny_llama_dir,
+@pytest.mark.parametrize("arch,weights,head", [("llama", "fp32", None), ("qwen2", "fp32", None), ("llama", "int4", None),
+                                               ("qwen2", "int8", None), ("llama", "int4", "int4")])  # fmt: skip
+def test_fused_build_gives_the_exported_graphs_logits_with_eviction_and_pins(arch, weights, head, load, tiny_llama_dir,
                                                                              tiny_qwen2_dir, export_to, tmp_path):  # fmt: skip
     """fp32 KV: the rotated cache with virtual positions is the rank semantics exactly (the exported
     graph is itself checked against transformers and the reference implementation)."""
     src = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
-    art = export_to(load(str(src)), kv="fp32", weights=weights, **LAYOUT)
+    art = export_to(load(str(src)), kv="fp32", weights=weights, head=head, **LAYOUT)
     out = fused_build(art, tmp_path / "fused")
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["attention"] == "fused" and manifest["format_version"] == 3

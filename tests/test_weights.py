@@ -76,7 +76,7 @@ def test_smollm2_gguf_blocks_import_bit_for_bit(smollm2):
     no second rounding (q and k rows un-permuted as llama.cpp's converter permuted them)."""
     q = decoder_weights(smollm2, "int4")
     f = decoder_weights(smollm2, "fp32")
-    assert q.weight_source == {"imported": 211, "quantized": 0}
+    assert q.weight_source == {"imported": 211, "quantized": 0, "head": "int8"}
     for i in (0, 17, 29):
         for name in ("qkv", "o", "gate_up", "down"):
             got = getattr(q.layers[i], name)
@@ -84,6 +84,23 @@ def test_smollm2_gguf_blocks_import_bit_for_bit(smollm2):
             np.testing.assert_array_equal(got.dequantize(), getattr(f.layers[i], name))
     assert q.embed.bits == 8
     np.testing.assert_array_equal(q.embed.dequantize(), f.embed.T)
+
+
+def test_smollm2_head_int4_re_rounds_the_q8_0_table_and_int8_keeps_it(smollm2):
+    """--head int4: the GGUF's Q8_0 token table becomes 4-bit blocks (within half a step of its
+    values), the Q4_1 matrices stay imported; --head int8 keeps the file's table as it is; a float
+    export has no quantized table to size."""
+    f = decoder_weights(smollm2, "fp32")
+    h4 = decoder_weights(smollm2, "int4", head="int4")
+    assert h4.weight_source == {"imported": 210, "quantized": 1, "head": "int4"}
+    assert h4.embed.bits == 4 and h4.embed.zero_point is not None
+    step = np.repeat(h4.embed.scale, 32, axis=0)  # (D, V): each value's block step
+    assert np.all(np.abs(h4.embed.dequantize() - f.embed.T) <= step / 2 + 1e-6)
+    h8 = decoder_weights(smollm2, "int4", head="int8")
+    assert h8.weight_source == {"imported": 211, "quantized": 0, "head": "int8"}
+    np.testing.assert_array_equal(h8.embed.dequantize(), f.embed.T)
+    with pytest.raises(ValueError, match="head"):
+        decoder_weights(smollm2, "fp32", head="fp32")
 
 
 # -- the graph -----------------------------------------------------------------------------------------------

@@ -272,8 +272,8 @@ def decoder_weights(loaded: LoadedModel, fmt: WeightFormat | str = WeightFormat.
     table is imported when its blocks have the asked width, else re-rounded from its float values."""
     fmt = WeightFormat(fmt)
     head_fmt = None if head is None else WeightFormat(head)
-    if head_fmt == WeightFormat.FP32 and fmt != WeightFormat.FP32:
-        raise ValueError("a quantized export keeps its token table at int8 or int4 (head fp32 comes with fp32 weights)")
+    if head_fmt is not None and WeightFormat.FP32 in (head_fmt, fmt):
+        raise ValueError("head (the token table's width) is int8 or int4, for int8 or int4 weights")
     m = loaded.model
     text = loaded.text_model
     spec = loaded.spec
