@@ -31,6 +31,8 @@ from cabinlm.runtime.cache import KVCache, StepPlan
 class RotatedKeys:
     """Rotation tables for each step and the sink / pinned keys' refresh."""
 
+    AHEAD = 256  # positions of cos / sin computed at once for decode steps (see _run)
+
     def __init__(self, cache: KVCache, inv_freq, rope_scale: float, key_scales=None, session=None):
         """session: the build's rotation graph (build/ort_fused.rotation_model), an ONNX Runtime
         session; without one the refresh runs in numpy (the same arithmetic)."""
@@ -101,8 +103,6 @@ class RotatedKeys:
             table = self._runs[which] = (start, cos.astype(np.float32), sin.astype(np.float32))
         o = start - table[0]
         return table[1][o : o + rows], table[2][o : o + rows]
-
-    AHEAD = 256
 
     def chunk_tables(self, plan: StepPlan) -> None:
         """The chunk's virtual positions L + i + E into rows 0..n-1 of the cos / sin inputs (the rows
