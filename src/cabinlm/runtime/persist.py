@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from cabinlm.errors import CabinlmError
+from cabinlm.runtime.binding import defer_sigint
 from cabinlm.runtime.dialogue import Dialogue
-from cabinlm.runtime.session import defer_sigint
 
 MAGIC = b"CABINSES"
 FORMAT = 1

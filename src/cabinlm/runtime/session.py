@@ -4,14 +4,13 @@ Per step only the small inputs (ids, positions, mask) are bound anew. The cache 
 as OrtValues over the KVCache's numpy memory at load, so the graph reads them in place; the chunk's
 K/V come back as outputs (preallocated for single-token decode) and KVCache.commit writes them into
 their slots. Nothing per step is proportional to the cache, except the graph's own attention.
+A fused cpu build binds and steps through runtime/fused.py (a mixin of Decoder); what both share,
+the I/O binding and the Ctrl-C guard, is runtime/binding.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import signal
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -20,9 +19,10 @@ import onnxruntime as ort
 from cabinlm import manifest as mf
 from cabinlm.errors import ManifestError
 from cabinlm.manifest import Manifest, load_manifest
+from cabinlm.runtime.binding import Binding, defer_sigint, ortvalue
 from cabinlm.runtime.cache import MASK_VALUE, KVCache
+from cabinlm.runtime.fused import FusedSteps
 
-_FLOAT8E4M3FN = 17  # onnx.TensorProto.FLOAT8E4M3FN (the runtime does not import onnx)
 _ORT_TYPES = {
     "float": "tensor(float)",
     "float16": "tensor(float16)",
@@ -33,22 +33,6 @@ _ORT_TYPES = {
     "uint8": "tensor(uint8)",
     "float8e4m3fn": "tensor(float8e4m3fn)",
 }
-
-
-@contextlib.contextmanager
-def defer_sigint():
-    """Hold Ctrl-C until the block ends, so a half-written cache never survives an interrupt."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if caught:
-            raise KeyboardInterrupt
 
 
 _LEVELS = {
@@ -84,60 +68,6 @@ def session_options(threads: int | None = None, build: dict | None = None) -> or
     return so
 
 
-class _Binding:
-    """One graph run configuration: a session, the cache bound once, and output buffers allocated
-    once for a fixed token count (tokens=None: ORT allocates outputs per run, for any chunk size).
-    rows: the fixed number of logit rows (None: any, allocated per run)."""
-
-    def __init__(self, session, cache_values, out_specs: list[tuple[str, tuple, np.dtype, str]], tokens: int | None,
-                 rows: int | None = None, aliases: list[tuple[str, ort.OrtValue]] = ()):
-        """aliases: outputs bound to an input's own memory (a fused kernel's in-place cache)."""
-        self.session = session
-        self.tokens = tokens
-        self.binding = session.io_binding()
-        for name, ov in cache_values:
-            self.binding.bind_ortvalue_input(name, ov)
-        for name, ov in aliases:
-            self.binding.bind_ortvalue_output(name, ov)
-        self.names = [name for name, *_ in out_specs]
-        self.outputs: list[np.ndarray | None] = []
-        self._ovs = []
-        self.dynamic: list[str] = []  # outputs ORT allocates per run
-        for name, shape, dtype, onnx_type in out_specs:  # bound in declared order: get_outputs() keeps it
-            if tokens is None or ("rows" in shape and rows is None):
-                self.dynamic.append(name)
-                self.binding.bind_output(name, "cpu")
-                self.outputs.append(None)
-                continue
-            arr = np.empty(tuple({"tokens": tokens, "rows": rows}.get(d, d) for d in shape), dtype=dtype)
-            ov = _ortvalue(arr, onnx_type)
-            self.binding.bind_ortvalue_output(name, ov)
-            self.outputs.append(arr)
-            self._ovs.append(ov)
-
-    def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
-        b = self.binding
-        for name, value in inputs.items():
-            b.bind_cpu_input(name, value)
-        # Rebound every run: a binding keeps the OrtValues ORT allocated for the previous run,
-        # whose shapes differ when the chunk size or the number of logit rows changes.
-        for name in self.dynamic:
-            b.bind_output(name, "cpu")
-        self.session.run_with_iobinding(b)
-        if not self.dynamic:
-            return self.outputs
-        got = b.get_outputs()  # in binding order (aliases first); fp8 comes back as its uint8 bytes
-        skip = len(got) - len(self.outputs)
-        return [got[skip + i].numpy() if a is None else a for i, a in enumerate(self.outputs)]
-
-
-def _ortvalue(array: np.ndarray, dtype: str) -> ort.OrtValue:
-    """An OrtValue over `array`'s own memory (CPU: no copy). fp8 tensors live in uint8 arrays."""
-    if dtype == "float8e4m3fn":
-        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array, _FLOAT8E4M3FN)
-    return ort.OrtValue.ortvalue_from_numpy(array)
-
-
 def shared_weights(folder: Path, build: dict) -> list[tuple[str, ort.OrtValue]]:
     """The weights a static graph pair shares, as OrtValues over one read-only memory map of the
     weights file: handed to both sessions, they are held in memory once."""
@@ -152,7 +82,7 @@ def shared_weights(folder: Path, build: dict) -> list[tuple[str, ort.OrtValue]]:
     return out
 
 
-class Decoder:
+class Decoder(FusedSteps):
     """Feeds token chunks through the exported graph and keeps the fixed-size cache up to date.
 
     A plain export or a dynamic build has one graph for every chunk size; a static-shape build has a
@@ -246,60 +176,6 @@ class Decoder:
                     + ("" if not self.build else ", or an older cabinlm made this build: run `cabinlm build` again")
                 )
 
-    def _bind_fused(self) -> None:
-        lay, V = self.layout, self.manifest.model.vocab_size
-        kv_onnx = lay.kv_dtype.onnx_name
-        c = self.cache
-        cache_values, aliases = [], []
-        for i in range(lay.layers):
-            k, v = _ortvalue(c.keys[i][None], kv_onnx), _ortvalue(c.values[i][None], kv_onnx)
-            cache_values += [(mf.key_cache_name(i), k), (mf.value_cache_name(i), v)]
-            aliases += [(mf.present_key_name(i), k), (mf.present_value_name(i), v)]
-        self._cache_values = cache_values
-        width = (self.manifest.model.num_heads + 2 * lay.kv_heads) * lay.head_dim
-        f32 = np.dtype(np.float32)
-        outs = [(mf.LOGITS, ("rows", V), f32, "float")]
-        outs += [(mf.qkv_name(i), (1, "tokens", width), f32, "float") for i in range(lay.layers)]
-        session = self.sessions["graph"]
-        # Bound with the aliases, before the outputs ORT allocates per run (which come back in binding
-        # order); re-binding it later keeps its place.
-        aliases.append((mf.REFRESH_KEYS, _ortvalue(self.rotated.ahead_out, kv_onnx)))
-        self._decode = _Binding(session, cache_values, outs, tokens=1, rows=1, aliases=aliases)
-        self._prefill = _Binding(session, cache_values, outs, tokens=None, aliases=aliases)
-        self._chunk_rows = np.arange(lay.chunk, dtype=np.int64)[None]
-        # Single-token decode binds its inputs once, over buffers a step writes in place: the token,
-        # F and F + 1 (seqlens_k, total_sequence_length), the rotation tables (RotatedKeys fills row
-        # 0), row 0 of them and of the logits. Only the bias is rebound, when F changes.
-        self._ids1 = np.zeros(1, dtype=np.int64)
-        self._seqlens1 = np.zeros(1, dtype=np.int32)
-        self._total1 = np.zeros((), dtype=np.int32)
-        self._zero_bias = np.zeros((1, 1, 1, lay.slots + 1), dtype=np.float32)
-        self._bias: np.ndarray | None = None  # the bias bound now, kept alive while bound
-        self._bias_held: tuple | None = None  # the slots in use it was made for
-        fixed = {mf.INPUT_IDS: self._ids1, mf.POSITION_IDS: np.zeros((1, 1), dtype=np.int64),
-                 mf.ROPE_COS: self.rotated.cos, mf.ROPE_SIN: self.rotated.sin, mf.SEQLENS_K: self._seqlens1,
-                 mf.TOTAL_SEQUENCE_LENGTH: self._total1, mf.LOGIT_ROWS: np.zeros(1, dtype=np.int64)}  # fmt: skip
-        self._decode_inputs = [(name, _ortvalue(arr, "")) for name, arr in fixed.items()]
-        for name, ov in self._decode_inputs:
-            self._decode.binding.bind_ortvalue_input(name, ov)
-        self._ahead_bound = None
-        self._bind_ahead()
-
-    def _bind_ahead(self) -> None:
-        """The side inputs / output of the sink and pinned keys' next rotation (RotatedKeys.ahead),
-        bound again whenever the rotated-keys helper replaces them (a new set of pinned tokens)."""
-        rot = self.rotated
-        if self._ahead_bound == rot.ahead_version:
-            return
-        values = [(name, _ortvalue(arr, "")) for name, arr in rot.ahead.items()]
-        out = _ortvalue(rot.ahead_out, self.layout.kv_dtype.onnx_name)
-        for binding in (self._decode.binding, self._prefill.binding):
-            for name, ov in values:
-                binding.bind_ortvalue_input(name, ov)
-            binding.bind_ortvalue_output(mf.REFRESH_KEYS, out)
-        self._ahead_values = (values, out)  # kept alive while bound
-        self._ahead_bound = rot.ahead_version
-
     def _bind(self) -> None:
         if self.fused:
             return self._bind_fused()
@@ -309,11 +185,11 @@ class Decoder:
         cache_values = []  # OrtValues over the cache's own buffers, shared by every binding
         for i in range(lay.layers):
             cache_values += [
-                (mf.key_cache_name(i), _ortvalue(c.keys[i], kv_onnx)),
-                (mf.value_cache_name(i), _ortvalue(c.values[i], kv_onnx)),
+                (mf.key_cache_name(i), ortvalue(c.keys[i], kv_onnx)),
+                (mf.value_cache_name(i), ortvalue(c.values[i], kv_onnx)),
             ]
             if c.value_scales is not None:
-                cache_values.append((mf.value_scale_name(i), _ortvalue(c.value_scales[i], "float16")))
+                cache_values.append((mf.value_scale_name(i), ortvalue(c.value_scales[i], "float16")))
         self._cache_values = cache_values
         H, D = lay.kv_heads, lay.head_dim
         outs = [(mf.LOGITS, ("rows", V), np.dtype(np.float32), "float")]
@@ -322,10 +198,10 @@ class Decoder:
         if lay.quantized:
             outs += [(mf.new_value_scale_name(i), (H, "tokens", 1), np.dtype(np.float16), "float16") for i in range(lay.layers)]
         decode_session = self.sessions["graph_decode" if self.static else "graph"]
-        self._decode = _Binding(decode_session, cache_values, outs, tokens=1, rows=1)
+        self._decode = Binding(decode_session, cache_values, outs, tokens=1, rows=1)
         # static graphs have every dimension fixed: the prefill graph returns a row per token
         size = lay.chunk if self.static else None
-        self._prefill = _Binding(self.sessions["graph"], cache_values, outs, tokens=size, rows=size)
+        self._prefill = Binding(self.sessions["graph"], cache_values, outs, tokens=size, rows=size)
 
     def seat(self) -> Decoder:
         """Another dialogue seat on the same loaded model: the sessions and weights are shared
@@ -390,67 +266,6 @@ class Decoder:
         with defer_sigint():
             self.cache.commit(plan, keys, values, scales or None)
         return out
-
-    def _step_fused(self, ids: np.ndarray, pin: bool | str, mode: str) -> np.ndarray:
-        """One chunk through a fused build (build/ort_fused.py, runtime/rotated.py): the kernel writes
-        the chunk's rotated K/V after the slots in use; commit moves them into their slots."""
-        n, N = len(ids), self.layout.slots
-        plan = self.cache.plan(n, pin)
-        self.rotated.refresh(plan)
-        self.rotated.chunk_tables(plan)
-        # Attend to the slots in use only (F of N): the kernel reads rows 0..F-1 and writes the
-        # chunk's K/V into rows F..F+n-1, empty slots or the scratch rows after the last slot.
-        F = self.cache.extent
-        if n == 1:
-            return self._decode_fused(ids, plan, F)
-        mask = plan.attention_mask
-        bias = mask[None, None] if F == N else np.concatenate([mask[:, :F], mask[:, N:]], axis=1)[None, None]
-        binding = self._decode if n == 1 else self._prefill
-        rows = self._last_row[n - 1] if mode == "last" or n == 1 else self._all_rows[:n]
-        inputs = {
-            mf.INPUT_IDS: np.ascontiguousarray(ids, dtype=np.int64),
-            mf.POSITION_IDS: self._chunk_rows[:, :n],
-            mf.ROPE_COS: self.rotated.cos,
-            mf.ROPE_SIN: self.rotated.sin,
-            mf.ATTENTION_BIAS: bias,
-            mf.SEQLENS_K: np.array([F + n - 1], dtype=np.int32),
-            mf.TOTAL_SEQUENCE_LENGTH: np.array(F + n, dtype=np.int32),
-            mf.LOGIT_ROWS: rows.astype(np.int64, copy=False),
-        }
-        self._bind_ahead()
-        outs = binding.run(inputs)
-        with defer_sigint():
-            self.rotated.keep_sources(plan, outs[1:], self.manifest.model.num_heads)
-            self.cache.commit_rows(plan, F)
-        return outs[0]
-
-    def _decode_fused(self, ids: np.ndarray, plan, F: int) -> np.ndarray:
-        """One token through a fused build: the inputs bound at load are written in place."""
-        self._ids1[0] = ids[0]
-        self._seqlens1[0] = F
-        self._total1[()] = F + 1
-        c = self.cache
-        bias = {}
-        # The bias changes only with the set of slots in use: F, and the sink / pinned / camera-frame
-        # fills (a window step replaces the oldest window token, a slot that stays in use).
-        held = (F, c.sink_fill, c.pinned_fill, c.image_fill, c.frames)
-        if held != self._bias_held:
-            if c.length == F:  # every slot below F holds a token: nothing to mask
-                self._bias = self._zero_bias[..., : F + 1]
-            else:  # empty slots below F (pinned slots not yet used, for one): the plan's mask
-                mask = plan.attention_mask
-                self._bias = np.concatenate([mask[:, :F], mask[:, self.layout.slots :]], axis=1)[None, None]
-            bias[mf.ATTENTION_BIAS] = self._bias
-            self._bias_held = held
-        rot = self.rotated
-        self._bind_ahead()
-        rot.plan_ahead(plan)
-        outs = self._decode.run(bias)
-        rot.ahead_done()
-        with defer_sigint():
-            self.rotated.keep_sources(plan, outs[1:], self.manifest.model.num_heads)
-            self.cache.commit_rows(plan, F)
-        return outs[0]
 
     def _pad(self, ids, pos, mask, size: int):
         """Pad a chunk to a static graph's token count. Pad tokens come after the real ones, so the
