@@ -64,7 +64,10 @@ def test_fused_build_gives_the_exported_graphs_logits_with_eviction_and_pins(arc
     ops = [n.op_type for n in m.graph.node]
     assert ops.count("GroupQueryAttention") == 2  # one per layer of the tiny model
     assert "Softmax" not in ops and ops.count("RotaryEmbedding") == 1  # the sink / pinned keys' side rotation
-    worst = drive([Decoder(art, session_config=ACC0), Decoder(out)], np.random.default_rng(1))
+    fused = Decoder(out)
+    assert json.loads((out / "build.json").read_text())["session"]["denormal_as_zero"] is True
+    assert fused.sessions["graph"].get_session_options().get_session_config_entry("session.set_denormal_as_zero") == "1"
+    worst = drive([Decoder(art, session_config=ACC0), fused], np.random.default_rng(1))
     assert worst < 1e-4
 
 

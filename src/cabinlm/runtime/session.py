@@ -63,6 +63,8 @@ def session_options(threads: int | None = None, build: dict | None = None) -> or
     if threads:
         so.intra_op_num_threads = int(threads)
     so.enable_cpu_mem_arena = bool(settings.get("enable_cpu_mem_arena", True))
+    if settings.get("denormal_as_zero"):
+        so.add_session_config_entry("session.set_denormal_as_zero", "1")
     so.inter_op_num_threads = 1
     so.log_severity_level = 3
     return so
