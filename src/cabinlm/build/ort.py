@@ -224,7 +224,7 @@ def build_onnxruntime(artifact: Path, manifest: Manifest, profile, out: Path, lo
         "graph_optimization_level": optimization,
         "intra_op_num_threads": profile.threads,
         "enable_cpu_mem_arena": True,
-        # Flush denormal floats to zero in the kernels: 0.4 ms less per SmolLM2 decode step on 2
+        # Flush denormal floats to zero in the kernels: 0.2-0.45 ms less per SmolLM2 decode step on 2
         # cores, the same logits (docs/benchmarks.md, section 11). ONNX Runtime sets the flag on
         # its own threads and on the thread that calls run.
         "denormal_as_zero": profile.execution_provider == "CPUExecutionProvider",
