@@ -123,6 +123,11 @@ def test_export_refuses_a_missing_model(tmp_path):
     assert_clean_error(cabinlm("export", tmp_path / "nope", "-o", tmp_path / "o"), "no such file or folder")
 
 
+def test_export_refuses_a_head_width_without_quantized_weights(tiny_llama_dir, tmp_path):
+    assert_clean_error(cabinlm("export", tiny_llama_dir, "--head", "int4", "-o", tmp_path / "o"), "--weights int8 or int4")
+    assert not (tmp_path / "o").exists()
+
+
 def test_export_refuses_a_folder_without_config(tmp_path):
     assert_clean_error(cabinlm("export", tmp_path, "-o", tmp_path / "o"), "no config.json")
 

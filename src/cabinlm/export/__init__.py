@@ -54,6 +54,10 @@ class ExportOptions:
     profile: str | None = None  # the device profile the layout was planned for
     plan: dict | None = None  # that plan (written into the manifest's "target")
 
+    def __post_init__(self) -> None:
+        if self.head is not None and WeightFormat(self.weights) == WeightFormat.FP32:
+            raise CabinlmError("--head sets the width of quantized weights' token table: give --weights int8 or int4 too")
+
     @property
     def resolved_opset(self) -> int:
         if self.opset is not None:
@@ -178,8 +182,6 @@ def export_loaded(
         chat = PLAIN
 
     t0 = time.perf_counter()
-    if opts.head is not None and WeightFormat(opts.weights) == WeightFormat.FP32:
-        raise CabinlmError("--head sets the width of quantized weights' token table: give --weights int8 or int4 too")
     weights = decoder_weights(loaded, opts.weights, log, head=opts.head)
     calibration = None
     static_scales = {}

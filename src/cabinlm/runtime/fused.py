@@ -82,8 +82,7 @@ class FusedSteps:
             return self._decode_fused(ids, plan, F)
         mask = plan.attention_mask
         bias = mask[None, None] if F == N else np.concatenate([mask[:, :F], mask[:, N:]], axis=1)[None, None]
-        binding = self._decode if n == 1 else self._prefill
-        rows = self._last_row[n - 1] if mode == "last" or n == 1 else self._all_rows[:n]
+        rows = self._last_row[n - 1] if mode == "last" else self._all_rows[:n]
         inputs = {
             mf.INPUT_IDS: np.ascontiguousarray(ids, dtype=np.int64),
             mf.POSITION_IDS: self._chunk_rows[:, :n],
@@ -95,7 +94,7 @@ class FusedSteps:
             mf.LOGIT_ROWS: rows.astype(np.int64, copy=False),
         }
         self._bind_ahead()
-        outs = binding.run(inputs)
+        outs = self._prefill.run(inputs)
         with defer_sigint():
             self.rotated.keep_sources(plan, outs[1:], self.manifest.model.num_heads)
             self.cache.commit_rows(plan, F)
