@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 import pytest
 
-from cabinlm.build.trt_compat import check_file
+from cabinlm.builders.trt_compat import check_file
 from cabinlm.runtime import Decoder, Tokenizer
 from cabinlm.runtime.perplexity import chunked_perplexity
 from test_cli import assert_clean_error, cabinlm

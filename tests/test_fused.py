@@ -1,4 +1,4 @@
-"""The cpu build's fused decoder (build/ort_fused.py, runtime/rotated.py): the same logits as the
+"""The cpu build's fused decoder (builders/ort_fused.py, runtime/rotated.py): the same logits as the
 exported graph, step by step, with eviction, pinning and sinks at work; sessions and seats on it."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import onnx
 import pytest
 from test_cli import assert_clean_error, cabinlm
 
-from cabinlm.build import build_artifact
+from cabinlm.builders import build_artifact
 from cabinlm.profiles import load_profile
 from cabinlm.runtime import Decoder, Dialogue, open_artifact
 from cabinlm.runtime.persist import load_session, save_session
@@ -280,7 +280,7 @@ def test_q4_1_blocks_as_int8_move_each_block_by_one_small_constant():
     values block by block: a block holding zero moves as a whole by one constant (the levels keep
     their spacing) of at most d / 34; a block far from zero is re-rounded value by value within
     half its new step; a constant block is kept."""
-    from cabinlm.build.ort_fused import q4_1_as_int8
+    from cabinlm.builders.ort_fused import q4_1_as_int8
 
     rng = np.random.default_rng(0)
     K, N = 96, 40

@@ -212,8 +212,8 @@ def build(
     (the cpu profile fuses the decoder; static prefill + decode graphs for static-shape chips);
     TensorRT targets are checked for TensorRT compatibility and built where TensorRT and a GPU are
     present. `cabinlm chat OUT` runs it."""
-    from cabinlm.build import build_artifact
-    from cabinlm.build.trt import TensorRTUnavailable
+    from cabinlm.builders import build_artifact
+    from cabinlm.builders.trt import TensorRTUnavailable
 
     try:
         path = build_artifact(artifact, _profile(profile), out, log=_info, attention=attention, accuracy_level=accuracy_level,

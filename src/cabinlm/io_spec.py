@@ -131,7 +131,7 @@ def decoder_io(layout: CacheLayout, vocab_size: int, index_dtype: str = "int64",
     return DecoderIO(tuple(inputs), tuple(outputs))
 
 
-# The fused-attention contract of cpu builds (build/ort_fused.py): ONNX Runtime's GroupQueryAttention
+# The fused-attention contract of cpu builds (builders/ort_fused.py): ONNX Runtime's GroupQueryAttention
 # reads the cache and writes the chunk's rotated, quantized K/V into the cache's scratch rows itself.
 ROPE_COS = "rope_cos"
 ROPE_SIN = "rope_sin"

@@ -59,7 +59,7 @@ from cabinlm.layout import CacheLayout, KVDType  # noqa: F401 - re-exported
 
 FORMAT_VERSION = 3  # 2: logit_rows input, block-quantized weights; 3: "attention" (fused cpu builds)
 SUPPORTED_VERSIONS = (2, 3)
-ATTENTION_KINDS = ("graph", "fused")  # the exported graph's own attention / build/ort_fused.py
+ATTENTION_KINDS = ("graph", "fused")  # the exported graph's own attention / builders/ort_fused.py
 MANIFEST_NAME = "manifest.json"
 # RoPE variants whose inverse frequencies do not depend on the sequence length, so that a
 # fixed-shape graph can hold them as constants (the exporter and the planner both check this).

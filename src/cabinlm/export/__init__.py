@@ -190,7 +190,7 @@ def export_loaded(
         stats = kvquant.calibrate_kv_amax(loaded.model, loaded.text_model.layers, calib_ids, layout.kv_heads, layout.head_dim)
         weights.key_scales = kvquant.key_scales_from_amax(stats["keys"], layout.kv_dtype)
         # Static scales for engines that cache rotated keys and quantize values per channel
-        # (ONNX Runtime's fused attention in cpu builds, build/ort_fused.py).
+        # (ONNX Runtime's fused attention in cpu builds, builders/ort_fused.py).
         static_scales = {
             "rotated_key_scales": kvquant.key_scales_from_amax(stats["rotated_keys"] * kvquant.ROTATED_KEY_HEADROOM, layout.kv_dtype).tolist(),
             "value_scales": kvquant.key_scales_from_amax(stats["values"], layout.kv_dtype).tolist(),

@@ -7,6 +7,7 @@ The cache after some turns (slots are fixed; only the window ring turns over):
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable
@@ -18,6 +19,13 @@ from cabinlm.runtime.memory import rss_mb
 from cabinlm.runtime.sampler import Sampler
 from cabinlm.runtime.session import Decoder
 from cabinlm.runtime.tokenizer import StreamDecoder, Tokenizer
+
+
+class LongMessages(str, enum.Enum):
+    """What a user message longer than the window gets."""
+
+    REFUSE = "refuse"  # an InputError, nothing fed
+    STREAM = "stream"  # fed in chunks like any other; its start leaves the window before the reply
 
 
 @dataclass
@@ -46,15 +54,11 @@ class Dialogue:
         system: str | None = None,
         sampler: Sampler | None = None,
         max_new_tokens: int = 256,
-        long_messages: str = "refuse",
+        long_messages: LongMessages = LongMessages.REFUSE,
     ):
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if long_messages not in ("refuse", "stream"):
-            raise ValueError(f"long_messages must be 'refuse' or 'stream', got {long_messages!r}")
-        # "refuse": a message longer than the window is an InputError (nothing is fed). "stream": it is
-        # fed in chunks like any other; its beginning leaves the window before the reply is written.
-        self.long_messages = long_messages
+        self.long_messages = LongMessages(long_messages)
         self.decoder = decoder
         self.tok = tokenizer
         self.chat = decoder.manifest.chat
@@ -125,7 +129,7 @@ class Dialogue:
             prompt = self._pending + self.render_user(text)
             text_tokens = len(prompt)
         W = dec.layout.window
-        if text_tokens > W and self.long_messages == "refuse":
+        if text_tokens > W and self.long_messages == LongMessages.REFUSE:
             raise InputError(
                 f"this message is {text_tokens} tokens but the window holds {W}; the start of it would be "
                 f"evicted before the reply. Shorten it, or re-export with --window {text_tokens} or more"

@@ -1,4 +1,4 @@
-"""The decoder's steps on a fused cpu build (build/ort_fused.py): ONNX Runtime's GroupQueryAttention
+"""The decoder's steps on a fused cpu build (builders/ort_fused.py): ONNX Runtime's GroupQueryAttention
 reads the cache in place and writes the chunk's rotated K/V after the slots in use; the sink /
 pinned keys follow E (runtime/rotated.py). A mixin of runtime.session.Decoder, which owns the
 sessions, the cache and the graph-kind-independent steps."""
@@ -69,7 +69,7 @@ class FusedSteps:
         self._ahead_bound = rot.ahead_version
 
     def _step_fused(self, ids: np.ndarray, pin: bool | str, mode: str) -> np.ndarray:
-        """One chunk through a fused build (build/ort_fused.py, runtime/rotated.py): the kernel writes
+        """One chunk through a fused build (builders/ort_fused.py, runtime/rotated.py): the kernel writes
         the chunk's rotated K/V after the slots in use; commit moves them into their slots."""
         n, N = len(ids), self.layout.slots
         plan = self.cache.plan(n, pin)

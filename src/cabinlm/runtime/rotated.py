@@ -1,4 +1,4 @@
-"""Positions for a cache that holds keys already rotated (fused cpu builds, build/ort_fused.py).
+"""Positions for a cache that holds keys already rotated (fused cpu builds, builders/ort_fused.py).
 
 The normative semantics give every cached token its rank as position. A fused attention kernel
 rotates a key once, when it is written, so each token gets a *virtual* position v instead:
@@ -34,7 +34,7 @@ class RotatedKeys:
     AHEAD = 256  # positions of cos / sin computed at once for decode steps (see _run)
 
     def __init__(self, cache: KVCache, inv_freq, rope_scale: float, key_scales=None, session=None):
-        """session: the build's rotation graph (build/ort_fused.rotation_model), an ONNX Runtime
+        """session: the build's rotation graph (builders/ort_fused.rotation_model), an ONNX Runtime
         session; without one the refresh runs in numpy (the same arithmetic)."""
         lay = cache.layout
         self.cache = cache

@@ -30,7 +30,7 @@ bytes per token and layer). Int8 KV uses static per-channel scales calibrated at
 rotation pair (a rotation moves magnitude only inside a pair), values per channel.
 
 Eligible: a text-only model, int8 or fp32 KV, dynamic shapes (the cpu profile). Anything else keeps
-the exported graph (build/ort.py says which and why).
+the exported graph (builders/ort.py says which and why).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from cabinlm import manifest as mf
-from cabinlm.build import BuildError
+from cabinlm.builders import BuildError
 from cabinlm.layout import KVDType
 from cabinlm.manifest import Manifest
 
@@ -119,9 +119,6 @@ def _pack4(q: np.ndarray) -> np.ndarray:
     return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
 
 
-MINIMUMS = ("exact", "int8")
-
-
 def q4_1_as_int8(q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """GGUF Q4_1 blocks (w = d * q + m, q in 0..15) re-expressed as 8-bit blocks with an integer zero
     point, w' = s * (q8 - z), without a block-sum kernel for the minimum.
@@ -162,14 +159,15 @@ def q4_1_as_int8(q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> tuple[
 
 
 def fused_model(graph: onnx.ModelProto, manifest: Manifest, scales: dict | None, accuracy_level: int = 4,
-                minimums: str = "int8") -> onnx.ModelProto:
+                minimums: str = "int8") -> onnx.ModelProto:  # a builders.Minimums
     """The fused decoder (module docstring) built from the exported graph's initializers.
 
     minimums: how GGUF Q4_1 blocks (which carry a block minimum) run. "exact": 4-bit MatMulNBits plus
     the minimum through blocksum(x) @ minimum (two more kernels per matrix); "int8": 8-bit blocks with
     an integer zero point (q4_1_as_int8: the minimum rounds to 1/34 of a step), one kernel."""
-    if minimums not in MINIMUMS:
-        raise BuildError(f"minimums must be {' or '.join(MINIMUMS)}, got {minimums!r}")
+    from cabinlm.builders import Minimums
+
+    minimums = Minimums(minimums)
     why = ineligible(manifest, scales)
     if why:
         raise BuildError(f"the fused attention does not apply: {why}")

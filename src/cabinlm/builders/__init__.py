@@ -1,9 +1,9 @@
 """Build: an exported artifact -> what a device profile's engine loads.
 
-    onnxruntime profiles  build/ort.py  the graph optimized offline for the provider, session
+    onnxruntime profiles  builders/ort.py  the graph optimized offline for the provider, session
                                         settings and checksums in build.json; for static-shape
                                         targets a prefill graph and a decode graph sharing weights
-    tensorrt profiles     build/trt.py  the TensorRT compatibility check (runs anywhere), then the
+    tensorrt profiles     builders/trt.py  the TensorRT compatibility check (runs anywhere), then the
                                         engine where TensorRT and an NVIDIA GPU are present
 
 The output folder is itself an artifact: `cabinlm chat OUT` and `cabinlm perplexity OUT` run it.
@@ -11,6 +11,7 @@ The output folder is itself an artifact: `cabinlm chat OUT` and `cabinlm perplex
 
 from __future__ import annotations
 
+import enum
 from pathlib import Path
 from typing import Callable
 
@@ -23,20 +24,33 @@ class BuildError(CabinlmError):
     """The build cannot be done here or for this artifact."""
 
 
+class Attention(str, enum.Enum):
+    """cpu builds: which attention the built decoder runs."""
+
+    AUTO = "auto"  # fused where the artifact allows it, the exported graph otherwise
+    FUSED = "fused"  # ONNX Runtime's GroupQueryAttention (builders/ort_fused.py); refuse if it does not apply
+    GRAPH = "graph"  # the exported graph's own attention
+
+
+class Minimums(str, enum.Enum):
+    """Fused cpu builds: how GGUF Q4_1 blocks (4-bit codes plus a float block minimum) run."""
+
+    INT8 = "int8"  # 8-bit codes with an integer zero point, the minimum rounded to 1/34 of a step
+    EXACT = "exact"  # 4-bit codes plus blocksum(x) @ minimum (two more kernels per matrix)
+
+
 def build_artifact(artifact: str | Path, profile, out: str | Path | None = None, log: Callable[[str], None] = lambda s: None,
-                   attention: str = "auto", accuracy_level: int = 4, minimums: str = "int8") -> Path:
+                   attention: Attention = Attention.AUTO, accuracy_level: int = 4, minimums: Minimums = Minimums.INT8) -> Path:
     """Build `artifact` for `profile` (a DeviceProfile) into `out` (default: ARTIFACT/build-PROFILE).
 
-    ONNX Runtime cpu builds: attention "auto" fuses the decoder (build/ort_fused.py) where the
+    ONNX Runtime cpu builds: attention "auto" fuses the decoder (builders/ort_fused.py) where the
     artifact allows and keeps the exported graph otherwise; "fused" insists; "graph" keeps the export.
     accuracy_level: the fused build's MatMulNBits activations (4: int8, as llama.cpp; 0: float32).
-    minimums: how the fused build runs GGUF Q4_1 blocks ("exact", or "int8": build/ort_fused.py)."""
-    if attention not in ("auto", "fused", "graph"):
-        raise BuildError(f"attention must be auto, fused or graph, got {attention!r}")
-    from cabinlm.build.ort_fused import MINIMUMS
-
-    if minimums not in MINIMUMS:
-        raise BuildError(f"minimums must be {' or '.join(MINIMUMS)}, got {minimums!r}")
+    minimums: how the fused build runs GGUF Q4_1 blocks ("exact", or "int8": builders/ort_fused.py)."""
+    try:
+        attention, minimums = Attention(attention), Minimums(minimums)
+    except ValueError as e:
+        raise BuildError(str(e)) from e
     from cabinlm.manifest import load_manifest
     from cabinlm.profiles import Engine
 
@@ -49,10 +63,10 @@ def build_artifact(artifact: str | Path, profile, out: str | Path | None = None,
         )
     out = Path(out) if out is not None else artifact / f"build-{profile.name}"
     if profile.engine == Engine.TENSORRT:
-        from cabinlm.build.trt import build_tensorrt
+        from cabinlm.builders.trt import build_tensorrt
 
         return build_tensorrt(artifact, manifest, profile, out, log)
-    from cabinlm.build.ort import build_onnxruntime
+    from cabinlm.builders.ort import build_onnxruntime
 
     return build_onnxruntime(artifact, manifest, profile, out, log, attention=attention, accuracy_level=accuracy_level,
                              minimums=minimums)

@@ -7,8 +7,8 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from cabinlm.build import BuildError
-from cabinlm.build.trt_compat import check_file, errors, format_report
+from cabinlm.builders import BuildError
+from cabinlm.builders.trt_compat import check_file, errors, format_report
 from cabinlm.manifest import Manifest
 
 

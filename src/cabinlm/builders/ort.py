@@ -19,7 +19,7 @@ import onnx
 import onnxruntime as ort
 
 from cabinlm import __version__
-from cabinlm.build import BUILD_NAME, BuildError
+from cabinlm.builders import BUILD_NAME, BuildError
 from cabinlm.manifest import FORMAT_VERSION, FileEntry, Manifest
 
 OPT_GRAPH, OPT_DATA = "decoder.opt.onnx", "decoder.opt.onnx.data"
@@ -184,7 +184,7 @@ def build_onnxruntime(artifact: Path, manifest: Manifest, profile, out: Path, lo
         except Exception as e:  # noqa: BLE001 - onnx raises its own validation errors for unreadable data
             raise BuildError(f"{artifact}: cannot read the graph and its weights ({str(e).splitlines()[0]}); re-export") from e
         lay = manifest.cache
-        from cabinlm.build import ort_fused
+        from cabinlm.builders import ort_fused
 
         scales = _kv_scales(artifact, manifest)
         why = ort_fused.ineligible(manifest, scales) if attention != "graph" else "--attention graph"
