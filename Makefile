@@ -31,10 +31,13 @@ test: model
 	$(PY) -m pytest -q
 
 # The peers `cabinlm bench --baseline` runs (not needed by demo or test): llama-cpp-python builds
-# llama.cpp from source for this CPU (about 20 minutes on 2 cores); onnxruntime-genai is a wheel.
+# llama.cpp from source for this CPU (about 20 minutes on 2 cores); onnxruntime-genai is a wheel, and
+# its model builder's imports (onnx-ir, ...) come with the extra. The last line checks that every peer
+# imports, the builder and its KV-cache calibration with all they load when they start.
 bench-deps: setup
 	CMAKE_ARGS='-DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_BLAS=OFF' CMAKE_BUILD_PARALLEL_LEVEL=2 \
 	  $(PY) -m pip install -c constraints.txt -e '.[bench]'
+	$(PY) -c 'import llama_cpp, onnxruntime_genai.models.builder, onnxruntime_genai.models.quantization.kv_cache_calibration'
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

@@ -12,7 +12,6 @@ Builds use float32 activations (accuracy level 0), so only the KV differs from t
 """
 
 import argparse
-import hashlib
 import json
 import shutil
 import tempfile
@@ -37,19 +36,15 @@ art, ref = Path(a.int8), Path(a.fp32)
 text = Path(a.text).read_text(errors="ignore")[a.skip :]
 ids = Tokenizer(ref / "tokenizer.json").encode(text, add_special_tokens=True)[: a.tokens]
 base = chunked_perplexity(Decoder(ref), ids).ppl
-orig = json.loads((art / "key_scales.json").read_text())
+orig = json.loads((art / "manifest.json").read_text())["kv_scales"]
 work = Path(tempfile.mkdtemp(prefix="cabinlm-headroom-"))
 for pair in a.pairs:
     kmul, vmul = (float(x) for x in pair.split(","))
     d = work / pair
     shutil.copytree(art, d, ignore=shutil.ignore_patterns("build-*"))
-    scales = dict(orig)
-    scales["rotated_key_scales"] = (np.asarray(orig["rotated_key_scales"]) * kmul).tolist()
-    scales["value_scales"] = (np.asarray(orig["value_scales"]) * vmul).tolist()
-    (d / "key_scales.json").write_text(json.dumps(scales))
     m = json.loads((d / "manifest.json").read_text())
-    raw = (d / "key_scales.json").read_bytes()
-    m["files"]["key_scales"].update(sha256=hashlib.sha256(raw).hexdigest(), bytes=len(raw))
+    m["kv_scales"]["rotated_keys"] = (np.asarray(orig["rotated_keys"]) * kmul).tolist()
+    m["kv_scales"]["values"] = (np.asarray(orig["values"]) * vmul).tolist()
     (d / "manifest.json").write_text(json.dumps(m))
     out = build_artifact(d, load_profile("cpu"), d / "build", attention="fused", accuracy_level=0)
     p = chunked_perplexity(Decoder(out), ids).ppl

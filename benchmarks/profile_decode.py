@@ -13,7 +13,8 @@ import time
 
 import numpy as np
 
-import cabinlm.runtime.session as session_mod
+import cabinlm.runtime.backends.exported as exported_mod
+import cabinlm.runtime.backends.fused as fused_mod
 from cabinlm.runtime import Decoder
 
 ap = argparse.ArgumentParser()
@@ -22,7 +23,7 @@ ap.add_argument("--threads", type=int, default=2)
 ap.add_argument("--steps", type=int, default=100)
 a = ap.parse_args()
 
-plain = session_mod.session_options
+plain = fused_mod.session_options  # the same function in every ONNX Runtime backend
 
 
 def profiled(*args, **kw):
@@ -32,7 +33,7 @@ def profiled(*args, **kw):
     return so
 
 
-session_mod.session_options = profiled
+fused_mod.session_options = exported_mod.session_options = profiled
 dec = Decoder(a.build, threads=a.threads)
 lay = dec.layout
 dec.feed(np.arange(100, 100 + lay.slots + 2 * lay.chunk) % dec.manifest.model.vocab_size)  # past full
@@ -41,7 +42,7 @@ for t in range(a.steps):
     t0 = time.perf_counter()
     dec.step(np.array([500 + t]))
     wall.append(time.perf_counter() - t0)
-events = json.load(open(dec._decode.session.end_profiling()))
+events = json.load(open(dec.backend._decode.session.end_profiling()))
 step_runs = [e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"][-a.steps :]
 runs = [e["dur"] for e in step_runs]
 since = step_runs[0]["ts"]  # the decode steps only: the feed's prefill chunks ran in the same session

@@ -5,10 +5,9 @@
 Chunked perplexity (64-token chunks, eviction active past the cache) of the first N tokens of TEXT
 through each artifact, with block-quantized weights run both ways: int8 activations (ONNX Runtime's
 MatMulNBits accuracy level 4, the default) and float32 activations (level 0). A fused cpu build
-(`cabinlm build`) runs once, at the accuracy level it was built with (its build.json says).
+(`cabinlm build`) runs once, at the accuracy level it was built with (its manifest's build says).
 """
 
-import json
 
 import argparse
 
@@ -30,10 +29,10 @@ for art in a.artifacts:
     src = m.quality.get("weights", {})
     how = f"{src.get('imported', 0)} imported / {src.get('quantized', 0)} quantized" if src else "float32"
     levels = [("float32", None)] if m.weights == "fp32" else [("int8 (level 4)", "4"), ("float32 (level 0)", "0")]
-    if m.attention == "fused":
-        fused = json.loads(open(f"{art}/build.json").read())["fused"]
-        how = f"fused build, Q4_1 minimums {fused.get('minimums', 'exact')}"
-        levels = [(f"level {fused['accuracy_level']} (built in)", None)]
+    if m.runtime_spec.fused is not None:
+        fused = m.runtime_spec.fused
+        how = f"fused build, Q4_1 minimums {fused.minimums}"
+        levels = [(f"level {fused.accuracy_level} (built in)", None)]
     for label, level in levels:
         cfg = {"session.qdq_matmulnbits_accuracy_level": level} if level else None
         ppl = chunked_perplexity(Decoder(art, threads=2, session_config=cfg), ids).ppl

@@ -1,23 +1,37 @@
-"""Baseline engines for `cabinlm bench` (hf, llama.cpp, ort-genai): real runs on SmolLM2-135M, small.
+"""Baseline engines for `cabinlm bench` (hf, llama.cpp, ort-genai): real runs on SmolLM2-135M, small;
+the structure of the bench package (imports one way), the errors a failing child process gives, and
+the `bench` extra against what the peers import.
 
 llama.cpp and ort-genai need optional packages; their tests skip with the install command when absent.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata
+import importlib.util
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
 from cabinlm.bench import baselines as B
+from cabinlm.bench import catalog, child
 from cabinlm.bench.script import SYSTEM, user_turns
 from cabinlm.bench.trace import SUMMARY_KEYS, Trace, summarize
 from cabinlm.errors import ModelError
 
-pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "src" / "cabinlm" / "bench"
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +78,7 @@ def test_import_is_light_and_available_names():
         assert reason is None or "pip install" in reason
 
 
+@pytest.mark.slow
 def test_clear_errors(tmp_path, gguf, monkeypatch):
     with pytest.raises(ModelError, match="no such model file"):
         B.run_baseline("hf", tmp_path / "missing.gguf", tokens=10, threads=1)
@@ -76,13 +91,14 @@ def test_clear_errors(tmp_path, gguf, monkeypatch):
     with pytest.raises(ValueError, match="no configuration"):
         B.run_baseline("ort-genai", gguf, tokens=10, threads=1, config="int2")
     # An optional package missing: a clear error with the install command, before any child starts.
-    real = B.importlib.util.find_spec
-    monkeypatch.setattr(B.importlib.util, "find_spec", lambda m, *a: None if m == "llama_cpp" else real(m, *a))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda m, *a: None if m == "llama_cpp" else real(m, *a))
     assert "llama-cpp-python is not installed" in B.available("llama.cpp")
     with pytest.raises(B.BaselineUnavailable, match="pip install llama-cpp-python"):
         B.run_baseline("llama.cpp", gguf, tokens=10, threads=1)
 
 
+@pytest.mark.slow
 def test_truncated_gguf_is_a_model_error(tmp_path, gguf, monkeypatch):
     """A file with the GGUF magic that no engine can read: a ModelError, not a traceback."""
     monkeypatch.setenv("CABINLM_CACHE", str(tmp_path / "cache"))
@@ -93,6 +109,7 @@ def test_truncated_gguf_is_a_model_error(tmp_path, gguf, monkeypatch):
         B.run_fixed_context(name, bad, context=8, decode=2, threads=1)
 
 
+@pytest.mark.slow
 def test_hf_dialogue_matches_transformers_generate(gguf, smollm2):
     """Two turns and a bit (160 tokens) in this process: a consistent trace, and the first reply equals
     transformers' own greedy generate on the model loaded from the GGUF, prompt rendered by its template."""
@@ -117,6 +134,7 @@ def test_hf_dialogue_matches_transformers_generate(gguf, smollm2):
     assert replies[0] == want
 
 
+@pytest.mark.slow
 def test_run_baseline_subprocess_fixed_context(gguf):
     """The child-process path: JSON round trip, progress lines, fixed-context mode."""
     lines: list[str] = []
@@ -136,6 +154,7 @@ def test_fastest_keeps_the_others():
     assert [o["config"]["name"] for o in best.config["others"]] == ["fp32"]
 
 
+@pytest.mark.slow
 def test_llama_cpp_reports_a_full_context(gguf):
     _skip_unless("llama.cpp")
     trace = B.run_baseline("llama.cpp", gguf, tokens=400, threads=1, context=128, max_new=48, config="gguf")
@@ -145,9 +164,240 @@ def test_llama_cpp_reports_a_full_context(gguf):
     assert trace.tokens <= trace.config["n_ctx"] and max(trace.decode_context) <= trace.config["n_ctx"]
 
 
+@pytest.mark.slow
 def test_ort_genai_reports_a_full_context(gguf):
     _skip_unless("ort-genai")
     trace = B.run_baseline("ort-genai", gguf, tokens=400, threads=1, context=128, max_new=48, config="int4")
     _check_consistent(trace)
     assert trace.stopped.startswith("context full at"), trace.stopped
     assert trace.tokens < 128 and max(trace.decode_context) < 128
+
+
+# --------------------------------------------------------------------------------------------------
+# The package's structure: one concept a module, imports one way. (baselines.py and peers.py once
+# imported each other; importing peers.py first then loaded half of baselines.py.)
+
+
+def _bench_imports(path: Path) -> set[str]:
+    """The cabinlm.bench modules a file imports, anywhere in it (a lazy import in a function counts)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "cabinlm.bench":
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("cabinlm.bench."):
+            found.add(node.module.split(".")[2])
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[2] for a in node.names if a.name.startswith("cabinlm.bench.")}
+    return found - {path.stem}
+
+
+def test_bench_modules_import_each_other_one_way():
+    graph = {p.stem: _bench_imports(p) for p in BENCH.glob("*.py") if p.stem != "__init__"}
+    assert {"baselines", "peers", "catalog", "child", "prepare", "protocol"} <= set(graph)
+    # Depth-first search for a cycle; report it as a path.
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph.get(m, ())):
+            assert state.get(n) != 1, f"import cycle: {' -> '.join([*path, m, n])}"
+            if n not in state:
+                visit(n, [*path, m])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+    # The layering the modules' docstrings describe.
+    assert graph["catalog"] == set() and graph["child"] == {"catalog"}
+    assert "baselines" not in graph["peers"] and not {"peers", "baselines"} & graph["prepare"]
+
+
+@pytest.mark.parametrize("module", ["catalog", "child", "prepare", "peers", "baselines"])
+def test_each_bench_module_imports_alone_and_light(module):
+    """Each module first, in a fresh interpreter (a cycle shows as an ImportError or a half-made module
+    only when the import starts from one side of it); none loads a peer's heavy package."""
+    heavy = ("torch", "transformers", "llama_cpp", "onnxruntime_genai", "onnx_ir")
+    code = (f"import sys, cabinlm.bench.{module} as m; "
+            f"print([h for h in {heavy!r} if h in sys.modules])")  # fmt: skip
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "[]"
+
+
+def test_the_callers_names_stay_on_baselines():
+    """cli.py and benchmarks/ use these through `from cabinlm.bench import baselines as bl`."""
+    for name in ("available", "run_baseline", "run_fixed_context", "fastest", "run_here", "BaselineError",
+                 "BaselineUnavailable", "BASELINES", "CONFIGS", "INSTALL", "main"):  # fmt: skip
+        assert hasattr(B, name), name
+    assert B.BaselineError is catalog.BaselineError and issubclass(B.BaselineUnavailable, B.BaselineError)
+
+
+# --------------------------------------------------------------------------------------------------
+# A failing child says why in its own words: real child processes, nothing mocked.
+
+_FAILS_ON_IMPORT = """
+import sys
+print("progress: loading the model")
+for i in range(60):
+    print(f"GroupQueryAttention is used in this model ({i})")  # the builder's chatter, more than the tail keeps
+try:
+    import onnx_ir_is_not_installed_anywhere
+except ModuleNotFoundError as e:
+    raise RuntimeError("the builder could not start") from e
+"""
+
+
+def test_a_failing_child_s_error_starts_with_its_own_error_line():
+    relayed: list[str] = []
+    with pytest.raises(catalog.BaselineError) as info:
+        child.check([sys.executable, "-c", _FAILS_ON_IMPORT], "ort-genai int4: the model builder",
+                    progress=relayed.append)  # fmt: skip
+    first, *rest = str(info.value).splitlines()
+    # The exception that ended the child (the last of a chained traceback), on the line callers show.
+    assert first == "ort-genai int4: the model builder failed (exit 1): RuntimeError: the builder could not start"
+    assert any("No module named 'onnx_ir_is_not_installed_anywhere'" in line for line in rest)
+    assert relayed == ["loading the model"] and not any("progress:" in line for line in rest)
+
+
+def test_a_child_killed_by_a_signal_says_so():
+    code = "import os, signal; print('decoding', flush=True); os.kill(os.getpid(), signal.SIGKILL)"
+    with pytest.raises(catalog.BaselineError, match=r"^llama.cpp \(gguf\) failed \(killed by SIGKILL\): decoding"):
+        child.check([sys.executable, "-c", code], "llama.cpp (gguf)")
+
+
+def test_a_child_s_own_cabinlm_error_comes_back_as_the_same_class(tmp_path):
+    """`python -m cabinlm.bench.prepare` on a file that is no model: the child's ModelError, raised here."""
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a model")
+    with pytest.raises(ModelError, match="not a GGUF file"):
+        child.check([sys.executable, "-m", "cabinlm.bench.prepare", "--model", str(junk)], "preparing junk.gguf")
+
+
+@pytest.mark.parametrize(
+    "lines, want",
+    [
+        (["usage: builder.py [-h] -o OUTPUT", "builder.py: error: argument -p: invalid choice: 'int2'"],
+         "builder.py: error: argument -p: invalid choice: 'int2'"),
+        (["Traceback (most recent call last):", '  File "b.py", line 1, in <module>', "    import onnx_ir",
+          "ModuleNotFoundError: No module named 'onnx_ir'", "Note: installed packages were not searched"],
+         "ModuleNotFoundError: No module named 'onnx_ir'"),
+        (["loading", "llama_model_load: error loading model: tensor 'output.weight' has wrong shape", "done"],
+         "llama_model_load: error loading model: tensor 'output.weight' has wrong shape"),
+        (["just the last words"], "just the last words"),
+        ([], "(no output)"),
+    ],
+)  # fmt: skip
+def test_the_error_line_of_known_outputs(lines, want):
+    assert child.error_line(lines) == want
+
+
+@pytest.mark.skipif(importlib.util.find_spec("onnxruntime_genai") is None, reason="onnxruntime-genai not installed")
+def test_a_model_builder_failure_carries_the_builder_s_message(tmp_path, monkeypatch):
+    """The real model builder on a model folder it cannot build: the raised error's first line is the
+    builder's own complaint, not only its exit status."""
+    from cabinlm.bench.peers import build_ort_genai
+
+    monkeypatch.setenv("CABINLM_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"GGUF" + bytes(60))  # only named and hashed here
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "no-such-architecture", "architectures": ["Nope"]}))
+    with pytest.raises(catalog.BaselineError) as info:
+        build_ort_genai(source, hf, "fp32")
+    first = str(info.value).splitlines()[0]
+    print(first)
+    assert first.startswith("ort-genai fp32: the model builder failed (exit 1): ")
+    detail = first.split("): ", 1)[1]
+    assert detail and "Traceback" not in detail and "no-such-architecture" in str(info.value)
+
+
+# --------------------------------------------------------------------------------------------------
+# The `bench` extra installs what the peers import.
+
+
+def _norm(dist: str) -> str:
+    return re.sub(r"[-_.]+", "-", dist).lower()
+
+
+def _extra(name: str) -> set[str]:
+    """Distribution names an extra of pyproject.toml installs, its cabinlm[...] references followed."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    out: set[str] = set()
+    for req in project["optional-dependencies"][name]:
+        dist = re.match(r"[A-Za-z0-9_.-]+", req).group(0)
+        if _norm(dist) == "cabinlm":
+            for sub in re.search(r"\[(.*)\]", req).group(1).split(","):
+                out |= _extra(sub.strip())
+        else:
+            out.add(_norm(dist))
+    return out
+
+
+def _base() -> set[str]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return {_norm(re.match(r"[A-Za-z0-9_.-]+", r).group(0)) for r in project["dependencies"]}
+
+
+def test_the_bench_extra_installs_every_module_a_peer_needs():
+    installs = _extra("bench") | _base()
+    for name, modules in catalog.MODULES.items():
+        for m in modules:
+            assert _norm(catalog.PACKAGES[m]) in installs, f"{name} needs {m} ({catalog.PACKAGES[m]}), not in [bench]"
+    assert {"onnx-ir", "onnxruntime-genai", "llama-cpp-python", "torch", "transformers", "gguf"} <= installs
+
+
+def _module_level_imports(path: Path) -> set[str]:
+    """Top-level names a file imports when it is loaded (its module body and try blocks; not functions,
+    not `if` branches such as TYPE_CHECKING, not relative imports)."""
+    names: set[str] = set()
+    body = list(ast.parse(path.read_text()).body)
+    while body:
+        node = body.pop()
+        if isinstance(node, ast.Try):
+            body += node.body
+        elif isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.skipif(importlib.util.find_spec("onnxruntime_genai") is None, reason="onnxruntime-genai not installed")
+def test_the_bench_extra_covers_the_installed_model_builder_s_imports():
+    """Every third-party package the builder's files import at load time is declared: by the
+    onnxruntime-genai wheel itself, or in our `bench` extra (and in catalog.ORT_GENAI_BUILDER_MODULES)."""
+    models = Path(importlib.util.find_spec("onnxruntime_genai").origin).parent / "models"
+    own = {p.stem for p in models.rglob("*.py")} | {p.name for p in models.rglob("*") if p.is_dir()}
+    imported: set[str] = set()
+    for f in models.rglob("*.py"):
+        imported |= _module_level_imports(f)
+    third_party = imported - set(sys.stdlib_module_names) - own - {"__future__", "onnxruntime_genai"}
+    declared_by_wheel = {_norm(r.split(";")[0].split(">")[0].split("=")[0].split("<")[0].strip())
+                         for r in importlib.metadata.requires("onnxruntime-genai") or []}  # fmt: skip
+    dists = importlib.metadata.packages_distributions()
+    installs = _extra("bench") | _base()
+    for m in sorted(third_party):
+        dist = _norm((dists.get(m) or [catalog.PACKAGES.get(m, m)])[0])
+        assert dist in installs | declared_by_wheel, f"the model builder imports {m} ({dist}); [bench] lacks it"
+        if dist not in declared_by_wheel:
+            assert m in catalog.ORT_GENAI_BUILDER_MODULES, f"{m}: add it to catalog.ORT_GENAI_BUILDER_MODULES"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("onnxruntime_genai") is None, reason="onnxruntime-genai not installed")
+@pytest.mark.parametrize("tool", ["onnxruntime_genai.models.builder",
+                                  "onnxruntime_genai.models.quantization.kv_cache_calibration"])  # fmt: skip
+def test_the_ort_genai_tools_import(tool):
+    """The modules bench/peers.py runs with `python -m` load here, with all they import, in a fresh
+    interpreter. (Not `--help`: the 0.18 builder's help text itself fails to format on Python 3.11.)"""
+    p = subprocess.run([sys.executable, "-c", f"import {tool}"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, child.error_line(p.stderr.splitlines())
+
+
+def test_ort_genai_is_unavailable_without_its_builder_s_imports(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda m, *a: None if m == "onnx_ir" else real(m, *a))
+    reason = catalog.available("ort-genai")
+    assert reason is not None and "not installed" in reason and "pip install" in reason
+    assert "onnx-ir" in reason.split("not installed")[0]

@@ -95,6 +95,14 @@ def test_bench_errors_are_one_line(tmp_path, small_artifact):
     assert p.returncode == 2 and p.stderr.startswith("error: ") and "no such folder" in p.stderr
     p = cabinlm("bench", small_artifact, "--tokens", 0)
     assert p.returncode == 2 and "--tokens" in p.stderr
-    if importlib.util.find_spec("llama_cpp") is None:
-        p = cabinlm("bench", small_artifact, "--baseline", "llama.cpp")
-        assert p.returncode == 2 and "llama-cpp-python" in p.stderr and "pip install" in p.stderr
+    # A peer that cannot run here is refused before any run, on one line that names what is missing
+    # and the command that installs it.
+    from cabinlm.bench.catalog import available
+
+    for peer in ("llama.cpp", "ort-genai"):
+        reason = available(peer)
+        if reason is None:
+            continue
+        p = cabinlm("bench", small_artifact, "--baseline", peer)
+        assert p.returncode == 2 and p.stderr.startswith("error: ") and reason in p.stderr, p.stderr
+        assert "not installed" in p.stderr and "pip install" in p.stderr

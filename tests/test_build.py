@@ -35,16 +35,18 @@ def test_cpu_build_is_an_optimized_runnable_artifact(fp16_artifact, tmp_path, lo
     out = tmp_path / "cpu"
     p = cabinlm("build", fp16_artifact, "--profile", "cpu", "-o", out)
     assert p.returncode == 0, p.stderr
-    record = json.loads((out / "build.json").read_text())
-    assert record["profile"] == "cpu" and record["engine"] == "onnxruntime"
-    assert record["session"]["graph_optimization_level"] == "basic"
     manifest = json.loads((out / "manifest.json").read_text())
+    record = manifest["build"]  # the build as typed data, in the manifest (no build.json)
+    assert not (out / "build.json").exists()
+    assert record["profile"] == "cpu" and record["engine"] == "onnxruntime"
+    assert record["backend"] == "onnxruntime-graph" and record["provider"]["name"] == "CPUExecutionProvider"
+    assert record["session"]["graph_optimization_level"] == "basic"
     assert manifest["files"]["graph"]["path"] == "decoder.opt.onnx"
-    assert record["files"]["graph"] == manifest["files"]["graph"]["sha256"]
     ids = ids_for(out, long_text)  # 300 tokens through 64 slots: eviction active
     assert ppl(out, ids) == pytest.approx(ppl(fp16_artifact, ids), rel=1e-4)
     chat = cabinlm("chat", out, "--json", "--max-new-tokens", 4, stdin="hello\n")
     assert chat.returncode == 0 and json.loads(chat.stdout)["turn"] == 1
+    assert json.loads(chat.stdout)["backend"] == "onnxruntime-cpu"  # what the build ran on, from its manifest
 
 
 def test_static_build_has_only_static_shapes_and_shares_its_weights(fp16_artifact, tmp_path, long_text):
@@ -60,7 +62,9 @@ def test_static_build_has_only_static_shapes_and_shares_its_weights(fp16_artifac
     # one weights file on disk, bound once in memory by both sessions
     assert len(list(out.glob("*.data"))) == 1
     dec = Decoder(out)
-    assert dec.static and len(dec._weights) == len(json.loads((out / "build.json").read_text())["shared_weights"]["tensors"])
+    table = json.loads((out / "manifest.json").read_text())["build"]["shared_weights"]["tensors"]
+    assert dec.manifest.build.backend.value == "onnxruntime-static"
+    assert dec.backend.graphs.static and len(dec.backend.graphs.weights) == len(table) > 0
     ids = ids_for(out, long_text)
     # a padded last chunk, single-token decode and eviction: the same numbers as the dynamic graph
     assert ppl(out, ids) == pytest.approx(ppl(fp16_artifact, ids), rel=1e-3)

@@ -1,4 +1,5 @@
-"""Property tests of the numpy cache bookkeeping against a plain-Python model of the semantics.
+"""Property tests of the numpy slot bookkeeping (runtime/slots.py) against a plain-Python model of
+the semantics, with K/V written where the plans say (backends/exported.write_slots).
 
 The equivalence tests check the whole pipeline on a few streams; these check the bookkeeping on
 thousands of random streams mixing chunk sizes and pinned spans, which the model tests cannot.
@@ -13,7 +14,22 @@ from hypothesis import strategies as st
 
 from cabinlm.errors import InputError, LayoutError
 from cabinlm.manifest import CacheLayout
-from cabinlm.runtime.cache import MASK_VALUE, KVCache
+from cabinlm.runtime.backends.exported import write_slots
+from cabinlm.runtime.slots import MASK_VALUE, SlotState, SlotTable, StateError, check_state
+
+
+class KVCache(SlotTable):
+    """A slot table with host K/V buffers, committed as the exported-graph backend commits."""
+
+    def __init__(self, layout: CacheLayout):
+        super().__init__(layout)
+        self.keys = np.zeros(layout.buffer_shape, np.float32)
+        self.values = np.zeros(layout.buffer_shape, np.float32)
+
+    def commit(self, plan, keys, values) -> None:
+        write_slots(self.keys, keys, plan.slots)
+        write_slots(self.values, values, plan.slots)
+        self.advance(plan)
 
 
 def layout(sink, pinned, window, chunk) -> CacheLayout:
@@ -126,5 +142,60 @@ def test_layouts_are_validated():
     lay = layout(4, 4, 56, 8)
     assert lay.slots == 64 and lay.max_position == 72
     assert lay.bytes_per_token == 2 * 2 * 1 * 2 * 4  # K and V, layers, kv heads, head_dim, fp32
-    cache = KVCache(lay)
-    assert cache.nbytes() == lay.cache_bytes
+    assert KVCache(lay).keys.nbytes * 2 == lay.cache_bytes
+
+
+@settings(max_examples=150, deadline=None)
+@given(sink=st.integers(0, 3), pinned=st.integers(0, 6), window=st.integers(8, 12), stream=ops,
+       image=st.integers(0, 4), frame_every=st.integers(1, 5))
+def test_a_state_restored_into_a_fresh_table_plans_exactly_as_the_original(sink, pinned, window, stream, image, frame_every):
+    """Round trip of state()/restore(), with camera frames replacing each other: the restored table
+    plans the same slots, positions and mask for every next chunk size."""
+    lay = CacheLayout(sink=sink, pinned=pinned, image=image, window=window, chunk=8, layers=1, kv_heads=1, head_dim=2)
+    table = SlotTable(lay)
+    for i, (n, pin) in enumerate(stream):
+        if image and i % frame_every == 0:
+            table.begin_frame()
+            table.advance(table.plan(min(image, 8), pin="image")) if min(image, 8) <= image else None
+        if pin and n - max(0, sink - table.sink_fill) > table.pinned_free:
+            continue
+        table.advance(table.plan(n, pin=pin))
+    fresh = SlotTable(lay)
+    fresh.restore(table.state())
+    assert fresh.state().counters() == table.state().counters()
+    for n in (1, 3, 8):
+        a, b = table.plan(n), fresh.plan(n)
+        assert (a.slots == b.slots).all() and (a.position_ids == b.position_ids).all()
+        assert (a.cache_position_ids == b.cache_position_ids).all() and (a.attention_mask == b.attention_mask).all()
+
+
+@settings(max_examples=200, deadline=None)
+@given(stream=ops, field=st.sampled_from(SlotState.COUNTERS + ("slot",)), delta=st.integers(-3, 3).filter(bool))
+def test_a_tampered_state_is_refused_before_it_is_used(stream, field, delta):
+    """A session file's slot state is untrusted: a counter or a slot moved away from what the
+    table holds is refused by check_state (or still describes a consistent table)."""
+    lay = layout(sink=2, pinned=6, window=10, chunk=8)
+    table = SlotTable(lay)
+    for n, pin in stream:
+        if not (pin and n - max(0, lay.sink - table.sink_fill) > table.pinned_free):
+            table.advance(table.plan(n, pin=pin))
+    state = table.state()
+    if field == "slot":
+        st_ = state.slot_token.copy()
+        st_[len(st_) // 2] += delta
+        bad = SlotState(st_, **state.counters())
+    else:
+        bad = SlotState(state.slot_token, **{**state.counters(), field: state.counters()[field] + delta})
+    fresh = SlotTable(lay)
+    try:
+        check_state(bad, lay)
+    except StateError:
+        with pytest.raises(StateError):
+            fresh.restore(bad)
+        assert fresh.seen == 0 and (fresh.slot_token == -1).all()  # refused: nothing changed
+        return
+    # accepted: then it is a table the bookkeeping can go on from without breaking its invariants
+    fresh.restore(bad)
+    for _ in range(lay.window + 3):
+        fresh.advance(fresh.plan(1))
+    check_state(fresh.state(), lay)

@@ -128,6 +128,46 @@ def test_export_refuses_a_head_width_without_quantized_weights(tiny_llama_dir, t
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["--sink", "-1"], ["--sink", "-1"]),
+        (["--window", "64", "--chunk", "128"], ["--chunk 128", "--window 64"]),
+        (["--max-ppl-increase", "-5"], ["--max-ppl-increase", "-5"]),
+        (["--kv", "int8", "--calib", "missing-calibration.txt"], ["--calib missing-calibration.txt", "no such file"]),
+        (["--profile", "cpu", "--pinned", "-3"], ["--pinned", "-3"]),
+    ],
+    ids=["sink", "chunk-over-window", "max-ppl-increase", "calib", "profile-pinned"],
+)
+def test_export_refuses_a_bad_option_value_before_looking_at_the_model(tmp_path, args, needles):
+    # The model does not exist: an option checked after the model is looked up (or loaded) would
+    # fail with "no such file or folder" instead.
+    p = cabinlm("export", tmp_path / "no-model", "-o", tmp_path / "o", *args)
+    assert_clean_error(p, *needles)
+    assert p.returncode == 2 and not (tmp_path / "o").exists()
+
+
+def test_export_offers_only_the_weight_formats_a_graph_holds(tmp_path):
+    # fp16 is a profile's build-time weight precision, not an export choice
+    p = cabinlm("export", tmp_path / "no-model", "-o", tmp_path / "o", "--weights", "fp16")
+    assert p.returncode == 2 and "'fp16' is not one of 'fp32', 'int8', 'int4'" in p.stderr
+    p = cabinlm("export", tmp_path / "no-model", "-o", tmp_path / "o", "--head", "fp32")
+    assert p.returncode == 2 and "'fp32' is not one of 'int8', 'int4'" in p.stderr
+
+
+def test_plan_reads_a_config_json_without_torch():
+    config = Path(__file__).parent / "data" / "configs" / "smollm2-135m.json"
+    code = (
+        "import sys; sys.modules.update(torch=None, transformers=None)\n"
+        f"sys.argv = ['cabinlm', 'plan', {str(config)!r}, '--profile', 'orin-x', '--json']\n"
+        "from cabinlm.cli import main; main()"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    plan = json.loads(p.stdout)
+    assert plan["profile"] == "orin-x" and plan["kv"] == "fp16" and plan["fits"]
+
+
 def test_export_refuses_a_folder_without_config(tmp_path):
     assert_clean_error(cabinlm("export", tmp_path, "-o", tmp_path / "o"), "no config.json")
 

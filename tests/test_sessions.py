@@ -34,8 +34,8 @@ def dialogue(folder, **kw) -> Dialogue:
 
 
 def snapshot(d: Dialogue):
-    c = d.decoder.cache
-    return (c.keys.copy(), c.values.copy(), c.value_scales.copy(), c.slot_token.copy(), c.seen, d.turns, list(d._pending))
+    c, kv = d.decoder.cache, d.decoder.backend
+    return (kv.keys.copy(), kv.values.copy(), kv.value_scales.copy(), c.slot_token.copy(), c.seen, d.turns, list(d._pending))
 
 
 def same(a, b) -> bool:
@@ -112,7 +112,7 @@ def test_sessions_from_another_model_or_build_are_refused_and_left_alone(artifac
         (lambda b: b[: len(b) // 2], "truncated"),
         (lambda b: b[:100] + bytes([b[100] ^ 1]) + b[101:], "checksum"),
         (lambda b: b"NOTCABIN" + b[8:], "not a cabinlm session"),
-        (lambda b: b[:8] + (2).to_bytes(4, "little") + b[12:], "format version 2"),
+        (lambda b: b[:8] + (1).to_bytes(4, "little") + b[12:], "format version 1"),
         (lambda b: b"", "not a cabinlm session"),
     ],
     ids=["truncated", "flipped-bit", "magic", "version", "empty"],
@@ -170,8 +170,8 @@ def test_two_seats_share_the_model_and_keep_their_conversations_apart(artifact):
     expected = [solo.ask(t).reply for t in TURNS]
     a = dialogue(artifact)
     b = Dialogue(a.decoder.seat(), a.tok, max_new_tokens=6)
-    assert b.decoder.sessions is a.decoder.sessions  # weights held once
-    assert b.decoder.cache.keys.ctypes.data != a.decoder.cache.keys.ctypes.data
+    assert b.decoder.backend.graphs is a.decoder.backend.graphs  # sessions and weights held once
+    assert b.decoder.backend.keys.ctypes.data != a.decoder.backend.keys.ctypes.data
     got = []
     for i, t in enumerate(TURNS):
         a.ask(TURNS[(i + 3) % len(TURNS)] + " please")  # seat 1 talks about other things in between
@@ -182,7 +182,7 @@ def test_two_seats_share_the_model_and_keep_their_conversations_apart(artifact):
 def test_a_thousand_turns_over_two_seats_at_bounded_memory(artifact):
     a = dialogue(artifact)
     b = Dialogue(a.decoder.seat(), a.tok, max_new_tokens=4)
-    addresses = [d.decoder.cache.keys.ctypes.data for d in (a, b)]
+    addresses = [d.decoder.backend.keys.ctypes.data for d in (a, b)]
     samples = []
     for i in range(500):
         for d in (a, b):
@@ -190,7 +190,7 @@ def test_a_thousand_turns_over_two_seats_at_bounded_memory(artifact):
         if i in (100, 499):
             samples.append(rss_mb())
     assert a.turns == b.turns == 500
-    assert [d.decoder.cache.keys.ctypes.data for d in (a, b)] == addresses
+    assert [d.decoder.backend.keys.ctypes.data for d in (a, b)] == addresses
     assert a.decoder.cache.evicted > 50 * a.decoder.layout.window
     assert samples[1] - samples[0] < 8.0, samples
 

@@ -81,8 +81,8 @@ def test_many_frames_and_turns_keep_one_frame_pinned_at_constant_memory(llava):
     dec, tok = open_artifact(folder, verify=False)
     d = Dialogue(dec, tok, max_new_tokens=5)
     lay = dec.layout
-    c = dec.cache
-    addresses = (c.keys.ctypes.data, c.values.ctypes.data, c.keys.shape)
+    c, kv = dec.cache, dec.backend
+    addresses = (kv.keys.ctypes.data, kv.values.ctypes.data, kv.keys.shape)
     samples = []
     for i in range(120):
         image = picture(40 + i % 7, 30 + i % 5, seed=i) if i % 3 == 0 else None
@@ -99,7 +99,7 @@ def test_many_frames_and_turns_keep_one_frame_pinned_at_constant_memory(llava):
             gc.collect()
             samples.append(rss_mb())
     assert c.frames == 40 and c.evicted > 5 * lay.window
-    assert (c.keys.ctypes.data, c.values.ctypes.data, c.keys.shape) == addresses
+    assert (kv.keys.ctypes.data, kv.values.ctypes.data, kv.keys.shape) == addresses
     assert c.slot_token[: lay.sink].tolist() == list(range(lay.sink))
     assert samples[1] - samples[0] < 8.0, samples
 
@@ -142,3 +142,48 @@ def test_chat_cli_takes_images_by_flag_and_json_lines(llava, tmp_path):
     turns = [json.loads(line) for line in p.stdout.splitlines()]
     assert [t["turn"] for t in turns] == [1, 2, 3]
     assert "no such image" in p.stderr and "Traceback" not in p.stderr and p.returncode == 1
+
+
+def _chat(folder, session, *args):
+    """A chat process reading JSON lines from a pipe, one turn per line, one JSON result per turn."""
+    return subprocess.Popen([sys.executable, "-m", "cabinlm", "chat", str(folder), "--json", "--max-new-tokens", "5",
+                             "--session", str(session), *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def _turn(p: subprocess.Popen, line: dict) -> dict:
+    p.stdin.write(json.dumps(line) + "\n")
+    p.stdin.flush()
+    return json.loads(p.stdout.readline())
+
+
+def test_a_vision_session_killed_and_resumed_reports_and_computes_what_the_uninterrupted_one_does(llava, tmp_path):
+    """kill -9 after a turn with a camera frame (the session file saved), a new process resumes it:
+    every later turn (a text turn that still sees the frame, a new frame, more text) reports the
+    same reply, cache tokens and evictions as one process that was never interrupted. The frame's
+    region state (its fill and the frames counter) is part of the saved state: without it, the
+    resumed cache would count the frame's tokens as missing and mask them."""
+    _, folder = llava
+    frames = []
+    for seed in (5, 6):
+        frames.append(tmp_path / f"frame{seed}.png")
+        picture(48, 40, seed=seed).save(frames[-1])
+    turns = [{"text": "what is in front of the car?", "image": str(frames[0])}, {"text": "and on the left?"},
+             {"text": "and now?", "image": str(frames[1])}] + [{"text": f"anything else {i}?"} for i in range(4)]  # fmt: skip
+    whole = _chat(folder, tmp_path / "whole.ses")
+    expected = [_turn(whole, t) for t in turns]
+    whole.stdin.close()
+    assert whole.wait(timeout=120) == 0
+    assert expected[-1]["evicted_tokens"] > 0  # the window turned over after the frames
+
+    killed = _chat(folder, tmp_path / "s.ses")
+    first = _turn(killed, turns[0])
+    killed.kill()  # SIGKILL: no clean-up runs; the session file was saved after the turn
+    killed.wait(timeout=30)
+    assert first == expected[0]
+    resumed = _chat(folder, tmp_path / "s.ses")
+    got = [first] + [_turn(resumed, t) for t in turns[1:]]
+    resumed.stdin.close()
+    assert resumed.wait(timeout=120) == 0, resumed.stderr.read()
+    keys = ("turn", "reply", "prompt_tokens", "new_tokens", "cache_tokens", "cache_bytes", "evicted_tokens", "finish")
+    assert [{k: r[k] for k in keys} for r in got] == [{k: r[k] for k in keys} for r in expected]

@@ -9,11 +9,12 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-import cabinlm.runtime.session as session_mod
+import cabinlm.runtime.backends.exported as session_mod  # the exported-graph backend opens its sessions with it
 from cabinlm.export import wquant
 from cabinlm.export.models import decoder_weights
-from cabinlm.export.wquant import QuantMatrix, WeightFormat
+from cabinlm.export.wquant import QuantMatrix
 from cabinlm.manifest import load_manifest
+from cabinlm.precision import WeightFormat
 from cabinlm.runtime import Decoder
 
 RNG = np.random.default_rng(7)
@@ -174,13 +175,14 @@ def test_logits_for_the_last_row_only(load, export_to, tiny_llama_dir):
 
 
 def test_profile_cpu_exports_int4(tmp_path, tiny_llama_dir):
-    from cabinlm.export import options_for_profile
+    from cabinlm.export import ExportRequest, options_for_profile
     from cabinlm.export.models import spec_for
     from cabinlm.profiles import load_profile
 
-    spec = spec_for(str(tiny_llama_dir))
-    small = {"chunk": 16, "pinned": 12}
-    assert options_for_profile(spec, load_profile("cpu"), small).weights == "int4"
-    assert options_for_profile(spec, load_profile("cpu"), {**small, "weights": "fp32"}).weights == "fp32"
-    assert options_for_profile(spec, load_profile("thor"), small).weights == "fp32"  # TensorRT applies its own
-    assert WeightFormat("int4").bits == 4
+    spec, small = spec_for(str(tiny_llama_dir)), ExportRequest(chunk=16, pinned=12)
+    assert options_for_profile(spec, load_profile("cpu"), small).weights is WeightFormat.INT4
+    explicit = ExportRequest(chunk=16, pinned=12, weights="fp32")
+    assert options_for_profile(spec, load_profile("cpu"), explicit).weights is WeightFormat.FP32
+    thor = options_for_profile(spec, load_profile("thor"), small)
+    assert thor.weights is WeightFormat.FP32  # TensorRT applies its own int4 when it builds
+    assert load_profile("thor").weight_dtype is WeightFormat.INT4 and WeightFormat("int4").bits == 4

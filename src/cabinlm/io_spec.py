@@ -80,6 +80,32 @@ IMAGE_EMBEDS = "image_embeds"
 IMAGE_MASK = "image_mask"
 
 
+# Tensors inside the exported graph that builds rely on (builders/), named here and used by the
+# exporter (export/decoder.py), so that no build finds them by matching patterns.
+#
+#   weight_name(None, "embed_tokens")        the token table (float32), or its blocks (below)
+#   weight_name(None, "final_norm.weight"), weight_name(None, "lm_head")
+#   weight_name(l, part), part in LAYER_WEIGHTS: a layer's matrices, norms and q|k|v bias
+#   + QUANT_SUFFIXES for block-quantized matrices: codes, scales, and the optional int4 zero points
+#     or GGUF Q4_1 block minimums (export/wquant.py)
+LAYER_WEIGHTS = ("input_norm.weight", "qkv", "qkv_bias", "o", "post_norm.weight", "gate_up", "down")
+QUANT_SUFFIXES = (".q", ".scale", ".zero_point", ".offset")
+
+
+def weight_name(layer: int | None, part: str) -> str:
+    return part if layer is None else f"layers.{layer}.{part}"
+
+
+def cached_key_rope(layer: int) -> str:
+    """The exported subgraph that rotates layer's cached keys with cache_position_ids (ONNX node
+    names, the GraphBuilder's "n/" prefix included): the Add that yields the rotated keys is named
+    this, its four parts this + "/" + CACHED_KEY_ROPE_PARTS[i]; input of the first: the keys."""
+    return f"n/layers.{layer}/rope_kc"
+
+
+CACHED_KEY_ROPE_PARTS = ("half", "rot", "xcos", "rsin")  # Split, Concat, Mul (x cos), Mul (rot x sin)
+
+
 def decoder_io(layout: CacheLayout, vocab_size: int, index_dtype: str = "int64", embed_dim: int = 0) -> DecoderIO:
     """The graph contract for a layout.
 

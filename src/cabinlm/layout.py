@@ -4,33 +4,11 @@ and derives the slot map and every byte count from them. Standard library only."
 from __future__ import annotations
 
 import dataclasses
-import enum
 from dataclasses import dataclass
 from typing import Any
 
 from cabinlm.errors import LayoutError
-
-
-class KVDType(str, enum.Enum):
-    """Storage precision of the KV cache buffers."""
-
-    FP32 = "fp32"
-    FP16 = "fp16"
-    INT8 = "int8"
-    FP8 = "fp8"
-
-    @property
-    def itemsize(self) -> int:
-        return {"fp32": 4, "fp16": 2, "int8": 1, "fp8": 1}[self.value]
-
-    @property
-    def numpy_name(self) -> str:
-        # fp8 is stored as raw uint8 bytes on the runtime side (numpy has no float8).
-        return {"fp32": "float32", "fp16": "float16", "int8": "int8", "fp8": "uint8"}[self.value]
-
-    @property
-    def onnx_name(self) -> str:
-        return {"fp32": "float", "fp16": "float16", "int8": "int8", "fp8": "float8e4m3fn"}[self.value]
+from cabinlm.precision import KVDType  # also re-exported: manifest.py and the runtime import it from here
 
 
 @dataclass(frozen=True)
@@ -96,7 +74,7 @@ class CacheLayout:
 
     @property
     def quantized(self) -> bool:
-        return self.kv_dtype in (KVDType.INT8, KVDType.FP8)
+        return self.kv_dtype.quantized
 
     @property
     def scale_bytes_per_token(self) -> int:

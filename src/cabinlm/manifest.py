@@ -26,6 +26,7 @@ from cabinlm.io_spec import (  # noqa: F401 - re-exported: the manifest is where
     ATTENTION_BIAS,
     ATTENTION_MASK,
     CACHE_POSITION_IDS,
+    CACHED_KEY_ROPE_PARTS,
     IMAGE_EMBEDS,
     IMAGE_MASK,
     INPUT_IDS,
@@ -43,6 +44,7 @@ from cabinlm.io_spec import (  # noqa: F401 - re-exported: the manifest is where
     TOTAL_SEQUENCE_LENGTH,
     DecoderIO,
     TensorSpec,
+    cached_key_rope,
     decoder_io,
     fused_decoder_io,
     key_cache_name,
@@ -54,12 +56,16 @@ from cabinlm.io_spec import (  # noqa: F401 - re-exported: the manifest is where
     qkv_name,
     value_cache_name,
     value_scale_name,
+    weight_name,
 )
+from cabinlm.buildspec import BackendKind, BuildSpec
 from cabinlm.layout import CacheLayout, KVDType  # noqa: F401 - re-exported
 
-FORMAT_VERSION = 3  # 2: logit_rows input, block-quantized weights; 3: "attention" (fused cpu builds)
-SUPPORTED_VERSIONS = (2, 3)
-ATTENTION_KINDS = ("graph", "fused")  # the exported graph's own attention / builders/ort_fused.py
+# 2: logit_rows input, block-quantized weights; 3: "attention" (fused cpu builds); 4: the build as
+# typed data ("build"), RoPE tables and KV scales in the manifest (no build.json or key_scales.json
+# read by the runtime)
+FORMAT_VERSION = 4
+SUPPORTED_VERSIONS = (4,)
 MANIFEST_NAME = "manifest.json"
 # RoPE variants whose inverse frequencies do not depend on the sequence length, so that a
 # fixed-shape graph can hold them as constants (the exporter and the planner both check this).
@@ -127,6 +133,58 @@ class VisionSpec:
 
 
 @dataclass(frozen=True)
+class RotaryTables:
+    """The exported graph's RoPE: inverse frequencies (any static scaling applied) and the factor on
+    cos and sin. Backends that rotate outside the graph (the fused build's cache) compute from these."""
+
+    inv_freq: tuple[float, ...]  # (head_dim / 2,)
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "inv_freq", tuple(float(f) for f in self.inv_freq))
+        object.__setattr__(self, "scale", float(self.scale))
+
+
+def _per_channel(name: str, table, layout: CacheLayout) -> tuple:
+    """A (layers, kv_heads, head_dim) table of positive floats, as nested tuples."""
+    shape = (layout.layers, layout.kv_heads, layout.head_dim)
+    try:
+        rows = tuple(tuple(tuple(float(x) for x in head) for head in layer) for layer in table)
+    except TypeError as e:
+        raise ValueError(f"kv_scales.{name}: not a (layers, kv_heads, head_dim) table") from e
+    if (len(rows), *{len(r) for r in rows}, *{len(h) for r in rows for h in r}) != shape:
+        raise ValueError(f"kv_scales.{name}: expected shape {shape}")
+    if any(not x > 0 for r in rows for h in r for x in h):  # also refuses NaN
+        raise ValueError(f"kv_scales.{name}: every scale must be a positive number")
+    return rows
+
+
+@dataclass(frozen=True)
+class KVScales:
+    """Int8 / fp8 KV calibration, (layers, kv_heads, head_dim) each (x = q * scale):
+
+    keys          per channel, un-rotated keys: the exported graph holds them as constants
+    rotated_keys  per rotation pair (the two channels a rotation mixes share one), with headroom:
+                  caches that hold keys rotated (the fused build)
+    values        per channel: engines with static value scales (the fused build); the exported
+                  graph quantizes values per token instead
+    """
+
+    keys: tuple
+    rotated_keys: tuple
+    values: tuple
+
+    def check(self, layout: CacheLayout) -> KVScales:
+        return KVScales(*(_per_channel(n, getattr(self, n), layout) for n in ("keys", "rotated_keys", "values")))
+
+    def array(self, name: str):
+        """One table as a float32 numpy array (imports numpy: runtime and build side only)."""
+        import numpy as np
+
+        return np.asarray(getattr(self, name), dtype=np.float32)
+
+
+@dataclass(frozen=True)
 class FileEntry:
     path: str  # relative to the artifact folder
     bytes: int
@@ -156,15 +214,20 @@ class Manifest:
     target: dict[str, Any] | None = None  # {"profile": name, "plan": {...}} when exported for a profile
     vision: VisionSpec | None = None  # vision-language models only
     weights: str = "fp32"  # fp32, int8 or int4 (blocks of 32; see export/wquant.py)
-    # "graph": the exported graph (un-rotated keys, the chunk's K/V as outputs); "fused": a cpu
-    # build's fused attention (keys rotated when written, K/V written into the cache's scratch rows)
-    attention: str = "graph"
+    rotary: RotaryTables | None = None
+    kv_scales: KVScales | None = None  # int8 / fp8 KV
+    build: BuildSpec | None = None  # None: a plain export (see runtime_spec)
     format_version: int = FORMAT_VERSION
     cabinlm_version: str = ""
 
     @property
+    def runtime_spec(self) -> BuildSpec:
+        """How this artifact runs: its build, or for a plain export the exported graph on the CPU."""
+        return self.build if self.build is not None else BuildSpec.for_export()
+
+    @property
     def io(self) -> DecoderIO:
-        if self.attention == "fused":
+        if self.runtime_spec.backend == BackendKind.FUSED:
             return fused_decoder_io(self.cache, self.model.num_heads, self.model.vocab_size)
         embed_dim = self.vision.embed_dim if self.vision else 0
         return decoder_io(self.cache, self.model.vocab_size, self.index_dtype, embed_dim)
@@ -186,7 +249,9 @@ class Manifest:
             "target": self.target,
             "vision": dataclasses.asdict(self.vision) if self.vision else None,
             "weights": self.weights,
-            "attention": self.attention,
+            "rotary": dataclasses.asdict(self.rotary) if self.rotary else None,
+            "kv_scales": dataclasses.asdict(self.kv_scales) if self.kv_scales else None,
+            "build": self.build.to_dict() if self.build else None,
         }
 
     def save(self, folder: Path) -> Path:
@@ -202,40 +267,47 @@ class Manifest:
             raise ManifestError(f"{where}: expected a JSON object at the top level")
         version = d.get("format_version")
         if version not in SUPPORTED_VERSIONS:
+            built = isinstance(d.get("target"), dict) and "built_from" in d["target"]
+            again = "run `cabinlm export` and then `cabinlm build` again" if built else "run `cabinlm export` again"
             raise ManifestError(
                 f"{where}: format_version {version!r} is not supported by this cabinlm "
-                f"(supports {', '.join(map(str, SUPPORTED_VERSIONS))}); re-export the model with this version"
+                f"(supports {', '.join(map(str, SUPPORTED_VERSIONS))}); the artifact comes from another cabinlm "
+                f"version: {again}"
             )
         try:
+            cache = CacheLayout(**d["cache"])
             m = cls(
                 model=ModelSpec(**d["model"]),
-                cache=CacheLayout(**d["cache"]),
+                cache=cache,
                 chat=ChatTemplate(**d["chat"]),
                 stop_ids=[int(i) for i in d["stop_ids"]],
                 files={k: FileEntry(**v) for k, v in d["files"].items()},
                 opset=int(d["opset"]),
-                rope_inv_freq_source=d.get("rope_inv_freq_source", "config"),
-                quality=dict(d.get("quality", {})),
-                index_dtype=d.get("index_dtype", "int64"),
-                target=d.get("target"),
-                vision=VisionSpec(**d["vision"]) if d.get("vision") else None,
-                weights=str(d.get("weights", "fp32")),
-                attention=str(d.get("attention", "graph")),
+                rope_inv_freq_source=str(d["rope_inv_freq_source"]),
+                quality=dict(d["quality"]),
+                index_dtype=str(d["index_dtype"]),
+                target=d["target"],
+                vision=VisionSpec(**d["vision"]) if d["vision"] else None,
+                weights=str(d["weights"]),
+                rotary=RotaryTables(**d["rotary"]) if d["rotary"] is not None else None,
+                kv_scales=KVScales(**d["kv_scales"]).check(cache) if d["kv_scales"] is not None else None,
+                build=BuildSpec.from_dict(d["build"]) if d["build"] is not None else None,
                 format_version=version,
-                cabinlm_version=d.get("cabinlm_version", ""),
+                cabinlm_version=str(d["cabinlm_version"]),
             )
         except KeyError as e:
             raise ManifestError(f"{where}: missing field {e.args[0]!r}; the file is incomplete, re-export") from e
-        except (TypeError, ValueError, AttributeError) as e:  # a field of the wrong type or shape
+        except (TypeError, ValueError, AttributeError, IndexError) as e:  # a field of the wrong type or shape
             raise ManifestError(f"{where}: invalid content ({e}); re-export the model") from e
-        if m.attention not in ATTENTION_KINDS:
-            raise ManifestError(f"{where}: unknown attention {m.attention!r} (known: {', '.join(ATTENTION_KINDS)}); rebuild")
-        if "io" in d and d["io"] != m.io.to_dict():
+        if d["io"] != m.io.to_dict():
             raise ManifestError(
-                f"{where}: the declared graph I/O does not match the cache layout it declares; "
-                + ("a fused build from an older cabinlm (its graph I/O changed since): run `cabinlm build` again"
-                   if m.attention == "fused" else "the manifest was edited or is from another build, re-export")
+                f"{where}: the declared graph I/O does not match the cache layout it declares; the manifest was "
+                "edited or is from another export or build: run `cabinlm export` (and `cabinlm build`) again"
             )
+        if m.cache.quantized and m.kv_scales is None:
+            raise ManifestError(f"{where}: {m.cache.kv_dtype.value} KV without its calibrated scales; re-export")
+        if m.rotary is None or len(m.rotary.inv_freq) != m.cache.head_dim // 2:
+            raise ManifestError(f"{where}: no RoPE table of head_dim / 2 = {m.cache.head_dim // 2} frequencies; re-export")
         for role in ("graph", "tokenizer"):
             if role not in m.files:
                 raise ManifestError(f"{where}: no {role!r} file listed under 'files'; re-export")

@@ -1,13 +1,18 @@
 """The peer engines behind the protocol's Engine interface: transformers (growing cache), llama.cpp
-(llama-cpp-python's low-level API on the GGUF) and onnxruntime-genai (models its own builder makes).
-Imported only in the child process a baseline runs in (bench/baselines.py), so their heavy packages
-never load into the caller."""
+(llama-cpp-python's low-level API on the GGUF) and onnxruntime-genai (models its own builder makes,
+run here as child processes), and `open_engine`, which picks one by name.
+
+Imported by the child process a baseline runs in (bench/baselines.py); each engine imports its heavy
+package when it is made, so importing this module loads none of them. Imports go one way:
+
+    baselines -> peers -> prepare -> child -> catalog
+                 peers -> protocol
+"""
 
 from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -15,9 +20,26 @@ from collections import deque
 from pathlib import Path
 from typing import Callable
 
-from cabinlm.bench.baselines import INSTALL, BaselineError, BaselineUnavailable, _first_line, cache_root, model_key
+from cabinlm.bench.catalog import INSTALL, BaselineError, BaselineUnavailable, first_line
+from cabinlm.bench.child import check
+from cabinlm.bench.prepare import cache_root, model_key
 from cabinlm.bench.protocol import ContextFull, Engine, Script
 from cabinlm.errors import ModelError
+
+
+def open_engine(name: str, path: Path, script: Script, folder: Path, threads: int, config: str, n_ctx: int,
+                log: Callable[[str], None] = lambda s: None) -> Engine:  # fmt: skip
+    """The engine of baseline NAME in configuration CONFIG: PATH is the GGUF, FOLDER its prepared save
+    (bench/prepare.py), N_CTX the context a bounded engine is given."""
+    if name == "hf":
+        return HFEngine(folder, script, threads, config, None)
+    if name == "llama.cpp":
+        return LlamaCppEngine(path, threads, config, n_ctx)
+    if name == "ort-genai":
+        built = build_ort_genai(path, folder, config, log)
+        return OrtGenaiEngine(built, threads, config, n_ctx)
+    raise ValueError(f"unknown baseline {name!r}")
+
 
 class HFEngine(Engine):
     name = "hf"
@@ -143,6 +165,7 @@ def build_ort_genai(path: Path, hf: Path, config: str, log: Callable[[str], None
     if (out / "genai_config.json").exists():
         return out
     precision = {"int4": "int4", "int4-kv8": "int4", "fp32": "fp32"}[config]
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     t = time.perf_counter()
     steps = []
@@ -155,15 +178,17 @@ def build_ort_genai(path: Path, hf: Path, config: str, log: Callable[[str], None
                    str(base), "--tokenizer", str(hf), "--out", str(scales), "--quant-type", "int8_per_channel",
                    "--num-seqs", "8"]  # fmt: skip
             log(f"calibrating the int8 KV-cache scales (once): {' '.join(cal[2:])}")
-            _check_run(cal, f"ort-genai {config}: KV-cache calibration")
+            check(cal, f"ort-genai {config}: the KV-cache calibration")
             steps.append(cal[1:])
             extra = ["--extra_options", "kv_cache_quant_scheme=int8_per_channel", f"kv_cache_scale_file={scales}"]
         cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(tmp), "-p", precision,
                "-e", "cpu", "-c", str(tmp / "hf-cache"), *extra]  # fmt: skip
         log(f"building the ort-genai {config} model (once): {' '.join(cmd[2:])}")
-        _check_run(cmd, f"ort-genai {config}: the model builder")
+        built = check(cmd, f"ort-genai {config}: the model builder")
         if not (tmp / "genai_config.json").exists():
-            raise BaselineError(f"ort-genai {config}: the model builder wrote no genai_config.json")
+            shown = "\n".join(f"  | {line}" for line in built.tail[-10:])
+            raise BaselineError(f"ort-genai {config}: the model builder exited 0 but wrote no genai_config.json "
+                                f"(is {hf} a model it supports?); its output ends:\n{shown}")  # fmt: skip
         steps.append(cmd[1:])
         shutil.rmtree(tmp / "hf-cache", ignore_errors=True)
         steps = [[a.replace(str(tmp), str(out)) for a in step] for step in steps]
@@ -175,13 +200,6 @@ def build_ort_genai(path: Path, hf: Path, config: str, log: Callable[[str], None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
-
-
-def _check_run(cmd: list[str], what: str) -> None:
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if proc.returncode != 0:
-        tail = "\n".join(proc.stdout.strip().splitlines()[-15:])
-        raise BaselineError(f"{what} failed (exit {proc.returncode}):\n{tail}")
 
 
 class OrtGenaiEngine(Engine):
@@ -229,12 +247,12 @@ class OrtGenaiEngine(Engine):
                 self.generator.rewind_to(self.generator.token_count() - 1)
             except Exception as e:  # noqa: BLE001
                 raise ContextFull(f"ort-genai cannot continue the dialogue at {self.context} tokens (turn 2 onward): "
-                                  f"rewind_to failed: {_first_line(e)}") from e  # fmt: skip
+                                  f"rewind_to failed: {first_line(e)}") from e  # fmt: skip
             self._sampled = None
         try:
             self.generator.append_tokens(ids)
         except Exception as e:  # noqa: BLE001 - ort-genai raises RuntimeError-like errors
-            msg = _first_line(e)
+            msg = first_line(e)
             if "exceeds max length" in msg:
                 raise ContextFull(f"context full at {self.context} tokens: ort-genai append_tokens refuses {len(ids)} "
                                   f"more past max_length {self.max_length} ({msg})") from e  # fmt: skip
@@ -253,6 +271,6 @@ class OrtGenaiEngine(Engine):
             nxt = self._next()
         except Exception as e:  # noqa: BLE001
             raise ContextFull(f"ort-genai generate_next_token failed at {self.context} tokens "
-                              f"(max_length {self.max_length}): {_first_line(e)}") from e  # fmt: skip
+                              f"(max_length {self.max_length}): {first_line(e)}") from e  # fmt: skip
         self.context += 1
         return nxt

@@ -1,7 +1,7 @@
 """Build: an exported artifact -> what a device profile's engine loads.
 
-    onnxruntime profiles  builders/ort.py  the graph optimized offline for the provider, session
-                                        settings and checksums in build.json; for static-shape
+    onnxruntime profiles  builders/ort.py  the graph optimized offline for the provider, the build as
+                                        typed data in the manifest (buildspec.BuildSpec); for static-shape
                                         targets a prefill graph and a decode graph sharing weights
     tensorrt profiles     builders/trt.py  the TensorRT compatibility check (runs anywhere), then the
                                         engine where TensorRT and an NVIDIA GPU are present
@@ -17,7 +17,7 @@ from typing import Callable
 
 from cabinlm.errors import CabinlmError
 
-BUILD_NAME = "build.json"
+BUILD_NAME = "build.json"  # the untyped build record of cabinlm before manifest format 4 (removed on rebuild)
 
 
 class BuildError(CabinlmError):
@@ -56,6 +56,9 @@ def build_artifact(artifact: str | Path, profile, out: str | Path | None = None,
 
     artifact = Path(artifact)
     manifest = load_manifest(artifact)
+    if manifest.build is not None:
+        raise BuildError(f"{artifact} is already a build (for {manifest.build.profile}); pass the folder `cabinlm export` "
+                         f"wrote: {(manifest.target or {}).get('built_from', 'its parent')}")
     if manifest.cache.kv_dtype not in profile.kv_dtypes:
         raise BuildError(
             f"{artifact} holds {manifest.cache.kv_dtype.value} KV, which profile {profile.name} cannot run "

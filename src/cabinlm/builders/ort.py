@@ -8,7 +8,6 @@ pointing at one weights file; the runtime pads the last prefill chunk and binds 
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from pathlib import Path
@@ -20,6 +19,10 @@ import onnxruntime as ort
 
 from cabinlm import __version__
 from cabinlm.builders import BUILD_NAME, BuildError
+from cabinlm import io_spec
+from cabinlm import manifest as mf
+from cabinlm.buildspec import CPU_PROVIDER, BackendKind, BuildSpec, ExecutionProvider, FusedSettings, OptimizationLevel
+from cabinlm.buildspec import SessionSettings, SharedWeight, SharedWeights
 from cabinlm.manifest import FORMAT_VERSION, FileEntry, Manifest
 
 OPT_GRAPH, OPT_DATA = "decoder.opt.onnx", "decoder.opt.onnx.data"
@@ -28,37 +31,30 @@ PREFILL_GRAPH, DECODE_GRAPH, SHARED_DATA = "decoder.prefill.onnx", "decoder.deco
 
 def _copy_common(artifact: Path, manifest: Manifest, out: Path) -> dict[str, str]:
     files = {}
-    for role in ("tokenizer", "key_scales"):
-        if role in manifest.files:
-            shutil.copy2(artifact / manifest.files[role].path, out / manifest.files[role].path)
-            files[role] = manifest.files[role].path
+    for role in ("tokenizer",):
+        shutil.copy2(artifact / manifest.files[role].path, out / manifest.files[role].path)
+        files[role] = manifest.files[role].path
     return files
 
 
-def fuse_rotary(model: onnx.ModelProto, max_position: int) -> int:
+def fuse_rotary(model: onnx.ModelProto, manifest: Manifest) -> int:
     """Rewrite the rotary embedding of the cached keys (the exported Split / Concat / Mul / Mul / Add
-    over every slot of every layer) into ONNX Runtime's one-pass RotaryEmbedding kernel. An
-    engine-specific rewrite, like a TensorRT engine's layer fusions: the export stays plain ONNX.
-    Returns the number of layers rewritten (0 when the graph has no such pattern)."""
+    over every slot of every layer, named by io_spec.cached_key_rope) into ONNX Runtime's one-pass
+    RotaryEmbedding kernel. An engine-specific rewrite, like a TensorRT engine's layer fusions: the
+    export stays plain ONNX. Returns the number of layers rewritten."""
     from onnx import helper, numpy_helper
 
     nodes = {n.name: n for n in model.graph.node}
-    inits = {i.name: i for i in model.graph.initializer}
-    freqs = nodes.get("n/rope_cache/freqs")
-    if freqs is None or freqs.input[1] not in inits:
-        return 0
-    inv_freq = numpy_helper.to_array(inits[freqs.input[1]]).reshape(-1).astype(np.float64)
-    scale = 1.0
-    scaled = nodes.get("n/rope_cache/cos_scaled")
-    if scaled is not None and scaled.input[1] in inits:
-        scale = float(numpy_helper.to_array(inits[scaled.input[1]]))
+    inv_freq = np.asarray(manifest.rotary.inv_freq, dtype=np.float64)
+    scale = manifest.rotary.scale
+    max_position = manifest.cache.slots + manifest.cache.chunk
     angles = np.arange(max_position, dtype=np.float64)[:, None] * inv_freq[None, :]
     model.graph.initializer.extend([
         numpy_helper.from_array((np.cos(angles) * scale).astype(np.float32), "rotary/cos_cache"),
         numpy_helper.from_array((np.sin(angles) * scale).astype(np.float32), "rotary/sin_cache"),
         numpy_helper.from_array(np.array([0], dtype=np.int64), "rotary/axis0"),
     ])  # fmt: skip
-    ids = "cache_position_ids"
+    ids = io_spec.CACHE_POSITION_IDS
     new = [helper.make_node("Unsqueeze", [ids], ["rotary/positions_i"], name="n/rotary/positions")]
     if _elem_type(model, ids) != onnx.TensorProto.INT64:
         new[0].output[0] = "rotary/positions_raw"
@@ -66,13 +62,12 @@ def fuse_rotary(model: onnx.ModelProto, max_position: int) -> int:
                                     name="n/rotary/positions_int64"))  # fmt: skip
     new[0].input.append("rotary/axis0")
     drop, layers = set(), 0
-    for name, add in nodes.items():
-        if not (name.startswith("n/layers.") and name.endswith("/rope_kc")) or add.op_type != "Add":
-            continue
-        base = name
-        parts = [nodes.get(f"{base}/{s}") for s in ("half", "rot", "xcos", "rsin")]
-        if any(p is None for p in parts):
-            continue
+    for layer in range(manifest.cache.layers):
+        base = io_spec.cached_key_rope(layer)
+        add = nodes.get(base)
+        parts = [nodes.get(f"{base}/{s}") for s in io_spec.CACHED_KEY_ROPE_PARTS]
+        if add is None or any(p is None for p in parts):
+            raise BuildError(f"the exported graph has no {base} subgraph (io_spec.cached_key_rope); export again")
         x = parts[0].input[0]
         tag = base[2:]
         new += [
@@ -126,8 +121,8 @@ _NUMPY = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16"
           onnx.TensorProto.INT32: "int32", onnx.TensorProto.INT8: "int8", onnx.TensorProto.UINT8: "uint8"}
 
 
-def weight_table(model: onnx.ModelProto, data_name: str) -> dict:
-    """Where each external initializer lies in the weights file: [name, dtype, shape, offset, length]."""
+def weight_table(model: onnx.ModelProto, data_name: str) -> SharedWeights:
+    """Where each external initializer lies in the weights file."""
     tensors = []
     for init in model.graph.initializer:
         if init.data_location != onnx.TensorProto.EXTERNAL:
@@ -135,11 +130,12 @@ def weight_table(model: onnx.ModelProto, data_name: str) -> dict:
         info = {e.key: e.value for e in init.external_data}
         if info.get("location") != data_name or init.data_type not in _NUMPY:
             raise BuildError(f"initializer {init.name} is not in {data_name} or has an unsupported type")
-        tensors.append([init.name, _NUMPY[init.data_type], list(init.dims), int(info.get("offset", 0)), int(info["length"])])
-    return {"file": data_name, "tensors": tensors}
+        tensors.append(SharedWeight(init.name, _NUMPY[init.data_type], tuple(init.dims), int(info.get("offset", 0)),
+                                    int(info["length"])))  # fmt: skip
+    return SharedWeights(data_name, tuple(tensors))
 
 
-def static_pair(artifact: Path, manifest: Manifest, out: Path) -> tuple[dict[str, str], dict]:
+def static_pair(artifact: Path, manifest: Manifest, out: Path) -> tuple[dict[str, str], SharedWeights]:
     src = onnx.load(str(artifact / manifest.files["graph"].path), load_external_data=False)
     data_name = manifest.files["graph_data"].path
     for name, tokens in ((PREFILL_GRAPH, manifest.cache.chunk), (DECODE_GRAPH, 1)):
@@ -152,32 +148,31 @@ def static_pair(artifact: Path, manifest: Manifest, out: Path) -> tuple[dict[str
     return files, weight_table(src, data_name)
 
 
-def _kv_scales(artifact: Path, manifest: Manifest) -> dict | None:
-    if "key_scales" not in manifest.files:
-        return None
-    path = artifact / manifest.files["key_scales"].path
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise BuildError(f"{path}: unreadable KV scales ({e}); re-export") from e
-
-
 def build_onnxruntime(artifact: Path, manifest: Manifest, profile, out: Path, log: Callable[[str], None],
                       attention: str = "auto", accuracy_level: int = 4, minimums: str = "int8") -> Path:
+    """attention, minimums: builders.Attention, builders.Minimums (str enums)."""
     if manifest.opset > profile.max_opset:
         raise BuildError(f"{artifact}: graph opset {manifest.opset} is above {profile.name}'s {profile.max_opset}")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "manifest.json").unlink(missing_ok=True)
+    (out / mf.MANIFEST_NAME).unlink(missing_ok=True)
+    (out / BUILD_NAME).unlink(missing_ok=True)  # written by cabinlm before manifest format 4
     t0 = time.perf_counter()
     files = _copy_common(artifact, manifest, out)
+    for role in ("vision_graph", "vision_data"):  # the camera encoder runs as exported
+        if role in manifest.files:
+            shutil.copy2(artifact / manifest.files[role].path, out / manifest.files[role].path)
+            files[role] = manifest.files[role].path
     shared = None
-    fused_record = None
-    kind = "graph"
+    fused = None
+    backend = BackendKind.EXPORTED_GRAPH
     if profile.static_shapes:
         pair, shared = static_pair(artifact, manifest, out)
         files.update(pair)
+        backend = BackendKind.STATIC_PAIR
         log(f"wrote a static prefill graph (tokens = {manifest.cache.chunk}) and a decode graph (tokens = 1) sharing weights")
-        optimization = "all"  # the target's provider (QNN) compiles the static graphs itself
+        log(f"the static pair runs on ONNX Runtime's CPU provider: compiling it for {profile.execution_provider} is not "
+            "part of this cabinlm version")
+        optimization = OptimizationLevel.ALL
     else:
         try:
             graph = onnx.load(str(artifact / manifest.files["graph"].path))  # with its weights
@@ -186,49 +181,51 @@ def build_onnxruntime(artifact: Path, manifest: Manifest, profile, out: Path, lo
         lay = manifest.cache
         from cabinlm.builders import ort_fused
 
-        scales = _kv_scales(artifact, manifest)
-        why = ort_fused.ineligible(manifest, scales) if attention != "graph" else "--attention graph"
+        why = ort_fused.ineligible(manifest) if attention != "graph" else "--attention graph"
         if why is not None and attention == "fused":
             raise BuildError(f"{artifact}: the fused attention does not apply: {why}")
         if why is None:
-            q4_1 = sum(1 for i in graph.graph.initializer if i.name.endswith(".offset"))
-            fused_model = ort_fused.fused_model(graph, manifest, scales, accuracy_level, minimums)
-            inv_freq, rope_scale = ort_fused.rope_tables(graph)
-            kv_scales = scales.get("rotated_key_scales") if lay.kv_dtype.value == "int8" else None
-            fused_record = {"inv_freq": inv_freq, "rope_scale": rope_scale, "key_scales": kv_scales,
-                            "accuracy_level": accuracy_level, "minimums": minimums}  # fmt: skip
+            q4_1 = sum(1 for i in graph.graph.initializer if i.name.endswith(io_spec.QUANT_SUFFIXES[3]))
+            fused_model = ort_fused.fused_model(graph, manifest, accuracy_level, minimums)
+            fused = FusedSettings(accuracy_level=accuracy_level, minimums=str(getattr(minimums, "value", minimums)))
             log(f"fused the decoder: {len(fused_model.graph.node)} nodes (the export has {len(graph.graph.node)}), "
                 f"GroupQueryAttention over {lay.kv_dtype.value} KV, MatMulNBits accuracy level {accuracy_level}")
             if q4_1:
                 log(f"{q4_1} Q4_1 matrices: " + ("4-bit blocks, minimums added exactly (block sums)" if minimums == "exact"
                     else "8-bit blocks with integer zero points (each minimum rounded to 1/34 of its block's step)"))
             del graph
-            graph, kind = fused_model, "fused"
+            graph, backend = fused_model, BackendKind.FUSED
             onnx.save_model(ort_fused.rotation_model(manifest), str(out / ort_fused.ROTATE_GRAPH))
             files["rotate_graph"] = ort_fused.ROTATE_GRAPH
         else:
             log(f"kept the exported attention ({why})")
-            fused = fuse_rotary(graph, lay.slots + lay.chunk)
-            if fused:
-                log(f"fused the cached keys' rotary embedding into RotaryEmbedding in {fused} layers")
+            n = fuse_rotary(graph, manifest)
+            log(f"fused the cached keys' rotary embedding into RotaryEmbedding in {n} layers")
         _optimize_offline(graph.SerializeToString(), out)
         del graph
         files.update({"graph": OPT_GRAPH, "graph_data": OPT_DATA})
         log(f"optimized the graph offline for {profile.execution_provider}")
-        optimization = "basic"  # the heavy fusions are done; the host adds its own at load
+        optimization = OptimizationLevel.BASIC  # the heavy fusions are done; the host adds its own at load
+    cpu = profile.execution_provider == CPU_PROVIDER or profile.static_shapes
+    spec = BuildSpec(
+        backend=backend,
+        provider=ExecutionProvider(CPU_PROVIDER),  # the provider every build of this version runs on
+        session=SessionSettings(
+            graph_optimization_level=optimization,
+            intra_op_num_threads=profile.threads,
+            # Flush denormal floats to zero in the kernels: 0.2-0.45 ms less per SmolLM2 decode step
+            # on 2 cores, the same logits (docs/benchmarks.md, section 11).
+            denormal_as_zero=cpu,
+        ),
+        profile=profile.name,
+        engine="onnxruntime",
+        engine_version=ort.__version__,
+        shared_weights=shared,
+        fused=fused,
+    )
     built = Manifest(**{**manifest.__dict__, "files": {r: FileEntry.of(out, p) for r, p in files.items()},
-                        "attention": kind, "format_version": FORMAT_VERSION})  # fmt: skip
+                        "build": spec, "format_version": FORMAT_VERSION, "quality": dict(manifest.quality)})  # fmt: skip
     built.target = {**(manifest.target or {}), "profile": profile.name, "built_from": str(artifact.resolve())}
-    session = {
-        "execution_provider": profile.execution_provider,
-        "graph_optimization_level": optimization,
-        "intra_op_num_threads": profile.threads,
-        "enable_cpu_mem_arena": True,
-        # Flush denormal floats to zero in the kernels: 0.2-0.45 ms less per SmolLM2 decode step on 2
-        # cores, the same logits (docs/benchmarks.md, section 11). ONNX Runtime sets the flag on
-        # its own threads and on the thread that calls run.
-        "denormal_as_zero": profile.execution_provider == "CPUExecutionProvider",
-    }
     weights_bytes = built.files["graph_data"].bytes if "graph_data" in built.files else None
     plan = (manifest.target or {}).get("plan") or {}
     if weights_bytes and plan.get("weights_bytes"):
@@ -236,28 +233,16 @@ def build_onnxruntime(artifact: Path, manifest: Manifest, profile, out: Path, lo
         # them (float32 scales, a fused build's 8-bit Q4_1 blocks, the token table for the output).
         log(f"weights as built: {weights_bytes / 1e6:.1f} MB (the export's plan counted {plan['weights_bytes'] / 1e6:.1f} MB "
             f"of {plan.get('weight_dtype', 'quantized')} weights; `cabinlm plan` sizes the window from the latter)")
-    record = {
-        "cabinlm_version": __version__,
-        "engine": "onnxruntime",
-        "onnxruntime_version": ort.__version__,
-        "profile": profile.name,
-        "static_shapes": profile.static_shapes,
-        "session": session,
-        "plan": (manifest.target or {}).get("plan"),
-        "shared_weights": shared,
-        "weights_bytes": weights_bytes,
-        "fused": fused_record,
-        "source": {"artifact": str(artifact.resolve()), "graph_sha256": manifest.files["graph"].sha256},
-        "files": {r: e.sha256 for r, e in built.files.items()},
-        "seconds": round(time.perf_counter() - t0, 1),
-    }
-    (out / BUILD_NAME).write_text(json.dumps(record, indent=2) + "\n")
+    built.quality["build"] = {"cabinlm_version": __version__, "weights_bytes": weights_bytes,
+                              "source_graph_sha256": manifest.files["graph"].sha256}  # fmt: skip
     built.save(out)
-    if kind == "fused":
-        record["check"] = _check_fused(artifact, out)
-        log(f"checked against the exported graph: next-token agreement {record['check']['agreement']:.0%} over "
-            f"{record['check']['tokens']} tokens, max |logit diff| {record['check']['max_abs_diff']:.3g}")
-        (out / BUILD_NAME).write_text(json.dumps(record, indent=2) + "\n")
+    if backend == BackendKind.FUSED:
+        check = _check_fused(artifact, out)
+        built.quality["build"]["check"] = check
+        log(f"checked against the exported graph: next-token agreement {check['agreement']:.0%} over "
+            f"{check['tokens']} tokens, max |logit diff| {check['max_abs_diff']:.3g}")
+    built.quality["build"]["seconds"] = round(time.perf_counter() - t0, 1)
+    built.save(out)
     return out
 
 
@@ -276,7 +261,7 @@ def _check_fused(artifact: Path, out: Path, min_agreement: float = 0.8) -> dict:
     agreement = float((ref.argmax(-1) == got.argmax(-1)).mean())
     check = {"tokens": len(ids), "agreement": round(agreement, 3), "max_abs_diff": round(float(np.abs(ref - got).max()), 4)}
     if agreement < min_agreement:
-        (out / "manifest.json").unlink(missing_ok=True)
+        (out / mf.MANIFEST_NAME).unlink(missing_ok=True)
         raise BuildError(f"the fused build disagrees with the exported graph: the same next token at only {agreement:.0%} "
                          f"of {len(ids)} positions (max |logit diff| {check['max_abs_diff']}); build with --attention graph "
                          "and report this")  # fmt: skip

@@ -49,7 +49,7 @@ MS = "com.microsoft"
 FUSED_KV = (KVDType.INT8, KVDType.FP32)
 
 
-def ineligible(manifest: Manifest, scales: dict | None) -> str | None:
+def ineligible(manifest: Manifest) -> str | None:
     """Why this export cannot take the fused attention (None: it can)."""
     lay = manifest.cache
     if manifest.vision is not None:
@@ -58,8 +58,6 @@ def ineligible(manifest: Manifest, scales: dict | None) -> str | None:
         return f"{lay.kv_dtype.value} KV (the fused kernel takes int8 or fp32 KV)"
     if manifest.index_dtype != "int64":
         return "int32 indices"
-    if lay.kv_dtype == KVDType.INT8 and not (scales and "rotated_key_scales" in scales and "value_scales" in scales):
-        return "the export has no static KV scales (exported by an older cabinlm); re-export"
     return None
 
 
@@ -158,7 +156,7 @@ def q4_1_as_int8(q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> tuple[
     return q8.reshape(K, N).astype(np.uint8), s.astype(np.float32), z.astype(np.uint8)
 
 
-def fused_model(graph: onnx.ModelProto, manifest: Manifest, scales: dict | None, accuracy_level: int = 4,
+def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int = 4,
                 minimums: str = "int8") -> onnx.ModelProto:  # a builders.Minimums
     """The fused decoder (module docstring) built from the exported graph's initializers.
 
@@ -168,7 +166,7 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, scales: dict | None,
     from cabinlm.builders import Minimums
 
     minimums = Minimums(minimums)
-    why = ineligible(manifest, scales)
+    why = ineligible(manifest)
     if why:
         raise BuildError(f"the fused attention does not apply: {why}")
     spec, lay = manifest.model, manifest.cache
@@ -254,43 +252,44 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, scales: dict | None,
     def float_weight(name: str) -> str:
         return b.weight(name, W.get(name).astype(np.float32))
 
-    for name in W.inits:  # float32 linears (fp32 exports) are used by name
-        if name.startswith("layers.") and name.rsplit(".", 1)[-1] in ("qkv", "o", "gate_up", "down"):
-            float_weight(name)
+    for i in range(lay.layers):  # float32 linears (fp32 exports) are used by name
+        for part in ("qkv", "o", "gate_up", "down"):
+            if W.has(mf.weight_name(i, part)):
+                float_weight(mf.weight_name(i, part))
     quantized_kv = lay.kv_dtype == KVDType.INT8
     kv_scales = {}
     if quantized_kv:
-        kv_scales = {k: np.asarray(scales[k], np.float32) for k in ("rotated_key_scales", "value_scales")}
+        kv_scales = {k: manifest.kv_scales.array(k) for k in ("rotated_keys", "values")}
     I = spec.intermediate_size
     residual = None
     for i in range(lay.layers):
         p = f"layers.{i}"
-        norm = float_weight(f"{p}.input_norm.weight")
+        norm = float_weight(mf.weight_name(i, "input_norm.weight"))
         if residual is None:
             h = b.op("SimplifiedLayerNormalization", x, norm, axis=-1, epsilon=eps, stash_type=1, hint=f"{p}/input_norm")
             residual = x
         else:
             h, _, _, residual = b.op("SkipSimplifiedLayerNormalization", x, residual, norm, outputs=4, domain=MS,
                                      epsilon=eps, hint=f"{p}/input_norm")  # fmt: skip
-        bias = float_weight(f"{p}.qkv_bias") if W.has(f"{p}.qkv_bias") else None
-        qkv = linear(h, f"{p}.qkv", out=mf.qkv_name(i), bias=bias)
+        bias = float_weight(mf.weight_name(i, "qkv_bias")) if W.has(mf.weight_name(i, "qkv_bias")) else None
+        qkv = linear(h, mf.weight_name(i, "qkv"), out=mf.qkv_name(i), bias=bias)
         gqa_in = [qkv, "", "", mf.key_cache_name(i), mf.value_cache_name(i), mf.SEQLENS_K,
                   mf.TOTAL_SEQUENCE_LENGTH, mf.ROPE_COS, mf.ROPE_SIN, mf.POSITION_IDS, mf.ATTENTION_BIAS, ""]  # fmt: skip
         attrs = dict(num_heads=H, kv_num_heads=Hkv, scale=float(1 / np.sqrt(Dh)), do_rotary=1, rotary_interleaved=0,
                      local_window_size=-1)  # fmt: skip
         if quantized_kv:
-            gqa_in += [b.weight(f"{p}.k_scale", kv_scales["rotated_key_scales"][i].reshape(1, Hkv, 1, Dh)),
-                       b.weight(f"{p}.v_scale", kv_scales["value_scales"][i].reshape(1, Hkv, 1, Dh))]  # fmt: skip
+            gqa_in += [b.weight(f"{p}.k_scale", kv_scales["rotated_keys"][i].reshape(1, Hkv, 1, Dh)),
+                       b.weight(f"{p}.v_scale", kv_scales["values"][i].reshape(1, Hkv, 1, Dh))]  # fmt: skip
             attrs.update(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL", kv_cache_bit_width=8)
         att, _, _ = b.op("GroupQueryAttention", *gqa_in, domain=MS, outputs=3, hint=f"{p}/attention", **attrs)
         b.nodes[-1].output[1] = mf.present_key_name(i)
         b.nodes[-1].output[2] = mf.present_value_name(i)
-        o = linear(att, f"{p}.o")
-        h, _, _, residual = b.op("SkipSimplifiedLayerNormalization", o, residual, float_weight(f"{p}.post_norm.weight"),
+        o = linear(att, mf.weight_name(i, "o"))
+        h, _, _, residual = b.op("SkipSimplifiedLayerNormalization", o, residual, float_weight(mf.weight_name(i, "post_norm.weight")),
                                  outputs=4, domain=MS, epsilon=eps, hint=f"{p}/post_norm")  # fmt: skip
-        gate, up = b.op("Split", linear(h, f"{p}.gate_up"), b.const(np.array([I, I], np.int64)), outputs=2, axis=-1)
+        gate, up = b.op("Split", linear(h, mf.weight_name(i, "gate_up")), b.const(np.array([I, I], np.int64)), outputs=2, axis=-1)
         act = b.op("Mul", b.op("Mul", gate, b.op("Sigmoid", gate)), up, hint=f"{p}/swiglu")
-        x = linear(act, f"{p}.down")
+        x = linear(act, mf.weight_name(i, "down"))
     x = b.op("Squeeze", b.op("Add", x, residual), b.const(np.array([0], np.int64)))
     x = b.op("Gather", x, mf.LOGIT_ROWS, axis=0, hint="logit_rows")
     h = b.op("SimplifiedLayerNormalization", x, float_weight("final_norm.weight"), axis=-1, epsilon=eps, stash_type=1)
@@ -312,20 +311,6 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, scales: dict | None,
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)],
                               producer_name="cabinlm", ir_version=10)  # fmt: skip
     return model
-
-
-def rope_tables(graph: onnx.ModelProto) -> tuple[list[float], float]:
-    """The exported graph's RoPE inverse frequencies and cos / sin scale (for the runtime's tables)."""
-    W = _Weights(graph)
-    freqs = W.nodes.get("n/rope_cache/freqs")
-    if freqs is None or not W.has(freqs.input[1]):
-        raise BuildError("the exported graph has no RoPE table node (n/rope_cache/freqs); re-export")
-    inv_freq = W.get(freqs.input[1]).reshape(-1).astype(np.float64)
-    scale = 1.0
-    scaled = W.nodes.get("n/rope_cache/cos_scaled")
-    if scaled is not None and W.has(scaled.input[1]):
-        scale = float(W.get(scaled.input[1]))
-    return inv_freq.tolist(), scale
 
 
 ROTATE_GRAPH = "decoder.rotate.onnx"

@@ -9,135 +9,28 @@ import json
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
 from cabinlm import __version__
-from cabinlm.errors import CabinlmError, LayoutError
+from cabinlm.errors import CabinlmError
 from cabinlm.export import kvquant
 from cabinlm.export.calibration import calibration_tokens as _calibration
 from cabinlm.export.decoder import DecoderWeights, build_decoder
 from cabinlm.export.graph import save_model
 from cabinlm.export.models import LoadedModel, decoder_weights, image_preprocessing, load_model
+from cabinlm.export.options import OptionError  # noqa: F401 - re-exported with the rest of the options API
+from cabinlm.export.options import ExportOptions, ExportRequest, make_layout, options_for_profile
 from cabinlm.export.vision import build_vision
-from cabinlm.export.wquant import WeightFormat
 from cabinlm.export.template import PLAIN, resolve_chat_template
-from cabinlm.manifest import MANIFEST_NAME, CacheLayout, FileEntry, KVDType, Manifest, VisionSpec
+from cabinlm.manifest import MANIFEST_NAME, FileEntry, KVDType, KVScales, Manifest, RotaryTables, VisionSpec
 
 GRAPH_FILE = "decoder.onnx"
 VISION_FILE, VISION_DATA_FILE = "vision.onnx", "vision.onnx.data"
-KEY_SCALES_FILE = "key_scales.json"
 GRAPH_DATA_FILE = "decoder.onnx.data"
 TOKENIZER_FILE = "tokenizer.json"
-
-
-@dataclass(frozen=True)
-class ExportOptions:
-    sink: int = 4
-    pinned: int = 124  # sink + pinned = 128 slots for the first tokens and the system prompt
-    window: int = 1020
-    chunk: int = 64
-    kv: KVDType = KVDType.FP32
-    weights: str = "fp32"  # fp32, int8, int4 (export/wquant.py)
-    head: str | None = None  # the token table / output projection of quantized weights: None (8 bits), int8, int4
-    opset: int | None = None  # None: 17 (TensorRT 8.6 parses it), 19 when fp8 KV needs it, 21 for int8/int4 weights
-    verify: bool = True  # compare the graph with transformers on a short prompt and record it
-    calib: Path | None = None  # calibration text for int8 / fp8 KV; None: the built-in mix
-    max_ppl_increase: float = 2.0  # percent, quantized KV vs fp32 KV on held-back text
-    force: bool = False  # write the artifact even when the quality gate fails
-    gate: bool = True  # measure the quality gate at all (tests that measure quality themselves skip it)
-
-    index_dtype: str = "int64"  # int32 for TensorRT targets
-    profile: str | None = None  # the device profile the layout was planned for
-    plan: dict | None = None  # that plan (written into the manifest's "target")
-
-    def __post_init__(self) -> None:
-        if self.head is not None and WeightFormat(self.weights) == WeightFormat.FP32:
-            raise CabinlmError("--head sets the width of quantized weights' token table: give --weights int8 or int4 too")
-
-    @property
-    def resolved_opset(self) -> int:
-        if self.opset is not None:
-            return self.opset
-        if WeightFormat(self.weights) != WeightFormat.FP32:
-            return 21  # DequantizeLinear with block_size
-        return 19 if KVDType(self.kv) == KVDType.FP8 else 17
-
-
-def options_for_profile(spec, profile, given: dict, vision_params: int = 0, image_tokens: int = 0) -> ExportOptions:
-    """Export options planned for a device profile. `given` holds what the user set explicitly
-    (sink, pinned, window, chunk, kv, ...): those are kept and checked; the rest comes from the plan.
-    A KV precision the profile cannot run, or a window that does not fit its budget, is refused."""
-    from cabinlm.profiles import Engine
-    from cabinlm.profiles.planner import PlanError, plan
-
-    p = plan(
-        spec,
-        profile,
-        kv=given.get("kv"),
-        sink=given.get("sink"),
-        chunk=given.get("chunk"),
-        pinned=given.get("pinned", ExportOptions.pinned),
-        window=given.get("window"),
-        vision_params=vision_params,
-        image_tokens=image_tokens,
-    )
-    if not p.fits:
-        raise PlanError(
-            f"window {p.window} needs {p.total_bytes / 2**20:.0f} MiB but profile {profile.name} budgets "
-            f"{p.budget_bytes / 2**20:.0f} MiB; leave --window out to use the largest that fits"
-        )
-    weights = given.get("weights")
-    if weights is None:
-        # Block-quantized weights go into the exported graph for ONNX Runtime's CPU provider; other
-        # engines get float32 weights and apply the profile's precision when they build.
-        cpu = profile.engine == Engine.ONNXRUNTIME and profile.execution_provider == "CPUExecutionProvider"
-        weights = profile.weight_dtype.value if cpu and profile.weight_dtype.value in ("int8", "int4") else "fp32"
-    opts = ExportOptions(
-        **{k: v for k, v in given.items() if k not in ("sink", "pinned", "window", "chunk", "kv", "weights")},
-        weights=weights,
-        sink=p.sink,
-        pinned=p.pinned,
-        window=p.window,
-        chunk=p.chunk,
-        kv=KVDType(p.kv),
-        index_dtype="int32" if profile.engine == Engine.TENSORRT else "int64",
-        profile=profile.name,
-        plan=p.to_dict(),
-    )
-    if opts.resolved_opset > profile.max_opset:
-        what = f"{opts.weights} weights" if opts.weights != "fp32" else f"{opts.kv.value} KV"
-        raise PlanError(
-            f"{what} need ONNX opset {opts.resolved_opset}, but profile {profile.name} accepts "
-            f"opset {profile.max_opset} at most"
-        )
-    return opts
-
-
-def make_layout(spec, opts: ExportOptions, image: int = 0) -> CacheLayout:
-    layout = CacheLayout(
-        image=image,
-        sink=opts.sink,
-        pinned=opts.pinned,
-        window=opts.window,
-        chunk=opts.chunk,
-        layers=spec.num_layers,
-        kv_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        kv_dtype=KVDType(opts.kv),
-    )
-    if layout.max_position > spec.max_positions:
-        room = spec.max_positions - opts.sink - opts.pinned - opts.chunk
-        room -= image
-        raise LayoutError(
-            f"sink {opts.sink} + pinned {opts.pinned} + image {image} + window {opts.window} + chunk {opts.chunk} = "
-            f"{layout.max_position} positions, but the model has only {spec.max_positions}; "
-            f"use --window {room} or less"
-        )
-    return layout
 
 
 def stop_ids(loaded: LoadedModel, chat) -> list[int]:
@@ -169,9 +62,7 @@ def export_loaded(
     if loaded.vlm:
         vision_graph, geometry = build_vision(loaded.model, opset=17)
     layout = make_layout(loaded.spec, opts, image=geometry.image_tokens if loaded.vlm else 0)
-    opset = opts.resolved_opset
-    if layout.kv_dtype == KVDType.FP8 and opset < 19:
-        raise LayoutError(f"fp8 KV needs ONNX opset 19 or newer (float8 QuantizeLinear); opset {opset} was asked for")
+    opset = opts.resolved_opset  # ExportOptions refused an opset too old for its KV and weights
     # The manifest goes last: a folder without one is never mistaken for a finished export.
     (out / MANIFEST_NAME).unlink(missing_ok=True)
 
@@ -184,17 +75,18 @@ def export_loaded(
     t0 = time.perf_counter()
     weights = decoder_weights(loaded, opts.weights, log, head=opts.head)
     calibration = None
-    static_scales = {}
+    kv_scales = None
     if layout.quantized:
         calib_ids, heldout_ids, calib_source = _calibration(loaded, chat, opts.calib)
         stats = kvquant.calibrate_kv_amax(loaded.model, loaded.text_model.layers, calib_ids, layout.kv_heads, layout.head_dim)
         weights.key_scales = kvquant.key_scales_from_amax(stats["keys"], layout.kv_dtype)
         # Static scales for engines that cache rotated keys and quantize values per channel
         # (ONNX Runtime's fused attention in cpu builds, builders/ort_fused.py).
-        static_scales = {
-            "rotated_key_scales": kvquant.key_scales_from_amax(stats["rotated_keys"] * kvquant.ROTATED_KEY_HEADROOM, layout.kv_dtype).tolist(),
-            "value_scales": kvquant.key_scales_from_amax(stats["values"], layout.kv_dtype).tolist(),
-        }
+        kv_scales = KVScales(
+            keys=weights.key_scales.tolist(),
+            rotated_keys=kvquant.key_scales_from_amax(stats["rotated_keys"] * kvquant.ROTATED_KEY_HEADROOM, layout.kv_dtype).tolist(),
+            values=kvquant.key_scales_from_amax(stats["values"], layout.kv_dtype).tolist(),
+        ).check(layout)
         calibration = {"source": calib_source, "tokens": len(calib_ids), "method": "absmax per channel (keys), per token (values)"}
         log(f"calibrated {layout.kv_dtype.value} key scales on {len(calib_ids)} tokens ({calib_source})")
     embed_dim = geometry.embed_dim if loaded.vlm else 0
@@ -217,11 +109,6 @@ def export_loaded(
             graph=VISION_FILE,
         )
         log(f"built the vision graph: {geometry.image_tokens} image tokens per frame")
-    if weights.key_scales is not None:
-        (out / KEY_SCALES_FILE).write_text(
-            json.dumps({"shape": list(weights.key_scales.shape), "scales": weights.key_scales.tolist(), **static_scales}) + "\n"
-        )
-        files["key_scales"] = KEY_SCALES_FILE
     log(f"wrote {out / GRAPH_FILE} and its weights in {time.perf_counter() - t0:.1f}s")
 
     manifest = Manifest(
@@ -236,6 +123,8 @@ def export_loaded(
         index_dtype=opts.index_dtype,
         target={"profile": opts.profile, "plan": opts.plan} if opts.profile else None,
         vision=vision,
+        rotary=RotaryTables(tuple(weights.inv_freq.tolist()), float(weights.rope_scaling)),
+        kv_scales=kv_scales,
         cabinlm_version=__version__,
     )
     if calibration is not None:
@@ -266,19 +155,20 @@ def export_model(
 
 
 def export_for_profile(
-    source: str, out: str | Path, profile, given: dict, log: Callable[[str], None] = lambda s: None
+    source: str, out: str | Path, profile, request: ExportRequest, log: Callable[[str], None] = lambda s: None
 ) -> Manifest:
-    """Plan MODEL for a device profile (before loading any weights, so a refusal is quick), then export."""
+    """Plan MODEL for a device profile (a DeviceProfile) before loading any weights, so that a refusal
+    is quick, then export. `request` holds what the user set; the plan decides the rest."""
     from cabinlm.export.models import resolve_source, spec_for
-    from cabinlm.profiles.planner import image_tokens_from_config, vision_params_from_config
+    from cabinlm.model_config import image_tokens_from_config, vision_params_from_config
 
     folder, gguf = resolve_source(source, log)
     vision = vision_params_from_config(folder) if gguf is None else 0
     image = image_tokens_from_config(folder) if gguf is None else 0
-    opts = options_for_profile(spec_for(source, log), profile, given, vision_params=vision, image_tokens=image)
+    opts = options_for_profile(spec_for(source, log), profile, request, vision_params=vision, image_tokens=image)
     log(
         f"planned for {profile.name}: sink {opts.sink} + pinned {opts.pinned} + window {opts.window}, "
-        f"chunk {opts.chunk}, {KVDType(opts.kv).value} KV"
+        f"chunk {opts.chunk}, {opts.kv.value} KV"
     )
     return export_model(source, out, opts, log)
 
@@ -287,7 +177,7 @@ def verify_against_transformers(loaded: LoadedModel, out: Path, manifest: Manife
     """Run a short prompt through the exported graph (in chunks) and through transformers, densely."""
     import torch
 
-    from cabinlm.runtime.session import Decoder
+    from cabinlm.runtime.decoder import Decoder
 
     text = "The car's assistant answers briefly. What is the tire pressure of the front left wheel?"
     ids = loaded.tokenizer.backend_tokenizer.encode(text).ids[:n]
@@ -323,7 +213,7 @@ def quality_gate(
     from dataclasses import replace
 
     from cabinlm.runtime.perplexity import chunked_perplexity
-    from cabinlm.runtime.session import Decoder
+    from cabinlm.runtime.decoder import Decoder
 
     ppl_kv = chunked_perplexity(Decoder(out, manifest=manifest), heldout).ppl
     twin_layout = replace(manifest.cache, kv_dtype=KVDType.FP32)
@@ -340,6 +230,7 @@ def quality_gate(
             files={r: FileEntry.of(Path(tmp), n) for r, n in (("graph", GRAPH_FILE), ("tokenizer", TOKENIZER_FILE))},
             opset=twin_opset,
             weights=manifest.weights,
+            rotary=manifest.rotary,
         )
         ppl_fp32 = chunked_perplexity(Decoder(tmp, manifest=twin), heldout).ppl
     increase = (ppl_kv / ppl_fp32 - 1.0) * 100.0

@@ -155,6 +155,7 @@ def build_decoder(
 
     def rope(x: str, cos: str, sin: str, name: str) -> str:
         # x (heads, n, Dh): x * cos + rotate_half(x) * sin
+        # node names: mf.CACHED_KEY_ROPE_PARTS (builders rewrite the cached keys' rotation by them)
         x1, x2 = g.split(x, [half, half], axis=-1, name=f"{name}/half")
         rot = g.op("Concat", x2, x1, axis=-1, name=f"{name}/rot")
         return g.op("Add", g.op("Mul", x, cos, name=f"{name}/xcos"), g.op("Mul", rot, sin, name=f"{name}/rsin"), name=name)
@@ -175,10 +176,10 @@ def build_decoder(
         x = g.op("Where", mf.IMAGE_MASK, mf.IMAGE_EMBEDS, x, name="embed_with_image")
     for i, lw in enumerate(w.layers):
         p = f"layers.{i}"
-        h = rms_norm(x, lw.input_norm, f"{p}.input_norm")
-        qkv = linear(h, lw.qkv, f"{p}.qkv")
+        h = rms_norm(x, lw.input_norm, mf.weight_name(i, "input_norm"))
+        qkv = linear(h, lw.qkv, mf.weight_name(i, "qkv"))
         if lw.qkv_bias is not None:
-            qkv = g.op("Add", qkv, g.weight(f"{p}.qkv_bias", lw.qkv_bias), name=f"{p}/qkv_bias")
+            qkv = g.op("Add", qkv, g.weight(mf.weight_name(i, "qkv_bias"), lw.qkv_bias), name=f"{p}/qkv_bias")
         q, k, v = g.split(qkv, [H * Dh, Hkv * Dh, Hkv * Dh], axis=1, name=f"{p}/split_qkv")
         q = g.op("Transpose", g.op("Reshape", q, g.ints([-1, H, Dh])), perm=[1, 0, 2], name=f"{p}/q")  # (H,T,Dh)
         k = g.op("Transpose", g.op("Reshape", k, g.ints([-1, Hkv, Dh])), perm=[1, 0, 2], name=f"{p}/k")
@@ -211,7 +212,7 @@ def build_decoder(
         # Attention over the cache and over the chunk, joined only at the (small) scores, so the
         # cache is never concatenated: scores = q . K^T (a transposed-B MatMul, no copy of K), laid
         # out (Hkv, G*T, keys) so the softmax runs over the innermost axis.
-        kc = rope(k_cache, c_cos, c_sin, f"{p}/rope_kc")  # (Hkv, N, Dh)
+        kc = rope(k_cache, c_cos, c_sin, mf.cached_key_rope(i).removeprefix("n/"))  # (Hkv, N, Dh)
         kn = rope(k, n_cos, n_sin, f"{p}/rope_kn")  # (Hkv, T, Dh)
         q = rope(q, q_cos, q_sin, f"{p}/rope_q")  # (H, T, Dh), scaled
         q_g = g.op("Reshape", q, g.ints([Hkv, -1, Dh]), name=f"{p}/q_groups")  # (Hkv, G*T, Dh): head h uses KV head h // G
@@ -228,17 +229,17 @@ def build_decoder(
         ctx = g.op("Add", g.op("MatMul", p_cache, v_cache), g.op("MatMul", p_chunk, v), name=f"{p}/ctx")  # (Hkv,G*T,Dh)
         ctx = g.op("Reshape", ctx, g.ints([H, -1, Dh]), name=f"{p}/ctx_heads")
         ctx = g.op("Reshape", g.op("Transpose", ctx, perm=[1, 0, 2]), g.ints([-1, H * Dh]), name=f"{p}/ctx_flat")
-        x = g.op("Add", x, linear(ctx, lw.o, f"{p}.o"), name=f"{p}/attn_res")
+        x = g.op("Add", x, linear(ctx, lw.o, mf.weight_name(i, "o")), name=f"{p}/attn_res")
 
-        h = rms_norm(x, lw.post_norm, f"{p}.post_norm")
+        h = rms_norm(x, lw.post_norm, mf.weight_name(i, "post_norm"))
         gate, up = g.split(
-            linear(h, lw.gate_up, f"{p}.gate_up"),
+            linear(h, lw.gate_up, mf.weight_name(i, "gate_up")),
             [lw.down.shape[0], lw.down.shape[0]],
             axis=1,
             name=f"{p}/split_gate_up",
         )
         act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up, name=f"{p}/swiglu")
-        x = g.op("Add", x, linear(act, lw.down, f"{p}.down"), name=f"{p}/mlp_res")
+        x = g.op("Add", x, linear(act, lw.down, mf.weight_name(i, "down")), name=f"{p}/mlp_res")
 
     # Logits only for the rows asked for (prefill: the last token; perplexity: all of them).
     x = g.op("Gather", x, mf.LOGIT_ROWS, axis=0, name="logit_rows")

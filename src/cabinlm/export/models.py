@@ -1,7 +1,8 @@
 """Where a model comes from: a built-in alias, a Hugging Face model folder, or a .gguf file.
 
 Loading goes through `transformers` (which de-quantizes GGUF to float32); this module then turns the
-loaded model into a ModelSpec and the plain numpy DecoderWeights the graph builder consumes.
+loaded model into the plain numpy DecoderWeights the graph builder consumes. Its ModelSpec comes from
+cabinlm.model_config, the parser `cabinlm plan` uses too.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ import numpy as np
 from cabinlm.errors import ModelError
 from cabinlm.export import wquant
 from cabinlm.export.decoder import DecoderWeights, LayerWeights
-from cabinlm.export.wquant import QuantMatrix, WeightFormat
-from cabinlm.manifest import STATIC_ROPE_TYPES, SUPPORTED_ARCHITECTURES, SUPPORTED_VLM_ARCHITECTURES, ModelSpec
-
+from cabinlm.export.wquant import QuantMatrix
+from cabinlm.manifest import STATIC_ROPE_TYPES, ModelSpec
+from cabinlm.model_config import is_vlm, spec_from_config, spec_from_dict
+from cabinlm.precision import WeightFormat
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,7 @@ class LoadedModel:
 
     @property
     def vlm(self) -> bool:
-        return is_vlm(self.model.config)
+        return is_vlm(self.model.config.to_dict())
 
     @property
     def text_model(self) -> Any:
@@ -139,37 +141,6 @@ def resolve_source(source: str, log: Callable[[str], None] = lambda s: None) -> 
     return path, None
 
 
-def is_vlm(config: Any) -> bool:
-    archs = list(getattr(config, "architectures", None) or [])
-    return any(a in SUPPORTED_VLM_ARCHITECTURES for a in archs) or getattr(config, "model_type", "") == "llava"
-
-
-def check_architecture(config: Any, where: str) -> str:
-    if is_vlm(config):  # the decoder is the VLM's text model
-        return check_architecture(config.text_config, f"{where} (text model)")
-    archs = list(getattr(config, "architectures", None) or [])
-    model_type = getattr(config, "model_type", "")
-    by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None) or by_type.get(model_type)
-    if arch is None:
-        found = ", ".join(archs) or model_type or "unknown"
-        raise ModelError(
-            f"{where}: architecture {found} is not supported; supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama family: SmolLM2, TinyLlama, Llama 3.x; Qwen2/Qwen2.5), "
-            f"and {', '.join(SUPPORTED_VLM_ARCHITECTURES)} over one of them"
-        )
-    act = getattr(config, "hidden_act", "silu")
-    if act != "silu":
-        raise ModelError(f"{where}: hidden_act {act!r} is not supported (the SwiGLU decoder needs 'silu')")
-    if getattr(config, "mlp_bias", False) or (arch == "LlamaForCausalLM" and getattr(config, "attention_bias", False)):
-        # The decoder carries q/k/v biases (Qwen2) but no output-projection or MLP biases.
-        raise ModelError(f"{where}: Llama variants with attention_bias / mlp_bias (o_proj or MLP biases) are not supported")
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
-    if heads % kv_heads:
-        raise ModelError(f"{where}: {heads} attention heads are not a multiple of {kv_heads} KV heads")
-    return arch
-
-
 def load_model(source: str, log: Callable[[str], None] = lambda s: None) -> LoadedModel:
     """Load MODEL as float32 with transformers (the export stage's only heavy dependency)."""
     folder, gguf = resolve_source(source, log)
@@ -182,7 +153,8 @@ def load_model(source: str, log: Callable[[str], None] = lambda s: None) -> Load
         config = AutoConfig.from_pretrained(folder, **kwargs)
     except (OSError, ValueError, KeyError) as e:
         raise ModelError(f"{where}: cannot read the model configuration ({e})") from e
-    arch = check_architecture(config, where)
+    # the same parser as `cabinlm plan`'s: an unsupported model is refused before its weights are read
+    spec = dataclasses.replace(spec_from_dict(config.to_dict(), where), source=source if source in ALIASES else where)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
     except (OSError, ValueError, TypeError) as e:
@@ -191,7 +163,7 @@ def load_model(source: str, log: Callable[[str], None] = lambda s: None) -> Load
         raise ModelError(f"{where}: the tokenizer has no fast (tokenizers) backend; cabinlm needs tokenizer.json")
     log(f"loading {where} as float32")
     try:
-        if is_vlm(config):
+        if is_vlm(config.to_dict()):
             from transformers import AutoModelForImageTextToText
 
             model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **kwargs)
@@ -207,22 +179,6 @@ def load_model(source: str, log: Callable[[str], None] = lambda s: None) -> Load
             f"{where}: RoPE type {rope_type!r} depends on the sequence length and cannot be baked into a "
             f"fixed-shape graph; supported: {', '.join(sorted(STATIC_ROPE_TYPES))}"
         )
-    c = config.text_config if is_vlm(config) else config
-    spec = ModelSpec(
-        architecture=arch,
-        hidden_size=c.hidden_size,
-        num_layers=c.num_hidden_layers,
-        num_heads=c.num_attention_heads,
-        num_kv_heads=c.num_key_value_heads or c.num_attention_heads,
-        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-        intermediate_size=c.intermediate_size,
-        vocab_size=c.vocab_size,
-        max_positions=c.max_position_embeddings,
-        rms_norm_eps=float(c.rms_norm_eps),
-        qkv_bias=arch == "Qwen2ForCausalLM",
-        tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
-        source=source if source in ALIASES else where,
-    )
     return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, source=spec.source, folder=folder,
                        gguf=folder / gguf if gguf else None)  # fmt: skip
 
@@ -272,7 +228,9 @@ def decoder_weights(loaded: LoadedModel, fmt: WeightFormat | str = WeightFormat.
     table is imported when its blocks have the asked width, else re-rounded from its float values."""
     fmt = WeightFormat(fmt)
     head_fmt = None if head is None else WeightFormat(head)
-    if head_fmt is not None and WeightFormat.FP32 in (head_fmt, fmt):
+    if not fmt.in_graph:
+        raise ValueError(f"{fmt.value} weights are an engine's build-time precision; a graph holds fp32, int8, int4")
+    if head_fmt is not None and not (head_fmt.quantized and fmt.quantized):
         raise ValueError("head (the token table's width) is int8 or int4, for int8 or int4 weights")
     m = loaded.model
     text = loaded.text_model
@@ -374,8 +332,6 @@ def decoder_weights(loaded: LoadedModel, fmt: WeightFormat | str = WeightFormat.
 def spec_for(source: str, log: Callable[[str], None] = lambda s: None) -> ModelSpec:
     """The ModelSpec of MODEL without loading its weights: a config.json, a model folder, a .gguf
     file or a built-in name (the last two read the GGUF metadata through transformers)."""
-    from cabinlm.profiles.planner import spec_from_config, spec_from_dict
-
     path = Path(source).expanduser()
     if path.suffix == ".json" and path.is_file():
         return spec_from_config(path)

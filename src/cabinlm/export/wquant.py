@@ -20,22 +20,13 @@ Sources:
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 import numpy as np
 
+from cabinlm.precision import WeightFormat
+
 BLOCK = 32
-
-
-class WeightFormat(str, enum.Enum):
-    FP32 = "fp32"
-    INT8 = "int8"  # blocks of 32, symmetric
-    INT4 = "int4"  # blocks of 32, asymmetric (integer zero point, or GGUF Q4_1's float minimum)
-
-    @property
-    def bits(self) -> int:
-        return {"fp32": 32, "int8": 8, "int4": 4}[self.value]
 
 
 @dataclass

@@ -13,13 +13,12 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-from cabinlm.profiles.schema import DeviceProfile, Engine, ProfileError, WeightDType, parse_profile, read_profile_file
+from cabinlm.profiles.schema import DeviceProfile, Engine, ProfileError, parse_profile, read_profile_file
 
 __all__ = [
     "DeviceProfile",
     "Engine",
     "ProfileError",
-    "WeightDType",
     "builtin_profile_text",
     "list_profiles",
     "load_profile",

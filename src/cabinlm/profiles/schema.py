@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from cabinlm.errors import CabinlmError
-from cabinlm.manifest import KVDType
+from cabinlm.precision import KVDType, WeightFormat
 
 try:  # Python >= 3.11
     import tomllib
@@ -36,19 +36,6 @@ class ProfileError(CabinlmError):
 class Engine(str, enum.Enum):
     ONNXRUNTIME = "onnxruntime"
     TENSORRT = "tensorrt"
-
-
-class WeightDType(str, enum.Enum):
-    """The precision the planner counts weights at (what the engine on the device holds)."""
-
-    FP32 = "fp32"
-    FP16 = "fp16"
-    INT8 = "int8"
-    INT4 = "int4"
-
-    @property
-    def bits(self) -> int:
-        return {"fp32": 32, "fp16": 16, "int8": 8, "int4": 4}[self.value]
 
 
 # execution providers cabinlm drives through ONNX Runtime
@@ -83,7 +70,7 @@ class DeviceProfile:
     max_opset: int  # highest ONNX opset the engine accepts
     kv_dtypes: tuple[KVDType, ...]  # KV precisions the device runs
     default_kv: KVDType
-    weight_dtype: WeightDType
+    weight_dtype: WeightFormat  # what the engine holds; fp16 where it converts the fp32 graph when it builds
     static_shapes: bool  # every graph dimension fixed (QNN HTP); no "tokens"/"total" ranges
     default_sink: int
     default_chunk: int
@@ -138,7 +125,7 @@ class DeviceProfile:
             raise bad("static_shapes", "expected true or false", "write static_shapes = true or false")
 
         self._coerce_enum("engine", Engine)
-        self._coerce_enum("weight_dtype", WeightDType)
+        self._coerce_enum("weight_dtype", WeightFormat)
         self._coerce_enum("default_kv", KVDType)
         kvs = self.kv_dtypes
         if isinstance(kvs, (str, bytes)) or not isinstance(kvs, (list, tuple)) or not kvs:
@@ -173,7 +160,7 @@ class DeviceProfile:
             # Changelog of onnx/onnx-tensorrt: FP8 arrives in 9.0, INT4 in 10.0; hardware.md: "No INT4 in TRT 8.6".
             if major < 9 and KVDType.FP8 in kv_tuple:
                 raise bad("kv_dtypes", f"fp8 needs TensorRT >= 9, this profile has {self.engine_version}", "remove fp8")
-            if major < 10 and self.weight_dtype is WeightDType.INT4:
+            if major < 10 and self.weight_dtype is WeightFormat.INT4:
                 raise bad("weight_dtype", f"int4 needs TensorRT >= 10, this profile has {self.engine_version}",
                           "use int8 or fp16")  # fmt: skip
         for name in ("precision_notes", "source"):

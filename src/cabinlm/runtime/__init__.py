@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from cabinlm.manifest import Manifest, load_manifest, verify_checksums
-from cabinlm.runtime.cache import KVCache, StepPlan
+from cabinlm.runtime.backends import Backend, BackendError
+from cabinlm.runtime.decoder import Decoder
 from cabinlm.runtime.dialogue import Dialogue, TurnResult
 from cabinlm.runtime.perplexity import PerplexityResult, stream_perplexity
 from cabinlm.runtime.sampler import Sampler
-from cabinlm.runtime.session import Decoder
+from cabinlm.runtime.slots import SlotTable, StepPlan
 from cabinlm.runtime.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -25,12 +26,14 @@ def open_artifact(folder: str | Path, threads: int | None = None, verify: bool =
 
 
 __all__ = [
+    "Backend",
+    "BackendError",
     "Decoder",
     "Dialogue",
-    "KVCache",
     "Manifest",
     "PerplexityResult",
     "Sampler",
+    "SlotTable",
     "StepPlan",
     "StreamDecoder",
     "Tokenizer",

@@ -17,7 +17,7 @@ import numpy as np
 from cabinlm.errors import InputError
 from cabinlm.runtime.memory import rss_mb
 from cabinlm.runtime.sampler import Sampler
-from cabinlm.runtime.session import Decoder
+from cabinlm.runtime.decoder import Decoder
 from cabinlm.runtime.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -41,6 +41,7 @@ class TurnResult:
     prefill_tok_s: float
     rss_mb: float
     finish: str  # "stop" (a stop id), "length" (max_new_tokens), "interrupted" (Ctrl-C)
+    backend: str  # what the decoder ran on (Decoder.device), e.g. "onnxruntime-cpu"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -190,10 +191,11 @@ class Dialogue:
             prompt_tokens=len(prompt),
             new_tokens=len(reply_ids),
             cache_tokens=dec.cache.length,
-            cache_bytes=dec.cache.nbytes(),
+            cache_bytes=dec.backend.nbytes(),
             evicted_tokens=dec.cache.evicted,
             decode_tok_s=round(len(reply_ids) / decode_s, 2) if decode_s > 0 and reply_ids else 0.0,
             prefill_tok_s=round(len(prompt) / (t_decode - t_prefill), 2) if prefilled and t_decode > t_prefill else 0.0,
             rss_mb=round(rss_mb(), 1),
             finish=finish,
+            backend=dec.device,
         )

@@ -7,7 +7,7 @@ from typing import Callable
 
 import numpy as np
 
-from cabinlm.runtime.session import Decoder
+from cabinlm.runtime.decoder import Decoder
 
 
 @dataclass

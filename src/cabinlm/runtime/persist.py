@@ -8,13 +8,15 @@ Layout (little-endian; the size is fixed for a given build, so a short file is a
     12      4             header size H (uint32) = HEADER_BYTES
     16      H             header: JSON, space-padded: identity, cache bookkeeping, dialogue state
     16+H    8 * slots     slot_token (int64): stream index held by each slot, -1 = empty
-    ...     cache bytes   keys, values (and value scales for int8 / fp8 KV), as KVCache holds them
+    ...     cache bytes   the backend's buffers (Backend.buffers(): keys, values, and value scales or
+                          un-rotated sink keys, as that backend holds them), in that order
     end-32  32            sha256 of everything before it
 
 Guarantees: a save writes a temporary file next to the target, fsyncs it, renames it over the
 target (atomic on POSIX) and fsyncs the folder, so a crash at any moment leaves either the previous
 or the new complete file. A load checks size, magic, version, checksum and identity (the model's
-weights, the graph, the cache layout) before it changes anything, so a refused file loses nothing.
+weights, the graph, the backend, the cache layout), then the slot table against the layout
+(runtime/slots.check_state), before it changes anything, so a refused file loses nothing.
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ from pathlib import Path
 import numpy as np
 
 from cabinlm.errors import CabinlmError
-from cabinlm.runtime.binding import defer_sigint
 from cabinlm.runtime.dialogue import Dialogue
+from cabinlm.runtime.interrupts import defer_sigint
+from cabinlm.runtime.slots import SlotState, StateError, check_state
 
 MAGIC = b"CABINSES"
-FORMAT = 1
+FORMAT = 2  # 2: the image region's state, the backend in the identity
 HEADER_BYTES = 65536
 _PREFIX = struct.Struct("<8sII")
 _DIGEST = 32
@@ -48,17 +51,13 @@ def _identity(d: Dialogue) -> dict:
         "model": m.files["graph_data"].sha256 if "graph_data" in m.files else m.files["graph"].sha256,
         "graph": m.files["graph"].sha256,
         "cache": m.cache.to_dict(),
+        "backend": m.runtime_spec.backend.value,
     }
 
 
 def _buffers(d: Dialogue) -> list[np.ndarray]:
-    c = d.decoder.cache
-    bufs = [c.slot_token, c.keys, c.values]
-    if c.value_scales is not None:
-        bufs.append(c.value_scales)
-    if c.key_source is not None:  # fused builds: the sink and pinned keys, un-rotated
-        bufs.append(c.key_source)
-    return bufs
+    """What the file holds after the header: the slot table, then the backend's cache buffers."""
+    return [d.decoder.cache.slot_token, *d.decoder.backend.buffers().values()]
 
 
 def session_size(d: Dialogue) -> int:
@@ -66,11 +65,10 @@ def session_size(d: Dialogue) -> int:
 
 
 def _header(d: Dialogue) -> bytes:
-    c = d.decoder.cache
     header = {
         "format": FORMAT,
         "identity": _identity(d),
-        "cache": {k: int(getattr(c, k)) for k in ("seen", "evicted", "sink_fill", "pinned_fill", "window_fill", "ring_next")},
+        "cache": d.decoder.cache.state().counters(),
         "dialogue": d.state(),
     }
     raw = json.dumps(header).encode("utf-8")
@@ -144,18 +142,25 @@ def load_session(path: str | Path, d: Dialogue) -> None:
         raise SessionError(f"{path}: this session was saved with another model's weights; {fix}")
     if identity != mine:
         raise SessionError(f"{path}: this session was saved with another build of this model (graph or cache layout); {fix}")
-    # Everything checked: restore in place (the buffers keep their addresses and bindings).
-    c = d.decoder.cache
     offset = _PREFIX.size + HEADER_BYTES
     arrays = []
     for buf in _buffers(d):
         arrays.append(np.frombuffer(body, dtype=buf.dtype, count=buf.size, offset=offset).reshape(buf.shape))
         offset += buf.nbytes
+    try:
+        if not isinstance(cache_state, dict) or set(cache_state) != set(SlotState.COUNTERS):
+            raise StateError(f"cache counters {sorted(cache_state) if isinstance(cache_state, dict) else cache_state!r}")
+        if not all(type(v) is int for v in cache_state.values()):
+            raise StateError("cache counters must be integers")
+        state = SlotState(arrays[0].copy(), **cache_state)
+        check_state(state, d.decoder.layout)
+    except StateError as e:
+        raise SessionError(f"{path}: the saved cache does not fit this build's layout ({e}); {fix}") from e
+    # Everything checked: restore in place (the buffers keep their addresses and bindings).
+    dec = d.decoder
     with defer_sigint():
-        for buf, saved in zip(_buffers(d), arrays):
+        for buf, saved in zip(_buffers(d)[1:], arrays[1:]):
             np.copyto(buf, saved)
-        for k, v in cache_state.items():
-            setattr(c, k, int(v))
-        if d.decoder.rotated is not None:
-            d.decoder.rotated.forget()
+        dec.cache.restore(state)
+        dec.backend.restored()
         d.restore(dialogue_state)

@@ -1,32 +1,11 @@
-"""ONNX Runtime I/O binding over numpy memory, and Ctrl-C held while a cache is written: what the
-decoder's graph kinds (runtime/session.py, runtime/fused.py) share."""
+"""ONNX Runtime I/O binding over numpy memory: what the ONNX Runtime backends share."""
 
 from __future__ import annotations
-
-import contextlib
-import signal
-import threading
 
 import numpy as np
 import onnxruntime as ort
 
 _FLOAT8E4M3FN = 17  # onnx.TensorProto.FLOAT8E4M3FN (the runtime does not import onnx)
-
-
-@contextlib.contextmanager
-def defer_sigint():
-    """Hold Ctrl-C until the block ends, so a half-written cache never survives an interrupt."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if caught:
-            raise KeyboardInterrupt
 
 
 class Binding:

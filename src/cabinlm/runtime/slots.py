@@ -1,24 +1,27 @@
-"""Fixed KV-cache buffers and the sink / pinned / rolling-window bookkeeping, in numpy.
+"""The sink / pinned / image / rolling-window slot bookkeeping of one dialogue's cache, in numpy.
 
 Every backend shares this: the graph is a pure function of (cache, chunk, positions, mask) that
-returns the chunk's K/V; this class decides where those K/V go and what every slot's position is.
+returns the chunk's K/V; this table decides where those K/V go and what every slot's position is.
+The buffers themselves belong to the backend (runtime/backends/), in whatever memory its engine reads.
 
 Invariants (tested property-wise in tests/test_cache.py):
-  * the buffers are allocated once; `commit` writes in place and never reallocates;
   * sink slots hold the first S tokens of the stream and are never overwritten;
   * pinned slots hold the pinned spans and are never overwritten by unpinned tokens;
+  * the image region holds the current camera frame's tokens (begin_frame empties it);
   * the window ring holds exactly the most recent min(W, unpinned seen) unpinned tokens;
-  * positions are ranks in stream order: cached tokens 0..L-1, the chunk L..L+c-1.
+  * positions are ranks in stream order: cached tokens 0..L-1, the chunk L..L+c-1;
+  * the counters below are a function of slot_token and the stream so far: restore() checks them.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import numpy as np
 
 from cabinlm.errors import InputError
-from cabinlm.manifest import CacheLayout
+from cabinlm.layout import CacheLayout
 
 MASK_VALUE = np.float32(-1e30)  # additive mask for slots a token must not see
 
@@ -34,7 +37,11 @@ class StepPlan:
         self.slots = slots  # (tokens,) int64: destination slot of each chunk token
         self.evicts = evicts  # how many cached window tokens this chunk overwrites
         self.pin = pin  # False: window; True: pinned region; "image": the camera-frame region
-        self._slot_token = slot_token  # a copy: the cache moves on after commit
+        self._slot_token = slot_token  # a copy: the table moves on after the commit
+
+    @property
+    def tokens(self) -> int:
+        return len(self.slots)
 
     @functools.cached_property
     def cache_position_ids(self) -> np.ndarray:
@@ -58,33 +65,37 @@ class StepPlan:
         return mask
 
 
-class KVCache:
-    """Owns the (layers, kv_heads, slots, head_dim) key and value buffers of one dialogue."""
+@dataclass(frozen=True)
+class SlotState:
+    """The table's whole state, for session files: plain ints and one int64 array."""
 
-    def __init__(self, layout: CacheLayout, scratch: int = 0, value_scales: bool = True, key_source: bool = False):
-        """scratch: extra rows after the slots where a fused kernel writes the chunk's K/V before
-        commit() moves them into their slots (fused cpu builds: the chunk size; else 0).
-        value_scales: per-token value scales (the exported graph's int8 / fp8 KV; a fused build's
-        scales are static). key_source: an un-rotated float32 copy of the sink and pinned tokens'
-        keys, for caches that hold keys rotated (runtime/rotated.py)."""
+    slot_token: np.ndarray  # (slots,) int64
+    seen: int
+    evicted: int
+    sink_fill: int
+    pinned_fill: int
+    image_fill: int
+    frames: int
+    window_fill: int
+    ring_next: int
+
+    COUNTERS = ("seen", "evicted", "sink_fill", "pinned_fill", "image_fill", "frames", "window_fill", "ring_next")
+
+    def counters(self) -> dict[str, int]:
+        return {k: int(getattr(self, k)) for k in self.COUNTERS}
+
+
+class SlotTable:
+    """Which stream token each cache slot holds, and where the next chunk goes."""
+
+    def __init__(self, layout: CacheLayout):
         self.layout = layout
-        self.scratch = scratch
-        dtype = np.dtype(layout.kv_dtype.numpy_name)
-        L, H, N, D = layout.buffer_shape
-        # (layers, kv_heads, slots + scratch, head_dim); allocated once, written in place by commit().
-        self.keys = np.zeros((L, H, N + scratch, D), dtype=dtype)
-        self.values = np.zeros((L, H, N + scratch, D), dtype=dtype)
-        # (layers, kv_heads, slots, 1) fp16 per-token value scales, for int8 / fp8 KV only.
-        self.value_scales = (
-            np.zeros(layout.buffer_shape[:3] + (1,), dtype=np.float16) if layout.quantized and value_scales else None
-        )
-        self.key_source = np.zeros((L, H, layout.sink + layout.pinned, D), dtype=np.float32) if key_source else None
         # (slots,) stream index of the token held by each slot, -1 while empty.
         self.slot_token = np.full(layout.slots, -1, dtype=np.int64)
         self.reset()
 
     def reset(self) -> None:
-        """Forget every token (the buffers keep their memory; empty slots are masked)."""
+        """Forget every token (empty slots are masked; the backend's buffers keep their memory)."""
         self.slot_token.fill(-1)
         self.seen = 0  # tokens fed so far (the next token's stream index)
         self.evicted = 0  # window tokens overwritten so far
@@ -106,6 +117,19 @@ class KVCache:
     def pinned_free(self) -> int:
         return self.layout.pinned - self.pinned_fill
 
+    @property
+    def extent(self) -> int:
+        """1 + the highest slot in use (0 when empty): every slot from here on is empty. The ring
+        fills its slots in order, so this is the slot count once the window has turned over."""
+        lay = self.layout
+        if self.window_fill:
+            return lay.slots if self.window_fill == lay.window else lay.window_start + self.window_fill
+        if self.image_fill:
+            return lay.image_start + self.image_fill
+        if self.pinned_fill:
+            return lay.sink + self.pinned_fill
+        return self.sink_fill
+
     def begin_frame(self) -> None:
         """A new camera frame replaces the current one: its slots are emptied (masked) and the new
         frame's tokens, fed with pin="image", are written into them."""
@@ -118,6 +142,17 @@ class KVCache:
         """Stream indices of the cached tokens, in stream order."""
         idx = self.slot_token[self.slot_token >= 0]
         return np.sort(idx)
+
+    def state(self) -> SlotState:
+        return SlotState(self.slot_token.copy(), **{k: getattr(self, k) for k in SlotState.COUNTERS})
+
+    def restore(self, state: SlotState) -> None:
+        """Take a saved state, after checking it against this layout (check_state); nothing changes
+        when it is refused."""
+        check_state(state, self.layout)
+        self.slot_token[:] = state.slot_token
+        for k, v in state.counters().items():
+            setattr(self, k, v)
 
     # -- one step ----------------------------------------------------------------------------------
 
@@ -161,34 +196,8 @@ class KVCache:
         position_ids = np.arange(cached, cached + n, dtype=np.int64)
         return StepPlan(position_ids, slots, evicts, pin, self.slot_token.copy())
 
-    def commit(
-        self,
-        plan: StepPlan,
-        new_keys: list[np.ndarray],
-        new_values: list[np.ndarray],
-        new_value_scales: list[np.ndarray] | None = None,
-    ) -> None:
-        """Write the chunk's K/V (per layer: (kv_heads, tokens, head_dim)) and, for quantized KV, the
-        value scales (per layer: (kv_heads, tokens, 1)) into their slots, in place.
-
-        The caller must not interrupt this half-way (see runtime.session: SIGINT is deferred).
-        """
-        slots = plan.slots
-        n = len(slots)
-        lo, hi = int(slots[0]), int(slots[-1]) + 1
-        # The usual case is a contiguous run of slots (no wrap of the ring inside this chunk).
-        where = (slice(None), slice(lo, hi)) if hi - lo == n else (slice(None), slots)
-        targets = [(self.keys, new_keys), (self.values, new_values)]
-        if self.value_scales is not None:
-            if new_value_scales is None:
-                raise ValueError("a quantized cache needs the chunk's value scales")
-            targets.append((self.value_scales, new_value_scales))
-        for buf, news in targets:
-            for layer, x in enumerate(news):
-                buf[layer][where] = x
-        self._advance(plan)
-
-    def _advance(self, plan: StepPlan) -> None:
+    def advance(self, plan: StepPlan) -> None:
+        """The chunk's K/V are in their slots: record it. Call only after the data is written."""
         lay = self.layout
         n = len(plan.slots)
         self.slot_token[plan.slots] = np.arange(self.seen, self.seen + n)
@@ -205,38 +214,43 @@ class KVCache:
             self.window_fill = min(lay.window, self.window_fill + rest)
             self.evicted += plan.evicts
 
-    def nbytes(self) -> int:
-        """Bytes held by the cache buffers, read from the arrays themselves."""
-        scales = 0 if self.value_scales is None else self.value_scales.nbytes
-        source = 0 if self.key_source is None else self.key_source.nbytes
-        return int(self.keys.nbytes + self.values.nbytes + scales + source)
 
-    @property
-    def extent(self) -> int:
-        """1 + the highest slot in use (0 when empty): every slot from here on is empty. The ring
-        fills its slots in order, so this is the slot count once the window has turned over."""
-        lay = self.layout
-        if self.window_fill:
-            return lay.slots if self.window_fill == lay.window else lay.window_start + self.window_fill
-        if self.image_fill:
-            return lay.image_start + self.image_fill
-        if self.pinned_fill:
-            return lay.sink + self.pinned_fill
-        return self.sink_fill
+class StateError(ValueError):
+    """A saved slot state that does not describe a cache of this layout."""
 
-    def commit_rows(self, plan: StepPlan, start: int) -> None:
-        """A fused kernel wrote the chunk's K/V into rows start.. (empty slots, or the scratch rows
-        after the last slot): move them into their slots (often the same rows: then nothing moves)."""
-        slots = plan.slots
-        n = len(slots)
-        lo, hi = int(slots[0]), int(slots[-1]) + 1
-        if n == 1:  # a decode step: one row per layer and head
-            if lo != start:
-                self.keys[:, :, lo] = self.keys[:, :, start]
-                self.values[:, :, lo] = self.values[:, :, start]
-        elif not (lo == start and hi - lo == n):
-            where = slice(lo, hi) if hi - lo == n else slots
-            for buf in (self.keys, self.values):
-                # through a small copy: the rows never overlap, but numpy would prove it the slow way
-                buf[:, :, where] = buf[:, :, start : start + n].copy()
-        self._advance(plan)
+
+def check_state(state: SlotState, layout: CacheLayout) -> None:
+    """Every field of a saved state against the layout, and against each other: the fills are the
+    counts of tokens in each region, the sink is the stream's first tokens, the ring's next slot
+    follows its fill, and no stream index repeats or reaches `seen`. Raises StateError."""
+    st = state.slot_token
+    if not isinstance(st, np.ndarray) or st.dtype != np.int64 or st.shape != (layout.slots,):
+        raise StateError(f"slot table: expected ({layout.slots},) int64")
+    c = state.counters()
+    for k, v in c.items():
+        if isinstance(getattr(state, k), bool) or not 0 <= v < 2**62:
+            raise StateError(f"{k} = {v} is out of range")
+    lay = layout
+    regions = {"sink_fill": (0, lay.sink), "pinned_fill": (lay.sink, lay.image_start),
+               "image_fill": (lay.image_start, lay.window_start), "window_fill": (lay.window_start, lay.slots)}  # fmt: skip
+    for k, (lo, hi) in regions.items():
+        used = st[lo:hi] >= 0
+        if c[k] != int(used.sum()):
+            raise StateError(f"{k} = {c[k]} but {int(used.sum())} slots of that region hold tokens")
+        if k != "image_fill" and k != "window_fill" and used.any() and not used[: c[k]].all():
+            raise StateError(f"{k}: the region's slots are not filled in order")
+    valid = st[st >= 0]
+    if len(np.unique(valid)) != len(valid) or (len(valid) and valid.max() >= c["seen"]):
+        raise StateError("the slot table repeats a stream index or holds one not yet seen")
+    if not np.array_equal(st[: c["sink_fill"]], np.arange(c["sink_fill"])):
+        raise StateError("the sink slots must hold the stream's first tokens")
+    if c["sink_fill"] < lay.sink and c["seen"] != c["sink_fill"]:
+        raise StateError(f"{c['seen']} tokens seen but the sink, which takes the first ones, holds {c['sink_fill']}")
+    if c["ring_next"] >= lay.window:
+        raise StateError(f"ring_next = {c['ring_next']} is beyond the window of {lay.window}")
+    if c["window_fill"] < lay.window and c["ring_next"] != c["window_fill"]:
+        raise StateError(f"ring_next = {c['ring_next']} but the window holds {c['window_fill']} of {lay.window}")
+    if c["window_fill"] == lay.window and c["ring_next"] != int(np.argmin(st[lay.window_start :])):
+        raise StateError(f"ring_next = {c['ring_next']} is not the window's oldest slot")
+    if c["seen"] < len(valid) + c["evicted"]:
+        raise StateError(f"{len(valid)} tokens cached and {c['evicted']} evicted, but only {c['seen']} seen")

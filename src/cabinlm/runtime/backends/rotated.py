@@ -9,7 +9,7 @@ rotates a key once, when it is written, so each token gets a *virtual* position 
 Every eviction removes the oldest window token, so a window token's rank falls by one at every
 later eviction and is always v - E_now; the query at L + E_now then sees it at distance L - rank,
 exactly the rank semantics. Sink and pinned tokens keep their rank while E grows; their keys are
-re-written before each step at rank + E_now from an un-rotated float32 copy (KVCache.key_source,
+re-written before each step at rank + E_now from an un-rotated float32 copy (FusedBackend.key_source,
 taken from the graph's q|k|v output when they are fed), so quantized keys are never rotated twice.
 
 In a steady dialogue (window tokens, one at a time, each evicting the oldest) the next step's E is
@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from cabinlm.runtime.cache import KVCache, StepPlan
+from cabinlm.layout import CacheLayout
+from cabinlm.runtime.slots import SlotTable, StepPlan
 
 
 class RotatedKeys:
@@ -33,11 +34,18 @@ class RotatedKeys:
 
     AHEAD = 256  # positions of cos / sin computed at once for decode steps (see _run)
 
-    def __init__(self, cache: KVCache, inv_freq, rope_scale: float, key_scales=None, session=None):
-        """session: the build's rotation graph (builders/ort_fused.rotation_model), an ONNX Runtime
-        session; without one the refresh runs in numpy (the same arithmetic)."""
-        lay = cache.layout
-        self.cache = cache
+    def __init__(self, layout: CacheLayout, table: SlotTable, keys: np.ndarray, key_source: np.ndarray, inv_freq,
+                 rope_scale: float, key_scales=None, session=None):
+        """keys: the cache's (layers, kv_heads, slots + scratch, head_dim) key buffer, whose sink and
+        pinned rows this class writes; key_source: (layers, kv_heads, sink + pinned, head_dim) float32
+        un-rotated copies of those keys. session: the build's rotation graph
+        (builders/ort_fused.rotation_model), an ONNX Runtime session; without one the refresh runs
+        in numpy (the same arithmetic)."""
+        lay = layout
+        self.layout = layout
+        self.table = table
+        self.keys = keys
+        self.key_source = key_source
         self.inv_freq = np.asarray(inv_freq, dtype=np.float64)
         if self.inv_freq.shape != (lay.head_dim // 2,):
             raise ValueError(f"{self.inv_freq.shape[0]} RoPE frequencies for head_dim {lay.head_dim}")
@@ -59,13 +67,13 @@ class RotatedKeys:
 
     def _set_source(self, scaled: np.ndarray) -> None:
         """The working copy and the decode graph's side inputs / output over it (P = its rows)."""
-        lay = self.cache.layout
+        lay = self.layout
         rows = scaled.shape[2]
         self._scaled = scaled
         self._positions = np.arange(rows, dtype=np.int64)[None]
         self._ahead_cos = np.zeros((max(rows, 1), lay.head_dim // 2), np.float32)
         self._ahead_sin = np.zeros_like(self._ahead_cos)
-        self._ahead_keys = np.zeros(scaled.shape, self.cache.keys.dtype)
+        self._ahead_keys = np.zeros(scaled.shape, self.keys.dtype)
         self.ahead = {"refresh_source": self._scaled, "refresh_position_ids": self._positions,
                       "refresh_cos": self._ahead_cos, "refresh_sin": self._ahead_sin}  # fmt: skip
         self.ahead_out = self._ahead_keys
@@ -82,7 +90,7 @@ class RotatedKeys:
     def _prepare(self, slots: np.ndarray) -> None:
         """A contiguous working copy of the sources of `slots`, divided by the key scales (one scale
         per rotation pair, so scaling commutes with rotating)."""
-        src = self.cache.key_source[:, :, slots]
+        src = self.key_source[:, :, slots]
         if self.key_scales is not None:
             src = src / self.key_scales
         L, H, n, D = src.shape
@@ -109,16 +117,16 @@ class RotatedKeys:
         the graph's position_ids name)."""
         n = len(plan.slots)
         if n == 1:
-            cos, sin = self._run(0, int(plan.position_ids[0]) + self.cache.evicted, 1)
+            cos, sin = self._run(0, int(plan.position_ids[0]) + self.table.evicted, 1)
         else:
-            cos, sin = self._tables(plan.position_ids + self.cache.evicted)
+            cos, sin = self._tables(plan.position_ids + self.table.evicted)
         self.cos[:n] = cos
         self.sin[:n] = sin
 
     def keep_sources(self, plan: StepPlan, qkv: list[np.ndarray], num_heads: int) -> None:
         """Keep the un-rotated keys of the chunk's tokens that go to sink or pinned slots."""
-        lay = self.cache.layout
-        if not plan.pin and self.cache.sink_fill >= lay.sink:  # a window chunk: nothing to keep
+        lay = self.layout
+        if not plan.pin and self.table.sink_fill >= lay.sink:  # a window chunk: nothing to keep
             return
         pinned = plan.slots < lay.sink + lay.pinned
         if not pinned.any():
@@ -127,15 +135,15 @@ class RotatedKeys:
         rows = np.flatnonzero(pinned)
         for layer, x in enumerate(qkv):  # (1, tokens, (heads + 2 kv_heads) head_dim)
             k = x[0, rows, H * D : (H + Hkv) * D].reshape(len(rows), Hkv, D)
-            self.cache.key_source[layer][:, plan.slots[rows]] = k.transpose(1, 0, 2)
+            self.key_source[layer][:, plan.slots[rows]] = k.transpose(1, 0, 2)
         self._slots = None
 
     def _ranks(self, plan: StepPlan, slots: np.ndarray) -> np.ndarray:
         """Ranks of the sink and pinned slots (sink first, then pinned, each in slot order). Sink
         tokens are the stream's first; pinned ones fill their slots in stream order; so unless a
         camera-frame or window token is older than a pinned one, the ranks are 0, 1, 2, ..."""
-        lay = self.cache.layout
-        st = self.cache.slot_token
+        lay = self.layout
+        st = self.table.slot_token
         later = st[lay.sink + lay.pinned :]
         later = later[later >= 0]
         self._oldest = not len(later) or later.min() > st[slots].max()
@@ -146,7 +154,7 @@ class RotatedKeys:
     def refresh(self, plan: StepPlan) -> None:
         """Before a step: write the sink and pinned keys rotated at rank + E (only when E or the set
         of pinned tokens changed since the last refresh)."""
-        c, lay = self.cache, self.cache.layout
+        c, lay = self.table, self.layout
         state = (c.evicted, c.sink_fill, c.pinned_fill)
         if state == self._refreshed:
             return
@@ -175,17 +183,17 @@ class RotatedKeys:
 
     def _write(self, rotated: np.ndarray) -> None:
         """(1, layers * kv_heads, rows, head_dim) rotated keys into the sink / pinned slots."""
-        lay, slots = self.cache.layout, self._slots
+        lay, slots = self.layout, self._slots
         lo, hi = int(slots[0]), int(slots[-1]) + 1
         where = slice(lo, hi) if hi - lo == len(slots) else slots
-        self.cache.keys[:, :, where] = rotated.reshape(lay.layers, lay.kv_heads, len(slots), lay.head_dim)
+        self.keys[:, :, where] = rotated.reshape(lay.layers, lay.kv_heads, len(slots), lay.head_dim)
 
     def plan_ahead(self, plan: StepPlan) -> None:
         """Before a single-token step: if it is a window token that evicts, with the sink full and the
         sink / pinned tokens the oldest (their ranks stay 0..n-1), fill the side tables for rank +
         E_next, so the step's graph run leaves the next step's keys in `ahead_out`. Otherwise the
         side output is left unused. Call `ahead_done()` after the run."""
-        c, lay = self.cache, self.cache.layout
+        c, lay = self.table, self.layout
         self._pending = None
         if (plan.pin or not plan.evicts or c.sink_fill < lay.sink or not self._oldest or self._slots is None
                 or self._refreshed != (c.evicted, c.sink_fill, c.pinned_fill)):  # fmt: skip

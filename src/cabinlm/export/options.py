@@ -1,0 +1,237 @@
+"""Export options: typed, and validated once, before any model is loaded.
+
+    ExportRequest  what the user set explicitly (None: not set)
+        .options()                                 -> ExportOptions   the defaults fill the rest
+        options_for_profile(spec, profile, request) -> ExportOptions  a device profile's plan does
+
+Every check names the option and the value it got; the command line's flags have the same names
+(sink -> --sink), so a message reads the same from the library and from `cabinlm export`.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from cabinlm.errors import CabinlmError, LayoutError
+from cabinlm.layout import CacheLayout
+from cabinlm.manifest import ModelSpec
+from cabinlm.precision import KVDType, WeightFormat
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+class OptionError(CabinlmError):
+    """An export option has a value that cannot work; the message names the option and the value."""
+
+
+def _member(kind: type[E], value: E | str, name: str) -> E:
+    try:
+        return kind(value)
+    except ValueError as e:
+        raise OptionError(f"--{name} {value!r} is not one of {', '.join(k.value for k in kind)}") from e
+
+
+def _count(name: str, value: int | None, least: int) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise OptionError(f"--{name} must be a whole number, got {value!r}")
+    if value < least:
+        raise LayoutError(f"--{name} must be >= {least}, got {value}")
+
+
+def _check(sink: int | None, pinned: int | None, window: int | None, chunk: int | None, weights: WeightFormat | None,
+           head: WeightFormat | None, calib: Path | None, max_ppl_increase: float) -> None:  # fmt: skip
+    """The checks ExportOptions and ExportRequest share; a None value is not set (yet) and passes."""
+    for name, value, least in (("sink", sink, 0), ("pinned", pinned, 0), ("window", window, 1), ("chunk", chunk, 1)):
+        _count(name, value, least)
+    if chunk is not None and window is not None and chunk > window:
+        # A chunk joins the ring after it has been processed; the ring must hold a whole chunk.
+        raise LayoutError(
+            f"--chunk {chunk} is larger than --window {window}: a prefill chunk must fit in the window; "
+            "lower --chunk or raise --window"
+        )
+    if weights is not None and not weights.in_graph:
+        raise OptionError(
+            f"--weights {weights.value}: the exported graph holds fp32, int8 or int4 weights; {weights.value} is a "
+            "precision an engine applies when it builds (a profile's weight_dtype), from fp32 weights"
+        )
+    if head is not None and not head.quantized:
+        raise OptionError(f"--head {head.value}: the token table of quantized weights is int8 or int4")
+    if head is not None and weights is not None and not weights.quantized:
+        raise OptionError(
+            f"--head {head.value} sets the width of quantized weights' token table, but the weights are "
+            f"{weights.value}: give --weights int8 or int4 too"
+        )
+    if calib is not None and not calib.is_file():
+        raise OptionError(f"--calib {calib}: no such file; give a UTF-8 text file (or leave --calib out)")
+    if isinstance(max_ppl_increase, bool) or not isinstance(max_ppl_increase, (int, float)) or not (
+        math.isfinite(max_ppl_increase) and max_ppl_increase > 0
+    ):
+        raise OptionError(
+            f"--max-ppl-increase must be a positive number of percent, got {max_ppl_increase!r} "
+            "(to keep an export whatever the gate says, pass --force)"
+        )
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """Every option of one export, complete and checked. kv / weights / head also take their values
+    as strings ("int8"); they are held as enums."""
+
+    sink: int = 4
+    pinned: int = 124  # sink + pinned = 128 slots for the first tokens and the system prompt
+    window: int = 1020
+    chunk: int = 64
+    kv: KVDType = KVDType.FP32
+    weights: WeightFormat = WeightFormat.FP32  # what the graph stores: fp32, or int8 / int4 blocks (export/wquant.py)
+    head: WeightFormat | None = None  # token table / output projection of quantized weights: None (8 bits), int8, int4
+    opset: int | None = None  # None: 17 (TensorRT 8.6 parses it), 19 when fp8 KV needs it, 21 for int8/int4 weights
+    verify: bool = True  # compare the graph with transformers on a short prompt and record it
+    calib: Path | None = None  # calibration text for int8 / fp8 KV; None: the built-in mix
+    max_ppl_increase: float = 2.0  # percent, quantized KV vs fp32 KV on held-back text
+    force: bool = False  # write the artifact even when the quality gate fails
+    gate: bool = True  # measure the quality gate at all (tests that measure quality themselves skip it)
+
+    index_dtype: str = "int64"  # int32 for TensorRT targets
+    profile: str | None = None  # the device profile the layout was planned for
+    plan: dict | None = None  # that plan (written into the manifest's "target")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kv", _member(KVDType, self.kv, "kv"))
+        object.__setattr__(self, "weights", _member(WeightFormat, self.weights, "weights"))
+        object.__setattr__(self, "head", None if self.head is None else _member(WeightFormat, self.head, "head"))
+        if self.calib is not None:
+            object.__setattr__(self, "calib", Path(self.calib))
+        _check(self.sink, self.pinned, self.window, self.chunk, self.weights, self.head, self.calib,
+               self.max_ppl_increase)  # fmt: skip
+        if self.index_dtype not in ("int64", "int32"):
+            raise OptionError(f"index_dtype must be 'int64' or 'int32', got {self.index_dtype!r}")
+        if self.opset is not None:
+            # DequantizeLinear with block_size arrives in opset 21, float8 QuantizeLinear in 19.
+            need, what = (21, f"{self.weights.value} weights need") if self.weights.quantized else (19, "fp8 KV needs")
+            if (self.weights.quantized or self.kv is KVDType.FP8) and self.opset < need:
+                raise OptionError(f"opset {self.opset} is too old: {what} ONNX opset {need} or newer")
+
+    @property
+    def resolved_opset(self) -> int:
+        if self.opset is not None:
+            return self.opset
+        if self.weights.quantized:
+            return 21
+        return 19 if self.kv is KVDType.FP8 else 17  # 17: TensorRT 8.6 parses it
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+@dataclass(frozen=True)
+class ExportRequest:
+    """What the user set explicitly for an export; None: not set. Checked as it is made, so that a bad
+    value is refused before a profile is planned or a model is loaded."""
+
+    sink: int | None = None
+    pinned: int | None = None
+    window: int | None = None
+    chunk: int | None = None
+    kv: KVDType | None = None
+    weights: WeightFormat | None = None
+    head: WeightFormat | None = None
+    calib: Path | None = None
+    max_ppl_increase: float = 2.0
+    force: bool = False
+    verify: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kv", None if self.kv is None else _member(KVDType, self.kv, "kv"))
+        weights = None if self.weights is None else _member(WeightFormat, self.weights, "weights")
+        object.__setattr__(self, "weights", weights)
+        object.__setattr__(self, "head", None if self.head is None else _member(WeightFormat, self.head, "head"))
+        if self.calib is not None:
+            object.__setattr__(self, "calib", Path(self.calib))
+        _check(self.sink, self.pinned, self.window, self.chunk, self.weights, self.head, self.calib,
+               self.max_ppl_increase)  # fmt: skip
+
+    def options(self) -> ExportOptions:
+        """Without a profile: what was set here, ExportOptions' defaults for the rest."""
+        return self.complete(
+            sink=_or(self.sink, ExportOptions.sink),
+            pinned=_or(self.pinned, ExportOptions.pinned),
+            window=_or(self.window, ExportOptions.window),
+            chunk=_or(self.chunk, ExportOptions.chunk),
+            kv=_or(self.kv, ExportOptions.kv),
+            weights=_or(self.weights, ExportOptions.weights),
+        )
+
+    def complete(self, *, sink: int, pinned: int, window: int, chunk: int, kv: KVDType, weights: WeightFormat,
+                 index_dtype: str = "int64", profile: str | None = None,
+                 plan: dict | None = None) -> ExportOptions:  # fmt: skip
+        """ExportOptions with this request's other choices and the given layout and precisions."""
+        return ExportOptions(
+            sink=sink, pinned=pinned, window=window, chunk=chunk, kv=kv, weights=weights, head=self.head,
+            verify=self.verify, calib=self.calib, max_ppl_increase=self.max_ppl_increase, force=self.force,
+            index_dtype=index_dtype, profile=profile, plan=plan,
+        )  # fmt: skip
+
+
+def options_for_profile(spec: ModelSpec, profile, request: ExportRequest, vision_params: int = 0,
+                        image_tokens: int = 0) -> ExportOptions:  # fmt: skip
+    """Export options planned for a device profile (a DeviceProfile). What `request` sets is kept and
+    checked; the rest comes from the plan. A KV precision the profile cannot run, a window that does
+    not fit its budget, or an opset it cannot parse is refused."""
+    from cabinlm.profiles import Engine
+    from cabinlm.profiles.planner import PlanError, plan
+
+    p = plan(spec, profile, kv=request.kv, sink=request.sink, chunk=request.chunk,
+             pinned=_or(request.pinned, ExportOptions.pinned), window=request.window, vision_params=vision_params,
+             image_tokens=image_tokens)  # fmt: skip
+    if not p.fits:
+        raise PlanError(
+            f"window {p.window} needs {p.total_bytes / 2**20:.0f} MiB but profile {profile.name} budgets "
+            f"{p.budget_bytes / 2**20:.0f} MiB; leave --window out to use the largest that fits"
+        )
+    # Block-quantized weights go into the exported graph for ONNX Runtime's CPU provider; other
+    # engines get float32 weights and apply the profile's precision when they build.
+    cpu = profile.engine == Engine.ONNXRUNTIME and profile.execution_provider == "CPUExecutionProvider"
+    weights = profile.weight_dtype if cpu and profile.weight_dtype.quantized else WeightFormat.FP32
+    opts = request.complete(
+        sink=p.sink, pinned=p.pinned, window=p.window, chunk=p.chunk, kv=KVDType(p.kv),
+        weights=_or(request.weights, weights), index_dtype="int32" if profile.engine == Engine.TENSORRT else "int64",
+        profile=profile.name, plan=p.to_dict(),
+    )  # fmt: skip
+    if opts.resolved_opset > profile.max_opset:
+        what = f"{opts.weights.value} weights need" if opts.weights.quantized else f"{opts.kv.value} KV needs"
+        raise PlanError(
+            f"{what} ONNX opset {opts.resolved_opset}, but profile {profile.name} accepts "
+            f"opset {profile.max_opset} at most"
+        )
+    return opts
+
+
+def make_layout(spec: ModelSpec, opts: ExportOptions, image: int = 0) -> CacheLayout:
+    """The cache layout of an export: the options' geometry on the model's layers and heads, checked
+    against the model's positions (the largest position is sink + pinned + image + window + chunk - 1)."""
+    layout = CacheLayout(
+        image=image,
+        sink=opts.sink,
+        pinned=opts.pinned,
+        window=opts.window,
+        chunk=opts.chunk,
+        layers=spec.num_layers,
+        kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        kv_dtype=opts.kv,
+    )
+    if layout.max_position > spec.max_positions:
+        room = spec.max_positions - opts.sink - opts.pinned - image - opts.chunk
+        raise LayoutError(
+            f"sink {opts.sink} + pinned {opts.pinned} + image {image} + window {opts.window} + chunk {opts.chunk} = "
+            f"{layout.max_position} positions, but the model has only {spec.max_positions}; "
+            f"use --window {room} or less"
+        )
+    return layout

@@ -1,0 +1,172 @@
+"""A model's configuration -> ModelSpec: the one place that reads hidden size, layers, heads,
+head_dim, vocabulary, positions and biases out of a Hugging Face config. Standard library only.
+
+    spec_from_config("config.json" or its folder)   the planner, without weights or torch
+    spec_from_dict(config.to_dict(), where)         export/models.py: a loaded model, a .gguf's metadata
+
+Both paths go through spec_from_dict, so `cabinlm plan` and `cabinlm export` accept and refuse the
+same models and count the same numbers. A bare config.json may leave out keys that equal
+transformers' defaults (LLaVA's text_config does); those defaults are filled in here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from cabinlm.errors import ModelError
+from cabinlm.manifest import STATIC_ROPE_TYPES, SUPPORTED_ARCHITECTURES, SUPPORTED_VLM_ARCHITECTURES, ModelSpec
+
+# Mirrors transformers' defaults for keys a config may leave out (LlamaConfig() / Qwen2Config(), 5.x):
+# LLaVA-style text_config blocks often carry only the keys that differ from them.
+_TEXT_DEFAULTS = {
+    "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                  num_attention_heads=32, max_position_embeddings=2048, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, hidden_act="silu"),
+    "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                  num_attention_heads=32, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, hidden_act="silu"),
+}  # fmt: skip
+# CLIPVisionConfig() defaults, for vision_config blocks that leave keys out.
+_VISION_DEFAULTS = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, image_size=224,
+                        patch_size=32, num_channels=3)  # fmt: skip
+
+
+def read_config(path: str | Path) -> tuple[dict[str, Any], str]:
+    """A config.json (or the folder holding one) as a dict, and the file name for messages."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise ModelError(f"{path}: no such file; pass a config.json or the model folder holding one") from e
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelError(f"{path}: cannot read it as JSON ({e})") from e
+    if not isinstance(d, dict):
+        raise ModelError(f"{path}: expected a JSON object")
+    return d, str(path)
+
+
+def is_vlm(d: dict[str, Any]) -> bool:
+    """A LLaVA-style vision-language config: its decoder is the text model in `text_config`."""
+    archs = d.get("architectures") or []
+    return any(a in SUPPORTED_VLM_ARCHITECTURES for a in archs) or d.get("model_type", "") == "llava"
+
+
+def spec_from_config(path: str | Path) -> ModelSpec:
+    """ModelSpec from a bare config.json (or its folder): Llama and Qwen2, or a VLM's text_config."""
+    d, where = read_config(path)
+    return spec_from_dict(d, where)
+
+
+def _architecture(c: dict[str, Any], where: str) -> str:
+    archs = c.get("architectures") or []
+    model_type = c.get("model_type", "")
+    by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None) or by_type.get(model_type)
+    if arch is None:
+        found = ", ".join(archs) or model_type or "unknown"
+        raise ModelError(
+            f"{where}: architecture {found} is not supported; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama family: SmolLM2, TinyLlama, Llama 3.x; Qwen2/Qwen2.5), "
+            f"and {', '.join(SUPPORTED_VLM_ARCHITECTURES)} over one of them"
+        )
+    return arch
+
+
+def spec_from_dict(d: dict[str, Any], where: str) -> ModelSpec:
+    """ModelSpec from a config as a dict (a parsed config.json, or transformers' config.to_dict()).
+    Refuses what the decoder graph cannot express, with the reason."""
+    c, source = d, where
+    if is_vlm(d):
+        c, where = d.get("text_config"), f"{where} (text model)"
+        if not isinstance(c, dict):
+            raise ModelError(f"{where}: a LLaVA-style config needs a text_config block")
+    arch = _architecture(c, where)
+    # a VLM's tie flag may sit at the top level rather than in its text_config
+    tied = c.get("tie_word_embeddings", d.get("tie_word_embeddings", False))
+    c = {**_TEXT_DEFAULTS[SUPPORTED_ARCHITECTURES[arch]], **c}
+
+    def num(key: str) -> int:
+        v = c.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ModelError(f"{where}: {key} = {v!r} is not a positive integer")
+        return v
+
+    if c["hidden_act"] != "silu":
+        raise ModelError(f"{where}: hidden_act {c['hidden_act']!r} is not supported (the SwiGLU decoder needs 'silu')")
+    if c.get("mlp_bias") or (arch == "LlamaForCausalLM" and c.get("attention_bias")):
+        # The decoder carries q/k/v biases (Qwen2) but no output-projection or MLP biases.
+        raise ModelError(
+            f"{where}: Llama variants with attention_bias / mlp_bias (o_proj or MLP biases) are not supported"
+        )
+    heads = num("num_attention_heads")
+    kv_heads = num("num_key_value_heads") if c.get("num_key_value_heads") is not None else heads
+    if heads % kv_heads:
+        raise ModelError(f"{where}: {heads} attention heads are not a multiple of {kv_heads} KV heads")
+    rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise ModelError(
+            f"{where}: RoPE type {rope_type!r} depends on the sequence length and cannot be baked into a "
+            f"fixed-shape graph; supported: {', '.join(sorted(STATIC_ROPE_TYPES))}"
+        )
+    return ModelSpec(
+        architecture=arch,
+        hidden_size=num("hidden_size"),
+        num_layers=num("num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=num("head_dim") if c.get("head_dim") is not None else num("hidden_size") // heads,
+        intermediate_size=num("intermediate_size"),
+        vocab_size=num("vocab_size"),
+        max_positions=num("max_position_embeddings"),
+        rms_norm_eps=float(c["rms_norm_eps"]),
+        qkv_bias=arch == "Qwen2ForCausalLM",  # Qwen2 always has q/k/v biases; Llama's are refused above
+        tie_embeddings=bool(tied),
+        source=source,
+    )
+
+
+def vision_params_from_config(path: str | Path) -> int:
+    """Parameter estimate of a LLaVA-style vision tower + projector (0 when the config has none).
+
+    CLIP/SigLIP ViT with hidden h, MLP i, L layers, patch p, image s, c channels, n = (s/p)^2 patches:
+        patch embedding c*p*p*h (+h bias) + position embeddings (n+1)*h + class token h + 2 LayerNorms
+        + L * (4*(h*h + h) attention + 2*2h LayerNorms + h*i + i + i*h + h MLP)
+    plus LLaVA's projector Linear(h, D) + GELU + Linear(D, D), with biases, D = text hidden size.
+    Within ~1% of the real towers (CLIP ViT-L/14-336: 303.5M); other tower families differ.
+    """
+    d, where = read_config(path)
+    v = d.get("vision_config")
+    if not isinstance(v, dict):
+        return 0
+    v = {**_VISION_DEFAULTS, **v}
+    try:
+        h, i, layers = int(v["hidden_size"]), int(v["intermediate_size"]), int(v["num_hidden_layers"])
+        p, s, ch = int(v["patch_size"]), int(v["image_size"]), int(v["num_channels"])
+    except (TypeError, ValueError) as e:
+        raise ModelError(f"{where}: vision_config has a non-integer size ({e})") from e
+    n = (s // p) ** 2
+    embed = ch * p * p * h + h + (n + 1) * h + h + 2 * 2 * h
+    layer = 4 * (h * h + h) + 2 * 2 * h + (h * i + i) + (i * h + h)
+    text = d["text_config"] if isinstance(d.get("text_config"), dict) else d
+    text_hidden = int(text.get("hidden_size", _TEXT_DEFAULTS["llama"]["hidden_size"]))
+    projector = (h * text_hidden + text_hidden) + (text_hidden * text_hidden + text_hidden)
+    return embed + layers * layer + projector
+
+
+def image_tokens_from_config(path: str | Path) -> int:
+    """Cache slots one camera frame takes (the image region): (image / patch)^2 patch tokens, plus
+    the CLS token unless LLaVA's "default" feature strategy drops it (0 when there is no vision)."""
+    d, _ = read_config(path)
+    v = d.get("vision_config")
+    if not isinstance(v, dict):
+        return 0
+    v = {**_VISION_DEFAULTS, **v}
+    patches = (int(v["image_size"]) // int(v["patch_size"])) ** 2
+    has_cls = v.get("model_type", "clip_vision_model") != "siglip_vision_model"
+    keep_cls = has_cls and d.get("vision_feature_select_strategy", "default") != "default"
+    return patches + int(keep_cls)

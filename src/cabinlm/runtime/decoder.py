@@ -1,0 +1,99 @@
+"""The decoder: one dialogue's slot bookkeeping and one backend, chunks in, logits out.
+
+    Decoder.step(ids)
+      plan = slots.plan(n, pin)       runtime/slots.py: destination slots, positions, mask
+      out  = backend.run(plan, ...)   runtime/backends/: the graph over the cache (nothing committed)
+      with Ctrl-C held:
+        backend.commit(plan, out)     the chunk's K/V into their slots, in place
+        slots.advance(plan)           the bookkeeping follows the data
+
+The Decoder never asks which backend it drives. Seats (several dialogues on one loaded model) share
+the backend's loaded graphs and weights; each has its own table and buffers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from cabinlm.manifest import Manifest, load_manifest
+from cabinlm.runtime.backends import Backend, open_backend
+from cabinlm.runtime.interrupts import defer_sigint
+from cabinlm.runtime.slots import SlotTable
+
+
+class Decoder:
+    """Feeds token chunks through the artifact's backend and keeps its fixed-size cache up to date."""
+
+    def __init__(self, folder: str | Path, manifest: Manifest | None = None, threads: int | None = None,
+                 session_config: dict[str, str] | None = None, *, _backend: Backend | None = None, _vision=None):
+        """session_config: extra ONNX Runtime session entries (see backends.open_backend)."""
+        self.folder = Path(folder)
+        self.manifest = manifest if manifest is not None else load_manifest(self.folder)
+        self.layout = self.manifest.cache
+        self.cache = SlotTable(self.layout)  # the bookkeeping; the buffers are the backend's
+        if _backend is None:
+            _backend = open_backend(self.folder, self.manifest, self.cache, threads, session_config)
+        self.backend = _backend
+        self.vision = _vision
+        if _vision is None and self.manifest.vision is not None:
+            from cabinlm.runtime.backends.ort_session import session_options
+            from cabinlm.runtime.vision import VisionEncoder
+
+            # The camera-frame encoder runs on ONNX Runtime's CPU provider, with the build's settings.
+            options = session_options(self.manifest.runtime_spec, threads)
+            self.vision = VisionEncoder(self.folder / self.manifest.files["vision_graph"].path, self.manifest.vision, options)
+
+    @property
+    def device(self) -> str:
+        """What the decoder graphs run on (e.g. "onnxruntime-cpu")."""
+        return self.backend.device
+
+    def seat(self) -> Decoder:
+        """Another dialogue seat on the same loaded model: graphs and weights shared (held once),
+        the slot table and cache buffers the new seat's own."""
+        other = Decoder.__new__(Decoder)
+        other.folder, other.manifest, other.layout = self.folder, self.manifest, self.layout
+        other.cache = SlotTable(self.layout)
+        other.backend = self.backend.seat(other.cache)
+        other.vision = self.vision
+        return other
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self.backend.reset()
+
+    def step(self, ids: np.ndarray, pin: bool | str = False, embeds: np.ndarray | None = None,
+             logits: str = "all") -> np.ndarray:
+        """Run one chunk (1..chunk tokens) and commit its K/V. Returns logits (tokens, vocab), or
+        with logits="last" only the last token's (1, vocab): the graph then computes just that row.
+
+        pin: True for the pinned region, "image" for the camera-frame region (embeds: the frame's
+        image-token embeddings, (tokens, embed_dim))."""
+        if logits not in ("all", "last"):
+            raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
+        if embeds is not None and self.manifest.vision is None:
+            raise ValueError("this model has no vision input")
+        plan = self.cache.plan(len(ids), pin)
+        out = self.backend.run(plan, ids, logits == "all", embeds)
+        with defer_sigint():
+            self.backend.commit(plan, out)
+            self.cache.advance(plan)
+        return out.logits
+
+    def feed(self, ids, pin: bool | str = False, all_logits: bool = False, embeds: np.ndarray | None = None) -> np.ndarray:
+        """Feed any number of tokens in chunks. Returns the last token's logits (vocab,), or all (n, vocab)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size == 0:
+            raise ValueError("feed() needs at least one token")
+        C = self.layout.chunk
+        parts = []
+        for start in range(0, len(ids), C):
+            rows = None if embeds is None else embeds[start : start + C]
+            logits = self.step(ids[start : start + C], pin=pin, embeds=rows, logits="all" if all_logits else "last")
+            if all_logits:
+                parts.append(logits.copy())
+        if all_logits:
+            return np.concatenate(parts, axis=0)
+        return logits[-1].copy()
