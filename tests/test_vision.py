@@ -176,14 +176,29 @@ def test_a_vision_session_killed_and_resumed_reports_and_computes_what_the_unint
     assert whole.wait(timeout=120) == 0
     assert expected[-1]["evicted_tokens"] > 0  # the window turned over after the frames
 
+    keys = ("turn", "reply", "prompt_tokens", "new_tokens", "cache_tokens", "cache_bytes", "evicted_tokens", "finish")
     killed = _chat(folder, tmp_path / "s.ses")
     first = _turn(killed, turns[0])
     killed.kill()  # SIGKILL: no clean-up runs; the session file was saved after the turn
     killed.wait(timeout=30)
-    assert first == expected[0]
+    assert {k: first[k] for k in keys} == {k: expected[0][k] for k in keys}
     resumed = _chat(folder, tmp_path / "s.ses")
     got = [first] + [_turn(resumed, t) for t in turns[1:]]
     resumed.stdin.close()
     assert resumed.wait(timeout=120) == 0, resumed.stderr.read()
-    keys = ("turn", "reply", "prompt_tokens", "new_tokens", "cache_tokens", "cache_bytes", "evicted_tokens", "finish")
     assert [{k: r[k] for k in keys} for r in got] == [{k: r[k] for k in keys} for r in expected]
+
+
+@pytest.mark.parametrize("field,bad", [("resize", {"shortest_edge": -3}), ("resize", {"width": 30}), ("resample", 9),
+                                       ("crop", "30x30"), ("mean", [0.5, 0.5]), ("std", None)])  # fmt: skip
+def test_image_preprocessing_in_the_manifest_is_typed_and_checked(llava, field, bad):
+    """The runtime reads the image processor as typed data: a wrong field is a manifest error."""
+    from cabinlm.errors import ManifestError
+    from cabinlm.manifest import Manifest
+
+    _, folder = llava
+    d = json.loads((folder / "manifest.json").read_text())
+    Manifest.from_dict(d)
+    d["vision"]["preprocess"][field] = bad
+    with pytest.raises(ManifestError, match="preprocess"):
+        Manifest.from_dict(d)

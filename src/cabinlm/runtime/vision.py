@@ -54,7 +54,7 @@ def preprocess(img, spec: VisionSpec) -> np.ndarray:
     from PIL import Image
 
     p = spec.preprocess
-    resize = p.get("resize")
+    resize = p.resize
     if resize:
         if "shortest_edge" in resize:
             short = resize["shortest_edge"]
@@ -65,9 +65,9 @@ def preprocess(img, spec: VisionSpec) -> np.ndarray:
                 size = (int(short * w / h), short)
         else:
             size = (resize["width"], resize["height"])
-        img = img.resize(size, resample=Image.Resampling(p.get("resample", 3)))
+        img = img.resize(size, resample=Image.Resampling(p.resample))
     x = np.asarray(img, dtype=np.uint8)  # (H, W, 3)
-    crop = p.get("crop")
+    crop = p.crop
     if crop:
         ch, cw = crop["height"], crop["width"]
         h, w = x.shape[:2]
@@ -79,10 +79,10 @@ def preprocess(img, spec: VisionSpec) -> np.ndarray:
         top, left = (h - ch) // 2, (w - cw) // 2
         x = x[top : top + ch, left : left + cw]
     y = x.astype(np.float32)
-    if p.get("rescale") is not None:
-        y = y * np.float32(p["rescale"])
-    if p.get("mean") is not None:
-        y = (y - np.asarray(p["mean"], dtype=np.float32)) / np.asarray(p["std"], dtype=np.float32)
+    if p.rescale is not None:
+        y = y * np.float32(p.rescale)
+    if p.mean is not None:
+        y = (y - np.asarray(p.mean, dtype=np.float32)) / np.asarray(p.std, dtype=np.float32)
     y = np.ascontiguousarray(y.transpose(2, 0, 1)[None])
     if y.shape != (1, 3, spec.image_size, spec.image_size):
         raise InputError(f"the prepared image is {y.shape[2:]}, the vision graph takes {spec.image_size}x{spec.image_size}")
