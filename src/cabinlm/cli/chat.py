@@ -16,6 +16,7 @@ import typer
 from cabinlm.cli.common import err, info
 from cabinlm.errors import CabinlmError
 from cabinlm.runtime.dialogue import Dialogue, LongMessages
+from cabinlm.runtime.speculative import Speculation
 from cabinlm.runtime.inputs import parse_input_line
 from cabinlm.runtime.persist import load_session, save_session
 
@@ -38,6 +39,10 @@ def chat(
     long_messages: LongMessages = typer.Option(
         LongMessages.REFUSE, help="A message longer than the window: 'refuse' it, or 'stream' it through the window."
     ),
+    speculative: bool = typer.Option(
+        True, help="Draft reply tokens from the dialogue's own text (prompt lookup) and check them in one step: "
+        "the same replies, faster while the window fills (it stops once the window has turned over; "
+        "docs/benchmarks.md section 13)."),
     json_out: bool = typer.Option(False, "--json", help="One JSON object per turn on stdout instead of text."),
 ) -> None:
     """Talk to an exported model. Interactive on a terminal; otherwise one user message per input line.
@@ -62,7 +67,8 @@ def chat(
     decoders = [dec] + [dec.seat() for _ in range(seats - 1)]  # the weights are held once
     dialogues = [
         Dialogue(d, tok, system=system, sampler=Sampler(temperature=temperature, top_p=top_p, seed=seed),
-                 max_new_tokens=max_new_tokens, long_messages=long_messages)
+                 max_new_tokens=max_new_tokens, long_messages=long_messages,
+                 speculation=Speculation() if speculative else None)
         for d in decoders
     ]  # fmt: skip
     loop = ChatLoop(dialogues, session_files(session, seats), interactive=sys.stdin.isatty() and not json_out,

@@ -186,16 +186,22 @@ def build_decoder(
         v = g.op("Transpose", g.op("Reshape", v, g.ints([-1, Hkv, Dh])), perm=[1, 0, 2], name=f"{p}/v")
 
         # The new tokens' un-rotated K/V leave the graph; the runtime writes them into its buffers.
-        # Quantized once here, when written; the chunk itself attends to its unquantized K/V.
+        # Quantized once here, when written.
         k_cache, v_cache = mf.key_cache_name(i), mf.value_cache_name(i)
         v_scales = None  # per-slot value scales, folded into the attention probabilities below
         kv_shape = (Hkv, "tokens", Dh)
+        # The chunk attends to its own K/V as the cache will hold them (quantized or cast, then read
+        # back): a chunk of tokens then computes what feeding them one at a time computes, so prefill
+        # chunks and speculative decoding's verified drafts match plain decoding.
         if layout.quantized:
             k_scale = g.weight(f"{p}.key_scale", w.key_scales[i][:, None, :].astype(np.float32))  # (Hkv,1,Dh)
-            g.output(kvq.quantize(g, k, k_scale, layout.kv_dtype), mf.new_key_name(i), kv_elem, kv_shape)
+            k_q = g.output(kvq.quantize(g, k, k_scale, layout.kv_dtype), mf.new_key_name(i), kv_elem, kv_shape)
             v_q, v_scale16, v_scale = kvq.quantize_per_token(g, v, layout.kv_dtype, f"{p}/v_scale")
-            g.output(v_q, mf.new_value_name(i), kv_elem, kv_shape)
-            g.output(v_scale16, mf.new_value_scale_name(i), TensorProto.FLOAT16, (Hkv, "tokens", 1))
+            v_q = g.output(v_q, mf.new_value_name(i), kv_elem, kv_shape)
+            v_scale16 = g.output(v_scale16, mf.new_value_scale_name(i), TensorProto.FLOAT16, (Hkv, "tokens", 1))
+            k = kvq.dequantize(g, k_q, k_scale, layout.kv_dtype)
+            v = kvq.dequantize(g, v_q, g.op("Cast", v_scale16, to=TensorProto.FLOAT, name=f"{p}/v_chunk_scale"),
+                               layout.kv_dtype)  # fmt: skip
             k_cache = kvq.dequantize(g, k_cache, k_scale, layout.kv_dtype)
             v_cache = kvq.dequantize(g, v_cache, g.const(1.0), layout.kv_dtype)  # unit scale: see v_scales
             scales = g.op("Cast", mf.value_scale_name(i), to=TensorProto.FLOAT, name=f"{p}/v_cache_scale")  # (Hkv,N,1)
@@ -204,8 +210,10 @@ def build_decoder(
             g.output(k, mf.new_key_name(i), kv_elem, kv_shape)
             g.output(v, mf.new_value_name(i), kv_elem, kv_shape)
         else:
-            g.output(g.op("Cast", k, to=kv_elem), mf.new_key_name(i), kv_elem, kv_shape)
-            g.output(g.op("Cast", v, to=kv_elem), mf.new_value_name(i), kv_elem, kv_shape)
+            k_c = g.output(g.op("Cast", k, to=kv_elem), mf.new_key_name(i), kv_elem, kv_shape)
+            v_c = g.output(g.op("Cast", v, to=kv_elem), mf.new_value_name(i), kv_elem, kv_shape)
+            k = g.op("Cast", k_c, to=TensorProto.FLOAT, name=f"{p}/k_chunk_f32")
+            v = g.op("Cast", v_c, to=TensorProto.FLOAT, name=f"{p}/v_chunk_f32")
             k_cache = g.op("Cast", k_cache, to=TensorProto.FLOAT, name=f"{p}/k_cache_f32")
             v_cache = g.op("Cast", v_cache, to=TensorProto.FLOAT, name=f"{p}/v_cache_f32")
 

@@ -82,6 +82,24 @@ class Decoder:
             self.cache.advance(plan)
         return out.logits
 
+    def verify(self, ids: np.ndarray, accept) -> tuple[np.ndarray, int]:
+        """Speculative decoding's check: run ids (1..chunk window tokens: the last token and the
+        drafts after it) as one chunk with every token's logits, ask accept(logits) how many of the
+        first tokens join the stream (1..len(ids)), and commit only those. The graph returns the new
+        K/V without writing the cache's slots (runtime/backends/base.py), so rejected drafts need no
+        rollback: the cache is what feeding the accepted tokens alone would have made it.
+        Returns (logits (tokens, vocab), accepted)."""
+        plan = self.cache.plan(len(ids))
+        out = self.backend.run(plan, ids, True, None)
+        k = int(accept(out.logits))
+        if not 1 <= k <= len(ids):
+            raise ValueError(f"accept() must keep 1..{len(ids)} tokens, got {k}")
+        kept = plan if k == len(ids) else self.cache.plan(k)  # the first k tokens' plan: a prefix of this one
+        with defer_sigint():
+            self.backend.commit(kept, out)
+            self.cache.advance(kept)
+        return out.logits, k
+
     def feed(self, ids, pin: bool | str = False, all_logits: bool = False, embeds: np.ndarray | None = None) -> np.ndarray:
         """Feed any number of tokens in chunks. Returns the last token's logits (vocab,), or all (n, vocab)."""
         ids = np.asarray(ids, dtype=np.int64)

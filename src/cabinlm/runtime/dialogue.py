@@ -17,6 +17,7 @@ import numpy as np
 from cabinlm.errors import InputError
 from cabinlm.runtime.memory import rss_mb
 from cabinlm.runtime.sampler import Sampler
+from cabinlm.runtime.speculative import Reply, Speculation, decode_reply
 from cabinlm.runtime.decoder import Decoder
 from cabinlm.runtime.tokenizer import StreamDecoder, Tokenizer
 
@@ -40,8 +41,10 @@ class TurnResult:
     decode_tok_s: float
     prefill_tok_s: float
     rss_mb: float
-    finish: str  # "stop" (a stop id), "length" (max_new_tokens), "interrupted" (Ctrl-C)
+    finish: str  # "stop" (a stop id), "length" (max_new_tokens), "interrupted" (Ctrl-C or should_stop)
     backend: str  # what the decoder ran on (Decoder.device), e.g. "onnxruntime-cpu"
+    drafted_tokens: int = 0  # speculative decoding: tokens drafted by prompt lookup in this reply
+    accepted_tokens: int = 0  # and how many of them the model accepted
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -56,7 +59,10 @@ class Dialogue:
         sampler: Sampler | None = None,
         max_new_tokens: int = 256,
         long_messages: LongMessages = LongMessages.REFUSE,
+        speculation: Speculation | None = None,
     ):
+        """speculation: draft reply tokens by prompt lookup and verify them in chunks
+        (runtime/speculative.py): the same tokens as without it, greedy or sampled in distribution."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         self.long_messages = LongMessages(long_messages)
@@ -67,11 +73,14 @@ class Dialogue:
         self.system = system if system is not None else self.chat.default_system
         self.sampler = sampler or Sampler()
         self.max_new_tokens = max_new_tokens
+        self.speculation = speculation
         self.reset()
 
     def reset(self) -> None:
         """Start over: empty cache, system prompt pinned again."""
         self.decoder.reset()
+        if self.speculation is not None:
+            self.speculation.reset()
         self.turns = 0
         self._pending: list[int] = []  # tokens that close the previous turn, fed with the next prompt
         if self.system:
@@ -108,12 +117,17 @@ class Dialogue:
         self.system = state["system"]
         self.sampler.rng.bit_generator.state = state["rng"]
 
-    def ask(self, text: str, on_text: Callable[[str], None] | None = None, image=None) -> TurnResult:
+    def ask(self, text: str, on_text: Callable[[str], None] | None = None, image=None, *,
+            should_stop: Callable[[], bool] | None = None) -> TurnResult:
         """One user turn: feed the prompt, stream the reply through on_text, return the turn's numbers.
 
         image (a path or PIL image; vision-language models): a new camera frame. Its tokens replace the
         previous frame's in the cache's pinned image region and sit at the start of this user turn:
             user_prefix | <image> x image_tokens (pinned region) | text + user_suffix + assistant_prefix
+
+        should_stop: called before each reply token is chosen (the prompt is in the cache by then, and
+        every token chosen so far); True ends the reply there as Ctrl-C does (finish "interrupted"), the
+        turn closed as usual. A server stops the reply of a client that went away with it.
         """
         chat, dec = self.chat, self.decoder
         frame = None
@@ -136,13 +150,17 @@ class Dialogue:
                 f"evicted before the reply. Shorten it, or re-export with --window {text_tokens} or more"
             )
         self.turns += 1
-        reply_ids: list[int] = []
         stream = StreamDecoder(self.tok)
-        unfed: list[int] = []
+        reply = Reply()
         prefilled = False
-        finish = "length"
         t_prefill = time.perf_counter()
         t_decode = t_prefill
+
+        def emit(token: int) -> None:
+            delta = stream.push(token)
+            if delta and on_text:
+                on_text(delta)
+
         try:
             if frame is None:
                 logits = dec.feed(prompt)
@@ -156,34 +174,21 @@ class Dialogue:
                 logits = dec.feed(tail)
             prefilled = True
             self._pending = []
+            if self.speculation is not None:
+                self.speculation.lookup.observe(prompt)
             t_decode = time.perf_counter()
-            for i in range(self.max_new_tokens):
-                token = self.sampler(logits)
-                if token in self.stop_ids:
-                    finish = "stop"
-                    break
-                reply_ids.append(token)
-                delta = stream.push(token)
-                if delta and on_text:
-                    on_text(delta)
-                unfed = [token]
-                if i == self.max_new_tokens - 1:
-                    break  # the last token is fed with the next prompt
-                seen = dec.cache.seen
-                try:
-                    logits = dec.step(np.array(unfed, dtype=np.int64))[0]
-                finally:
-                    if dec.cache.seen > seen:
-                        unfed = []
+            reply = decode_reply(dec, self.sampler, logits, self.max_new_tokens, self.stop_ids, emit, self.speculation,
+                                 should_stop)  # fmt: skip
         except KeyboardInterrupt:
-            finish = "interrupted"
+            reply.finish = "interrupted"
         t_end = time.perf_counter()
+        reply_ids, finish = reply.ids, reply.finish
         tail = stream.flush()
         if tail and on_text:
             on_text(tail)
         if prefilled:
             # Close the assistant turn in the cache as the template would have rendered it.
-            self._pending = unfed + self.tok.encode(chat.assistant_suffix)
+            self._pending = reply.unfed + self.tok.encode(chat.assistant_suffix)
         decode_s = t_end - t_decode
         return TurnResult(
             turn=self.turns,
@@ -198,4 +203,15 @@ class Dialogue:
             rss_mb=round(rss_mb(), 1),
             finish=finish,
             backend=dec.device,
+            drafted_tokens=reply.drafted,
+            accepted_tokens=reply.accepted,
         )
+
+    def add_turn(self, text: str, reply: str, image=None) -> None:
+        """A past exchange fed into the cache without generating (a history a client sends): the user
+        turn exactly as ask() feeds it, then `reply` as the assistant's answer (its text encoded as
+        plain text, fed in chunks), the turn closed as a generated reply's is."""
+        self.ask(text, image=image, should_stop=lambda: True)  # the prompt only; no token chosen
+        ids = self.tok.encode_text(reply)
+        if ids:
+            self.decoder.feed(ids)

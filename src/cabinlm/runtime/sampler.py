@@ -26,6 +26,30 @@ class Sampler:
     def __call__(self, logits: np.ndarray) -> int:
         if self.temperature == 0:
             return int(np.argmax(logits))
+        p = self.probs(logits)
+        return int(self.rng.choice(p.size, p=p))
+
+    def accept_draft(self, logits: np.ndarray, draft: int) -> tuple[bool, int]:
+        """Speculative decoding's acceptance rule for a drafted token (a draft that is one token for
+        sure, as prompt lookup drafts): greedy accepts it when it is the argmax; sampling accepts it
+        with probability p(draft) and otherwise samples from p with the draft removed (renormalized),
+        which is max(0, p - q) for a point-mass draft q: the token that comes out is distributed as p
+        exactly. Returns (accepted, the token)."""
+        if self.temperature == 0:
+            token = int(np.argmax(logits))
+            return token == draft, token
+        p = self.probs(logits)
+        if self.rng.random() < p[draft]:
+            return True, int(draft)
+        rest = p.copy()
+        rest[draft] = 0.0
+        total = rest.sum()
+        if total <= 0:  # p is all on the draft (then the draft was accepted above, save for rounding)
+            return True, int(draft)
+        return False, int(self.rng.choice(rest.size, p=rest / total))
+
+    def probs(self, logits: np.ndarray) -> np.ndarray:
+        """The distribution a sampled token is drawn from (temperature > 0): float64, sums to 1."""
         z = logits.astype(np.float64) / self.temperature
         if self.top_k:
             k = min(self.top_k, z.size)
@@ -40,4 +64,4 @@ class Sampler:
             q = np.zeros_like(p)
             q[keep] = p[keep]
             p = q / q.sum()
-        return int(self.rng.choice(p.size, p=p))
+        return p

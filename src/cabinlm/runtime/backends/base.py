@@ -64,7 +64,9 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def commit(self, plan: StepPlan, out: StepOutput) -> None:
-        """Write the chunk's K/V into the plan's slots, in place (the caller holds Ctrl-C)."""
+        """Write the chunk's K/V into the plan's slots, in place (the caller holds Ctrl-C). The plan
+        may be a prefix of the one that ran (speculative decoding keeps the accepted tokens only):
+        then only its first plan.tokens tokens are written, and no slot in use changes for the others."""
 
     @abc.abstractmethod
     def buffers(self) -> dict[str, np.ndarray]:

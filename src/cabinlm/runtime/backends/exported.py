@@ -186,13 +186,13 @@ class ExportedGraphBackend(Backend):
 
 
 def write_slots(buffer: np.ndarray, news: list[np.ndarray], slots: np.ndarray) -> None:
-    """buffer (layers, kv_heads, slots, X)[:, :, slots] = news (per layer (kv_heads, tokens, X)), in
-    place. A contiguous run of slots (no wrap of the ring inside the chunk) is one slice."""
+    """buffer (layers, kv_heads, slots, X)[:, :, slots] = news (per layer (kv_heads, tokens, X); the
+    first len(slots) tokens), in place. A contiguous run of slots (no wrap of the ring) is one slice."""
     n = len(slots)
     lo, hi = int(slots[0]), int(slots[-1]) + 1
     where = (slice(None), slice(lo, hi)) if hi - lo == n else (slice(None), slots)
     for layer, x in enumerate(news):
-        buffer[layer][where] = x
+        buffer[layer][where] = x if x.shape[1] == n else x[:, :n]  # more tokens ran than are kept
 
 
 class StaticPairBackend(ExportedGraphBackend):

@@ -188,7 +188,8 @@ class FusedBackend(Backend):
 
     def commit(self, plan: StepPlan, out: StepOutput) -> None:
         """Keep the sink / pinned tokens' un-rotated keys, then move the chunk's rows F.. into their
-        slots (often the same rows: then nothing moves)."""
+        slots (often the same rows: then nothing moves). A prefix plan moves its tokens only; the
+        kernel's rows of the others stay in empty slots or scratch rows, masked and never read."""
         start, qkv = out.new
         self.rotated.keep_sources(plan, qkv, self._heads)
         slots = plan.slots

@@ -1,0 +1,154 @@
+"""Speculative decoding by prompt lookup (runtime/speculative.py): greedy output token for token the
+same as plain decoding, on every backend with a chunk path, through eviction, pins, seats and
+session save / restore; a rejected draft leaves the cache as if it was never drafted; sampling
+keeps the model's distribution (the acceptance rule, checked against the exact distribution)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cabinlm.builders import build_artifact
+from cabinlm.profiles import load_profile
+from cabinlm.runtime import Decoder, Dialogue, open_artifact
+from cabinlm.runtime.persist import load_session, save_session
+from cabinlm.runtime.sampler import Sampler
+from cabinlm.runtime.speculative import DraftLength, PromptLookup, Speculation
+
+LAYOUT = dict(sink=4, pinned=28, window=48, chunk=8)
+TURNS = ["check the route and the weather", "check the route and the weather again", "play some music",
+         "how far is it to the charging station", "check the route", "thanks, check the route and the weather"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def artifacts(load, tiny_qwen2_dir, export_to, tmp_path_factory):
+    art = export_to(load(str(tiny_qwen2_dir)), kv="int8", **LAYOUT)
+    fused = build_artifact(art, load_profile("cpu"), tmp_path_factory.mktemp("spec") / "fused", attention="fused")
+    return {"onnxruntime-graph": art, "onnxruntime-fused": fused}
+
+
+def test_prompt_lookup_drafts_what_followed_the_longest_matching_suffix():
+    lookup = PromptLookup(capacity=64)
+    lookup.observe([5, 6, 7, 8, 9, 1, 2, 6, 7])
+    assert lookup.draft(3) == [8, 9, 1]  # "6 7" was followed by 8 9 1
+    lookup.observe([3])
+    assert lookup.draft(3) == []  # "3" never seen before
+    lookup.observe([5, 6, 7, 4, 6, 7])
+    assert lookup.draft(2) == [4, 6]  # no earlier "4 6 7"; the latest earlier "6 7" was followed by 4 6
+    assert PromptLookup().draft(4) == []
+
+
+def test_prompt_lookup_memory_is_bounded():
+    lookup = PromptLookup(capacity=100)
+    lookup.observe(np.random.default_rng(0).integers(0, 50, 5000))
+    assert len(lookup.tokens) <= 200 and len(lookup._ends) <= 3 * 200
+
+
+def test_the_draft_length_grows_falls_and_pauses():
+    d = DraftLength(longest=8, start=4, patience=2)
+    d.update(4, 4)
+    assert d.next() == 6
+    d.update(6, 2)
+    assert d.next() == 3
+    d.update(3, 0)
+    d.update(1, 0)  # two verifications in a row accepted nothing: drafting pauses
+    assert [d.next() for _ in range(9)] == [0] * 8 + [1]
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+@pytest.mark.parametrize("draft", [0, 3, 5])
+def test_the_acceptance_rule_keeps_the_distribution(temperature, top_p, draft):
+    """Whatever the draft, the token that comes out of accept_draft is distributed as the sampler's
+    own distribution (chi-square against the exact probabilities, 20,000 draws)."""
+    logits = np.array([2.0, 1.0, 0.5, 0.0, -1.0, 1.5])
+    s = Sampler(temperature=temperature, top_p=top_p, seed=11)
+    p = s.probs(logits)
+    n = 20_000
+    counts = np.bincount([s.accept_draft(logits, draft)[1] for _ in range(n)], minlength=len(p))
+    live = p > 0
+    assert (counts[~live] == 0).all()  # never a token the sampler excludes (top-p)
+    chi2 = (((counts[live] - n * p[live]) ** 2) / (n * p[live])).sum()
+    assert chi2 < 25.0, (chi2, counts / n, p)  # dof <= 5: p-value ~1e-4 at 25
+
+
+def dialogues(folder, spec: bool, seats: int = 1):
+    dec, tok = open_artifact(folder, verify=False)
+    decs = [dec] + [dec.seat() for _ in range(seats - 1)]
+    return [Dialogue(d, tok, system="Answer briefly.", max_new_tokens=24, speculation=Speculation() if spec else None)
+            for d in decs]  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime-graph", "onnxruntime-fused"])
+def test_greedy_speculative_replies_are_the_plain_replies_through_eviction_seats_and_sessions(backend, artifacts, tmp_path):
+    folder = artifacts[backend]
+    (plain,) = dialogues(folder, spec=False)
+    expected = [plain.ask(t).reply for t in TURNS * 3]
+    assert plain.decoder.cache.evicted > 2 * LAYOUT["window"]  # far past the window
+
+    a, b = dialogues(folder, spec=True, seats=2)  # two seats on one model, interleaved
+    got_a, got_b = [], []
+    results = []
+    for i, t in enumerate(TURNS * 3):
+        r = a.ask(t)
+        results.append(r)
+        got_a.append(r.reply)
+        got_b.append(b.ask(t).reply)
+        if i == 7:  # save seat a, and go on from the file in a fresh process's place
+            save_session(tmp_path / "a.ses", a)
+            (a,) = dialogues(folder, spec=True)
+            load_session(tmp_path / "a.ses", a)
+    assert got_a == expected and got_b == expected
+    drafted, accepted = sum(r.drafted_tokens for r in results), sum(r.accepted_tokens for r in results)
+    assert drafted > 0 and 0 < accepted <= drafted  # drafts were made, some accepted, some not
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime-graph", "onnxruntime-fused"])
+def test_a_rejected_draft_leaves_the_cache_as_if_it_was_never_drafted(backend, artifacts):
+    """verify([t, drafts]) that keeps only t: two decoders given different rejected drafts (of the
+    same length) end with the same slot table and the same bytes in every slot in use and in the
+    sink / pinned keys' sources, so a rejected draft leaves no trace; and both match a decoder that
+    stepped t alone (its logits, its table; its K/V within one int8 step, another kernel path)."""
+    folder = artifacts[backend]
+    ref, a, b = Decoder(folder), Decoder(folder), Decoder(folder)
+    rng = np.random.default_rng(3)
+    system = rng.integers(3, 300, 10)
+    for d in (ref, a, b):
+        d.feed(system, pin=True)
+    for step in range(120):
+        t = int(rng.integers(3, 300))
+        n = int(rng.integers(1, LAYOUT["chunk"]))
+        want = ref.step(np.array([t]))[0]
+        rows, kept = a.verify(np.array([t, *rng.integers(3, 300, n)]), lambda logits: 1)
+        b.verify(np.array([t, *rng.integers(3, 300, n)]), lambda logits: 1)
+        assert kept == 1
+        np.testing.assert_allclose(rows[0], want, atol=2e-2)  # row 0: the plain step's logits
+        sa, sb, sr = a.cache.state(), b.cache.state(), ref.cache.state()
+        assert sa.counters() == sb.counters() == sr.counters()
+        assert (sa.slot_token == sb.slot_token).all() and (sa.slot_token == sr.slot_token).all()
+        used = np.flatnonzero(sa.slot_token >= 0)
+        for name, buf in a.backend.buffers().items():
+            other, plain = b.backend.buffers()[name], ref.backend.buffers()[name]
+            if name == "key_source":
+                np.testing.assert_array_equal(buf, other)
+                continue
+            np.testing.assert_array_equal(buf[:, :, used], other[:, :, used], err_msg=f"{name} after step {step}")
+            diff = np.abs(buf[:, :, used].astype(np.float32) - plain[:, :, used].astype(np.float32)).max()
+            assert diff <= 1.0, (name, step, diff)
+    assert a.cache.evicted > LAYOUT["window"]  # the rejected rows landed in empty slots, then in scratch rows
+
+
+def test_chat_replies_are_the_same_with_and_without_speculation(artifacts):
+    import json
+    import subprocess
+    import sys
+
+    stdin = "\n".join(TURNS) + "\n"
+    runs = {}
+    for flag in ("--speculative", "--no-speculative"):
+        p = subprocess.run([sys.executable, "-m", "cabinlm", "chat", str(artifacts["onnxruntime-fused"]), "--json",
+                            "--max-new-tokens", "24", flag], input=stdin, capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert p.returncode == 0, p.stderr
+        runs[flag] = [json.loads(line) for line in p.stdout.splitlines()]
+    assert [r["reply"] for r in runs["--speculative"]] == [r["reply"] for r in runs["--no-speculative"]]
+    assert sum(r["drafted_tokens"] for r in runs["--speculative"]) > 0
+    assert sum(r["drafted_tokens"] for r in runs["--no-speculative"]) == 0
