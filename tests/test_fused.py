@@ -335,3 +335,41 @@ def test_smollm2_q4_1_as_int8_blocks_stay_close_to_the_exact_build(smollm2, expo
     for name, size in built.items():  # the weights as each build holds them
         assert size == (tmp_path / name / "decoder.opt.onnx.data").stat().st_size
     assert built["int8"] > built["exact"]  # 8 bits against 4 + minimums
+
+
+def test_an_interrupt_inside_the_key_refresh_leaves_no_stale_key(load, tiny_llama_dir, export_to, tmp_path):
+    """Ctrl-C while the sink / pinned keys are being re-rotated (inside the rotation graph's run):
+    the step is abandoned, and the next one re-does the refresh (it is recorded only after the keys
+    are written), so the logits equal an uninterrupted decoder's fed the same tokens."""
+    art = export_to(load(str(tiny_llama_dir)), kv="int8", **LAYOUT)
+    out = fused_build(art, tmp_path / "fused8")
+    a, b = Decoder(out), Decoder(out)
+    rng = np.random.default_rng(5)
+    system = rng.integers(3, 300, 7)
+    a.feed(system, pin=True)
+    b.feed(system, pin=True)
+    for _ in range(LAYOUT["window"] // 2):  # the window fills: from here each 2-token chunk evicts
+        ids = rng.integers(3, 300, 2)
+        a.step(ids), b.step(ids)
+    rot = b.backend.rotated
+    real, calls = rot.session, {"n": 0}
+
+    class Interrupted:
+        def run(self, *args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise KeyboardInterrupt  # arrives while the rotation runs
+            return real.run(*args, **kwargs)
+
+    rot.session = Interrupted()
+    interrupted = 0
+    for t in range(20):
+        ids = rng.integers(3, 300, 2)
+        want = a.step(ids)
+        try:
+            got = b.step(ids)
+        except KeyboardInterrupt:
+            interrupted += 1
+            got = b.step(ids)  # the same chunk again: the cache was not touched
+        np.testing.assert_allclose(got, want, atol=1e-4, err_msg=f"chunk {t}")
+    assert interrupted == 1 and calls["n"] > 5 and b.cache.evicted > 20

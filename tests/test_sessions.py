@@ -267,3 +267,136 @@ def test_the_cli_takes_a_malformed_seat_prefix_as_text(artifact):
                         "--max-new-tokens", "2"], input="@1x hello\n", capture_output=True, text=True, timeout=120)  # fmt: skip
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
     assert json.loads(p.stdout)["seat"] == 1
+
+
+# -- session files are untrusted, saves can fail, two processes can collide (issue: hardening) ---------
+
+
+def _rewrite_header(raw: bytes, edit) -> bytes:
+    """The file with its JSON header edited by `edit` and the checksum recomputed (a deliberate forgery)."""
+    import hashlib
+
+    from cabinlm.runtime.persist import HEADER_BYTES
+
+    start = 16
+    header = json.loads(raw[start : start + HEADER_BYTES])
+    new = json.dumps(edit(header)).encode()
+    if len(new) > HEADER_BYTES:
+        new = new[:HEADER_BYTES]
+    body = raw[:start] + new.ljust(HEADER_BYTES, b" ") + raw[start + HEADER_BYTES : -32]
+    return body + hashlib.sha256(body).digest()
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
+                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+                           max_leaves=12)  # fmt: skip
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_forged_headers_with_valid_checksums_give_a_session_error_or_a_consistent_dialogue(artifact, tmp_path_factory, data):
+    """Any field of the header replaced by any JSON value, the checksum recomputed: the load is
+    refused with SessionError and the dialogue is untouched, or it is accepted and the dialogue goes on."""
+    folder = tmp_path_factory.mktemp("forged")
+    d = dialogue(artifact)
+    d.ask("hello")
+    save_session(folder / "s", d)
+    paths = [("identity",), ("identity", "model"), ("identity", "cache"), ("cache",), ("dialogue",), ("format",)]
+    paths += [("cache", k) for k in ("seen", "evicted", "sink_fill", "pinned_fill", "image_fill", "frames", "window_fill", "ring_next")]
+    paths += [("dialogue", k) for k in ("turns", "pending", "system", "rng")]
+    where = data.draw(st.sampled_from(paths))
+    value = data.draw(json_values | st.integers(-5, 500) | st.lists(st.integers(-5, 10**6), max_size=6))
+
+    def edit(h):
+        node = h
+        for k in where[:-1]:
+            node = node[k]
+        node[where[-1]] = value
+        return h
+
+    (folder / "s").write_bytes(_rewrite_header((folder / "s").read_bytes(), edit))
+    before = (folder / "s").read_bytes()
+    fresh = dialogue(artifact)
+    snap = snapshot(fresh)
+    try:
+        load_session(folder / "s", fresh)
+    except SessionError:
+        assert same(snapshot(fresh), snap)
+    fresh.ask("still works")  # refused or accepted, the dialogue goes on
+    assert (folder / "s").read_bytes() == before  # a load never changes the file
+
+
+def test_a_symlink_planted_where_a_save_writes_its_temporary_is_never_followed(artifact, tmp_path, monkeypatch):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    d = dialogue(artifact)
+    d.ask("hello")
+    import cabinlm.runtime.persist as persist
+
+    monkeypatch.setattr(persist.secrets, "token_hex", lambda n: "feedface")  # the name a planted link guesses
+    for name in ("s.tmp", ".s.feedface.tmp", ".s.lock"):
+        (tmp_path / name).symlink_to(victim)
+    with pytest.raises(SessionError, match="lock"):  # the lock file is never opened through a link
+        save_session(tmp_path / "s", d)
+    (tmp_path / ".s.lock").unlink()
+    save_session(tmp_path / "s", d)  # the stale temporary's link is removed, the new one created exclusively
+    assert victim.read_text() == "precious" and not (tmp_path / "s").is_symlink()
+    load_session(tmp_path / "s", dialogue(artifact))
+
+
+def test_a_save_that_cannot_be_written_raises_a_session_error_and_keeps_the_previous_file(artifact, tmp_path):
+    d = dialogue(artifact)
+    d.ask("hello")
+    with pytest.raises(SessionError, match="does not exist"):
+        save_session(tmp_path / "missing" / "s", d)
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(SessionError):
+        save_session(tmp_path / "a-file" / "s", d)  # a file where the folder belongs (fails even for root)
+    with pytest.raises(SessionError, match="not a regular file"):
+        load_session(Path("/dev/zero"), d)  # a device file is never read
+    with pytest.raises(SessionError, match="not a regular file"):
+        load_session(tmp_path, d)
+
+
+def test_a_full_disk_fails_the_save_and_keeps_the_previous_session(artifact, tmp_path):
+    """A real full file system: a tiny tmpfs (needs mount; skipped with the reason where not allowed)."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    d = dialogue(artifact)
+    d.ask("hello")
+    size = session_size(d)
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size + 8192}", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {p.stderr.strip() or p.returncode}")
+    try:
+        save_session(mnt / "s", d)  # the first fits
+        before = (mnt / "s").read_bytes()
+        d.ask("and again")
+        with pytest.raises(SessionError, match="No space left"):
+            save_session(mnt / "s", d)  # a second copy does not fit beside the first
+        assert (mnt / "s").read_bytes() == before
+        assert [q.name for q in mnt.iterdir() if q.name.endswith(".tmp")] == []
+        load_session(mnt / "s", dialogue(artifact))
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_two_processes_on_one_session_file_are_detected(artifact, tmp_path):
+    """A real second process holds the session (it saved and waits): this one is refused, both ways."""
+    code = (f"import sys, time; from cabinlm.runtime import Dialogue, open_artifact; "
+            f"from cabinlm.runtime.persist import save_session; "
+            f"d = Dialogue(*open_artifact({str(artifact)!r}, verify=False), max_new_tokens=4); d.ask('hi'); "
+            f"save_session({str(tmp_path / 's')!r}, d); print('saved', flush=True); time.sleep(60)")  # fmt: skip
+    other = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "saved"
+        d = dialogue(artifact)
+        with pytest.raises(SessionError, match=f"in use by cabinlm process {other.pid}"):
+            load_session(tmp_path / "s", d)
+        d.ask("hello")
+        with pytest.raises(SessionError, match="in use"):
+            save_session(tmp_path / "s", d)
+    finally:
+        other.kill()
+        other.wait()
+    load_session(tmp_path / "s", dialogue(artifact))  # the lock went with the process

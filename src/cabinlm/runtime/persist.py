@@ -12,18 +12,25 @@ Layout (little-endian; the size is fixed for a given build, so a short file is a
                           un-rotated sink keys, as that backend holds them), in that order
     end-32  32            sha256 of everything before it
 
-Guarantees: a save writes a temporary file next to the target, fsyncs it, renames it over the
-target (atomic on POSIX) and fsyncs the folder, so a crash at any moment leaves either the previous
-or the new complete file. A load checks size, magic, version, checksum and identity (the model's
+Guarantees: a save writes a temporary file next to the target (a fresh random name, created
+exclusively and never through a symbolic link), fsyncs it, renames it over the target (atomic on
+POSIX) and fsyncs the folder, so a crash at any moment leaves either the previous or the new complete
+file; a save that fails (a missing folder, a read-only or full disk) raises SessionError, removes its
+temporary and leaves the previous file as it was. A process that loads or saves a session file
+holds a lock on it (`.NAME.lock`, flock) until it exits: a second process on the same file is
+refused with SessionError instead of overwriting the first one's dialogue. A load checks size, magic, version, checksum and identity (the model's
 weights, the graph, the backend, the cache layout), then the slot table against the layout
 (runtime/slots.check_state), before it changes anything, so a refused file loses nothing.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
+import secrets
+import stat
 import struct
 from pathlib import Path
 
@@ -84,61 +91,147 @@ def _write_all(fd: int, data) -> None:
         view = view[n:]
 
 
+def _check_dialogue_state(state, vocab: int) -> None:
+    """Every field Dialogue.restore takes, by type and range (raises TypeError / ValueError)."""
+    if not isinstance(state, dict) or set(state) != {"turns", "pending", "system", "rng"}:
+        raise ValueError("the dialogue state needs exactly turns, pending, system, rng")
+    if type(state["turns"]) is not int or not 0 <= state["turns"] < 2**62:
+        raise ValueError(f"turns = {state['turns']!r}")
+    pending = state["pending"]
+    if not isinstance(pending, list) or len(pending) > 4096 or not all(type(t) is int and 0 <= t < vocab for t in pending):
+        raise ValueError(f"pending tokens must be at most 4096 ids below {vocab}")
+    if state["system"] is not None and not isinstance(state["system"], str):
+        raise TypeError("system must be text or null")
+    np.random.default_rng().bit_generator.state = state["rng"]  # a scratch generator: raises if malformed
+
+
+_LOCKS: dict[Path, int] = {}  # session file -> the lock file descriptor this process holds
+
+
+def _lock(path: Path) -> None:
+    """Hold `.NAME.lock` next to the session file for the rest of this process (the kernel drops it
+    when the process ends, however it ends)."""
+    key = path.absolute()
+    if key in _LOCKS:
+        return
+    lock = path.with_name(f".{path.name}.lock")
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as e:
+        raise SessionError(f"{path}: cannot create the session's lock file {lock.name} ({e.strerror})") from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "another process"
+        os.close(fd)
+        raise SessionError(f"{path}: the session file is in use by cabinlm process {holder}; stop it, or give this one "
+                           "another --session") from e  # fmt: skip
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    _LOCKS[key] = fd
+
+
+def _stale_temporaries(path: Path) -> list[Path]:
+    """Temporaries of earlier saves of this file that a crash left behind (harmless, but not kept)."""
+    prefix = f".{path.name}."
+    try:
+        return [p for p in path.parent.iterdir() if p.name.startswith(prefix) and p.name.endswith(".tmp")]
+    except OSError:
+        return []
+
+
 def save_session(path: str | Path, d: Dialogue) -> None:
-    """Atomically replace `path` with the dialogue's current state."""
+    """Atomically replace `path` with the dialogue's current state; on failure raise SessionError and
+    change nothing on disk."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    if not path.parent.is_dir():
+        raise SessionError(f"{path}: the folder {path.parent} does not exist; create it or choose another --session")
+    _lock(path)
+    header = _header(d)  # may refuse (a system prompt too long for the header) before any file is touched
+    for old in _stale_temporaries(path):
+        old.unlink(missing_ok=True)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     h = hashlib.sha256()
     with defer_sigint():
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            for part in (_PREFIX.pack(MAGIC, FORMAT, HEADER_BYTES), _header(d), *_buffers(d)):
-                part = np.ascontiguousarray(part) if isinstance(part, np.ndarray) else part
-                h.update(part)
-                _write_all(fd, part)
-            _write_all(fd, h.digest())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        dfd = os.open(path.parent, os.O_RDONLY)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except OSError as e:
+            raise SessionError(f"{path}: cannot write the session ({e.strerror}); the previous one is kept") from e
         try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+            try:
+                for part in (_PREFIX.pack(MAGIC, FORMAT, HEADER_BYTES), header, *_buffers(d)):
+                    part = np.ascontiguousarray(part) if isinstance(part, np.ndarray) else part
+                    h.update(part)
+                    _write_all(fd, part)
+                _write_all(fd, h.digest())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise SessionError(f"{path}: cannot write the session ({e.strerror}); the previous one is kept") from e
+        try:
+            dfd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError as e:
+            raise SessionError(f"{path}: saved, but the folder could not be synced to disk ({e.strerror})") from e
 
 
 def load_session(path: str | Path, d: Dialogue) -> None:
-    """Restore `d` (decoder cache and dialogue state) from `path`; on any problem nothing changes."""
+    """Restore `d` (decoder cache and dialogue state) from `path`; on any problem nothing changes.
+    Everything in the file is checked before use: its size, magic, version, checksum, identity, the
+    slot table against the layout and every field of the dialogue state (the file is untrusted: a
+    checksum can be recomputed)."""
     path = Path(path)
+    fix = f"move {path} away (or delete it) to start a new session"
+    expected = session_size(d)
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise SessionError(f"{path}: cannot read the session file ({e.strerror})") from e
+    if not stat.S_ISREG(st.st_mode):
+        raise SessionError(f"{path}: not a regular file; {fix}")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_PREFIX.size)
+    except OSError as e:
+        raise SessionError(f"{path}: cannot read the session file ({e.strerror})") from e
+    if len(head) < _PREFIX.size or head[:8] != MAGIC:
+        raise SessionError(f"{path}: not a cabinlm session file; {fix}")
+    _, version, header_bytes = _PREFIX.unpack_from(head)
+    if version != FORMAT or header_bytes != HEADER_BYTES:
+        raise SessionError(f"{path}: session format version {version}, this cabinlm reads {FORMAT}; {fix}")
+    if st.st_size != expected:
+        raise SessionError(
+            f"{path}: {st.st_size} bytes, a session of this build has {expected} (truncated, or from another "
+            f"build); {fix}"
+        )
+    _lock(path)
     try:
         data = path.read_bytes()
     except OSError as e:
-        raise SessionError(f"{path}: cannot read the session file ({e})") from e
-    fix = f"move {path} away (or delete it) to start a new session"
-    if len(data) < _PREFIX.size or data[:8] != MAGIC:
-        raise SessionError(f"{path}: not a cabinlm session file; {fix}")
-    _, version, header_bytes = _PREFIX.unpack_from(data)
-    if version != FORMAT or header_bytes != HEADER_BYTES:
-        raise SessionError(f"{path}: session format version {version}, this cabinlm reads {FORMAT}; {fix}")
-    expected = session_size(d)
-    if len(data) != expected:
-        raise SessionError(
-            f"{path}: {len(data)} bytes, a session of this build has {expected} (truncated, or from another "
-            f"build); {fix}"
-        )
+        raise SessionError(f"{path}: cannot read the session file ({e.strerror})") from e
+    if len(data) != expected or data[: _PREFIX.size] != head:
+        raise SessionError(f"{path}: the file changed while it was read; {fix}")
     body, digest = data[:-_DIGEST], data[-_DIGEST:]
     if hashlib.sha256(body).digest() != digest:
         raise SessionError(f"{path}: checksum mismatch, the file is corrupt; {fix}")
     try:
         header = json.loads(body[_PREFIX.size : _PREFIX.size + HEADER_BYTES])
+        if not isinstance(header, dict):
+            raise TypeError("the header is not an object")
         identity, cache_state, dialogue_state = header["identity"], header["cache"], header["dialogue"]
-        if not {"turns", "pending", "system", "rng"} <= set(dialogue_state):
-            raise KeyError("dialogue")
-    except (ValueError, KeyError, TypeError) as e:
-        raise SessionError(f"{path}: unreadable session header ({e}); {fix}") from e
+        if not isinstance(identity, dict):
+            raise TypeError("identity is not an object")
+        _check_dialogue_state(dialogue_state, d.decoder.manifest.model.vocab_size)
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise SessionError(f"{path}: unreadable session header ({str(e)[:200]}); {fix}") from e
     mine = _identity(d)
-    if identity["model"] != mine["model"]:
+    if identity.get("model") != mine["model"]:
         raise SessionError(f"{path}: this session was saved with another model's weights; {fix}")
     if identity != mine:
         raise SessionError(f"{path}: this session was saved with another build of this model (graph or cache layout); {fix}")

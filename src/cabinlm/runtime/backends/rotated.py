@@ -164,8 +164,8 @@ class RotatedKeys:
             return
         self._ahead = None
         slots = np.concatenate([np.arange(c.sink_fill), lay.sink + np.arange(c.pinned_fill)]).astype(np.int64)
-        self._refreshed = state
         if not len(slots):
+            self._refreshed = state
             return
         if self._slots is None or not np.array_equal(self._slots, slots):
             self._prepare(slots)
@@ -180,6 +180,7 @@ class RotatedKeys:
             if self.key_scales is not None:
                 rotated = np.clip(np.rint(rotated), -127, 127)
         self._write(rotated)
+        self._refreshed = state  # recorded after the keys are written: an interrupt before it redoes them
 
     def _write(self, rotated: np.ndarray) -> None:
         """(1, layers * kv_heads, rows, head_dim) rotated keys into the sink / pinned slots."""
