@@ -139,3 +139,32 @@ def test_interrupting_a_reply_keeps_the_dialogue_consistent(tiny_artifact, monke
     # The sampled-but-unfed token and the closing of the interrupted turn were fed first.
     assert r2.prompt_tokens > len(d.render_user("thanks"))
     assert dec.cache.seen > seen
+
+
+def test_ctrl_c_between_prefill_chunks_lets_the_prompt_join_the_cache_whole(tiny_artifact, monkeypatch):
+    """A real SIGINT delivered while the first chunk of a long prompt runs: the prompt's chunks all
+    join the cache (none is left half-fed), the turn ends before any reply token, and the next turn
+    feeds only the closing of this one and its own prompt."""
+    import signal
+
+    dec, tok = open_artifact(tiny_artifact)
+    d = Dialogue(dec, tok, max_new_tokens=8)
+    d.ask("hello")
+    before = dec.cache.seen
+    real_step, calls = Decoder.step, {"n": 0}
+
+    def step_with_sigint(self, ids, pin=False, embeds=None, logits="all"):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C arrives during the first prefill chunk
+        return real_step(self, ids, pin, embeds, logits)
+
+    monkeypatch.setattr(Decoder, "step", step_with_sigint)
+    text = "check the mirrors and the route " * 2
+    r = d.ask(text)
+    monkeypatch.setattr(Decoder, "step", real_step)
+    assert r.finish == "interrupted" and r.new_tokens == 0 and calls["n"] > 1  # several chunks ran
+    assert dec.cache.seen - before == r.prompt_tokens  # the whole prompt, nothing more
+    r2 = d.ask("thanks")
+    closing = len(tok.encode(dec.manifest.chat.assistant_suffix))
+    assert r2.prompt_tokens == closing + len(d.render_user("thanks"))

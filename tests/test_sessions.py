@@ -18,7 +18,7 @@ from cabinlm.errors import InputError, ManifestError
 from cabinlm.manifest import load_manifest
 from cabinlm.runtime import Dialogue, open_artifact
 from cabinlm.runtime.memory import rss_mb
-from cabinlm.runtime.persist import SessionError, load_session, save_session, session_size
+from cabinlm.runtime.persist import SessionError, load_session, release_session, save_session, session_size
 
 TURNS = ["check the route", "and the weather", "play some music", "how far is it", "thanks", "one more thing"]
 
@@ -378,6 +378,7 @@ def test_a_full_disk_fails_the_save_and_keeps_the_previous_session(artifact, tmp
         assert [q.name for q in mnt.iterdir() if q.name.endswith(".tmp")] == []
         load_session(mnt / "s", dialogue(artifact))
     finally:
+        release_session(mnt / "s")  # its lock file is open on the tmpfs
         subprocess.run(["umount", str(mnt)], capture_output=True)
 
 

@@ -15,6 +15,7 @@ from typing import Callable
 import numpy as np
 
 from cabinlm.errors import InputError
+from cabinlm.runtime.interrupts import defer_sigint
 from cabinlm.runtime.memory import rss_mb
 from cabinlm.runtime.sampler import Sampler
 from cabinlm.runtime.speculative import Reply, Speculation, decode_reply
@@ -162,20 +163,23 @@ class Dialogue:
                 on_text(delta)
 
         try:
-            if frame is None:
-                logits = dec.feed(prompt)
-            else:
-                head, embeds, tail = frame
-                if head:
-                    dec.feed(head)
-                dec.cache.begin_frame()
-                image_ids = np.full(len(embeds), dec.manifest.vision.image_token_id, dtype=np.int64)
-                dec.feed(image_ids, pin="image", embeds=embeds)
-                logits = dec.feed(tail)
-            prefilled = True
-            self._pending = []
-            if self.speculation is not None:
-                self.speculation.lookup.observe(prompt)
+            # The prompt joins the cache whole: its chunks run with Ctrl-C held (an interrupt then ends
+            # the turn before any reply token), so the cache never holds half a turn.
+            with defer_sigint():
+                if frame is None:
+                    logits = dec.feed(prompt)
+                else:
+                    head, embeds, tail = frame
+                    if head:
+                        dec.feed(head)
+                    dec.cache.begin_frame()
+                    image_ids = np.full(len(embeds), dec.manifest.vision.image_token_id, dtype=np.int64)
+                    dec.feed(image_ids, pin="image", embeds=embeds)
+                    logits = dec.feed(tail)
+                prefilled = True
+                self._pending = []
+                if self.speculation is not None:
+                    self.speculation.lookup.observe(prompt)
             t_decode = time.perf_counter()
             reply = decode_reply(dec, self.sampler, logits, self.max_new_tokens, self.stop_ids, emit, self.speculation,
                                  should_stop)  # fmt: skip

@@ -131,6 +131,13 @@ def _lock(path: Path) -> None:
     _LOCKS[key] = fd
 
 
+def release_session(path: str | Path) -> None:
+    """Give up this process's lock on a session file (done for it when the process ends)."""
+    fd = _LOCKS.pop(Path(path).absolute(), None)
+    if fd is not None:
+        os.close(fd)
+
+
 def _stale_temporaries(path: Path) -> list[Path]:
     """Temporaries of earlier saves of this file that a crash left behind (harmless, but not kept)."""
     prefix = f".{path.name}."
