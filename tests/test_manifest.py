@@ -7,6 +7,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from cabinlm.errors import ManifestError
 from cabinlm.manifest import Manifest, decoder_io, load_manifest, verify_checksums
@@ -102,3 +104,82 @@ def test_kv_scales_of_the_wrong_shape_or_sign_are_refused(load, tiny_llama_dir, 
             Manifest.from_dict({**d, "kv_scales": {**d["kv_scales"], "keys": bad}})
     with pytest.raises(ManifestError, match="without its calibrated scales"):
         Manifest.from_dict({**d, "kv_scales": None})
+
+
+hostile = st.recursive(st.none() | st.booleans() | st.integers(-(2**80), 2**80) | st.floats() | st.text(max_size=10),
+                       lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+                       max_leaves=10)  # fmt: skip
+
+
+def _paths(node, prefix=()):
+    """Every key path of a JSON document (lists by index), the document's own leaves included."""
+    yield prefix
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for k, v in items:
+        yield from _paths(v, (*prefix, k))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_hostile_manifest_is_a_manifest_error_or_a_valid_manifest(built_manifest, data):
+    """Any value of the manifest (the build's typed section, the KV scales and the files included)
+    replaced by any JSON value, or removed: Manifest.from_dict raises ManifestError or returns a
+    manifest that describes itself again (round trip), never another exception."""
+    import copy
+
+    d = copy.deepcopy(built_manifest)
+    paths = [p for p in _paths(d) if p and len(p) <= 4]
+    where = data.draw(st.sampled_from(paths))
+    node = d
+    for k in where[:-1]:
+        node = node[k]
+    if data.draw(st.booleans()) and isinstance(node, dict):
+        del node[where[-1]]
+    else:
+        node[where[-1]] = data.draw(hostile)
+    try:
+        m = Manifest.from_dict(d)
+    except ManifestError:
+        return
+    assert Manifest.from_dict(m.to_dict()).to_dict() == m.to_dict()
+
+
+@pytest.fixture(scope="module")
+def built_manifest(load, tiny_llama_dir, export_to, tmp_path_factory):
+    """An int8-KV fused cpu build's manifest: every typed section present (build, rotary, kv_scales)."""
+    from cabinlm.builders import build_artifact
+    from cabinlm.profiles import load_profile
+
+    art = export_to(load(str(tiny_llama_dir)), sink=2, pinned=6, window=32, chunk=8, kv="int8")
+    out = build_artifact(art, load_profile("cpu"), tmp_path_factory.mktemp("built") / "b")
+    return json.loads((out / "manifest.json").read_text())
+
+
+def test_files_that_are_not_what_they_claim_are_refused_in_one_line(artifact, tmp_path):
+    import os
+    import shutil
+
+    bad = tmp_path / "a"
+    shutil.copytree(artifact, bad)
+    d = json.loads((bad / "manifest.json").read_text())
+    for path in ("../../etc/passwd", "/etc/passwd", ""):
+        (bad / "manifest.json").write_text(json.dumps({**d, "files": {**d["files"], "tokenizer": {**d["files"]["tokenizer"], "path": path}}}))
+        with pytest.raises(ManifestError, match="inside the artifact folder"):
+            load_manifest(bad)
+    (bad / "manifest.json").write_text(json.dumps(d))
+    tok = bad / d["files"]["tokenizer"]["path"]
+    tok.unlink()
+    tok.mkdir()  # a directory where a file belongs
+    with pytest.raises(ManifestError, match="not a regular file"):
+        load_manifest(bad)
+    (bad / "manifest.json").unlink()
+    os.symlink("/dev/zero", bad / "manifest.json")  # a device where the manifest belongs: never read
+    with pytest.raises(ManifestError, match="not a manifest"):
+        load_manifest(bad)
+    (bad / "manifest.json").unlink()
+    (bad / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)  # nesting deeper than the parser goes
+    with pytest.raises(ManifestError, match="corrupt"):
+        load_manifest(bad)
+    (bad / "manifest.json").write_text(json.dumps({**d, "cache": {**d["cache"], "window": 10**15}}))
+    with pytest.raises(ManifestError, match="window"):
+        load_manifest(bad)

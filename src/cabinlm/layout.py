@@ -11,6 +11,10 @@ from cabinlm.errors import LayoutError
 from cabinlm.precision import KVDType  # also re-exported: manifest.py and the runtime import it from here
 
 
+MAX_DIM = 1 << 24  # any one dimension of the cache (slots, layers, heads, head_dim)
+MAX_CACHE_BYTES = 1 << 40
+
+
 @dataclass(frozen=True)
 class CacheLayout:
     """Geometry of the fixed-size KV cache.
@@ -40,6 +44,10 @@ class CacheLayout:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_dtype", KVDType(self.kv_dtype))
+        for name in ("sink", "pinned", "image", "window", "chunk", "layers", "kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if type(value) is not int or value > MAX_DIM:
+                raise LayoutError(f"{name} must be a whole number up to {MAX_DIM}, got {value!r}")
         for name in ("sink", "pinned", "image"):
             if getattr(self, name) < 0:
                 raise LayoutError(f"--{name} must be >= 0, got {getattr(self, name)}")
@@ -53,6 +61,9 @@ class CacheLayout:
                 f"--chunk {self.chunk} is larger than --window {self.window}: a prefill chunk must fit in "
                 "the window; lower --chunk or raise --window"
             )
+        if self.cache_bytes > MAX_CACHE_BYTES:
+            raise LayoutError(f"a cache of {self.cache_bytes / 2**30:.0f} GiB is beyond any device cabinlm targets; "
+                              "lower --window")  # fmt: skip
 
     @property
     def slots(self) -> int:

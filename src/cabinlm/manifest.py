@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cabinlm.errors import ManifestError
+from cabinlm.errors import LayoutError, ManifestError
 from cabinlm.io_spec import (  # noqa: F401 - re-exported: the manifest is where users look for the contract
     ATTENTION_BIAS,
     ATTENTION_MASK,
@@ -67,6 +67,7 @@ from cabinlm.layout import CacheLayout, KVDType  # noqa: F401 - re-exported
 FORMAT_VERSION = 4
 SUPPORTED_VERSIONS = (4,)
 MANIFEST_NAME = "manifest.json"
+MAX_MANIFEST_BYTES = 64 << 20  # a manifest is a few hundred kB (KV scales included)
 # RoPE variants whose inverse frequencies do not depend on the sequence length, so that a
 # fixed-shape graph can hold them as constants (the exporter and the planner both check this).
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
@@ -224,9 +225,18 @@ class KVScales:
 
 @dataclass(frozen=True)
 class FileEntry:
-    path: str  # relative to the artifact folder
+    path: str  # relative to the artifact folder, inside it
     bytes: int
     sha256: str
+
+    def __post_init__(self) -> None:
+        p = self.path
+        if not isinstance(p, str) or not p or p.startswith("/") or "\\" in p or ".." in p.split("/"):
+            raise ValueError(f"file path {p!r} must be relative and inside the artifact folder")
+        if type(self.bytes) is not int or not 0 <= self.bytes < 1 << 45:
+            raise ValueError(f"{p}: size {self.bytes!r} is not a byte count")
+        if not isinstance(self.sha256, str) or len(self.sha256) != 64:
+            raise ValueError(f"{p}: sha256 must be 64 hex digits")
 
     @classmethod
     def of(cls, folder: Path, relpath: str) -> FileEntry:
@@ -335,8 +345,12 @@ class Manifest:
             )
         except KeyError as e:
             raise ManifestError(f"{where}: missing field {e.args[0]!r}; the file is incomplete, re-export") from e
-        except (TypeError, ValueError, AttributeError, IndexError) as e:  # a field of the wrong type or shape
+        except LayoutError as e:
+            raise ManifestError(f"{where}: {e}") from e
+        except (TypeError, ValueError, AttributeError, IndexError, OverflowError) as e:  # a field of the wrong type or shape
             raise ManifestError(f"{where}: invalid content ({e}); re-export the model") from e
+        if "io" not in d:
+            raise ManifestError(f"{where}: missing field 'io'; the file is incomplete, re-export")
         if d["io"] != m.io.to_dict():
             raise ManifestError(
                 f"{where}: the declared graph I/O does not match the cache layout it declares; the manifest was "
@@ -367,16 +381,20 @@ def load_manifest(folder: str | Path, check_files: bool = True) -> Manifest:
         raise ManifestError(
             f"{folder}: no {MANIFEST_NAME} here; this is not a cabinlm artifact (create one with `cabinlm export`)"
         )
+    if not path.is_file() or path.stat().st_size > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{path}: not a manifest (a regular file of at most {MAX_MANIFEST_BYTES >> 20} MiB); re-export")
     try:
         d = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ManifestError(f"{path}: corrupt manifest ({e}); re-export the model") from e
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise ManifestError(f"{path}: corrupt manifest ({str(e)[:200]}); re-export the model") from e
     m = Manifest.from_dict(d, where=str(path))
     if check_files:
         for role, entry in m.files.items():
             p = folder / entry.path
             if not p.exists():
                 raise ManifestError(f"{path}: {role} file {entry.path!r} is missing; re-export or copy the whole folder")
+            if not p.is_file():
+                raise ManifestError(f"{path}: {role} file {entry.path!r} is not a regular file; re-export")
             size = p.stat().st_size
             if size != entry.bytes:
                 raise ManifestError(
