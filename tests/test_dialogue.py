@@ -114,9 +114,14 @@ def test_stream_decoder_handles_multibyte_characters(tiny_artifact):
 
 
 def test_sampler_rejects_bad_settings():
-    for bad in (dict(temperature=-1), dict(top_p=0), dict(top_k=-2)):
-        with pytest.raises(ValueError):
-            Sampler(**bad)
+    from cabinlm.errors import OptionError
+
+    # NaN fails every comparison: a check written as "refuse < 0" once let temperature nan through
+    bad = [dict(temperature=-1), dict(temperature=float("nan")), dict(temperature=float("inf")), dict(top_p=0),
+           dict(top_p=1.5), dict(top_p=float("nan")), dict(top_k=-2), dict(seed=-1)]  # fmt: skip
+    for kw in bad:
+        with pytest.raises(OptionError, match=f"--{next(iter(kw)).replace('_', '-')}"):
+            Sampler(**kw)
 
 
 def test_interrupting_a_reply_keeps_the_dialogue_consistent(tiny_artifact, monkeypatch):

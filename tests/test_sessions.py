@@ -228,12 +228,12 @@ def test_the_cli_resumes_a_session_and_survives_bad_bytes(artifact, tmp_path):
                               capture_output=True, timeout=120)  # fmt: skip
 
     p = run(b"hello\n@2 route please\n\xff\xfe\xfd invalid\n{\"seat\": 2, \"text\": \"weather\"}\n@9 nobody\n")
-    assert p.returncode == 0, p.stderr
+    assert p.returncode == 1, p.stderr  # the message for seat 9 failed (refused), the rest were answered
     turns = [json.loads(line) for line in p.stdout.decode().splitlines()]
-    assert [(t["seat"], t["turn"]) for t in turns] == [(1, 1), (2, 1), (1, 2), (2, 2), (1, 3)]
-    assert b"seat 9 does not exist" in p.stderr
+    assert [(t["seat"], t["turn"]) for t in turns] == [(1, 1), (2, 1), (1, 2), (2, 2)]
+    assert b"seat 9 does not exist" in p.stderr and b"Traceback" not in p.stderr
     p = run(b"again\n@2 again\n")
-    assert [(t["seat"], t["turn"]) for t in map(json.loads, p.stdout.decode().splitlines())] == [(1, 4), (2, 3)]
+    assert [(t["seat"], t["turn"]) for t in map(json.loads, p.stdout.decode().splitlines())] == [(1, 3), (2, 3)]
     (tmp_path / "s.seat1").write_bytes(b"garbage")
     p = run(b"hello\n")
     assert p.returncode == 2 and b"not a cabinlm session file" in p.stderr and b"Traceback" not in p.stderr
@@ -241,25 +241,39 @@ def test_the_cli_resumes_a_session_and_survives_bad_bytes(artifact, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "line, seat, text, image, warned",
+    "line, seat, text, image",
     [
-        ("hello", 1, "hello", None, False),
-        ("@2 route please", 2, "route please", None, False),
-        ("@1x hello", 1, "@1x hello", None, False),  # not a seat prefix: plain text (this once crashed chat)
-        ("@", 1, "@", None, False),
-        ("@9 nobody", 1, "nobody", None, True),
-        ('{"seat": 2, "text": "weather", "image": "f.jpg"}', 2, "weather", "f.jpg", False),
-        ('{"seat": true, "text": "x"}', 1, "x", None, True),
-        ('{"seat": "2", "text": "x"}', 1, "x", None, True),
-        ('{"text": 5}', 1, '{"text": 5}', None, False),
-        ("{not json", 1, "{not json", None, False),
+        ("hello", 1, "hello", None),
+        ("@2 route please", 2, "route please", None),
+        ("@1x hello", 1, "@1x hello", None),  # not a seat prefix: plain text (this once crashed chat)
+        ("@", 1, "@", None),
+        ('{"seat": 2, "text": "weather", "image": "f.jpg"}', 2, "weather", "f.jpg"),
+        ("{not json", 1, "{not json", None),  # not a JSON object: text
     ],
 )
-def test_input_lines_are_routed_and_never_crash(line, seat, text, image, warned):
+def test_input_lines_are_routed_and_never_crash(line, seat, text, image):
     from cabinlm.runtime.inputs import parse_input_line
 
     got = parse_input_line(line, seats=2)
-    assert (got.seat, got.text, str(got.image) if got.image else None, got.warning is not None) == (seat, text, image, warned)
+    assert (got.seat, got.text, str(got.image) if got.image else None) == (seat, text, image)
+
+
+@pytest.mark.parametrize(
+    "line, reason",
+    [
+        ("@9 nobody", "seat 9 does not exist"),  # once delivered to seat 1 with a warning
+        ('{"seat": true, "text": "x"}', '"seat" must be a whole number'),
+        ('{"seat": "2", "text": "x"}', '"seat" must be a whole number'),
+        ('{"text": 5}', '"text" as a string'),  # once delivered to seat 1 as the text {"text": 5}
+        ('{"seat": 2, "text": "x"', "not valid JSON"),  # once delivered to seat 1 as text
+        ('{"text": "x", "seet": 2}', 'unknown key "seet"'),
+    ],
+)
+def test_a_line_that_cannot_reach_its_seat_is_refused(line, reason):
+    from cabinlm.runtime.inputs import parse_input_line
+
+    with pytest.raises(InputError, match=reason):
+        parse_input_line(line, seats=2)
 
 
 def test_the_cli_takes_a_malformed_seat_prefix_as_text(artifact):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import json
+import shutil
 import subprocess
 import sys
 
@@ -202,3 +203,145 @@ def test_image_preprocessing_in_the_manifest_is_typed_and_checked(llava, field, 
     d["vision"]["preprocess"][field] = bad
     with pytest.raises(ManifestError, match="preprocess"):
         Manifest.from_dict(d)
+
+
+def write_png_bomb(path, w: int, h: int):
+    """A valid 1-bit PNG of w x h black pixels: each row inflates from almost nothing, so a few kB of
+    file claim w * h pixels (decoded as a PIL image: w * h bytes)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    z, row = zlib.compressobj(9), bytes(1 + (w + 7) // 8)  # filter byte + w bits
+    idat = b"".join(z.compress(row) for _ in range(h)) + z.flush()
+    header = struct.pack(">IIBBBBB", w, h, 1, 0, 0, 0, 0)  # bit depth 1, grayscale, no interlace
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", idat) + chunk(b"IEND", b""))
+    return path
+
+
+# Pillow checks a size against MAX_IMAGE_PIXELS when it opens a file: beyond it a warning (which the
+# caller sees as a stray line, and the image is then decoded), beyond twice it an exception (which was
+# a traceback). Both sides of the factor two are checked; neither may leave a warning behind.
+@pytest.mark.parametrize("w, h", [(9000, 9000), (20000, 20000)], ids=["beyond-the-limit", "beyond-twice-the-limit"])
+def test_a_decompression_bomb_is_refused_with_the_reason_and_no_warning(tmp_path, w, h):
+    import warnings
+
+    bomb = write_png_bomb(tmp_path / "bomb.png", w, h)
+    assert bomb.stat().st_size < 60_000
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with pytest.raises(InputError, match=f"decompression bomb .*{w * h} pixels"):
+            load_image(bomb)
+    assert not seen, [str(w.message) for w in seen]
+    write_png_bomb(tmp_path / "fine.png", 4000, 3000)  # 12 megapixels: a camera frame, not a bomb
+    assert load_image(tmp_path / "fine.png").size == (4000, 3000)
+
+
+def _png_with_text(path, how: str):
+    from PIL.PngImagePlugin import PngInfo
+
+    info = PngInfo()
+    if how == "one zTXt chunk of 2 MB":
+        info.add_text("comment", "a" * 2_000_000, zip=True)
+    elif how == "one iTXt chunk of 2 MB":
+        info.add_itxt("comment", "a" * 2_000_000, zip=True)
+    elif how == "70 zTXt chunks of 1 MB":  # each within the limit of one chunk, 70 MB in all
+        for i in range(70):
+            info.add_text(f"c{i}", "a" * 1_000_000, zip=True)
+    elif how == "a zTXt chunk of 2 MB after the pixels":  # read by load(), not open()
+        import zlib
+
+        info.add(b"zTXt", b"comment\0\0" + zlib.compress(b"a" * 2_000_000), after_idat=True)
+    elif how == "a small text chunk":
+        info.add_text("comment", "front camera, 08:15")
+    picture(16, 12).save(path, pnginfo=info)
+    return path
+
+
+@pytest.mark.parametrize("how", ["one zTXt chunk of 2 MB", "one iTXt chunk of 2 MB", "70 zTXt chunks of 1 MB",
+                                 "a zTXt chunk of 2 MB after the pixels"])  # fmt: skip
+def test_a_png_with_oversized_text_metadata_is_refused_with_the_reason(tmp_path, how):
+    path = _png_with_text(tmp_path / "meta.png", how)
+    assert path.stat().st_size < 100_000  # compressed text: small files, megabytes once read
+    with pytest.raises(InputError, match="text metadata is too large .*(MAX_TEXT_CHUNK|MAX_TEXT_MEMORY)"):
+        load_image(path)
+    assert load_image(_png_with_text(tmp_path / "ok.png", "a small text chunk")).size == (16, 12)
+
+
+def _llava_processor(folder):
+    """The processor transformers 5 makes of a LLaVA folder: its image processor and tokenizer."""
+    from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer, LlavaProcessor
+
+    cfg = AutoConfig.from_pretrained(folder)
+    return LlavaProcessor(image_processor=AutoImageProcessor.from_pretrained(folder),
+                          tokenizer=AutoTokenizer.from_pretrained(folder), patch_size=cfg.vision_config.patch_size,
+                          vision_feature_select_strategy=cfg.vision_feature_select_strategy,
+                          image_token="<image>")  # fmt: skip
+
+
+def test_a_llava_folder_as_transformers_5_saves_it_exports_the_same_preprocessing(llava, tiny_llava_dir, tmp_path, load,
+                                                                                  export_to):  # fmt: skip
+    """transformers 5's save_pretrained of a LLaVA processor writes processor_config.json with the image
+    processor nested inside and no preprocessor_config.json (that was export's "needs its
+    preprocessor_config.json"). The folder in that layout exports the same image preprocessing as
+    the older layout, and what transformers itself reads from it prepares images as we do."""
+    from cabinlm.manifest import load_manifest
+
+    _llava_processor(tiny_llava_dir).save_pretrained(tmp_path / "saved")
+    nested = json.loads((tmp_path / "saved" / "processor_config.json").read_text())
+    assert "image_processor" in nested and not (tmp_path / "saved" / "preprocessor_config.json").exists()
+    moved = tmp_path / "t5"
+    shutil.copytree(tiny_llava_dir, moved)
+    (moved / "preprocessor_config.json").unlink()
+    shutil.copy(tmp_path / "saved" / "processor_config.json", moved / "processor_config.json")
+
+    _, older = llava
+    folder = export_to(load(str(moved)), sink=4, pinned=12, window=48, chunk=16)
+    spec = load_manifest(folder).vision
+    assert spec.preprocess == load_manifest(older).vision.preprocess
+    img = picture(47, 61, seed=9)
+    ref = hf_processor(moved)(images=img, return_tensors="np")["pixel_values"]
+    np.testing.assert_allclose(preprocess(load_image(img), spec), ref, atol=1e-5)
+
+
+def test_the_image_processor_is_read_where_transformers_reads_it(tiny_llava_dir, tmp_path):
+    """Both files present (a processor saved over an older folder): the nested settings win, as in
+    transformers; a processor_config.json without them defers to preprocessor_config.json; neither is
+    a ModelError naming both files. Each layout is checked against AutoImageProcessor itself."""
+    from cabinlm.errors import ModelError
+    from cabinlm.export.models import image_processor_config
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_llava_dir, folder)
+    own = json.loads((folder / "preprocessor_config.json").read_text())
+    nested = {**own, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+    layouts = {
+        "nested and own file": ({"image_processor": nested, "processor_class": "LlavaProcessor"}, own, nested),
+        "processor without the nested settings": ({"processor_class": "LlavaProcessor", "patch_size": 6}, own, own),
+        "nested only": ({"image_processor": nested}, None, nested),
+    }
+    for name, (processor, preprocessor, expected) in layouts.items():
+        (folder / "processor_config.json").write_text(json.dumps(processor))
+        (folder / "preprocessor_config.json").unlink(missing_ok=True)
+        if preprocessor is not None:
+            (folder / "preprocessor_config.json").write_text(json.dumps(preprocessor))
+        got, _ = image_processor_config(folder)
+        assert got == expected, name
+        assert list(hf_processor(folder).image_mean) == expected["image_mean"], name
+    (folder / "processor_config.json").unlink()
+    with pytest.raises(ModelError, match="processor_config.json .*preprocessor_config.json"):
+        image_processor_config(folder)
+
+
+def test_a_llava_folder_without_an_image_processor_is_refused_before_its_weights_load(tiny_llava_dir, tmp_path):
+    from cabinlm.errors import ModelError
+    from cabinlm.export.models import load_model
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_llava_dir, folder)
+    (folder / "preprocessor_config.json").unlink()
+    (folder / "model.safetensors").write_bytes(b"not weights")  # reading them would fail differently
+    with pytest.raises(ModelError, match="needs its image processor"):
+        load_model(str(folder))

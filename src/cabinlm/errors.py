@@ -19,3 +19,8 @@ class LayoutError(CabinlmError):
 
 class InputError(CabinlmError):
     """Runtime input that cannot be processed (prompt too long, pinned region full, ...)."""
+
+
+class OptionError(CabinlmError):
+    """An option has a value that cannot work (out of range, or beyond what this machine holds); the
+    message names the option and the value. Checked before anything heavy is loaded."""

@@ -15,7 +15,7 @@ import enum
 from pathlib import Path
 from typing import Callable
 
-from cabinlm.errors import CabinlmError
+from cabinlm.errors import CabinlmError, OptionError
 
 BUILD_NAME = "build.json"  # the untyped build record of cabinlm before manifest format 4 (removed on rebuild)
 
@@ -51,6 +51,8 @@ def build_artifact(artifact: str | Path, profile, out: str | Path | None = None,
         attention, minimums = Attention(attention), Minimums(minimums)
     except ValueError as e:
         raise BuildError(str(e)) from e
+    if isinstance(accuracy_level, bool) or accuracy_level not in (0, 1, 2, 3, 4):  # MatMulNBits' levels
+        raise OptionError(f"--accuracy-level must be 0..4 (4 = int8 activations, 0 = float32), got {accuracy_level!r}")
     from cabinlm.manifest import load_manifest
     from cabinlm.profiles import Engine
 

@@ -14,7 +14,7 @@ from typing import Optional
 import typer
 
 from cabinlm.cli.common import err, info
-from cabinlm.errors import CabinlmError
+from cabinlm.errors import CabinlmError, InputError
 from cabinlm.runtime.dialogue import Dialogue, LongMessages
 from cabinlm.runtime.speculative import Speculation
 from cabinlm.runtime.inputs import parse_input_line
@@ -53,14 +53,16 @@ def chat(
     /stats shows the cache, /quit leaves. Ctrl-C stops a reply (the dialogue goes on); Ctrl-C or
     Ctrl-D at the prompt leaves.
     """
-    from cabinlm.runtime import Sampler, open_artifact
+    from cabinlm.runtime import Sampler, load_manifest, open_artifact
+    from cabinlm.runtime.limits import check_count, check_seat_count, check_seats, check_threads
 
-    if seats < 1:
-        raise CabinlmError(f"--seats must be >= 1, got {seats}")
-    try:
-        Sampler(temperature=temperature, top_p=top_p, seed=seed)
-    except ValueError as e:
-        raise CabinlmError(str(e)) from e
+    # Every option is checked before the model loads (each refusal an OptionError: one line, exit 2);
+    # the seats against this machine's memory, which needs the manifest's cache geometry only.
+    check_count("max-new-tokens", max_new_tokens, 1)
+    check_seat_count(seats)
+    check_threads(threads)
+    Sampler(temperature=temperature, top_p=top_p, seed=seed)
+    check_seats(seats, load_manifest(artifact))
     # Input a program cannot decode (invalid UTF-8) becomes U+FFFD instead of ending the session.
     sys.stdin.reconfigure(errors="replace")
     dec, tok = open_artifact(artifact, threads=threads)
@@ -145,10 +147,15 @@ class ChatLoop:
             return None
 
     def handle(self, line: str) -> bool:
-        """One input line: a /command or a turn. False when the user leaves."""
-        parsed = parse_input_line(line, self.seats)
-        if parsed.warning:
-            err(parsed.warning)
+        """One input line: a /command or a turn. False when the user leaves. A line that cannot be
+        delivered as meant (a seat that does not exist, malformed JSON: runtime/inputs.py) is one
+        error line and a failure; the other seats' dialogues go on."""
+        try:
+            parsed = parse_input_line(line, self.seats)
+        except InputError as e:
+            err(str(e))
+            self.failures += 1
+            return True
         if not parsed.text:
             return True
         if self.interactive and parsed.text.startswith("/"):
@@ -175,7 +182,14 @@ class ChatLoop:
         return True
 
     def turn(self, seat: int, text: str, frame: Path | None) -> None:
-        """One user message to one seat: the reply streamed (or one JSON object), the session saved."""
+        """One user message to one seat: the reply streamed (or one JSON object), the session saved.
+
+        A save that fails (a missing folder, a full or read-only disk, another process holding the
+        file) loses no reply: it is one error line and a failure, the previous session file stays as
+        it was, and the next lines are answered. Text mode streams the reply before the save; --json
+        prints its line after the save was tried (printed whatever happens to the save), so that a
+        front end which reads a JSON line may count on the file holding that turn unless an error
+        line said otherwise: killed before the line, the turn is in neither the output nor the file."""
         self.announce(seat, text)
         if frame is None and self.image is not None:  # --image, or /image: for the next message only
             frame, self.image = self.image, None
@@ -188,12 +202,27 @@ class ChatLoop:
             err(str(e))
             self.failures += 1
             return
-        if self.files[seat - 1] is not None:
-            save_session(self.files[seat - 1], dialogue)
-        if self.json_out:
-            typer.echo(json.dumps({**result.to_dict(), "seat": seat}, ensure_ascii=False))
-        else:
+        if not self.json_out:
             typer.echo(" [interrupted]" if result.finish == "interrupted" else "")
+        try:
+            self.save(seat)
+        finally:
+            if self.json_out:
+                typer.echo(json.dumps({**result.to_dict(), "seat": seat}, ensure_ascii=False))
+
+    def save(self, seat: int) -> None:
+        """Save one seat's session file, if it has one; a failure is reported and counted."""
+        path = self.files[seat - 1]
+        if path is None:
+            return
+        try:
+            save_session(path, self.dialogues[seat - 1])
+        except CabinlmError as e:  # persist.SessionError: the message names the file and the cause
+            err(f"the session was not saved: {e}")
+            self.failures += 1
+        except OSError as e:  # defensively: an OS error persist did not turn into a SessionError
+            err(f"{path}: the session was not saved ({e.strerror or e})")
+            self.failures += 1
 
     def announce(self, seat: int, text: str) -> None:
         """What precedes a streamed reply: the echoed message in text mode, the reply's prompt."""

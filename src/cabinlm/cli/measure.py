@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from enum import Enum
@@ -12,7 +13,7 @@ from typing import Optional
 import typer
 
 from cabinlm.cli.common import info
-from cabinlm.errors import CabinlmError
+from cabinlm.errors import CabinlmError, OptionError
 
 
 def perplexity(
@@ -27,7 +28,12 @@ def perplexity(
     import numpy as np
 
     from cabinlm.runtime import open_artifact, stream_perplexity
+    from cabinlm.runtime.limits import check_count, check_output_file, check_threads
 
+    # Checked before the model loads and the long run starts: a bad value is one line, exit 2.
+    check_count("max-tokens", max_tokens, 2)
+    check_threads(threads)
+    check_output_file("nll-out", nll_out)
     if not text.is_file():
         raise CabinlmError(f"{text}: no such file; pass a UTF-8 text file with --text")
     try:
@@ -48,8 +54,6 @@ def perplexity(
     ) as bar:
         task = bar.add_task("tokens", total=len(ids) - 1)
         result = stream_perplexity(dec, ids, progress=lambda i: bar.update(task, completed=i) if i % 16 == 0 else None)
-    if nll_out is not None:
-        np.save(nll_out, result.nll)
     if json_out:
         typer.echo(json.dumps({**result.to_dict(), "backend": dec.device}))
     else:
@@ -58,6 +62,11 @@ def perplexity(
             f"perplexity {result.ppl:.4f} over {result.tokens} tokens (cache: sink {lay.sink} + pinned "
             f"{lay.pinned} + window {lay.window}, {lay.kv_dtype.value} KV; {dec.cache.evicted} evicted)"
         )
+    if nll_out is not None:  # after the result is out: a disk that filled during the run loses only this file
+        try:
+            np.save(nll_out, result.nll)
+        except OSError as e:
+            raise CabinlmError(f"--nll-out {nll_out}: cannot write the NLL file ({e.strerror or e})") from e
 
 
 def _quiet_console():
@@ -106,9 +115,17 @@ def bench(
     from cabinlm.bench.runner import model_for_baselines, report, run_cabinlm, summaries
     from cabinlm.bench.runner import plot as draw
     from cabinlm.manifest import load_manifest
+    from cabinlm.runtime.limits import check_count, check_output_file, check_threads
 
-    if tokens < 1:
-        raise CabinlmError(f"--tokens must be at least 1, got {tokens}")
+    # Checked before any engine runs (each refusal one line, exit 2).
+    check_count("tokens", tokens, 1)
+    check_threads(threads)
+    check_count("max-new", max_new, 1)
+    check_count("context", context, 1)
+    if not (math.isfinite(time_limit) and time_limit > 0):
+        raise OptionError(f"--time-limit must be a positive number of seconds, got {time_limit!r}")
+    check_output_file("plot", plot)
+    check_output_file("trace", trace_out)
     m = load_manifest(artifact)  # a wrong path or a broken manifest fails here, before any run
     for b in baseline:
         reason = bl.available(b.value)

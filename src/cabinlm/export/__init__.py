@@ -105,7 +105,7 @@ def export_loaded(
             image_tokens=geometry.image_tokens,
             embed_dim=geometry.embed_dim,
             image_token_id=int(loaded.model.config.image_token_id),
-            preprocess=image_preprocessing(loaded),
+            preprocess=image_preprocessing(loaded.folder),
             graph=VISION_FILE,
         )
         log(f"built the vision graph: {geometry.image_tokens} image tokens per frame")

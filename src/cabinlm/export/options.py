@@ -16,16 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from cabinlm.errors import CabinlmError, LayoutError
+from cabinlm.errors import LayoutError, OptionError
 from cabinlm.layout import CacheLayout
 from cabinlm.manifest import ModelSpec
 from cabinlm.precision import KVDType, WeightFormat
 
 E = TypeVar("E", bound=enum.Enum)
-
-
-class OptionError(CabinlmError):
-    """An export option has a value that cannot work; the message names the option and the value."""
 
 
 def _member(kind: type[E], value: E | str, name: str) -> E:

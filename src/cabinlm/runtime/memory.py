@@ -19,3 +19,26 @@ def rss_bytes() -> int:
 
 def rss_mb() -> float:
     return rss_bytes() / (1 << 20)
+
+
+def available_bytes() -> int | None:
+    """Memory a new allocation can still get without swapping: MemAvailable of /proc/meminfo, and in a
+    cgroup v2 container no more than its limit less its use. None where neither can be read."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)  # "MemAvailable:  12345 kB"
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.current") as f:
+                found.append(max(0, int(limit) - int(f.read().strip())))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
+
+from cabinlm.errors import OptionError
 
 
 @dataclass
@@ -15,13 +18,18 @@ class Sampler:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        self.rng = np.random.default_rng(self.seed)
+        # OptionErrors named as the command line spells them; NaN fails every comparison, so each
+        # check asks for what is allowed rather than refusing what is not.
+        if not (_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
+            raise OptionError(f"--temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not (_number(self.top_p) and 0 < self.top_p <= 1):
+            raise OptionError(f"--top-p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise OptionError(f"--top-k must be a whole number >= 0, got {self.top_k!r}")
+        try:
+            self.rng = np.random.default_rng(self.seed)
+        except (TypeError, ValueError) as e:
+            raise OptionError(f"--seed must be a whole number >= 0, got {self.seed!r}") from e
 
     def __call__(self, logits: np.ndarray) -> int:
         if self.temperature == 0:
@@ -65,3 +73,7 @@ class Sampler:
             q[keep] = p[keep]
             p = q / q.sum()
         return p
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

@@ -3,6 +3,7 @@ and run the vision graph to the image-token embeddings the decoder pins in its i
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -25,20 +26,36 @@ def load_image(source):
         path = Path(source)
         if not path.is_file():
             raise InputError(f"{path}: no such image file")
+        # Pillow checks the size in the header before it decodes anything: a decompression bomb (a
+        # few kB of PNG that inflate to gigabytes) warns beyond MAX_IMAGE_PIXELS and raises beyond
+        # twice that. The limit is set to ours (process-wide: Pillow has no per-call limit) and the
+        # warning made an error here, so that both are refusals. (catch_warnings swaps the process's
+        # filters: two threads opening images at once may see each other's; both refuse bombs.)
+        Image.MAX_IMAGE_PIXELS = MAX_PIXELS
         try:
-            img = Image.open(path)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", Image.DecompressionBombWarning)
+                img = Image.open(path)
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+            raise InputError(f"{path}: refused as a decompression bomb ({e}); a frame may have at most "
+                             f"{MAX_PIXELS / 1e6:.0f} megapixels") from e  # fmt: skip
         except UnidentifiedImageError as e:
             raise InputError(f"{path}: not an image Pillow can read (PNG, JPEG, BMP, ...)") from e
+        except ValueError as e:  # PNG text chunks beyond Pillow's limits (1 MiB each, 64 MiB in all)
+            raise _metadata_refused(path, e) from e
         except OSError as e:
             raise InputError(f"{path}: cannot open the image ({e})") from e
         if img.width * img.height > MAX_PIXELS:
+            img.close()
             raise InputError(
                 f"{path}: {img.width}x{img.height} is {img.width * img.height / 1e6:.0f} megapixels, more than "
                 f"{MAX_PIXELS / 1e6:.0f}; downscale it first"
             )
         try:
-            img.load()
-        except (OSError, SyntaxError, ValueError) as e:  # truncated or corrupt data
+            img.load()  # reads the chunks after the pixels too: text there is checked here
+        except ValueError as e:
+            raise _metadata_refused(path, e) from e
+        except (OSError, SyntaxError) as e:  # truncated or corrupt data
             raise InputError(f"{path}: the image data is corrupt or truncated ({e})") from e
     if img.mode == "RGB":
         return img
@@ -47,6 +64,14 @@ def load_image(source):
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(white, rgba).convert("RGB")
     return img.convert("RGB")
+
+
+def _metadata_refused(path: Path, e: ValueError) -> InputError:
+    """Pillow's ValueErrors while reading: text chunks past its limits (the reason in its message),
+    or data it cannot decode."""
+    if "text chunk" in str(e).lower() or "MAX_TEXT" in str(e):
+        return InputError(f"{path}: refused, its text metadata is too large ({e}); save the frame without it")
+    return InputError(f"{path}: the image data is corrupt ({e})")
 
 
 def preprocess(img, spec: VisionSpec) -> np.ndarray:
