@@ -13,7 +13,7 @@ DEMO   := out/smollm2-135m
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[export,dev]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[export,serve,dev]'
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -95,6 +95,19 @@ class ModelSpec:
     tie_embeddings: bool
     source: str = ""
 
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+                     "vocab_size", "max_positions"):  # fmt: skip
+            value = getattr(self, name)
+            if type(value) is not int or not 0 < value < 1 << 31:
+                raise ValueError(f"model.{name} must be a positive whole number, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model.num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if not isinstance(self.rms_norm_eps, (int, float)) or isinstance(self.rms_norm_eps, bool) or not 0 < self.rms_norm_eps < 1:
+            raise ValueError(f"model.rms_norm_eps must be a small positive number, got {self.rms_norm_eps!r}")
+        if not isinstance(self.qkv_bias, bool) or not isinstance(self.tie_embeddings, bool):
+            raise ValueError("model.qkv_bias and model.tie_embeddings must be true or false")
+
 
 @dataclass(frozen=True)
 class ChatTemplate:

@@ -3,6 +3,7 @@
     cli/export.py   export, profiles, plan    what to build, for which device
     cli/build.py    build                     an artifact -> what a device's engine loads
     cli/chat.py     chat                      the dialogue loop (ChatLoop)
+    cli/serve.py    serve                     the assistant as a local HTTP service (cabinlm.serve)
     cli/measure.py  perplexity, bench, fetch  measuring an artifact, getting a model
     cli/common.py   messages, profiles by name, precision choices
 """
@@ -13,7 +14,7 @@ import sys
 
 import typer
 
-from cabinlm.cli import build, chat, export, measure
+from cabinlm.cli import build, chat, export, measure, serve
 from cabinlm.cli.common import err
 from cabinlm.errors import CabinlmError
 
@@ -22,14 +23,15 @@ app = typer.Typer(
         "Constant-memory LLM dialogue for car-cockpit SoCs.\n\n"
         "  cabinlm export smollm2-135m -o out/smol     # sink + rolling-window ONNX graph\n\n"
         "  cabinlm chat out/smol                       # talk to it, at constant memory\n\n"
+        "  cabinlm serve out/smol --seats 2            # OpenAI chat API on 127.0.0.1:8000\n\n"
         "  cabinlm perplexity out/smol --text book.txt # streaming quality"
     ),
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-for command in (export.export, export.profiles, export.plan, build.build, chat.chat, measure.perplexity,
-                measure.bench, measure.fetch):  # fmt: skip
+for command in (export.export, export.profiles, export.plan, build.build, chat.chat, serve.serve,
+                measure.perplexity, measure.bench, measure.fetch):  # fmt: skip
     app.command()(command)
 
 

@@ -199,9 +199,10 @@ def build_decoder(
             v_q, v_scale16, v_scale = kvq.quantize_per_token(g, v, layout.kv_dtype, f"{p}/v_scale")
             v_q = g.output(v_q, mf.new_value_name(i), kv_elem, kv_shape)
             v_scale16 = g.output(v_scale16, mf.new_value_scale_name(i), TensorProto.FLOAT16, (Hkv, "tokens", 1))
-            k = kvq.dequantize(g, k_q, k_scale, layout.kv_dtype)
-            v = kvq.dequantize(g, v_q, g.op("Cast", v_scale16, to=TensorProto.FLOAT, name=f"{p}/v_chunk_scale"),
-                               layout.kv_dtype)  # fmt: skip
+            if layout.kv_dtype == mf.KVDType.INT8:  # fp8: ONNX Runtime's optimizer cannot place this (float8 Transpose)
+                k = kvq.dequantize(g, k_q, k_scale, layout.kv_dtype)
+                v = kvq.dequantize(g, v_q, g.op("Cast", v_scale16, to=TensorProto.FLOAT, name=f"{p}/v_chunk_scale"),
+                                   layout.kv_dtype)  # fmt: skip
             k_cache = kvq.dequantize(g, k_cache, k_scale, layout.kv_dtype)
             v_cache = kvq.dequantize(g, v_cache, g.const(1.0), layout.kv_dtype)  # unit scale: see v_scales
             scales = g.op("Cast", mf.value_scale_name(i), to=TensorProto.FLOAT, name=f"{p}/v_cache_scale")  # (Hkv,N,1)

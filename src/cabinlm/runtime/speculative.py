@@ -189,6 +189,8 @@ def _room(dec: Decoder) -> int:
     evict, and sit i positions further from the sink and pinned tokens than it would after them:
     no single graph run can give each row its own ranks. Drafting stops there, so a reply is token
     for token what plain decoding gives (greedy) or distributed as it (sampled)."""
+    if dec.layout.kv_dtype.value == "fp8" and dec.manifest.runtime_spec.backend.value != "onnxruntime-fused":
+        return 0  # the exported fp8-KV graph's chunk attends to its own K/V unquantized: not exact
     return dec.layout.window - dec.cache.window_fill - 1
 
 

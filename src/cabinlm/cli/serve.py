@@ -1,0 +1,70 @@
+"""`cabinlm serve`: the assistant as a local HTTP service (OpenAI chat completions; seats; sessions)."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from cabinlm.cli.common import info
+from cabinlm.errors import CabinlmError
+from cabinlm.runtime.dialogue import LongMessages
+
+
+def serve(
+    artifact: Path = typer.Argument(..., help="Folder written by `cabinlm export` or `cabinlm build`."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback by default: the car's own apps)."),
+    port: int = typer.Option(8000, help="TCP port."),
+    seats: int = typer.Option(1, help="Conversations held at once (a request's `user` names one); weights held once."),
+    sessions: Optional[Path] = typer.Option(
+        None, help="Folder: every seat saved after each turn, and resumed when the server starts again."
+    ),
+    max_new_tokens: int = typer.Option(256, help="A reply's limit when the request sets no max_tokens."),
+    threads: Optional[int] = typer.Option(None, help="ONNX Runtime intra-op threads (default: all cores)."),
+    long_messages: LongMessages = typer.Option(
+        LongMessages.REFUSE,
+        help="A message longer than the window: 'refuse' it (400), or 'stream' it through the window.",
+    ),
+    model_name: Optional[str] = typer.Option(
+        None, help="The name clients send as `model` (default: the exported model's)."
+    ),
+) -> None:
+    """Serve an exported model over HTTP: POST /v1/chat/completions (OpenAI's API, streaming or not),
+    GET /v1/models, GET /health, and GET/DELETE /v1/seats. Requests run one token at a time in turns
+    across seats; a new conversation when every seat is taken gets a 503."""
+    try:
+        from cabinlm.serve.app import run_server
+    except ImportError as e:
+        raise CabinlmError(f"cabinlm serve needs the web stack: pip install 'cabinlm[serve]' ({e})") from e
+    from cabinlm.runtime import load_manifest
+    from cabinlm.runtime.limits import check_count, check_seat_count, check_seats, check_threads
+    from cabinlm.serve import ChatService, ServeConfig
+    from cabinlm.serve.schema import MAX_TOKENS_LIMIT
+
+    # Every option is checked before the model loads (as `cabinlm chat` does): one line, exit 2.
+    check_count("port", port, 0, 65535)
+    check_count("max-new-tokens", max_new_tokens, 1, MAX_TOKENS_LIMIT)
+    check_seat_count(seats)
+    check_threads(threads)
+    check_seats(seats, load_manifest(artifact))
+    config = ServeConfig(artifact, seats=seats, sessions=sessions, max_new_tokens=max_new_tokens, threads=threads,
+                         long_messages=long_messages, model_id=model_name)  # fmt: skip
+    service = ChatService.open(config)
+    if service.resumed:
+        info(f"resumed {len(service.resumed)} seats from {sessions}: {', '.join(service.resumed)}")
+    if not _loopback(host):
+        info(f"note: listening on {host}, not loopback: any machine that reaches it can talk to the model and "
+             "have it read image files by path")  # fmt: skip
+    info(f"serving {service.model_id} ({service.device}) on http://{host}:{port}/v1 with {seats} seats")
+    run_server(service, host, port)
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,19 @@
+"""`cabinlm serve`: the assistant as a local service, OpenAI's chat-completions API over seats.
+
+    schema.py     a request, checked once: JSON -> ChatRequest, or a RequestError (OpenAI's error object)
+    history.py    what a seat holds (SeatRecord) and what a request's history asks of it (TurnPlan)
+    images.py     image_url parts: data URLs and local files -> images for Dialogue.ask
+    turns.py      one request's work on its seat, in a worker thread (replays, the answer, the record)
+    scheduler.py  one inference at a time on the shared model, passed between seats at every token
+    seats.py      named seats and admission control
+    store.py      --sessions DIR: each seat's session file and record, resumed at start
+    service.py    the loaded model, its seats and worker threads: what the HTTP app calls
+    replies.py    OpenAI response bodies and the usage block
+    app.py        the HTTP app (Starlette; uvicorn runs it), needs the [serve] extra
+
+Everything but app.py is plain Python over cabinlm.runtime.
+"""
+
+from cabinlm.serve.service import ChatService, ServeConfig
+
+__all__ = ["ChatService", "ServeConfig"]

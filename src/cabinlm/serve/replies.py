@@ -1,0 +1,88 @@
+"""OpenAI response bodies: a chat completion, its streamed chunks, the usage block, the models list.
+
+usage:
+    prompt_tokens      tokens this request fed before the reply: the new messages (and the closing
+                       tokens of the previous reply), or the whole history when the seat started over.
+                       Not the length of the history: a seat that holds it feeds only what is new
+    completion_tokens  the reply's tokens
+    cabinlm            what else the turn did: the seat, the backend that ran it (Decoder.device),
+                       "extended" or "rebuilt", exchanges fed again, the cache's occupancy and evictions
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from cabinlm.serve.turns import TurnOutcome
+
+
+def completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def usage(outcome: TurnOutcome, seat: str) -> dict[str, Any]:
+    r, plan = outcome.result, outcome.plan
+    return {
+        "prompt_tokens": outcome.prompt_tokens,
+        "completion_tokens": r.new_tokens,
+        "total_tokens": outcome.prompt_tokens + r.new_tokens,
+        "cabinlm": {
+            "seat": seat,
+            "backend": r.backend,
+            "history": plan.kind,
+            "fed_again": (plan.keep if plan.rebuild else 0) + len(plan.given),  # earlier exchanges fed this request
+            "turn": r.turn,
+            "cache_tokens": r.cache_tokens,
+            "evicted_tokens": r.evicted_tokens,
+            "cache_bytes": r.cache_bytes,
+            "prefill_tok_s": r.prefill_tok_s,
+            "decode_tok_s": r.decode_tok_s,
+            "saved": outcome.saved,
+        },
+    }
+
+
+def _finish(outcome: TurnOutcome) -> str:
+    return "length" if outcome.result.finish == "length" else "stop"
+
+
+def completion(cid: str, model: str, outcome: TurnOutcome, usage_block: dict) -> dict[str, Any]:
+    return {
+        "id": cid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": outcome.result.backend,
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": outcome.result.reply},
+            "finish_reason": _finish(outcome),
+            "logprobs": None,
+        }],
+        "usage": usage_block,
+    }  # fmt: skip
+
+
+def chunk(cid: str, model: str, created: int, delta: dict | None = None, finish: str | None = None,
+          usage_block: dict | None = None) -> dict[str, Any]:  # fmt: skip
+    """One streamed chunk: a delta (choices [one]), or with usage_block the final usage chunk (choices [])."""
+    body: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
+    if usage_block is not None:
+        body["choices"], body["usage"] = [], usage_block
+    else:
+        body["choices"] = [{"index": 0, "delta": delta or {}, "finish_reason": finish, "logprobs": None}]
+    return body
+
+
+def final_chunk(cid: str, model: str, created: int, outcome: TurnOutcome) -> dict[str, Any]:
+    return chunk(cid, model, created, {}, _finish(outcome))
+
+
+def models(model_id: str, created: float, backend: str) -> dict[str, Any]:
+    return {"object": "list", "data": [model(model_id, created, backend)]}
+
+
+def model(model_id: str, created: float, backend: str) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": int(created), "owned_by": f"cabinlm ({backend})"}

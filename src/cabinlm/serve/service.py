@@ -1,0 +1,252 @@
+"""The chat service behind the HTTP app: the loaded model, its seats, the worker threads.
+
+    request ─ ChatService.start ─ seat claimed (503 when none is free) ─ seat lock (arrival order)
+              └ worker thread: plan (history.plan_turn) ─ images loaded ─ turns.answer holding the
+                model (ModelTurns; passed on between tokens) ─ seat saved (--sessions) ─ "done"
+    Turn: the worker's events for the handler, in order:
+        ("started", None)        the prompt is in the cache; the reply's tokens follow
+        ("delta", text)          a piece of the reply
+        ("done", TurnOutcome)    the turn is closed and, with --sessions, saved
+        ("error", exception)     nothing more follows
+
+The event loop never runs the model; a worker never touches the HTTP connection. A handler whose
+client went away calls Turn.cancel(); the worker ends the reply at its next token and closes the turn
+as usual, so the seat stays consistent. The seat is busy until its worker is done, whatever the
+handler does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from cabinlm.errors import CabinlmError, InputError
+from cabinlm.runtime.dialogue import Dialogue, LongMessages
+from cabinlm.serve.history import plan_turn
+from cabinlm.serve.scheduler import ModelTurns
+from cabinlm.serve.schema import MAX_TOKENS_LIMIT, ChatRequest, RequestError
+from cabinlm.serve.seats import Seat, SeatManager
+from cabinlm.serve.store import SeatStore
+from cabinlm.serve.turns import Frames, Sampling, TurnOutcome, answer
+
+log = logging.getLogger("cabinlm.serve")
+STOPPING = RequestError("the server is stopping: the reply was cut short (the seat keeps it as far as it went); send "
+                        "the request again once the server is back", status=503, code="server_stopping",
+                        type="unavailable_error")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    artifact: Path
+    seats: int = 1
+    sessions: Path | None = None  # None: seats live in memory only
+    max_new_tokens: int = 256  # a request's reply limit when it names none
+    threads: int | None = None  # ONNX Runtime intra-op threads (None: all cores)
+    long_messages: LongMessages = LongMessages.REFUSE
+    model_id: str | None = None  # the name clients send as "model"; None: the exported model's name
+    verify: bool = True  # check the artifact's files against the manifest's sha256 at start
+
+    def __post_init__(self) -> None:
+        if self.seats < 1:
+            raise CabinlmError(f"--seats must be >= 1, got {self.seats}")
+        if not 1 <= self.max_new_tokens <= MAX_TOKENS_LIMIT:
+            raise CabinlmError(f"--max-new-tokens must be between 1 and {MAX_TOKENS_LIMIT}, got {self.max_new_tokens}")
+        if self.model_id is not None and not self.model_id.strip():
+            raise CabinlmError("--model-name must not be empty")
+
+
+class Turn:
+    """One request's turn as the handler sees it: the worker's events, and a way to stop the reply."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, seat: Seat, request: ChatRequest, on_end: Callable[[], None]):
+        self.loop, self.seat, self.request = loop, seat, request
+        self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self.cancelled = threading.Event()
+        self.client_gone = False  # set by the HTTP handler when the client disconnected
+        self._on_end = on_end
+        self._ended = False
+
+    def post(self, kind: str, value: Any = None) -> None:
+        """From the worker thread. "done" and "error" are its last word: it touches the seat no more."""
+        try:
+            self.loop.call_soon_threadsafe(self._deliver, kind, value)
+        except RuntimeError:  # the event loop is closed (the server is stopping): nobody listens
+            self.cancelled.set()
+
+    def _deliver(self, kind: str, value: Any) -> None:
+        if kind in ("done", "error"):
+            self.end()  # the seat is free before the handler answers: a client's next request finds it idle
+        self.events.put_nowait((kind, value))
+
+    def end(self) -> None:
+        """In the event loop's thread, once: the worker is done with the seat."""
+        if not self._ended:
+            self._ended = True
+            self._on_end()
+
+    async def next(self) -> tuple[str, Any]:
+        return await self.events.get()
+
+    def cancel(self) -> None:
+        """The client went away: end the reply at the next token (a no-op once the turn is done)."""
+        self.cancelled.set()
+
+
+def model_name(source: str) -> str:
+    """What clients send as "model": the exported model's alias or folder / file name."""
+    name = Path(source.rstrip("/")).name if source else ""
+    return name.removesuffix(".gguf") or "cabinlm"
+
+
+class ChatService:
+    def __init__(self, dialogues: list[Dialogue], model_id: str, *, store: SeatStore | None = None,
+                 max_new_tokens: int = 256) -> None:  # fmt: skip
+        self.dialogues = dialogues
+        first = dialogues[0].decoder
+        self.model_id = model_id
+        self.device = first.device
+        self.manifest = first.manifest
+        self.default_system = dialogues[0].chat.default_system
+        self.max_new_tokens = max_new_tokens
+        self.seats = SeatManager(dialogues)
+        self.store = store
+        self.resumed = self.seats.resume(store) if store is not None else []
+        self.model = ModelTurns()
+        self.started = time.time()
+        # One worker per seat: every seat can have a turn in flight (they take the model in turns).
+        self._executor = concurrent.futures.ThreadPoolExecutor(len(dialogues), thread_name_prefix="cabinlm-seat")
+        self._turns: set[Turn] = set()
+        self.stopping = False
+
+    @classmethod
+    def open(cls, config: ServeConfig) -> ChatService:
+        """Load the artifact once and make config.seats dialogues on it (weights held once)."""
+        from cabinlm.runtime import open_artifact
+
+        dec, tok = open_artifact(config.artifact, threads=config.threads, verify=config.verify)
+        decoders = [dec] + [dec.seat() for _ in range(config.seats - 1)]
+        dialogues = [Dialogue(d, tok, max_new_tokens=config.max_new_tokens, long_messages=config.long_messages)
+                     for d in decoders]  # fmt: skip
+        store = SeatStore(config.sessions) if config.sessions is not None else None
+        name = config.model_id or model_name(dec.manifest.model.source)
+        return cls(dialogues, name, store=store, max_new_tokens=config.max_new_tokens)
+
+    @property
+    def vision(self) -> bool:
+        return self.manifest.vision is not None
+
+    def health(self) -> dict[str, Any]:
+        seats = self.seats.seats.values()
+        return {
+            "status": "ok",
+            "model": self.model_id,
+            "backend": self.device,
+            "seats": {"total": self.seats.total, "taken": len(self.seats.seats), "busy": sum(s.busy for s in seats)},
+            "sessions": None if self.store is None else str(self.store.folder),
+            "uptime_s": round(time.time() - self.started, 1),
+        }
+
+    async def start(self, request: ChatRequest) -> Turn:
+        """Claim the request's seat, wait for it, and start the turn in a worker thread."""
+        if self.stopping:
+            raise STOPPING
+        conv = request.conversation
+        if not self.vision and (conv.prompt.image or any(u.image for u, _ in conv.exchanges)):
+            raise RequestError("this model has no vision input; send text only, or serve a vision-language artifact",
+                               param="messages", code="images_not_supported")  # fmt: skip
+        seat = self.seats.claim(request.seat)
+        await seat.lock.acquire()
+        if self.stopping:  # it stopped while this request waited for its seat
+            seat.lock.release()
+            raise STOPPING
+        loop = asyncio.get_running_loop()
+
+        def free_seat() -> None:  # only at the worker's last word: a gone handler frees no seat in use
+            self._turns.discard(turn)
+            seat.lock.release()
+
+        turn = Turn(loop, seat, request, free_seat)
+        try:
+            future = loop.run_in_executor(self._executor, self._work, turn)
+        except BaseException:
+            seat.lock.release()
+            raise
+        self._turns.add(turn)
+        future.add_done_callback(lambda _: turn.end())  # in case the worker could not post its last word
+        return turn
+
+    def _work(self, turn: Turn) -> None:
+        """The worker thread: the whole turn, then one "done" or "error" event."""
+        seat, request = turn.seat, turn.request
+        conv = request.conversation
+        if conv.system is None:
+            conv = dataclasses.replace(conv, system=self.default_system)
+        try:
+            plan = plan_turn(seat.record, conv)
+            frames = Frames.load(conv, plan)  # a bad image is refused before the seat changes
+            sampling = Sampling(request.max_tokens or self.max_new_tokens, request.temperature, request.top_p,
+                                request.seed)  # fmt: skip
+            outcome = answer(seat, conv, plan, frames, sampling, self.model,
+                             on_text=(lambda t: turn.post("delta", t)) if request.stream else (lambda t: None),
+                             stopped=turn.cancelled.is_set,
+                             on_prefilled=lambda: turn.post("started"))  # fmt: skip
+            outcome.saved = self._save(seat)
+            seat.last = summary(outcome)
+            seat.answered += 1
+            turn.post("done", outcome)
+        except InputError as e:  # a message the model cannot take (too long, ...): the client's to fix
+            turn.post("error", RequestError(str(e), code="invalid_input"))
+        except CabinlmError as e:
+            turn.post("error", e)
+        except Exception as e:  # a bug: logged with its traceback, a 500 for the client
+            log.exception("seat %s: the turn failed", seat.name)
+            turn.post("error", e)
+
+    def _save(self, seat: Seat) -> bool:
+        if self.store is None:
+            return False
+        try:
+            self.store.save(seat.name, seat.dialogue, seat.record)
+            return True
+        except (OSError, CabinlmError) as e:
+            log.error("seat %s: could not save its session in %s (%s); the conversation goes on in memory",
+                      seat.name, self.store.folder, e)  # fmt: skip
+            return False
+
+    def free(self, name: str) -> None:
+        """Forget a seat's conversation (and its saved files): the seat takes a new name."""
+        self.seats.free(name)
+        if self.store is not None:
+            self.store.delete(name)
+
+    def stop(self) -> None:
+        """The server is stopping: refuse new turns, end every reply in flight at its next token (their
+        clients get a "server_stopping" error; the seats close their turns and are saved). Safe from a
+        signal handler: it only sets flags."""
+        self.stopping = True
+        for turn in list(self._turns):
+            turn.cancel()
+
+    def close(self) -> None:
+        """Stop, then wait for the workers."""
+        self.stop()
+        self._executor.shutdown(wait=True)
+
+
+def summary(outcome: TurnOutcome) -> dict[str, Any]:
+    r = outcome.result
+    return {
+        "turn": r.turn,
+        "history": outcome.plan.kind,
+        "finish": "cancelled" if outcome.cancelled else r.finish,
+        "prompt_tokens": outcome.prompt_tokens,
+        "completion_tokens": r.new_tokens,
+        "saved": outcome.saved,
+    }

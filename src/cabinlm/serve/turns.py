@@ -1,0 +1,173 @@
+"""One request's work on its seat, in a worker thread: bring the seat to the request's history (a
+TurnPlan), answer the new message, and keep the seat's record true to its cache at every point.
+
+    plan.rebuild   reset (the request's system prompt pinned), the kept exchanges fed again exactly
+                   (ScriptedSampler: the same choices through the same steps), then
+    plan.given     the client's own exchanges, fed by template (Dialogue.add_turn), then
+    plan.prompt    answered (RecordingSampler keeps the choices, so the exchange can be fed again)
+
+The record is None (unknown: the next request starts over) while the cache is being changed, and set
+again as soon as the cache holds a known history; a failure part-way therefore costs a rebuild later,
+never a wrong answer. The model is held (ModelTurns) for the whole turn and passed to the other seats
+between tokens; should_stop is where that happens, and where a client that went away ends the reply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from cabinlm.runtime.dialogue import Dialogue, TurnResult
+from cabinlm.runtime.sampler import Sampler
+from cabinlm.serve.history import Exchange, SeatRecord, TurnPlan, image_key
+from cabinlm.serve.images import open_image
+from cabinlm.serve.scheduler import ModelTurns
+from cabinlm.serve.schema import Conversation
+
+
+class RecordingSampler(Sampler):
+    """The request's sampler, keeping its every choice: the reply's tokens and the stop id that ended it."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.choices: list[int] = []
+
+    def __call__(self, logits: np.ndarray) -> int:
+        token = super().__call__(logits)
+        self.choices.append(token)
+        return token
+
+
+class ScriptedSampler(Sampler):
+    """Gives back recorded choices in order: a generated exchange fed again exactly as it was generated."""
+
+    def __init__(self, choices: list[int]):
+        super().__init__()
+        self._choices = choices
+        self._next = 0
+
+    def __call__(self, logits: np.ndarray) -> int:
+        token = self._choices[self._next]
+        self._next += 1
+        return token
+
+    @property
+    def exhausted(self) -> bool:
+        return self._next >= len(self._choices)
+
+
+@dataclass
+class Frames:
+    """The images a plan feeds (PIL images or None), loaded before the model is taken."""
+
+    kept: list[Any]  # of the record's kept exchanges (rebuild only; empty otherwise)
+    given: list[Any]  # of plan.given
+    prompt: Any
+
+    @classmethod
+    def load(cls, conversation: Conversation, plan: TurnPlan) -> Frames:
+        first_given = len(conversation.exchanges) - len(plan.given)
+
+        def frame(i: int | None):
+            m = conversation.prompt if i is None else conversation.exchanges[i][0]
+            where = f"the image of {'the last message' if i is None else f'exchange {i + 1}'}"
+            return None if m.image is None else open_image(m.image, where)
+
+        kept = [frame(i) for i in range(plan.keep)] if plan.rebuild else []
+        given = [frame(i) for i in range(first_given, len(conversation.exchanges))]
+        return cls(kept, given, frame(None))
+
+
+@dataclass
+class TurnOutcome:
+    result: TurnResult
+    plan: TurnPlan
+    prompt_tokens: int  # tokens fed before the reply: the new messages, or all of the history when rebuilt
+    streamed: str  # the deltas on_text received, joined
+    cancelled: bool  # the reply was ended because the client went away
+    saved: bool = False  # written to --sessions (set by the service once the seat is saved)
+
+
+@dataclass
+class Sampling:
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+
+
+def _replay(d: Dialogue, ex: Exchange, image, model: ModelTurns) -> None:
+    if ex.choices is None:
+        d.add_turn(ex.user, ex.reply, image=image)
+        return
+    script = ScriptedSampler(ex.choices)
+    d.sampler, d.max_new_tokens = script, ex.max_new_tokens
+
+    def between_tokens() -> bool:
+        model.pass_turn()
+        return script.exhausted  # a cancelled exchange ended before its next choice
+
+    d.ask(ex.user, image=image, should_stop=between_tokens)
+
+
+def answer(seat, conversation: Conversation, plan: TurnPlan, frames: Frames, sampling: Sampling, model: ModelTurns,
+           *, on_text: Callable[[str], None], stopped: Callable[[], bool],
+           on_prefilled: Callable[[], None]) -> TurnOutcome:  # fmt: skip
+    """Run plan on seat (its .dialogue and .record) while holding model. conversation.system is the
+    effective system prompt (the model's default already filled in)."""
+    d: Dialogue = seat.dialogue
+    record: SeatRecord | None = seat.record
+    with model:
+        seat.record = None  # from here the cache changes; unknown until it holds a known history again
+        if plan.rebuild:
+            start = 0  # everything fed from the reset on counts, the system prompt included
+            d.system = conversation.system
+            d.reset()
+            held = []
+            for ex, image in zip(record.exchanges[: plan.keep] if record else [], frames.kept):
+                _replay(d, ex, image, model)
+                held.append(ex)
+        else:
+            start = d.decoder.cache.seen
+            held = list(record.exchanges[: plan.keep])
+        for (user, assistant), image in zip(plan.given, frames.given):
+            d.add_turn(user.text, assistant.text, image=image)
+            held.append(Exchange(user.text, image_key(user.image), assistant.text))
+        seat.record = SeatRecord(conversation.system, held)
+
+        sampler = RecordingSampler(temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed)
+        d.sampler, d.max_new_tokens = sampler, sampling.max_new_tokens
+        prefilled: list[int] = []
+        deltas: list[str] = []
+        cancelled = False
+
+        def between_tokens() -> bool:
+            nonlocal cancelled
+            if not prefilled:
+                prefilled.append(d.decoder.cache.seen)
+                on_prefilled()
+            model.pass_turn()
+            cancelled = stopped()
+            return cancelled
+
+        def text(delta: str) -> None:
+            deltas.append(delta)
+            on_text(delta)
+
+        turns = d.turns
+        try:
+            result = d.ask(conversation.prompt.text, on_text=text, image=frames.prompt, should_stop=between_tokens)
+        except BaseException:
+            if d.turns != turns:  # something of the prompt was fed: the cache no longer matches `held`
+                seat.record = None
+            raise
+    streamed = "".join(deltas)
+    finish = "cancelled" if cancelled else result.finish
+    prompt = conversation.prompt
+    exchange = Exchange(prompt.text, image_key(prompt.image), result.reply,
+                        None if streamed == result.reply else streamed, sampler.choices, sampling.max_new_tokens,
+                        finish)  # fmt: skip
+    seat.record = SeatRecord(conversation.system, held + [exchange])
+    return TurnOutcome(result, plan, prefilled[0] - start, streamed, cancelled)
