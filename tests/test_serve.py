@@ -213,6 +213,13 @@ def test_a_history_is_matched_exchange_by_exchange():
     assert plan_turn(None, conv("u1")).rebuild  # an unknown seat state always starts over
 
 
+def test_the_server_is_runtime_side_it_imports_without_torch_or_transformers():
+    block = "import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None; "
+    code = block + "import cabinlm.serve.app, cabinlm.cli.serve; print('ok')"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr
+
+
 def test_a_seat_record_is_trusted_only_beside_the_session_file_it_names(artifact, tmp_path):
     """The record (which exchanges the cache holds) and the session file cannot be replaced in one
     step: a record that names another session file, or that does not read back as a record, is
