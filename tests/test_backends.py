@@ -117,3 +117,23 @@ def test_the_reference_run_can_tell_a_wrong_cache_from_a_right_one(stream, expec
             rows.append(ref.feed(ids[start : min(start + LAYOUT["chunk"], pos + n)].tolist()).numpy())
         pos += n
     assert max(float(np.abs(r - e).max()) for r, e in zip(rows[-40:], expected[-40:])) > 0.1
+
+
+def test_a_build_for_a_provider_this_onnxruntime_lacks_is_refused_not_run_on_the_cpu(artifacts):
+    """The backend runs on the provider the manifest names, or not at all: a build that names an
+    execution provider this onnxruntime does not offer is refused with the reason, never run on
+    the CPU provider instead (which would make every check above pass without the chip)."""
+    import dataclasses
+
+    import onnxruntime as ort
+
+    from cabinlm.buildspec import ExecutionProvider
+    from cabinlm.runtime import BackendError
+
+    folder = artifacts["onnxruntime-static"]
+    m = load_manifest(folder)
+    missing = next(p for p in ("QNNExecutionProvider", "TensorrtExecutionProvider", "CoreMLExecutionProvider")
+                   if p not in ort.get_available_providers())  # fmt: skip
+    other = dataclasses.replace(m, build=dataclasses.replace(m.build, provider=ExecutionProvider(missing)))
+    with pytest.raises(BackendError, match=f"runs on {missing}, which this onnxruntime does not offer"):
+        Decoder(folder, manifest=other)

@@ -1,0 +1,63 @@
+"""What a vision-language artifact's runtime needs to turn a camera frame into image tokens: the
+vision graph's geometry and the image processor as plain, checked numbers. Standard library only;
+part of the manifest (cabinlm.manifest re-exports both classes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _sizes(name: str, d, keys: tuple[frozenset, ...]) -> dict[str, int] | None:
+    """None, or a dict with exactly one of the key sets, each a positive int."""
+    if d is None:
+        return None
+    if not isinstance(d, dict) or frozenset(d) not in keys or not all(type(v) is int and 0 < v < 1 << 16 for v in d.values()):
+        raise ValueError(f"vision.preprocess.{name}: expected one of {[sorted(k) for k in keys]} with positive sizes, got {d!r}")
+    return dict(d)
+
+
+@dataclass(frozen=True)
+class ImagePreprocess:
+    """The model's image processor, resolved at export into plain numbers (runtime/vision.py applies it):
+    resize to a shortest edge or to height x width (a PIL resampling filter), center crop, rescale,
+    normalize per channel. None: the step is skipped."""
+
+    resize: dict[str, int] | None  # {"shortest_edge": n} or {"height": h, "width": w}
+    resample: int = 3  # PIL.Image.Resampling
+    crop: dict[str, int] | None = None  # {"height": h, "width": w}
+    rescale: float | None = None
+    mean: tuple[float, ...] | None = None  # 3 channels
+    std: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        hw = frozenset({"height", "width"})
+        object.__setattr__(self, "resize", _sizes("resize", self.resize, (frozenset({"shortest_edge"}), hw)))
+        object.__setattr__(self, "crop", _sizes("crop", self.crop, (hw,)))
+        if type(self.resample) is not int or not 0 <= self.resample <= 5:
+            raise ValueError(f"vision.preprocess.resample: a PIL filter number 0..5, got {self.resample!r}")
+        if self.rescale is not None:
+            object.__setattr__(self, "rescale", float(self.rescale))
+        if (self.mean is None) != (self.std is None):
+            raise ValueError("vision.preprocess: mean and std go together")
+        if self.mean is not None:
+            object.__setattr__(self, "mean", tuple(float(x) for x in self.mean))
+            object.__setattr__(self, "std", tuple(float(x) for x in self.std))
+            if len(self.mean) != 3 or len(self.std) != 3 or not all(x > 0 for x in self.std):
+                raise ValueError("vision.preprocess: mean and std hold 3 channels, std positive")
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """The vision graph of a vision-language model and how to prepare its input."""
+
+    image_size: int
+    patch_size: int
+    image_tokens: int  # rows of the vision graph's image_embeds, slots of the cache's image region
+    embed_dim: int
+    image_token_id: int  # the placeholder id HF processors repeat image_tokens times
+    preprocess: ImagePreprocess
+    graph: str = "vision.onnx"  # role "vision_graph" in files
+
+    def __post_init__(self) -> None:
+        if isinstance(self.preprocess, dict):  # as read from JSON
+            object.__setattr__(self, "preprocess", ImagePreprocess(**self.preprocess))
