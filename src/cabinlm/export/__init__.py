@@ -5,7 +5,6 @@ The only part of cabinlm that imports torch and transformers.
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 import time
