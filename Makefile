@@ -13,7 +13,10 @@ DEMO   := out/smollm2-135m
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[export,serve,dev]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[export,serve,dev,qnn,tensorrt]'
+	# NVIDIA's typed TensorRT API for mypy (tests/test_tensorrt_types.py); --no-deps: the stubs
+	# declare the `tensorrt` package, whose install downloads from NVIDIA's own index.
+	$(PY) -m pip install --quiet --no-deps tensorrt-stubs==10.13.0.35.1
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -39,6 +39,9 @@ def static_profile(folder: Path) -> Path:
             "kv_dtypes": 'kv_dtypes = ["fp32", "fp16"]',
             "default_kv": 'default_kv = "fp32"',
             "default_chunk": "default_chunk = 4",
+            "htp_arch": "",  # HTP targets belong to QNN profiles only
+            "soc_model": "",
+            "htp_process_limit_bytes": "",
         }.get(key, line)
         lines.append(line)
     path = folder / "host-static.toml"

@@ -50,8 +50,15 @@ def test_cpu_build_is_an_optimized_runnable_artifact(fp16_artifact, tmp_path, lo
 
 
 def test_static_build_has_only_static_shapes_and_shares_its_weights(fp16_artifact, tmp_path, long_text):
+    """A static-shape profile on the host's CPU provider (a user's own profile file): the static pair
+    with one weights file. (The Snapdragon profiles compile it for the HTP: tests/test_qnn.py.)"""
+    from test_backends import static_profile
+
+    profile = static_profile(tmp_path)
+    profile.write_text(profile.read_text().replace('kv_dtypes = ["fp32", "fp16"]', 'kv_dtypes = ["fp16", "fp32"]')
+                       .replace("default_chunk = 4", "default_chunk = 16"))  # fmt: skip
     out = tmp_path / "qc"
-    p = cabinlm("build", fp16_artifact, "--profile", "sa8295p", "-o", out)
+    p = cabinlm("build", fp16_artifact, "--profile", profile, "-o", out)
     assert p.returncode == 0, p.stderr
     for name, tokens in (("decoder.prefill.onnx", 16), ("decoder.decode.onnx", 1)):
         m = onnx.load(str(out / name), load_external_data=False)
@@ -79,7 +86,7 @@ def test_build_refuses_a_kv_precision_the_profile_cannot_run(load, tiny_qwen2_di
     assert_clean_error(cabinlm("build", fp32, "--profile", "sa8295p", "-o", tmp_path / "x"), "fp32 KV", "--profile sa8295p")
 
 
-def test_tensorrt_profiles_report_compatibility_then_say_what_is_missing(tiny_qwen2_dir, tmp_path):
+def test_tensorrt_profiles_check_compatibility_then_write_the_target_bundle(tiny_qwen2_dir, tmp_path):
     art = tmp_path / "orin"
     p = cabinlm("export", tiny_qwen2_dir, "-o", art, "--profile", "orin-x", "--chunk", 16, "--window", 64,
                 "--pinned", 12, "--no-verify")  # fmt: skip
@@ -88,9 +95,10 @@ def test_tensorrt_profiles_report_compatibility_then_say_what_is_missing(tiny_qw
     assert manifest["index_dtype"] == "int32" and manifest["cache"]["kv_dtype"] == "fp16"
     assert manifest["target"]["profile"] == "orin-x" and PLAN_KEYS <= set(manifest["target"]["plan"])
     assert check_file(art / "decoder.onnx", "8.6") == []  # no errors, no warnings
-    b = cabinlm("build", art, "--profile", "orin-x")
-    assert_clean_error(b, "TensorRT 8.6 compatibility check", "cabinlm build")
-    assert "0 error(s)" in b.stderr
+    b = cabinlm("build", art, "--profile", "orin-x")  # no TensorRT here: the bundle, and how to finish on the car
+    assert b.returncode == 0, b.stderr
+    assert "0 error(s)" in b.stderr and "wrote the TensorRT bundle" in b.stdout and "cabinlm build build-orin-x" in b.stdout
+    assert json.loads((art / "build-orin-x" / "manifest.json").read_text())["build"]["tensorrt"]["state"] == "bundle"
     chat = cabinlm("chat", art, "--json", "--max-new-tokens", 3, stdin="hi\n")  # int32 indices run on ORT too
     assert chat.returncode == 0, chat.stderr
 

@@ -648,6 +648,67 @@ def test_images_reach_a_vision_language_artifact_as_data_urls_and_file_paths(loa
             client.chat.completions.create(model="llava", messages=bad)
 
 
+# A data URL is decoded in the server's memory: a few kB of PNG that claim hundreds of megapixels, or
+# compressed text chunks that inflate to megabytes, must be refused from the header (Pillow's checks,
+# made strict by runtime.vision) as a 400 that says why, never a 500 or a stalled worker. Both sides
+# of Pillow's factor two are sent: beyond MAX_IMAGE_PIXELS it only warns, beyond twice it raises.
+@pytest.mark.parametrize(
+    "how, reason",
+    [
+        ("a bomb of 9000x9000", "decompression bomb"),
+        ("a bomb of 20000x20000", "decompression bomb"),
+        ("one zTXt chunk of 2 MB", "text metadata is too large"),
+        ("70 zTXt chunks of 1 MB", "text metadata is too large"),
+        ("a zTXt chunk of 2 MB after the pixels", "text metadata is too large"),
+    ],
+)
+def test_a_hostile_png_in_a_data_url_is_a_400_with_the_reason_and_the_server_goes_on(vlm_served, how, reason,
+                                                                                      tmp_path):  # fmt: skip
+    from test_vision import _png_with_text, write_png_bomb
+
+    server, frame, expected = vlm_served
+    if how.startswith("a bomb"):
+        w, h = map(int, how.split()[-1].split("x"))
+        png = write_png_bomb(tmp_path / "hostile.png", w, h)
+    else:
+        png = _png_with_text(tmp_path / "hostile.png", how)
+    assert png.stat().st_size < 100_000  # small on the wire, huge once decoded
+    url = "data:image/png;base64," + base64.b64encode(png.read_bytes()).decode()
+    part = {"type": "image_url", "image_url": {"url": url}}
+    body = {"model": "llava", "max_tokens": REPLY,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "what is ahead"}, part]}]}  # fmt: skip
+    status, error = server.request("POST", "/v1/chat/completions", body)
+    assert status == 400, error
+    assert error["error"]["code"] == "invalid_image" and error["error"]["param"] == "the image of the last message"
+    assert reason in error["error"]["message"] and "\n" not in error["error"]["message"], error
+    # the same file by path: the same refusal
+    part["image_url"]["url"] = f"file://{png}"
+    status, error = server.request("POST", "/v1/chat/completions", body)
+    assert status == 400 and reason in error["error"]["message"], error
+    # and the server goes on: a good frame on a new seat gets the reply the library gives
+    assert server.proc.poll() is None
+    good = {"role": "user", "content": [{"type": "text", "text": "what is ahead"},
+                                        {"type": "image_url", "image_url": {"url": f"file://{frame}"}}]}  # fmt: skip
+    r = server.client().chat.completions.create(model="llava", messages=[good], max_tokens=REPLY)
+    assert r.choices[0].message.content == expected
+
+
+@pytest.fixture(scope="module")
+def vlm_served(load, export_to, tmp_path_factory):
+    """A tiny LLaVA served, a good frame, and the reply the library gives to it."""
+    from PIL import Image
+
+    from conftest import make_tiny_llava
+
+    folder = tmp_path_factory.mktemp("vlm-served")
+    art = export_to(load(str(make_tiny_llava(folder / "model", "clip"))), sink=4, pinned=12, window=48, chunk=16)
+    frame = folder / "frame.png"
+    Image.fromarray((np.random.default_rng(1).random((40, 52, 3)) * 255).astype("uint8")).save(frame)
+    expected = library(art).ask("what is ahead", image=frame).reply
+    with Server(art, folder / "server.log", model="llava") as server:
+        yield server, frame, expected
+
+
 @pytest.mark.slow
 def test_smollm2_served_gives_the_replies_chat_gives(smollm2, export_to, tmp_path):
     art = export_to(smollm2, sink=4, pinned=60, window=124, chunk=32)

@@ -23,6 +23,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from cabinlm.qnn_spec import QnnSettings
+from cabinlm.tensorrt_spec import TensorRTSettings
+
 
 class BackendKind(str, enum.Enum):
     """How the decoder graph(s) of an artifact are run (one class each under runtime/backends/)."""
@@ -30,6 +33,8 @@ class BackendKind(str, enum.Enum):
     EXPORTED_GRAPH = "onnxruntime-graph"  # the exported graph (dynamic tokens), as exported or optimized
     STATIC_PAIR = "onnxruntime-static"  # a prefill graph (tokens = chunk) and a decode graph (tokens = 1)
     FUSED = "onnxruntime-fused"  # the cpu build's fused decoder over a rotated cache
+    QNN_HTP = "qnn-htp"  # QNN HTP context binaries (prefill + decode) through ONNX Runtime's QNN plugin
+    TENSORRT = "tensorrt"  # a TensorRT engine (or, before it is built on the target, its bundle)
 
 
 class OptimizationLevel(str, enum.Enum):
@@ -144,9 +149,15 @@ class BuildSpec:
     engine_version: str = ""
     shared_weights: SharedWeights | None = None  # STATIC_PAIR only
     fused: FusedSettings | None = None  # FUSED only
+    qnn: QnnSettings | None = None  # QNN_HTP only
+    tensorrt: TensorRTSettings | None = None  # TENSORRT only
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backend", BackendKind(self.backend))
+        if (self.backend == BackendKind.QNN_HTP) != (self.qnn is not None):
+            raise ValueError("a QNN HTP build records its QNN facts, and only a QNN HTP build does")
+        if (self.backend == BackendKind.TENSORRT) != (self.tensorrt is not None):
+            raise ValueError("a TensorRT build records its TensorRT facts, and only a TensorRT build does")
         if (self.backend == BackendKind.FUSED) != (self.fused is not None):
             raise ValueError("a fused build records its fused settings, and only a fused build does")
         if self.shared_weights is not None and self.backend != BackendKind.STATIC_PAIR:
@@ -167,6 +178,8 @@ class BuildSpec:
             "engine_version": self.engine_version,
             "shared_weights": self.shared_weights.to_dict() if self.shared_weights else None,
             "fused": dataclasses.asdict(self.fused) if self.fused else None,
+            "qnn": self.qnn.to_dict() if self.qnn else None,
+            "tensorrt": self.tensorrt.to_dict() if self.tensorrt else None,
         }
 
     @classmethod
@@ -175,6 +188,7 @@ class BuildSpec:
         if not isinstance(d, dict):
             raise TypeError(f"expected an object, got {type(d).__name__}")
         shared, fused = d["shared_weights"], d["fused"]
+        qnn, trt = d.get("qnn"), d.get("tensorrt")  # absent in builds of cabinlm before these backends
         return cls(
             backend=BackendKind(d["backend"]),
             provider=ExecutionProvider(**d["provider"]),
@@ -184,4 +198,6 @@ class BuildSpec:
             engine_version=str(d["engine_version"]),
             shared_weights=SharedWeights.from_dict(shared) if shared is not None else None,
             fused=FusedSettings(**fused) if fused is not None else None,
+            qnn=QnnSettings.from_dict(qnn) if qnn is not None else None,
+            tensorrt=TensorRTSettings.from_dict(trt) if trt is not None else None,
         )

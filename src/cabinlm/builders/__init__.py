@@ -3,8 +3,12 @@
     onnxruntime profiles  builders/ort.py  the graph optimized offline for the provider, the build as
                                         typed data in the manifest (buildspec.BuildSpec); for static-shape
                                         targets a prefill graph and a decode graph sharing weights
-    tensorrt profiles     builders/trt.py  the TensorRT compatibility check (runs anywhere), then the
-                                        engine where TensorRT and an NVIDIA GPU are present
+    qnn profiles          builders/qnn.py  Qualcomm's compiler (the onnxruntime-qnn plugin): prefill and
+                                        decode graphs as HTP context binaries (qnn_graph.py makes the
+                                        graph HTP-ready and fp16-safe)
+    tensorrt profiles     builders/trt.py  the TensorRT compatibility check and the target bundle (run
+                                        anywhere), then the engine where TensorRT and an NVIDIA GPU are
+                                        present; `cabinlm build BUNDLE` on the target finishes a bundle
 
 The output folder is itself an artifact: `cabinlm chat OUT` and `cabinlm perplexity OUT` run it.
 """
@@ -41,7 +45,9 @@ class Minimums(str, enum.Enum):
 
 def build_artifact(artifact: str | Path, profile, out: str | Path | None = None, log: Callable[[str], None] = lambda s: None,
                    attention: Attention = Attention.AUTO, accuracy_level: int = 4, minimums: Minimums = Minimums.INT8) -> Path:
-    """Build `artifact` for `profile` (a DeviceProfile) into `out` (default: ARTIFACT/build-PROFILE).
+    """Build `artifact` for `profile` (a DeviceProfile; None: cpu) into `out` (default: ARTIFACT/build-PROFILE).
+    A TensorRT bundle (`artifact` made by a tensorrt profile's build) gets its engine built, in place
+    unless `out` is given; its profile is the one it was made for.
 
     ONNX Runtime cpu builds: attention "auto" fuses the decoder (builders/ort_fused.py) where the
     artifact allows and keeps the exported graph otherwise; "fused" insists; "graph" keeps the export.
@@ -58,6 +64,14 @@ def build_artifact(artifact: str | Path, profile, out: str | Path | None = None,
 
     artifact = Path(artifact)
     manifest = load_manifest(artifact)
+    if manifest.build is not None and manifest.build.tensorrt is not None:  # a TensorRT bundle, on the target
+        from cabinlm.builders.trt import finish_bundle
+
+        return finish_bundle(artifact, manifest, profile, Path(out) if out is not None else None, log)
+    if profile is None:  # no --profile: the host CPU
+        from cabinlm.profiles import load_profile
+
+        profile = load_profile("cpu")
     if manifest.build is not None:
         raise BuildError(f"{artifact} is already a build (for {manifest.build.profile}); pass the folder `cabinlm export` "
                          f"wrote: {(manifest.target or {}).get('built_from', 'its parent')}")
@@ -71,6 +85,10 @@ def build_artifact(artifact: str | Path, profile, out: str | Path | None = None,
         from cabinlm.builders.trt import build_tensorrt
 
         return build_tensorrt(artifact, manifest, profile, out, log)
+    if profile.execution_provider == "QNNExecutionProvider":
+        from cabinlm.builders.qnn import build_qnn
+
+        return build_qnn(artifact, manifest, profile, out, log)
     from cabinlm.builders.ort import build_onnxruntime
 
     return build_onnxruntime(artifact, manifest, profile, out, log, attention=attention, accuracy_level=accuracy_level,

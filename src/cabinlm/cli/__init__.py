@@ -2,6 +2,7 @@
 
     cli/export.py   export, profiles, plan    what to build, for which device
     cli/build.py    build                     an artifact -> what a device's engine loads
+    cli/doctor.py   doctor                    a new NVIDIA board: TensorRT, CUDA, GPU, bundle, engine vs CPU
     cli/chat.py     chat                      the dialogue loop (ChatLoop)
     cli/serve.py    serve                     the assistant as a local HTTP service (cabinlm.serve)
     cli/measure.py  perplexity, bench, fetch  measuring an artifact, getting a model
@@ -14,7 +15,7 @@ import sys
 
 import typer
 
-from cabinlm.cli import build, chat, export, measure, serve
+from cabinlm.cli import build, chat, doctor, export, measure, serve
 from cabinlm.cli.common import err
 from cabinlm.errors import CabinlmError
 
@@ -30,7 +31,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-for command in (export.export, export.profiles, export.plan, build.build, chat.chat, serve.serve,
+for command in (export.export, export.profiles, export.plan, build.build, doctor.doctor, chat.chat, serve.serve,
                 measure.perplexity, measure.bench, measure.fetch):  # fmt: skip
     app.command()(command)
 

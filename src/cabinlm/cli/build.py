@@ -13,7 +13,8 @@ from cabinlm.cli.common import info, load_profile
 
 def build(
     artifact: Path = typer.Argument(..., help="Folder written by `cabinlm export`."),
-    profile: str = typer.Option("cpu", help="Device profile name or .toml file."),
+    profile: Optional[str] = typer.Option(None, help="Device profile name or .toml file (default: cpu; for a TensorRT "
+                                          "bundle, the profile it was made for)."),
     out: Optional[Path] = typer.Option(None, "-o", "--out", help="Output folder [default: ARTIFACT/build-PROFILE]."),
     attention: Attention = typer.Option(
         Attention.AUTO, help="cpu builds: 'fused' re-emits the decoder around ONNX Runtime's GroupQueryAttention and "
@@ -27,17 +28,29 @@ def build(
         "block's step (about 10% faster decode, 43 MB more weights for SmolLM2); 'exact' adds each minimum through "
         "block sums (two more kernels per matrix). docs/benchmarks.md measures both."),
 ) -> None:
-    """Build an exported artifact for a device: ONNX Runtime targets get the graph optimized offline
-    (the cpu profile fuses the decoder; static prefill + decode graphs for static-shape chips);
-    TensorRT targets are checked for TensorRT compatibility and built where TensorRT and a GPU are
-    present. `cabinlm chat OUT` runs it."""
+    """Build an exported artifact for a device: the cpu profile gets the decoder fused and optimized
+    offline; Snapdragon targets (sa8295p, sa8775p) get the prefill and decode graphs compiled by
+    Qualcomm's compiler into HTP context binaries (needs the `qnn` extra; on x86 they run in
+    Qualcomm's HTP simulator); a user's static-shape CPU profile gets a static prefill + decode pair;
+    TensorRT targets (orin-x, jetson-*, thor) are checked for TensorRT compatibility and written as a
+    target bundle; where TensorRT and a GPU are present the engine is built too. On the target,
+    `cabinlm build BUNDLE` builds the bundle's engine (docs/tensorrt.md). `cabinlm chat OUT` runs it."""
     from cabinlm.builders import build_artifact
     from cabinlm.builders.trt import TensorRTUnavailable
 
     try:
-        path = build_artifact(artifact, load_profile(profile), out, log=info, attention=attention,
+        path = build_artifact(artifact, load_profile(profile) if profile else None, out, log=info, attention=attention,
                               accuracy_level=accuracy_level, minimums=minimums)  # fmt: skip
     except TensorRTUnavailable as e:
-        info(e.details)
+        if e.details:  # the compatibility report
+            info(e.details)
         raise
-    typer.echo(f"built {artifact} for {profile}: {path} (run it with `cabinlm chat {path}`)")
+    from cabinlm.builders.trt_bundle import finish_instruction
+    from cabinlm.manifest import load_manifest
+    from cabinlm.tensorrt_spec import EngineState
+
+    built = load_manifest(path, check_files=False).runtime_spec
+    if built.tensorrt is not None and built.tensorrt.state is EngineState.BUNDLE:  # no TensorRT here: finish on the car
+        typer.echo(f"wrote the TensorRT bundle {path}; {finish_instruction(path, built.tensorrt, built.profile)}")
+        return
+    typer.echo(f"built {artifact} for {built.profile or profile}: {path} (run it with `cabinlm chat {path}`)")

@@ -39,10 +39,12 @@ def chat(
     long_messages: LongMessages = typer.Option(
         LongMessages.REFUSE, help="A message longer than the window: 'refuse' it, or 'stream' it through the window."
     ),
-    speculative: bool = typer.Option(
-        True, help="Draft reply tokens from the dialogue's own text (prompt lookup) and check them in one step: "
+    speculative: Optional[bool] = typer.Option(
+        None, "--speculative/--no-speculative",
+        help="Draft reply tokens from the dialogue's own text (prompt lookup) and check them in one step: "
         "the same replies, faster while the window fills (it stops once the window has turned over; "
-        "docs/benchmarks.md section 13)."),
+        "docs/benchmarks.md section 13). Default: on, except for builds whose prefill graph has a fixed "
+        "size (Snapdragon HTP, static pairs), where checking a draft costs a whole chunk."),
     json_out: bool = typer.Option(False, "--json", help="One JSON object per turn on stdout instead of text."),
 ) -> None:
     """Talk to an exported model. Interactive on a terminal; otherwise one user message per input line.
@@ -53,20 +55,28 @@ def chat(
     /stats shows the cache, /quit leaves. Ctrl-C stops a reply (the dialogue goes on); Ctrl-C or
     Ctrl-D at the prompt leaves.
     """
-    from cabinlm.runtime import Sampler, load_manifest, open_artifact
-    from cabinlm.runtime.limits import check_count, check_seat_count, check_seats, check_threads
+    from cabinlm.runtime import Sampler, Tokenizer, load_manifest, open_artifact
+    from cabinlm.runtime.limits import check_count, check_seat_count, check_seats, check_system_prompt, check_threads
 
     # Every option is checked before the model loads (each refusal an OptionError: one line, exit 2);
-    # the seats against this machine's memory, which needs the manifest's cache geometry only.
+    # the seats against this machine's memory and the system prompt against the pinned slots, which
+    # need the manifest and the tokenizer only.
     check_count("max-new-tokens", max_new_tokens, 1)
     check_seat_count(seats)
     check_threads(threads)
     Sampler(temperature=temperature, top_p=top_p, seed=seed)
-    check_seats(seats, load_manifest(artifact))
+    manifest = load_manifest(artifact)
+    check_seats(seats, manifest)
+    check_system_prompt(system, manifest, Tokenizer(artifact / manifest.files["tokenizer"].path))
     # Input a program cannot decode (invalid UTF-8) becomes U+FFFD instead of ending the session.
     sys.stdin.reconfigure(errors="replace")
     dec, tok = open_artifact(artifact, threads=threads)
     decoders = [dec] + [dec.seat() for _ in range(seats - 1)]  # the weights are held once
+    if speculative is None:
+        speculative = not dec.backend.fixed_chunk
+        if not speculative:
+            info(f"speculative decoding off: this build's prefill graph always runs {dec.layout.chunk} tokens, so "
+                 "checking a draft costs a whole chunk (--speculative turns it on)")
     dialogues = [
         Dialogue(d, tok, system=system, sampler=Sampler(temperature=temperature, top_p=top_p, seed=seed),
                  max_new_tokens=max_new_tokens, long_messages=long_messages,

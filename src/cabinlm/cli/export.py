@@ -66,14 +66,18 @@ def export(
     and refuses to finish when it rises by more than --max-ppl-increase percent, unless --force.
     """
     from cabinlm.export import ExportRequest, export_for_profile, export_model  # torch lives behind this import
+    from cabinlm.export.options import make_layout
 
     # Checked here, before a profile is planned or the model is loaded.
     request = ExportRequest(sink=sink, pinned=pinned, window=window, chunk=chunk, kv=kv, weights=weights, head=head,
                             calib=calib, max_ppl_increase=max_ppl_increase, force=force, verify=verify)  # fmt: skip
     if profile is not None:
-        m = export_for_profile(model, out, load_profile(profile), request, log=info)
+        m = export_for_profile(model, out, load_profile(profile), request, log=info)  # plans from the config first
     else:
-        m = export_model(model, out, request.options(), log=info)
+        opts = request.options()
+        spec, _, image = model_facts(model)
+        make_layout(spec, opts, image=image)  # the geometry against the model's config, before its weights load
+        m = export_model(model, out, opts, log=info)
     lay = m.cache
     typer.echo(
         f"exported {m.model.source} ({m.model.architecture}, {m.model.num_layers} layers) to {out}: "
@@ -123,19 +127,15 @@ def plan(
     json_out: bool = typer.Option(False, "--json", help="Print the plan as one JSON object."),
 ) -> None:
     """Memory breakdown of MODEL on a device profile, and the largest window that fits its budget."""
-    from cabinlm.model_config import image_tokens_from_config, spec_from_config, vision_params_from_config
+    from cabinlm.export.options import ExportRequest, check_profile_request
     from cabinlm.profiles.planner import format_plan, plan as make_plan
 
-    spec_path = Path(model).expanduser()
-    if spec_path.suffix == ".json" or (spec_path.is_dir() and (spec_path / "config.json").exists()):
-        # standard library only: no torch needed to plan from a config.json
-        spec = spec_from_config(spec_path)
-        vision, image = vision_params_from_config(spec_path), image_tokens_from_config(spec_path)
-    else:
-        from cabinlm.export.models import spec_for
-
-        spec, vision, image = spec_for(model, log=info), 0, 0
-    p = make_plan(spec, load_profile(profile), kv=kv, sink=sink, chunk=chunk, pinned=pinned, window=window,
+    # the values alone first (as `cabinlm export` checks them), then against the model's config
+    request = ExportRequest(sink=sink, pinned=pinned, window=window, chunk=chunk, kv=kv)
+    spec, vision, image = model_facts(model)
+    device = load_profile(profile)
+    check_profile_request(spec, device, request, image)
+    p = make_plan(spec, device, kv=kv, sink=sink, chunk=chunk, pinned=pinned, window=window,
                   vision_params=vision, image_tokens=image)  # fmt: skip
     if json_out:
         typer.echo(json.dumps(p.to_dict()))
@@ -143,3 +143,17 @@ def plan(
         typer.echo(format_plan(p))
     if not p.fits:
         raise typer.Exit(1)
+
+
+def model_facts(model: str):
+    """MODEL's ModelSpec, vision-tower parameters and image tokens, without loading its weights: a
+    config.json or a model folder is read with the standard library (no torch); a .gguf file or a
+    built-in name through its metadata."""
+    from cabinlm.model_config import image_tokens_from_config, spec_from_config, vision_params_from_config
+
+    path = Path(model).expanduser()
+    if path.suffix == ".json" or (path.is_dir() and (path / "config.json").exists()):
+        return spec_from_config(path), vision_params_from_config(path), image_tokens_from_config(path)
+    from cabinlm.export.models import spec_for
+
+    return spec_for(model, log=info), 0, 0

@@ -38,17 +38,13 @@ def serve(
         from cabinlm.serve.app import run_server
     except ImportError as e:
         raise CabinlmError(f"cabinlm serve needs the web stack: pip install 'cabinlm[serve]' ({e})") from e
-    from cabinlm.runtime import load_manifest
-    from cabinlm.runtime.limits import check_count, check_seat_count, check_seats, check_threads
+    from cabinlm.runtime.limits import check_count
     from cabinlm.serve import ChatService, ServeConfig
-    from cabinlm.serve.schema import MAX_TOKENS_LIMIT
 
-    # Every option is checked before the model loads (as `cabinlm chat` does): one line, exit 2.
+    # Every option is checked before the model loads, with `cabinlm chat`'s checks (runtime.limits):
+    # the values by ServeConfig, the seats against this machine's memory by ChatService.open before
+    # it opens the artifact. One line, exit 2.
     check_count("port", port, 0, 65535)
-    check_count("max-new-tokens", max_new_tokens, 1, MAX_TOKENS_LIMIT)
-    check_seat_count(seats)
-    check_threads(threads)
-    check_seats(seats, load_manifest(artifact))
     config = ServeConfig(artifact, seats=seats, sessions=sessions, max_new_tokens=max_new_tokens, threads=threads,
                          long_messages=long_messages, model_id=model_name)  # fmt: skip
     service = ChatService.open(config)

@@ -3,6 +3,12 @@
     ExportRequest  what the user set explicitly (None: not set)
         .options()                                 -> ExportOptions   the defaults fill the rest
         options_for_profile(spec, profile, request) -> ExportOptions  a device profile's plan does
+    check_positions(spec, sink=, pinned=, chunk=, window=)   the geometry against the model's positions
+    check_profile_request(spec, profile, request)            the same, the profile's defaults filling in
+    make_layout(spec, opts)                                   -> CacheLayout, checked against the model
+
+The model checks need only the ModelSpec (a config.json read by cabinlm.model_config), so that
+`cabinlm export` and `cabinlm plan` refuse a geometry the model cannot hold before any weights load.
 
 Every check names the option and the value it got; the command line's flags have the same names
 (sink -> --sink), so a message reads the same from the library and from `cabinlm export`.
@@ -17,7 +23,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from cabinlm.errors import LayoutError, OptionError
-from cabinlm.layout import CacheLayout
+from cabinlm.layout import MAX_DIM, CacheLayout
 from cabinlm.manifest import ModelSpec
 from cabinlm.precision import KVDType, WeightFormat
 
@@ -32,12 +38,17 @@ def _member(kind: type[E], value: E | str, name: str) -> E:
 
 
 def _count(name: str, value: int | None, least: int) -> None:
+    """None (not set), or a whole number in least..MAX_DIM: no cache dimension goes beyond MAX_DIM
+    (the model's positions, checked once it is known, are usually far fewer)."""
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int):
         raise OptionError(f"--{name} must be a whole number, got {value!r}")
     if value < least:
         raise LayoutError(f"--{name} must be >= {least}, got {value}")
+    if value > MAX_DIM:
+        raise LayoutError(f"--{name} {value} is beyond any cache (at most {MAX_DIM} slots), and beyond the "
+                          "positions of any model cabinlm exports; `cabinlm plan MODEL` shows what fits")  # fmt: skip
 
 
 def _check(sink: int | None, pinned: int | None, window: int | None, chunk: int | None, weights: WeightFormat | None,
@@ -175,6 +186,57 @@ class ExportRequest:
         )  # fmt: skip
 
 
+def check_positions(spec: ModelSpec, *, sink: int, pinned: int, chunk: int, window: int | None = None,
+                    image: int = 0) -> None:  # fmt: skip
+    """The geometry against the model's positions, from its config alone (no weights).
+
+    Positions are ranks in stream order, so the largest one the graph sees is
+    sink + pinned + image + window + chunk - 1, and it must stay below max_position_embeddings.
+    window None (a profile's planner searches it): a window of at least one chunk must fit.
+    A refusal names the option to change and the value that would fit:
+        the window alone is too large       -> --window (the largest that fits)
+        sink + pinned + image + chunk are   -> the largest of --sink, --pinned, --chunk
+    """
+    limit = spec.max_positions
+    fixed = sink + pinned + image + chunk  # every term but the window
+    least_window = chunk  # the ring holds a whole chunk (CacheLayout)
+    w = least_window if window is None else window
+    if fixed + w <= limit:
+        return
+    image_term = f" + image {image}" if image else ""
+    model = f"the model has only {limit} (its max_position_embeddings)"
+    if window is not None and limit - fixed >= least_window:
+        raise LayoutError(
+            f"--window {window}: sink {sink} + pinned {pinned}{image_term} + window {window} + chunk {chunk} = "
+            f"{fixed + window} positions, but {model}; use --window {limit - fixed} or less"
+        )
+    # Not even a window of one chunk fits: the largest of sink, pinned and chunk must shrink. With
+    # the window as given if that is enough; else with a window of one chunk (then the chunk saves
+    # two positions a token: it is the least window too); else all three must.
+    name, value = max((("sink", sink), ("pinned", pinned), ("chunk", chunk)), key=lambda nv: nv[1])
+    least = 1 if name == "chunk" else 0
+    fits = [value - (fixed + w - limit) for w in ([window] if window is not None else [])]
+    excess = fixed + least_window - limit
+    fits.append(value - (-(-excess // 2) if name == "chunk" else excess))
+    best = next((v for v in fits if v >= least), None)
+    fix = f"give --{name} {best} or less" if best is not None else "lower --sink, --pinned and --chunk"
+    raise LayoutError(
+        f"--{name} {value}: sink {sink} + pinned {pinned}{image_term} + chunk {chunk} leave no room for a window "
+        f"of one chunk ({fixed + least_window} positions), but {model}; {fix}"
+    )
+
+
+def check_profile_request(spec: ModelSpec, profile, request: ExportRequest, image_tokens: int = 0) -> None:
+    """The KV precision against the profile, then check_positions for what `request` sets, the
+    profile's defaults filling in the rest (the window, when not set, is the planner's to choose)."""
+    from cabinlm.profiles.planner import resolve_kv
+
+    resolve_kv(profile, request.kv)  # a precision the chip cannot run is the first thing to say
+    check_positions(spec, sink=_or(request.sink, profile.default_sink),
+                    pinned=_or(request.pinned, ExportOptions.pinned), chunk=_or(request.chunk, profile.default_chunk),
+                    window=request.window, image=image_tokens)  # fmt: skip
+
+
 def options_for_profile(spec: ModelSpec, profile, request: ExportRequest, vision_params: int = 0,
                         image_tokens: int = 0) -> ExportOptions:  # fmt: skip
     """Export options planned for a device profile (a DeviceProfile). What `request` sets is kept and
@@ -183,6 +245,7 @@ def options_for_profile(spec: ModelSpec, profile, request: ExportRequest, vision
     from cabinlm.profiles import Engine
     from cabinlm.profiles.planner import PlanError, plan
 
+    check_profile_request(spec, profile, request, image_tokens)
     p = plan(spec, profile, kv=request.kv, sink=request.sink, chunk=request.chunk,
              pinned=_or(request.pinned, ExportOptions.pinned), window=request.window, vision_params=vision_params,
              image_tokens=image_tokens)  # fmt: skip
@@ -191,10 +254,11 @@ def options_for_profile(spec: ModelSpec, profile, request: ExportRequest, vision
             f"window {p.window} needs {p.total_bytes / 2**20:.0f} MiB but profile {profile.name} budgets "
             f"{p.budget_bytes / 2**20:.0f} MiB; leave --window out to use the largest that fits"
         )
-    # Block-quantized weights go into the exported graph for ONNX Runtime's CPU provider; other
-    # engines get float32 weights and apply the profile's precision when they build.
-    cpu = profile.engine == Engine.ONNXRUNTIME and profile.execution_provider == "CPUExecutionProvider"
-    weights = profile.weight_dtype if cpu and profile.weight_dtype.quantized else WeightFormat.FP32
+    # Block-quantized weights go into the exported graph for ONNX Runtime's CPU provider and for the
+    # Qualcomm HTP (whose build turns the blocks into MatMulNBits); TensorRT gets float32 weights and
+    # applies the profile's precision when it builds.
+    ort = profile.engine == Engine.ONNXRUNTIME
+    weights = profile.weight_dtype if ort and profile.weight_dtype.quantized else WeightFormat.FP32
     opts = request.complete(
         sink=p.sink, pinned=p.pinned, window=p.window, chunk=p.chunk, kv=KVDType(p.kv),
         weights=_or(request.weights, weights), index_dtype="int32" if profile.engine == Engine.TENSORRT else "int64",
@@ -211,8 +275,10 @@ def options_for_profile(spec: ModelSpec, profile, request: ExportRequest, vision
 
 def make_layout(spec: ModelSpec, opts: ExportOptions, image: int = 0) -> CacheLayout:
     """The cache layout of an export: the options' geometry on the model's layers and heads, checked
-    against the model's positions (the largest position is sink + pinned + image + window + chunk - 1)."""
-    layout = CacheLayout(
+    against the model's positions first (check_positions). Needs only the ModelSpec: `cabinlm export`
+    calls it before the weights load."""
+    check_positions(spec, sink=opts.sink, pinned=opts.pinned, chunk=opts.chunk, window=opts.window, image=image)
+    return CacheLayout(
         image=image,
         sink=opts.sink,
         pinned=opts.pinned,
@@ -223,11 +289,3 @@ def make_layout(spec: ModelSpec, opts: ExportOptions, image: int = 0) -> CacheLa
         head_dim=spec.head_dim,
         kv_dtype=opts.kv,
     )
-    if layout.max_position > spec.max_positions:
-        room = spec.max_positions - opts.sink - opts.pinned - image - opts.chunk
-        raise LayoutError(
-            f"sink {opts.sink} + pinned {opts.pinned} + image {image} + window {opts.window} + chunk {opts.chunk} = "
-            f"{layout.max_position} positions, but the model has only {spec.max_positions}; "
-            f"use --window {room} or less"
-        )
-    return layout

@@ -5,6 +5,12 @@ never from the weights.
     total = weights + KV cache (sink + pinned + window slots, with scales) + activations of one chunk
             + vision tower + runtime overhead                                   <= profile budget
 
+Qualcomm HTP profiles (QNNExecutionProvider) also count the context binaries: a prefill and a decode
+graph, one binary holding both with one weights copy where the HTP shares weights between graphs
+(v73 on), two binaries and two weights copies where it does not (v68). The token table is a float
+gather on the HTP (fp16). The HTP runs them in one process on the NPU, whose 32-bit address space
+caps binaries + KV + activations (htp_process_limit_bytes).
+
 KV bytes come from CacheLayout (the one owner of cache geometry); nothing here re-derives them.
 """
 
@@ -21,6 +27,7 @@ from cabinlm.precision import KVDType, WeightFormat
 from cabinlm.profiles.schema import DeviceProfile
 
 MIB = 1 << 20
+HTP_WEIGHT_SHARING_ARCH = 73  # QNN shares weights between the graphs of one context from HTP v73 on
 
 
 class PlanError(CabinlmError):
@@ -105,6 +112,12 @@ class Plan:
     budget_bytes: int
     fits: bool
     max_window_by_positions: int  # the largest chunk-multiple window the model's positions allow
+    # Qualcomm HTP profiles only (0 elsewhere): context binaries, the bytes they hold, and what the
+    # NPU process maps (binaries + KV + activations) against its per-process limit.
+    htp_binaries: int = 0
+    htp_binary_bytes: int = 0
+    htp_process_bytes: int = 0
+    htp_process_limit_bytes: int = 0
 
     @property
     def headroom_bytes(self) -> int:
@@ -120,7 +133,7 @@ class Plan:
         return d
 
 
-def _resolve_kv(profile: DeviceProfile, kv: KVDType | str | None) -> KVDType:
+def resolve_kv(profile: DeviceProfile, kv: KVDType | str | None) -> KVDType:
     if kv is None:
         return profile.default_kv
     try:
@@ -153,7 +166,7 @@ def plan(
     sink + pinned + W + chunk <= the model's positions, and total <= budget (PlanError if even
     W = chunk does not fit). window=N: use it and report `fits`.
     """
-    kv = _resolve_kv(profile, kv)
+    kv = resolve_kv(profile, kv)
     sink = profile.default_sink if sink is None else sink
     chunk = profile.default_chunk if chunk is None else chunk
     if chunk < 1 or sink < 0 or pinned < 0:
@@ -167,6 +180,16 @@ def plan(
     vision_dtype = WeightFormat.FP32 if profile.weight_dtype is WeightFormat.FP32 else WeightFormat.FP16
     vision = weight_bytes(vision_params, vision_dtype)
     fixed = weights + vision + profile.runtime_overhead_bytes
+    htp = profile.htp_arch is not None
+    binaries = binary_bytes = 0
+    if htp:
+        # Weights as the binaries hold them: the token table as fp16 (a float gather on the HTP) in
+        # place of its quantized rows, then one copy per binary.
+        table = spec.vocab_size * spec.hidden_size
+        per_graph = weights + weight_bytes(table, WeightFormat.FP16) - weight_bytes(table, profile.weight_dtype)
+        binaries = 1 if profile.htp_arch >= HTP_WEIGHT_SHARING_ARCH else 2
+        binary_bytes = per_graph * binaries
+        fixed += binary_bytes - weights  # the binaries replace the plain weights term
     room = spec.max_positions - sink - pinned - image_tokens - chunk  # positions left for the window
     max_by_positions = (room // chunk) * chunk
 
@@ -177,14 +200,17 @@ def plan(
         kv_total = layout.cache_bytes + layout.key_scale_bytes
         act = activation_bytes(spec, layout)
         total = fixed + kv_total + act
+        process = binary_bytes + kv_total + act if htp else 0
+        limit = profile.htp_process_limit_bytes or 0
         return Plan(
             profile=profile.name, model=spec.source or spec.architecture, kv=kv.value,
             weight_dtype=profile.weight_dtype.value, sink=sink, pinned=pinned, window=w, chunk=chunk,
             parameters=params, weights_bytes=weights, kv_bytes=kv_total,
             kv_bytes_per_token=layout.bytes_per_token, activation_bytes=act, vision_params=vision_params,
             vision_bytes=vision, image_tokens=image_tokens, runtime_overhead_bytes=profile.runtime_overhead_bytes, total_bytes=total,
-            budget_bytes=profile.budget_bytes, fits=total <= profile.budget_bytes,
-            max_window_by_positions=max(max_by_positions, 0),
+            budget_bytes=profile.budget_bytes, fits=total <= profile.budget_bytes and (not limit or process <= limit),
+            max_window_by_positions=max(max_by_positions, 0), htp_binaries=binaries, htp_binary_bytes=binary_bytes,
+            htp_process_bytes=process, htp_process_limit_bytes=limit,
         )  # fmt: skip
 
     if window is not None:
@@ -201,6 +227,14 @@ def plan(
             f"leave no room for a window of at least one chunk; lower --pinned or --chunk"
         )
     smallest = make(chunk)
+    if smallest.total_bytes <= profile.budget_bytes and not smallest.fits:  # the budget holds, the NPU process not
+        raise PlanError(
+            f"{spec.source or spec.architecture} does not fit one HTP process on profile {profile.name}: even the "
+            f"smallest window ({chunk} tokens) maps {smallest.htp_process_bytes / MIB:.1f} MiB ({smallest.htp_binaries} "
+            f"context binaries {smallest.htp_binary_bytes / MIB:.1f} MiB + KV + activations) in the NPU process, "
+            f"whose limit is {smallest.htp_process_limit_bytes / MIB:.1f} MiB (a 32-bit address space). Splitting a "
+            "model over several contexts is not part of this cabinlm version: use a smaller model or int4 weights"
+        )
     if not smallest.fits:
         short = smallest.total_bytes - profile.budget_bytes
         raise PlanError(
@@ -228,8 +262,14 @@ def format_plan(p: Plan) -> str:
     def mib(b: int) -> str:
         return f"{b / MIB:10.1f} MiB"
 
+    if p.htp_binaries:
+        how = "prefill + decode, one weights copy" if p.htp_binaries == 1 else "prefill, decode: a weights copy each"
+        first = (f"HTP context binaries ({p.htp_binaries}: {how}; {p.parameters / 1e6:.1f}M params at "
+                 f"{p.weight_dtype}, token table fp16)", p.htp_binary_bytes)  # fmt: skip
+    else:
+        first = (f"weights ({p.parameters / 1e6:.1f}M params at {p.weight_dtype})", p.weights_bytes)
     rows = [
-        (f"weights ({p.parameters / 1e6:.1f}M params at {p.weight_dtype})", p.weights_bytes),
+        first,
         (f"KV cache ({p.sink}+{p.pinned}+{p.image_tokens}+{p.window} slots at {p.kv}, {p.kv_bytes_per_token} B/token)"
          if p.image_tokens else f"KV cache ({p.sink}+{p.pinned}+{p.window} slots at {p.kv}, {p.kv_bytes_per_token} B/token)",
          p.kv_bytes),
@@ -241,6 +281,9 @@ def format_plan(p: Plan) -> str:
     ]
     width = max(len(name) for name, _ in rows)
     lines = [f"{name:<{width}}  {mib(value)}" for name, value in rows]
+    if p.htp_process_limit_bytes:
+        lines.append(f"{'HTP process (binaries + KV + activations)':<{width}}  {mib(p.htp_process_bytes)}  of "
+                     f"{p.htp_process_limit_bytes / MIB:.1f} MiB a 32-bit NPU process maps")  # fmt: skip
     verdict = "fits" if p.fits else "does NOT fit"
     lines.append(f"{verdict}: window {p.window}, headroom {p.headroom_bytes / MIB:.1f} MiB")
     return "\n".join(lines)

@@ -81,6 +81,14 @@ class DeviceProfile:
     engine_version: str | None = None
     threads: int | None = None  # None: the engine's default
     precision_notes: str = ""  # why some precisions are missing; quoted in error messages
+    # Qualcomm HTP (QNNExecutionProvider profiles): what the QNN compiler targets. Both are needed:
+    # without soc_model the HTP runs a float graph in fp32, which the chip does not.
+    htp_arch: int | None = None  # Hexagon HTP architecture, e.g. 68 (v68), 73 (v73)
+    soc_model: int | None = None  # QNN's SoC id, e.g. 39 (SA8295P), 52 (SA8255 / SA8775P family)
+    htp_process_limit_bytes: int | None = None  # what one NPU process maps: context binaries + KV + activations
+    # TensorRT (tensorrt profiles): the builder's MemoryPoolType.WORKSPACE limit in MiB (scratch for
+    # tactics at build and run time); None: 1 GiB. Checked by builders/trt_api.workspace_bytes.
+    tensorrt_workspace_mib: int | None = None
     source: str = "<memory>"  # the file it was read from, for messages
 
     def __post_init__(self) -> None:
@@ -163,6 +171,21 @@ class DeviceProfile:
             if major < 10 and self.weight_dtype is WeightFormat.INT4:
                 raise bad("weight_dtype", f"int4 needs TensorRT >= 10, this profile has {self.engine_version}",
                           "use int8 or fp16")  # fmt: skip
+        qnn = self.execution_provider == "QNNExecutionProvider"
+        lim = self.htp_process_limit_bytes
+        if lim is not None and (not qnn or isinstance(lim, bool) or not isinstance(lim, int) or lim < 1):
+            raise bad("htp_process_limit_bytes", "a positive size, on QNNExecutionProvider profiles only",
+                      'e.g. htp_process_limit_bytes = "3584 MiB"')  # fmt: skip
+        for name in ("htp_arch", "soc_model"):
+            v = getattr(self, name)
+            if v is None:
+                if qnn:
+                    raise bad(name, "a QNNExecutionProvider profile must name its HTP target",
+                              "e.g. htp_arch = 73 and soc_model = 52 (see the built-in sa8775p profile)")  # fmt: skip
+            elif not qnn:
+                raise bad(name, "only QNNExecutionProvider profiles have one", "remove the key")
+            elif isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1000:
+                raise bad(name, "expected a positive integer", f"e.g. {name} = {73 if name == 'htp_arch' else 52}")
         for name in ("precision_notes", "source"):
             if not isinstance(getattr(self, name), str):
                 raise bad(name, "expected a string", f'write {name} = "..."')
@@ -203,6 +226,9 @@ class DeviceProfile:
         for name in ("memory_total_bytes", "budget_bytes", "runtime_overhead_bytes"):  # in this order
             total = values["memory_total_bytes"] if name == "budget_bytes" else None
             values[name] = _size(values[name], name, source, total)
+        if values.get("htp_process_limit_bytes") is not None:
+            values["htp_process_limit_bytes"] = _size(values["htp_process_limit_bytes"], "htp_process_limit_bytes", source,
+                                                      values["memory_total_bytes"])  # fmt: skip
         if isinstance(values.get("kv_dtypes"), list):
             values["kv_dtypes"] = tuple(values["kv_dtypes"])
         return cls(**values, source=source)

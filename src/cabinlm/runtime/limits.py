@@ -6,6 +6,7 @@
     seat_limit(manifest)               the seats the available memory holds, at most MAX_SEATS
     check_seats(seats, manifest)       refuses more than seat_limit
     check_output_file(name, path)      a file that can be written later: its folder exists (--nll-out)
+    check_system_prompt(system, manifest, tokenizer)   the system prompt fits the pinned region (--system)
 
 Every refusal is an OptionError naming the option as the command line spells it, and the value, so
 a message reads the same from the library and from the CLI.
@@ -20,6 +21,7 @@ from pathlib import Path
 from cabinlm.errors import OptionError
 from cabinlm.manifest import Manifest
 from cabinlm.runtime.memory import available_bytes
+from cabinlm.runtime.tokenizer import Tokenizer
 
 THREADS_PER_CORE = 4  # beyond this, intra-op threads only wait for each other (and a typo like 800 is caught)
 MAX_SEATS = 64  # a cabin's seats with room to spare; more conversations than this belong in more processes
@@ -111,3 +113,23 @@ def check_output_file(name: str, path: Path | None) -> None:
         raise OptionError(f"--{name} {path} is a folder; give a file name")
     if not os.access(folder, os.W_OK):
         raise OptionError(f"--{name} {path}: the folder {folder} is not writable")
+
+
+def check_system_prompt(system: str | None, manifest: Manifest, tokenizer: Tokenizer) -> None:
+    """The system prompt (None: the model's default) fits where a Dialogue pins it: the sink and
+    pinned slots. Counted with the tokenizer alone, rendered as Dialogue.reset renders it (the
+    template's pieces as control tokens, the text as plain text), so a prompt that does not fit is
+    refused before the model loads rather than after."""
+    chat, lay = manifest.chat, manifest.cache
+    text = chat.default_system if system is None else system
+    if not text:
+        return
+    n = len(tokenizer.encode(chat.system_prefix) + tokenizer.encode_text(text) + tokenizer.encode(chat.system_suffix))
+    room = lay.sink + lay.pinned
+    if n <= room:
+        return
+    whose = "--system is" if system is not None else "the model's default system prompt is"
+    raise OptionError(
+        f"{whose} {n} tokens but the artifact pins at most {room} (sink {lay.sink} + pinned {lay.pinned}); "
+        f"give a shorter --system, or re-export with --pinned {n - lay.sink} or more"
+    )

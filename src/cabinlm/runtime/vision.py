@@ -3,6 +3,7 @@ and run the vision graph to the image-token embeddings the decoder pins in its i
 
 from __future__ import annotations
 
+import io
 import warnings
 from pathlib import Path
 
@@ -15,48 +16,21 @@ from cabinlm.manifest import VisionSpec
 MAX_PIXELS = 64_000_000  # larger images are refused (a cabin camera frame is a few megapixels)
 
 
-def load_image(source):
-    """A PIL RGB image from a path or a PIL image. Grayscale, palette and alpha images are converted
-    (alpha composited on white, as the transformers processors do); anything else is an InputError."""
-    from PIL import Image, UnidentifiedImageError
+def load_image(source, name: str | None = None):
+    """A PIL RGB image from a path, an image file's bytes (a data URL's payload: `name` says what
+    messages call it) or a PIL image. Grayscale, palette and alpha images are converted (alpha
+    composited on white, as the transformers processors do); anything else is an InputError."""
+    from PIL import Image
 
     if isinstance(source, Image.Image):
         img = source
+    elif isinstance(source, (bytes, bytearray, memoryview)):
+        img = _open_checked(io.BytesIO(source), name or "the image")
     else:
         path = Path(source)
         if not path.is_file():
             raise InputError(f"{path}: no such image file")
-        # Pillow checks the size in the header before it decodes anything: a decompression bomb (a
-        # few kB of PNG that inflate to gigabytes) warns beyond MAX_IMAGE_PIXELS and raises beyond
-        # twice that. The limit is set to ours (process-wide: Pillow has no per-call limit) and the
-        # warning made an error here, so that both are refusals. (catch_warnings swaps the process's
-        # filters: two threads opening images at once may see each other's; both refuse bombs.)
-        Image.MAX_IMAGE_PIXELS = MAX_PIXELS
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("error", Image.DecompressionBombWarning)
-                img = Image.open(path)
-        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-            raise InputError(f"{path}: refused as a decompression bomb ({e}); a frame may have at most "
-                             f"{MAX_PIXELS / 1e6:.0f} megapixels") from e  # fmt: skip
-        except UnidentifiedImageError as e:
-            raise InputError(f"{path}: not an image Pillow can read (PNG, JPEG, BMP, ...)") from e
-        except ValueError as e:  # PNG text chunks beyond Pillow's limits (1 MiB each, 64 MiB in all)
-            raise _metadata_refused(path, e) from e
-        except OSError as e:
-            raise InputError(f"{path}: cannot open the image ({e})") from e
-        if img.width * img.height > MAX_PIXELS:
-            img.close()
-            raise InputError(
-                f"{path}: {img.width}x{img.height} is {img.width * img.height / 1e6:.0f} megapixels, more than "
-                f"{MAX_PIXELS / 1e6:.0f}; downscale it first"
-            )
-        try:
-            img.load()  # reads the chunks after the pixels too: text there is checked here
-        except ValueError as e:
-            raise _metadata_refused(path, e) from e
-        except (OSError, SyntaxError) as e:  # truncated or corrupt data
-            raise InputError(f"{path}: the image data is corrupt or truncated ({e})") from e
+        img = _open_checked(path, str(path))
     if img.mode == "RGB":
         return img
     if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
@@ -66,12 +40,51 @@ def load_image(source):
     return img.convert("RGB")
 
 
-def _metadata_refused(path: Path, e: ValueError) -> InputError:
+def _open_checked(fp, where: str):
+    """Image.open and load with every refusal an InputError naming `where`: decompression bombs,
+    more than MAX_PIXELS, text metadata past Pillow's limits, data Pillow cannot read."""
+    from PIL import Image, UnidentifiedImageError
+
+    # Pillow checks the size in the header before it decodes anything: a decompression bomb (a
+    # few kB of PNG that inflate to gigabytes) warns beyond MAX_IMAGE_PIXELS and raises beyond
+    # twice that. The limit is set to ours (process-wide: Pillow has no per-call limit) and the
+    # warning made an error here, so that both are refusals. (catch_warnings swaps the process's
+    # filters: two threads opening images at once may see each other's; both refuse bombs.)
+    Image.MAX_IMAGE_PIXELS = MAX_PIXELS
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(fp)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise InputError(f"{where}: refused as a decompression bomb ({e}); a frame may have at most "
+                         f"{MAX_PIXELS / 1e6:.0f} megapixels") from e  # fmt: skip
+    except UnidentifiedImageError as e:
+        raise InputError(f"{where}: not an image Pillow can read (PNG, JPEG, BMP, ...)") from e
+    except ValueError as e:  # PNG text chunks beyond Pillow's limits (1 MiB each, 64 MiB in all)
+        raise _metadata_refused(where, e) from e
+    except OSError as e:
+        raise InputError(f"{where}: cannot open the image ({e})") from e
+    if img.width * img.height > MAX_PIXELS:
+        img.close()
+        raise InputError(
+            f"{where}: {img.width}x{img.height} is {img.width * img.height / 1e6:.0f} megapixels, more than "
+            f"{MAX_PIXELS / 1e6:.0f}; downscale it first"
+        )
+    try:
+        img.load()  # reads the chunks after the pixels too: text there is checked here
+    except ValueError as e:
+        raise _metadata_refused(where, e) from e
+    except (OSError, SyntaxError) as e:  # truncated or corrupt data
+        raise InputError(f"{where}: the image data is corrupt or truncated ({e})") from e
+    return img
+
+
+def _metadata_refused(where: str, e: ValueError) -> InputError:
     """Pillow's ValueErrors while reading: text chunks past its limits (the reason in its message),
     or data it cannot decode."""
     if "text chunk" in str(e).lower() or "MAX_TEXT" in str(e):
-        return InputError(f"{path}: refused, its text metadata is too large ({e}); save the frame without it")
-    return InputError(f"{path}: the image data is corrupt ({e})")
+        return InputError(f"{where}: refused, its text metadata is too large ({e}); save the frame without it")
+    return InputError(f"{where}: the image data is corrupt ({e})")
 
 
 def preprocess(img, spec: VisionSpec) -> np.ndarray:

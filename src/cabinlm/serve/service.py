@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 from cabinlm.errors import CabinlmError, InputError
 from cabinlm.runtime.dialogue import Dialogue, LongMessages
+from cabinlm.runtime.limits import check_count, check_seat_count, check_seats, check_threads
 from cabinlm.serve.history import plan_turn
 from cabinlm.serve.scheduler import ModelTurns
 from cabinlm.serve.schema import MAX_TOKENS_LIMIT, ChatRequest, RequestError
@@ -54,10 +55,11 @@ class ServeConfig:
     verify: bool = True  # check the artifact's files against the manifest's sha256 at start
 
     def __post_init__(self) -> None:
-        if self.seats < 1:
-            raise CabinlmError(f"--seats must be >= 1, got {self.seats}")
-        if not 1 <= self.max_new_tokens <= MAX_TOKENS_LIMIT:
-            raise CabinlmError(f"--max-new-tokens must be between 1 and {MAX_TOKENS_LIMIT}, got {self.max_new_tokens}")
+        # the checks `cabinlm chat` makes of the same options (runtime.limits); the seats against this
+        # machine's memory need the manifest: ChatService.open checks them before the model loads
+        check_seat_count(self.seats)
+        check_count("max-new-tokens", self.max_new_tokens, 1, MAX_TOKENS_LIMIT)
+        check_threads(self.threads)
         if self.model_id is not None and not self.model_id.strip():
             raise CabinlmError("--model-name must not be empty")
 
@@ -128,8 +130,9 @@ class ChatService:
     @classmethod
     def open(cls, config: ServeConfig) -> ChatService:
         """Load the artifact once and make config.seats dialogues on it (weights held once)."""
-        from cabinlm.runtime import open_artifact
+        from cabinlm.runtime import load_manifest, open_artifact
 
+        check_seats(config.seats, load_manifest(config.artifact))  # before the weights load, as chat does
         dec, tok = open_artifact(config.artifact, threads=config.threads, verify=config.verify)
         decoders = [dec] + [dec.seat() for _ in range(config.seats - 1)]
         dialogues = [Dialogue(d, tok, max_new_tokens=config.max_new_tokens, long_messages=config.long_messages)

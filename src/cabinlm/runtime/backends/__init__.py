@@ -4,6 +4,8 @@
     onnxruntime-graph   exported.ExportedGraphBackend  the exported graph, dynamic token count
     onnxruntime-static  exported.StaticPairBackend     prefill (tokens = chunk) + decode (tokens = 1)
     onnxruntime-fused   fused.FusedBackend             the cpu build's fused decoder, rotated cache
+    qnn-htp             qnn.QnnBackend                 QNN HTP context binaries (Snapdragon; x86: simulator)
+    tensorrt            tensorrt.TensorRTBackend       a TensorRT engine on an NVIDIA GPU
 
 Adding an engine: a module with a Backend subclass and its loader, a line in `open_backend`, and the
 backend's artifact in tests/test_backends.py's conformance run.
@@ -35,6 +37,14 @@ def open_backend(folder: Path, manifest: Manifest, table: SlotTable, threads: in
         from cabinlm.runtime.backends.fused import FusedBackend, load_fused
 
         return FusedBackend(load_fused(folder, manifest, threads, session_config), table)
+    if kind == BackendKind.QNN_HTP:
+        from cabinlm.runtime.backends.qnn import QnnBackend, load_qnn
+
+        return QnnBackend(load_qnn(folder, manifest, threads), table)
+    if kind == BackendKind.TENSORRT:
+        from cabinlm.runtime.backends.tensorrt import TensorRTBackend, load_tensorrt
+
+        return TensorRTBackend(load_tensorrt(folder, manifest), table)
     raise BackendError(f"{folder}: backend {kind.value} is not part of this cabinlm runtime")
 
 

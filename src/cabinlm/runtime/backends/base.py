@@ -57,6 +57,12 @@ class Backend(abc.ABC):
         spec = self.manifest.runtime_spec
         return f"{spec.engine}-{spec.provider.name.removesuffix('ExecutionProvider').lower()}"
 
+    @property
+    def fixed_chunk(self) -> bool:
+        """Every chunk of 2+ tokens runs a graph of exactly `chunk` tokens (padded): a short chunk,
+        e.g. a speculative draft check, costs as much as a full one."""
+        return False
+
     @abc.abstractmethod
     def run(self, plan: StepPlan, ids: np.ndarray, all_logits: bool, embeds: np.ndarray | None) -> StepOutput:
         """The graph over the cache for one planned chunk of 1..chunk tokens. Logits of every token

@@ -131,6 +131,10 @@ class ExportedGraphBackend(Backend):
         size = lay.chunk if self.graphs.static else None  # a static prefill graph returns a row per token
         self._prefill = Binding(self.graphs.prefill, cache, outs, tokens=size, rows=size)
 
+    @property
+    def fixed_chunk(self) -> bool:
+        return self.graphs.static
+
     def buffers(self) -> dict[str, np.ndarray]:
         out = {"keys": self.keys, "values": self.values}
         if self.value_scales is not None:

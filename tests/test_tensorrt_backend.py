@@ -1,0 +1,297 @@
+"""The TensorRT backend's host side, on the CPU: the device buffer plan and the commit copies
+(numpy), then the whole backend driven by the Decoder against a FAKE engine and a FAKE device.
+
+What the fakes stand for, and what they cannot show: FakeCuda keeps "device" memory in numpy byte
+arrays and does what cuMemcpy2D / cuMemcpyHtoD would; FakeContext reads its inputs at the addresses
+the backend bound with set_tensor_address, at the shapes it set with set_input_shape, runs the
+bundle's graph on ONNX Runtime, and writes the outputs at the bound addresses. So these tests check
+the backend's bindings, buffer offsets, commit copies, seats and session buffers. They say nothing
+about TensorRT itself (parsing, kernels, fp16 numerics): that needs a GPU with TensorRT
+(tests/test_tensorrt.py::test_engine_on_a_gpu_matches_onnxruntime, marked gpu)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from cabinlm.builders import build_artifact
+from cabinlm.layout import CacheLayout
+from cabinlm.manifest import FileEntry, load_manifest
+from cabinlm.profiles import load_profile
+from cabinlm.runtime import Decoder
+from cabinlm.runtime.backends import exported
+from cabinlm.runtime.backends import tensorrt as trt_backend
+from cabinlm.runtime.backends.cuda_mem import DeviceInfo
+from cabinlm.runtime.backends.trt_plan import DevicePlan, apply_copy, slot_runs
+from cabinlm.io_spec import decoder_io
+from cabinlm.tensorrt_spec import EngineState, GpuInfo
+from cabinlm.runtime.perplexity import chunked_perplexity
+
+
+# -- the plan, with numpy only ---------------------------------------------------------------------
+
+
+def test_slot_runs_split_at_the_ring_wrap_and_at_gaps():
+    assert slot_runs(np.array([5, 6, 7])) == [(5, 0, 3)]
+    assert slot_runs(np.array([78, 79, 16, 17])) == [(78, 0, 2), (16, 2, 2)]  # the ring wraps
+    assert slot_runs(np.array([3, 9, 10])) == [(3, 0, 1), (9, 1, 2)]
+
+
+@pytest.mark.parametrize("kv", ["fp16", "int8"])
+@pytest.mark.parametrize("slots,tokens", [([20, 21, 22], 3), ([78, 79, 16, 17], 5), ([40], 1), ([7, 30], 4)])
+def test_commit_copies_write_what_the_onnxruntime_backend_writes(kv, slots, tokens):
+    """The 2D copies over the packed new-K/V block put every layer's, every head's token where the
+    ONNX Runtime backend's numpy write puts it, including a commit of a prefix (speculative)."""
+    lay = CacheLayout(sink=4, pinned=12, window=64, chunk=8, layers=3, kv_heads=2, head_dim=16, kv_dtype=kv)
+    plan = DevicePlan(lay, decoder_io(lay, 50, "int32"), 50)
+    L, H, N, D = lay.buffer_shape
+    rng = np.random.default_rng(0)
+    slots = np.array(slots)
+    dt = plan.kv_dtype
+    cache = {"keys": rng.integers(0, 100, (L, H, N, D)).astype(dt), "values": rng.integers(0, 100, (L, H, N, D)).astype(dt)}
+    new = {k: rng.integers(0, 100, (L, H, tokens, D)).astype(dt) for k in cache}  # packed: layer l at l*H*t*D
+    if lay.quantized:
+        cache["scales"] = rng.random((L, H, N, 1)).astype(np.float16)
+        new["scales"] = rng.random((L, H, tokens, 1)).astype(np.float16)
+    expected = {k: v.copy() for k, v in cache.items()}
+    for k in expected:
+        exported.write_slots(expected[k], list(new[k]), slots)  # what the CPU backend does
+    device = {k: v.reshape(-1).view(np.uint8).copy() for k, v in cache.items()}
+    copies = plan.commit_copies(slots, tokens)
+    assert len(copies) == len(slot_runs(slots)) * len(cache)  # one 2D copy per run and buffer, all layers at once
+    for c in copies:
+        apply_copy(device[c.buffer], new[c.buffer].reshape(-1).view(np.uint8), c)
+    for k in cache:
+        np.testing.assert_array_equal(device[k].view(expected[k].dtype).reshape(expected[k].shape), expected[k])
+
+
+def test_the_plan_binds_per_layer_views_and_packs_outputs_by_token_count():
+    lay = CacheLayout(sink=4, pinned=0, window=12, chunk=4, layers=2, kv_heads=3, head_dim=8, kv_dtype="fp16")
+    plan = DevicePlan(lay, decoder_io(lay, 10, "int32"), 10)
+    cache = plan.cache_addresses(1000, 5000, None)
+    assert cache["key_cache.1"] - cache["key_cache.0"] == 3 * 16 * 8 * 2  # H*N*D*es
+    out = plan.output_addresses(3, 0, 10_000, 20_000, None)
+    assert out["new_key.1"] - out["new_key.0"] == 3 * 3 * 8 * 2  # H*t*D*es: rows (l, h) share one pitch
+    assert all(s.offset % 256 == 0 for s in plan.inputs.values())
+    assert plan.inputs["attention_mask"].shape == (4, 16 + 4) and plan.inputs["input_ids"].dtype == np.int32
+    with pytest.raises(ValueError, match="1..4"):
+        plan.output_addresses(5, 0, 0, 0, None)
+
+
+# -- the backend over fakes ------------------------------------------------------------------------
+
+
+class FakeCuda:
+    """Device memory as numpy byte arrays at fake addresses (see the module docstring)."""
+
+    stream = 7
+
+    def __init__(self):
+        self.blocks: list[tuple[int, np.ndarray]] = []
+        self.next = 1 << 20
+        self.allocs = 0
+
+    def info(self):
+        return DeviceInfo("Fake GPU", "8.7", "12.6", "fake", 1 << 30)
+
+    def alloc(self, nbytes):
+        base = self.next
+        self.blocks.append((base, np.zeros(max(nbytes, 1), dtype=np.uint8)))
+        self.next += (nbytes // 4096 + 2) * 4096
+        self.allocs += 1
+        return base
+
+    def host(self, nbytes):
+        self.allocs += 1
+        return np.zeros(nbytes, dtype=np.uint8)
+
+    def at(self, ptr, nbytes):
+        for base, mem in self.blocks:
+            if base <= ptr and ptr + nbytes <= base + len(mem):
+                return mem[ptr - base : ptr - base + nbytes]
+        raise AssertionError(f"access outside any allocation: {ptr:#x} + {nbytes}")
+
+    def htod(self, dst, src, stream):
+        self.at(dst, src.nbytes)[:] = src.reshape(-1).view(np.uint8)
+
+    def dtoh(self, dst, src, stream):
+        dst.reshape(-1).view(np.uint8)[:] = self.at(src, dst.nbytes)
+
+    def copy_2d(self, dst, dst_pitch, src, src_pitch, width, height, stream):
+        for r in range(height):
+            self.at(dst + r * dst_pitch, width)[:] = self.at(src + r * src_pitch, width)
+
+    def memset(self, dst, nbytes, stream):
+        self.at(dst, nbytes)[:] = 0
+
+    def sync(self, stream):
+        pass
+
+
+class FakeContext:
+    def __init__(self, engine, index):
+        self.engine, self.index = engine, index
+        self.addresses, self.shapes = {}, {}
+
+    def set_optimization_profile_async(self, index, stream):
+        return index == self.index
+
+    def set_tensor_address(self, name, address):
+        self.addresses[name] = address
+        return True
+
+    def set_input_shape(self, name, shape):
+        profile = self.engine.settings.profiles[self.index]
+        tokens = shape[0] if name != "logit_rows" else None
+        if tokens is not None and not profile.covers(tokens):
+            return False  # TensorRT refuses shapes outside the context's profile
+        self.shapes[name] = tuple(shape)
+        return True
+
+    def execute_async_v3(self, stream):
+        e, cuda = self.engine, self.engine.cuda
+        feeds = {}
+        for t in e.manifest.io.inputs:
+            shape = self.shapes.get(t.name, t.shape)
+            dtype = np.dtype(e.dtypes[t.dtype])
+            n = int(np.prod(shape)) * dtype.itemsize
+            feeds[t.name] = cuda.at(self.addresses[t.name], n).view(dtype).reshape(shape).copy()
+        outs = e.session.run(None, feeds)
+        for spec, value in zip(e.manifest.io.outputs, outs):
+            cuda.at(self.addresses[spec.name], value.nbytes)[:] = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+        e.runs[self.index] += 1
+        return True
+
+
+class FakeEngine:
+    dtypes = {"float": np.float32, "float16": np.float16, "int32": np.int32, "int64": np.int64, "bool": np.bool_,
+              "int8": np.int8}  # fmt: skip
+
+    def __init__(self, folder, manifest, cuda):
+        self.manifest, self.cuda, self.settings = manifest, cuda, manifest.runtime_spec.tensorrt
+        self.session = ort.InferenceSession(str(folder / manifest.files["graph"].path), providers=["CPUExecutionProvider"])
+        self.runs = [0] * len(self.settings.profiles)
+        self.num_optimization_profiles = len(self.settings.profiles)
+        self.io = [(t.name, "INPUT", t.dtype) for t in manifest.io.inputs] + [(t.name, "OUTPUT", t.dtype) for t in manifest.io.outputs]
+        self.num_io_tensors = len(self.io)
+        self._next = 0
+
+    def get_tensor_name(self, i):
+        return self.io[i][0]
+
+    def get_tensor_mode(self, name):
+        return type("Mode", (), {"name": dict((n, m) for n, m, _ in self.io)[name]})()
+
+    def get_tensor_dtype(self, name):
+        names = {"float": "FLOAT", "float16": "HALF", "int32": "INT32", "int64": "INT64", "int8": "INT8", "bool": "BOOL"}
+        return type("DType", (), {"name": names[dict((n, d) for n, _, d in self.io)[name]]})()
+
+    def create_execution_context(self):
+        self._next += 1
+        return FakeContext(self, self._next - 1)
+
+
+class FakeRuntime:
+    def __init__(self, folder, manifest, cuda):
+        self.engine = FakeEngine(folder, manifest, cuda)
+
+    def deserialize_cuda_engine(self, data):
+        assert data == b"fake engine"
+        return self.engine
+
+
+@pytest.fixture(scope="module")
+def engine_build(load, tiny_qwen2_dir, export_to, tmp_path_factory) -> tuple[Path, Path]:
+    """(export, build): the bundle for orin-x, turned into an "engine" build whose engine is fake."""
+    art = export_to(load(str(tiny_qwen2_dir)), sink=4, pinned=12, window=48, chunk=16, kv="fp16", index_dtype="int32")
+    out = build_artifact(art, load_profile("orin-x"), tmp_path_factory.mktemp("trt") / "b")
+    m = load_manifest(out)
+    (out / "decoder.engine").write_bytes(b"fake engine")
+    s = dataclasses.replace(m.build.tensorrt, state=EngineState.ENGINE, built_with="8.6.11.4", gpu=GpuInfo("Fake GPU", "8.7"),
+                            graph_sha256=m.files["graph"].sha256)  # fmt: skip
+    m.build = dataclasses.replace(m.build, tensorrt=s)
+    m.files["engine"] = FileEntry.of(out, "decoder.engine")
+    m.save(out)
+    return art, out
+
+
+@pytest.fixture
+def fake_tensorrt(monkeypatch):
+    """open_backend loads the build through load_engine with the fakes; returns the FakeCuda."""
+    cuda = FakeCuda()
+
+    def load(folder, manifest):
+        return trt_backend.load_engine(folder, manifest, FakeRuntime(folder, manifest, cuda), "8.6.11.4", cuda)
+
+    monkeypatch.setattr(trt_backend, "load_tensorrt", load)
+    return cuda
+
+
+def test_the_backend_runs_the_dialogue_semantics_of_the_cpu_backend(engine_build, fake_tensorrt, long_text):
+    """Prefill chunks (profile 1), single-token decode (profile 0), hundreds of evictions through the
+    ring, a pinned system prompt: the same logits as the ONNX Runtime backend on the same graph."""
+    art, out = engine_build
+    from cabinlm.runtime import Tokenizer
+
+    ids = Tokenizer(out / "tokenizer.json").encode(long_text, add_special_tokens=True)[:260]
+    dec = Decoder(out)
+    assert isinstance(dec.backend, trt_backend.TensorRTBackend) and dec.device == "tensorrt-cuda"
+    ref_manifest = load_manifest(out)
+    ref_manifest.build = None  # the bundle's graph on ONNX Runtime
+    ref = Decoder(out, ref_manifest)
+    np.testing.assert_allclose(dec.feed(np.asarray(ids[:10]), pin=True), ref.feed(np.asarray(ids[:10]), pin=True), atol=1e-4)
+    np.testing.assert_allclose(dec.feed(np.asarray(ids[10:40]), all_logits=True),
+                               ref.feed(np.asarray(ids[10:40]), all_logits=True), atol=1e-4)  # fmt: skip
+    allocs = fake_tensorrt.allocs
+    for t in ids[40:]:
+        np.testing.assert_allclose(dec.step(np.array([t]))[0], ref.step(np.array([t]))[0], atol=1e-4)
+    assert fake_tensorrt.allocs == allocs  # no allocation per step
+    runs = dec.backend.loaded.engine.runs
+    assert runs[0] == len(ids) - 40 and runs[1] >= 2  # decode on profile 0, prefill chunks on profile 1
+    ppl_trt = chunked_perplexity(Decoder(out), ids).ppl
+    assert ppl_trt == pytest.approx(chunked_perplexity(Decoder(out, ref_manifest), ids).ppl, rel=1e-5)
+
+
+def test_buffers_mirror_the_device_cache_and_restore_it(engine_build, fake_tensorrt):
+    art, out = engine_build
+    dec = Decoder(out)
+    dec.feed(np.arange(1, 30), all_logits=False)
+    saved = {k: v.copy() for k, v in dec.backend.buffers().items()}
+    assert set(saved) == {"keys", "values"} and saved["keys"].shape == dec.layout.buffer_shape
+    assert saved["keys"].any() and dec.backend.nbytes() == sum(v.nbytes for v in saved.values())
+    state = dec.cache.state()
+    before = dec.step(np.array([5]))[0].copy()
+    # restore the saved bytes and the table: the next step gives the same logits again
+    for k, v in dec.backend.buffers().items():
+        np.copyto(v, saved[k])
+    dec.cache.restore(state)
+    dec.backend.restored()
+    np.testing.assert_allclose(dec.step(np.array([5]))[0], before, atol=1e-6)
+
+
+def test_seats_share_the_contexts_and_keep_their_own_caches(engine_build, fake_tensorrt):
+    art, out = engine_build
+    a = Decoder(out)
+    b = a.seat()
+    la = a.step(np.array([3]))[0].copy()
+    b.feed(np.arange(1, 20), all_logits=False)  # the other seat runs in between: the contexts are re-bound
+    a2 = Decoder(out)
+    a2.step(np.array([3]))
+    np.testing.assert_allclose(a.step(np.array([4]))[0], a2.step(np.array([4]))[0], atol=1e-5)
+    assert a.backend.loaded is b.backend.loaded and a.backend.dev["keys"] != b.backend.dev["keys"]
+    assert la.shape == (a.manifest.model.vocab_size,)
+
+
+def test_an_engine_from_another_tensorrt_or_gpu_is_refused(engine_build):
+    art, out = engine_build
+    m = load_manifest(out)
+    cuda = FakeCuda()
+    with pytest.raises(trt_backend.BackendError, match="built with TensorRT 8.6.11.4, this is 10.3.0.30"):
+        trt_backend.load_engine(out, m, FakeRuntime(out, m, cuda), "10.3.0.30", cuda)
+    cuda.info = lambda: DeviceInfo("Other", "9.0", "12.6", "fake", 1)
+    with pytest.raises(trt_backend.BackendError, match=r"SM 8.7.*SM 9.0"):
+        trt_backend.load_engine(out, m, FakeRuntime(out, m, cuda), "8.6.11.4", cuda)
