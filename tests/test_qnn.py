@@ -121,8 +121,10 @@ def test_simulated_htp_follows_the_float_reference_on_an_fp32_export(load, tiny_
     assert close(got, expected), agreement(got, expected)
 
 
-def test_a_node_the_htp_rejects_fails_the_build_with_its_name(int4_artifact, tmp_path):
-    """Trilu has no HTP form: with CPU fallback off the build stops and names the node."""
+@pytest.mark.parametrize("profile", ["sa8295p", "sa8775p"])
+def test_a_node_the_htp_rejects_fails_the_build_with_its_name(profile, int4_artifact, tmp_path):
+    """Trilu has no HTP form: with CPU fallback off the build stops and names the node (on v73
+    before any shared-weight context is opened: the process ends cleanly, exit 2)."""
     import shutil
 
     art = tmp_path / "art"
@@ -136,8 +138,14 @@ def test_a_node_the_htp_rejects_fails_the_build_with_its_name(int4_artifact, tmp
     onnx.save_model(g, str(path))
     m.files["graph"] = FileEntry.of(art, m.files["graph"].path)
     m.save(art)
-    p = cabinlm("build", art, "--profile", "sa8295p", "-o", tmp_path / "out")
+    p = cabinlm("build", art, "--profile", profile, "-o", tmp_path / "out")
     assert_clean_error(p, "n/odd_trilu (Trilu)", "CPU fallback is off")
+    assert p.returncode == 2 and not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_int8_kv_is_refused_before_compiling(load, tiny_llama_dir, export_to, tmp_path):
+    art = export_to(load(str(tiny_llama_dir)), kv="int8", weights="int4", **LAYOUT)
+    assert_clean_error(cabinlm("build", art, "--profile", "sa8775p", "-o", tmp_path / "x"), "int8 KV", "--kv fp16")
 
 
 def test_chat_on_the_sa8775p_build_answers_in_the_simulator_and_names_the_backend(load, tiny_llama_dir, export_to,

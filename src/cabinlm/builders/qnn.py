@@ -143,6 +143,10 @@ def build_qnn(artifact: Path, manifest: Manifest, profile, out: Path, log: Calla
     """Compile the artifact for the profile's HTP (module docstring) into `out`, a runnable artifact."""
     qnn_plugin.require()
     lay = manifest.cache
+    if lay.kv_dtype.value != "fp16":
+        raise BuildError(f"{artifact} holds {lay.kv_dtype.value} KV; this cabinlm version compiles fp16 KV for the HTP "
+                         "(the exported int8 KV's DequantizeLinear over the cache is not an HTP op): re-export with "
+                         f"--kv fp16 (the default of {profile.name})")  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     for stale in (mf.MANIFEST_NAME, BUILD_NAME, PREFILL_CTX, DECODE_CTX, *SIM_PAIR):
         (out / stale).unlink(missing_ok=True)
@@ -170,12 +174,17 @@ def build_qnn(artifact: Path, manifest: Manifest, profile, out: Path, log: Calla
             sources.append((src, tokens))
             del m
         del model
-        files = _compile_pair(sources, out, (PREFILL_CTX, DECODE_CTX), profile, share, log)
         if share:
             # The car's binaries share their weights; Qualcomm's x86 simulator cannot load a context
             # with shared weights (it crashes), so the same graphs are also compiled unshared for it.
-            log("compiling the same graphs without weight sharing for Qualcomm's x86 HTP simulator ...")
-            files.update(_compile_pair(sources, out, SIM_PAIR, profile, False, log, simulator=True))
+            # That twin is compiled first: a graph the HTP rejects fails there, before a shared
+            # context is open (a failed shared compile leaves the plugin unable to shut down cleanly).
+            log("compiling the graphs without weight sharing, for Qualcomm's x86 HTP simulator ...")
+            files = _compile_pair(sources, out, SIM_PAIR, profile, False, log, simulator=True)
+            log("compiling the graphs with shared weights, for the car ...")
+            files.update(_compile_pair(sources, out, (PREFILL_CTX, DECODE_CTX), profile, True, log))
+        else:
+            files = _compile_pair(sources, out, (PREFILL_CTX, DECODE_CTX), profile, False, log)
         check = _check_decode(sources[1][0], out / files["graph_decode" + (SIMULATOR if share else "")], manifest, profile)
     compile_seconds = round(time.perf_counter() - t0, 1)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
