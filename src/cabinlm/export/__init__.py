@@ -149,6 +149,16 @@ def export_loaded(
 def export_model(
     source: str, out: str | Path, opts: ExportOptions, log: Callable[[str], None] = lambda s: None
 ) -> Manifest:
+    """Export MODEL with `opts`. The cache geometry is checked against the model's config before any
+    weights load, so a window the model cannot hold is refused in a second, not after the load."""
+    from cabinlm.export.models import resolve_source, spec_for
+    from cabinlm.export.options import check_positions
+    from cabinlm.model_config import image_tokens_from_config
+
+    folder, gguf = resolve_source(source, log)
+    image = image_tokens_from_config(folder) if gguf is None else 0
+    check_positions(spec_for(source, log), sink=opts.sink, pinned=opts.pinned, chunk=opts.chunk, window=opts.window,
+                    image=image)  # fmt: skip
     loaded = load_model(source, log)
     return export_loaded(loaded, out, opts, log)
 
