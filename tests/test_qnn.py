@@ -148,9 +148,9 @@ def test_int8_kv_is_refused_before_compiling(load, tiny_llama_dir, export_to, tm
     assert_clean_error(cabinlm("build", art, "--profile", "sa8775p", "-o", tmp_path / "x"), "int8 KV", "--kv fp16")
 
 
-def test_chat_on_the_sa8775p_build_answers_in_the_simulator_and_names_the_backend(load, tiny_llama_dir, export_to,
+def test_chat_perplexity_and_bench_run_the_sa8775p_build_in_the_simulator(load, tiny_llama_dir, export_to,
                                                                                  tmp_path):
-    art = export_to(load(str(tiny_llama_dir)), kv="fp16", weights="int4", sink=4, pinned=12, window=48, chunk=16)
+    art = export_to(load(str(tiny_llama_dir)), kv="fp16", weights="int4", sink=4, pinned=60, window=64, chunk=16)
     build = build_artifact(art, load_profile("sa8775p"), tmp_path / "sa8775p")
     p = cabinlm("chat", build, "--json", "--max-new-tokens", 6, stdin="hello there\nand again\n")
     assert p.returncode == 0, p.stderr
@@ -162,6 +162,10 @@ def test_chat_on_the_sa8775p_build_answers_in_the_simulator_and_names_the_backen
     p = cabinlm("perplexity", build, "--text", text, "--json")
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["backend"] == "qnn-htp"
+    p = cabinlm("bench", build, "--tokens", 120, "--json")  # the scripted dialogue, through the eviction
+    assert p.returncode == 0, p.stderr
+    bench = json.loads(p.stdout)
+    assert bench["config"]["backend"] == "qnn-htp" and bench["tokens"] >= 120
 
 
 def test_without_the_plugin_the_build_says_what_to_install(int4_artifact, tmp_path):
