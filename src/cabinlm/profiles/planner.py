@@ -54,6 +54,18 @@ def weight_bytes(params: int, fmt: WeightFormat) -> int:
     return (params * fmt.bits + 7) // 8
 
 
+def htp_graph_weight_bytes(spec: ModelSpec, params: int, fmt: WeightFormat) -> int:
+    """The weights one HTP context binary holds, as builders/qnn.py builds them: the token table as
+    fp16 (the HTP gathers float tables), the output projection as 8-bit blocks (the export's default
+    head), every other matrix at `fmt` (fp16 for float formats), and each block of 32 codes with its
+    float32 scale (one more bit per weight)."""
+    table = spec.vocab_size * spec.hidden_size
+    rest = params - table * (1 if spec.tie_embeddings else 2)
+    if not fmt.quantized:
+        return 2 * (rest + 2 * table)
+    return (rest * (fmt.bits + 1) + table * (8 + 1)) // 8 + 2 * table
+
+
 def activation_bytes(spec: ModelSpec, layout: CacheLayout) -> int:
     """Workspace of one chunk through the graph (float32, 4 bytes per value: an upper bound for
     fp16 engines). T = chunk, N = slots, D = hidden, H/Hkv = heads, Dh = head_dim, I = MLP, V = vocab.
@@ -183,12 +195,8 @@ def plan(
     htp = profile.htp_arch is not None
     binaries = binary_bytes = 0
     if htp:
-        # Weights as the binaries hold them: the token table as fp16 (a float gather on the HTP) in
-        # place of its quantized rows, then one copy per binary.
-        table = spec.vocab_size * spec.hidden_size
-        per_graph = weights + weight_bytes(table, WeightFormat.FP16) - weight_bytes(table, profile.weight_dtype)
         binaries = 1 if profile.htp_arch >= HTP_WEIGHT_SHARING_ARCH else 2
-        binary_bytes = per_graph * binaries
+        binary_bytes = htp_graph_weight_bytes(spec, params, profile.weight_dtype) * binaries
         fixed += binary_bytes - weights  # the binaries replace the plain weights term
     room = spec.max_positions - sink - pinned - image_tokens - chunk  # positions left for the window
     max_by_positions = (room // chunk) * chunk
@@ -265,7 +273,7 @@ def format_plan(p: Plan) -> str:
     if p.htp_binaries:
         how = "prefill + decode, one weights copy" if p.htp_binaries == 1 else "prefill, decode: a weights copy each"
         first = (f"HTP context binaries ({p.htp_binaries}: {how}; {p.parameters / 1e6:.1f}M params at "
-                 f"{p.weight_dtype}, token table fp16)", p.htp_binary_bytes)  # fmt: skip
+                 f"{p.weight_dtype} + block scales, head 8-bit, token table fp16)", p.htp_binary_bytes)  # fmt: skip
     else:
         first = (f"weights ({p.parameters / 1e6:.1f}M params at {p.weight_dtype})", p.weights_bytes)
     rows = [
