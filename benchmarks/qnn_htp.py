@@ -67,7 +67,7 @@ def build(art: str, profile: str, out: Path) -> dict:
 
 def decode_steps(folder, ids: np.ndarray, prompt: int, steps: int, **kw) -> tuple[np.ndarray, float]:
     if steps == 0:
-        return np.zeros(0, np.int64), float("nan")
+        return np.zeros(0, np.int64), None
     dec = Decoder(folder, **kw)
     dec.feed(ids[:prompt])
     t0 = time.perf_counter()
@@ -90,7 +90,8 @@ for art in a.artifacts:
                "ppl_reference_fp32": round(ref.ppl, 3), "tokens": int(ids.size), "decode_steps": a.decode,
                "top1_agreement": round(float((tops == cpu_tops).mean()), 4) if a.decode else None,
                "simulator_prefill_s_per_chunk": round(ppl_s / -(-(ids.size - 1) // chunk), 1),
-               "simulator_decode_s_per_token": round(step_s, 2), "cpu_decode_s_per_token": round(cpu_step, 4)}  # fmt: skip
+               "simulator_decode_s_per_token": step_s and round(step_s, 2),
+               "cpu_decode_s_per_token": cpu_step and round(cpu_step, 4)}  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)
 
