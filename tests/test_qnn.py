@@ -12,6 +12,7 @@ at >= 97% of steps; the same HTP build fed a wrong cache (the pinned spans not p
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,13 @@ from cabinlm.runtime import Decoder
 from test_cli import assert_clean_error, cabinlm
 from test_backends import LAYOUT, STREAM, reference_logits
 
-pytest.importorskip("onnxruntime_qnn", reason="onnxruntime-qnn (the `qnn` extra) is not installed: `pip install 'cabinlm[qnn]'`")
+try:
+    import onnxruntime_qnn  # noqa: F401
+except ImportError:
+    # `make test` installs the qnn extra: in CI a missing plugin is a failure, never a silent skip
+    if os.environ.get("CI"):
+        raise
+    pytest.skip("onnxruntime-qnn (the `qnn` extra) is not installed: `pip install 'cabinlm[qnn]'`", allow_module_level=True)
 
 WORST, MEDIAN, TOP1 = 0.06, 0.02, 0.97
 

@@ -25,6 +25,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from cabinlm.builders import BuildError
+from cabinlm.builders.ort_fused import _pack4
 
 MS = "com.microsoft"
 BLOCK = 32  # the export's block size along K (export/wquant.py)
@@ -43,15 +44,21 @@ def _scalar(t: onnx.TensorProto | None) -> float | None:
     return float(a.reshape(-1)[0]) if a.size == 1 else None
 
 
+def _consumers(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
+    """tensor name -> the nodes that read it"""
+    users: dict[str, list[onnx.NodeProto]] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            users.setdefault(i, []).append(n)
+    return users
+
+
 def fuse_rms_norms(model: onnx.ModelProto) -> int:
     """Replace every decomposed RMSNorm (module docstring) by SimplifiedLayerNormalization. Returns
     how many were replaced. A Pow-by-2 chain that does not match the whole pattern is left alone."""
     g = model.graph
     consts = _consts(model)
-    by_input: dict[str, list[onnx.NodeProto]] = {}
-    for n in g.node:
-        for i in n.input:
-            by_input.setdefault(i, []).append(n)
+    by_input = _consumers(model)
 
     def only(out: str, op: str) -> onnx.NodeProto | None:
         users = by_input.get(out, [])
@@ -105,12 +112,6 @@ def _values(t: onnx.TensorProto) -> np.ndarray:
     return numpy_helper.to_array(t)
 
 
-def _pack4(q: np.ndarray) -> np.ndarray:
-    """(..., even) values 0..15 -> (..., even / 2) bytes, first value in the low nibble."""
-    q = q.astype(np.uint8)
-    return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
-
-
 def blocks_to_matmulnbits(model: onnx.ModelProto) -> dict[str, int]:
     """Replace each DequantizeLinear(block_size 32, axis 0) -> MatMul pair over initializers by one
     MatMulNBits with the same numbers. Returns {weight name: bits}.
@@ -121,10 +122,7 @@ def blocks_to_matmulnbits(model: onnx.ModelProto) -> dict[str, int]:
     range with their zero point, which keeps every product exact."""
     g = model.graph
     consts = _consts(model)
-    users: dict[str, list[onnx.NodeProto]] = {}
-    for n in g.node:
-        for i in n.input:
-            users.setdefault(i, []).append(n)
+    users = _consumers(model)
     done: dict[str, int] = {}
     drop: set[int] = set()
     replace: dict[int, onnx.NodeProto] = {}
