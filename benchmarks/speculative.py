@@ -3,6 +3,11 @@ dialogue twice (greedy), alternating, with the replies checked equal; decode tok
 each turn, drafted and accepted tokens.
 
     python benchmarks/speculative.py BUILD [--dialogue demo/dialogue.txt] [--rounds 2] [--max-new 128] [--threads 2]
+    python benchmarks/speculative.py BUILD --passages tests/data/prose.txt [--turns 5] [--words 80]
+
+--passages: natural text instead of the demo's turns: each turn asks for a summary of the next
+`--words` words of the file (from its first paragraph of prose on), so drafts can only come from
+the passages and the replies themselves.
 """
 
 import argparse
@@ -18,8 +23,18 @@ ap.add_argument("--dialogue", default="demo/dialogue.txt")
 ap.add_argument("--rounds", type=int, default=2)
 ap.add_argument("--max-new", type=int, default=128)
 ap.add_argument("--threads", type=int, default=2)
+ap.add_argument("--passages", default=None, help="a text file: summarize passages of it instead of --dialogue")
+ap.add_argument("--turns", type=int, default=5)
+ap.add_argument("--words", type=int, default=80)
 a = ap.parse_args()
-turns = [line.strip() for line in open(a.dialogue, encoding="utf-8") if line.strip()]
+if a.passages:
+    text = open(a.passages, encoding="utf-8").read()
+    words = text[text.index("They, who to states") :].split() if "They, who to states" in text else text.split()
+    turns = [f"Summarize this passage in two sentences: {' '.join(words[i * a.words : (i + 1) * a.words])}"
+             for i in range(a.turns)]  # fmt: skip
+    a.dialogue = f"{a.passages} ({a.turns} passages of {a.words} words)"
+else:
+    turns = [line.strip() for line in open(a.dialogue, encoding="utf-8") if line.strip()]
 dec, tok = open_artifact(a.build, threads=a.threads)
 
 
@@ -37,7 +52,7 @@ for r in range(a.rounds):
         results[spec].append(run(spec))
 plain, fast = results[False][0][1], results[True][0][1]
 assert [x.reply for x in plain] == [x.reply for x in fast], "speculative replies differ from plain ones"
-print(f"{a.build}: {len(turns)} turns, up to {a.max_new} new tokens each, {a.threads} threads, {a.rounds} alternating rounds")
+print(f"{a.build}: {a.dialogue}, {len(turns)} turns, up to {a.max_new} new tokens each, {a.threads} threads, {a.rounds} alternating rounds")
 print("| decoding | decoded tokens | median decode tok/s (per turn) | whole dialogue s (per round) | drafted | accepted |")
 print("|---|---:|---:|---:|---:|---:|")
 for spec in (False, True):

@@ -103,6 +103,17 @@ def smollm2(load):
 
 
 @pytest.fixture(scope="session")
+def smollm2_fused(smollm2, export_to, tmp_path_factory):
+    """SmolLM2 as `make demo` builds it (the GGUF's blocks, int8 KV, the fused cpu decoder) in a
+    small cache: sink 4 + pinned 60 + window 252, chunk 32."""
+    from cabinlm.builders import build_artifact
+    from cabinlm.profiles import load_profile
+
+    art = export_to(smollm2, kv="int8", sink=4, pinned=60, window=252, chunk=32)
+    return build_artifact(art, load_profile("cpu"), tmp_path_factory.mktemp("smollm2-fused") / "build-cpu")
+
+
+@pytest.fixture(scope="session")
 def export_to(tmp_path_factory):
     """export_to(loaded, **options) -> artifact folder (cached per model and options)."""
     from cabinlm.export import ExportOptions, export_loaded

@@ -78,6 +78,29 @@ def test_bench_json_through_the_runtime(small_artifact, tmp_path):
     assert trace["tokens"] == sum(n for n, _ in trace["prefill"]) + len(trace["decode_ms"])
 
 
+def test_bench_with_speculation_gives_the_plain_replies_and_counts_every_token(smollm2_fused):
+    """`cabinlm bench` drafts by prompt lookup as chat does: the greedy replies of the scripted
+    dialogue are the plain ones on the demo's kind of build, turn for turn (through eviction: 900
+    tokens in 316 slots), and a verification that keeps n tokens records n decoded tokens."""
+    from cabinlm.bench.runner import run_cabinlm
+
+    replies: dict[bool, list[str]] = {True: [], False: []}
+    traces = {}
+    for spec in (False, True):
+        traces[spec] = run_cabinlm(smollm2_fused, tokens=900, threads=2, max_new=48, speculative=spec,
+                                   on_reply=lambda turn, text, spec=spec: replies[spec].append(text))  # fmt: skip
+    plain, fast = traces[False], traces[True]
+    assert replies[True] == replies[False] and len(replies[True]) >= 3, (fast.config, replies)
+    assert plain.config["speculative"] is False and "drafted" not in plain.config
+    assert fast.config["accepted"] > 0 and fast.config["drafted"] >= fast.config["accepted"]
+    assert len(fast.decode_ms) == len(plain.decode_ms) == len(fast.decode_context)
+    assert fast.tokens == plain.tokens == sum(n for n, _ in fast.prefill) + len(fast.decode_ms)
+    assert fast.evicted_tokens == plain.evicted_tokens > 0
+    # tokens chosen in one call share its time: runs of equal latencies, one run per verification
+    ms = np.asarray(fast.decode_ms)
+    assert np.sum(ms[1:] == ms[:-1]) >= fast.config["accepted"]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib not installed")
 def test_bench_plot_with_the_transformers_baseline(small_artifact, tmp_path):
     png = tmp_path / "bench.png"

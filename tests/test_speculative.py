@@ -137,6 +137,33 @@ def test_a_rejected_draft_leaves_the_cache_as_if_it_was_never_drafted(backend, a
     assert a.cache.evicted > LAYOUT["window"]  # the rejected rows landed in empty slots, then in scratch rows
 
 
+def test_chat_drafts_by_default_only_where_rows_are_steps(artifacts):
+    from cabinlm.runtime.speculative import drafting_by_default
+
+    assert drafting_by_default(Decoder(artifacts["onnxruntime-fused"]).backend) == (True, "")
+    on, why = drafting_by_default(Decoder(artifacts["onnxruntime-graph"]).backend)
+    assert not on and "rounding" in why
+
+
+def test_smollm2_fused_chunk_rows_are_its_steps_bit_for_bit(smollm2_fused):
+    """What lets chat and bench draft by default on the fused cpu build (Backend.rows_match_steps):
+    on the real model, int8 activations and int8 KV, the rows of a verification chunk give exactly
+    the logits of one-token steps over the same tokens; an unbuilt export's graph does not promise it."""
+    from cabinlm.runtime.speculative import drafting_by_default
+
+    rng = np.random.default_rng(0)
+    steps, chunks = Decoder(smollm2_fused), Decoder(smollm2_fused)
+    assert drafting_by_default(steps.backend) == (True, "")
+    prompt = rng.integers(100, 20000, size=20)
+    steps.feed(prompt)
+    chunks.feed(prompt)
+    for _ in range(15):  # 20 + 75 tokens: no eviction (none may happen inside a chunk)
+        ids = rng.integers(100, 20000, size=5)
+        one = np.stack([steps.step(ids[i : i + 1])[0].copy() for i in range(5)])
+        rows, kept = chunks.verify(ids, lambda logits: 5)
+        assert kept == 5 and np.array_equal(rows, one)
+
+
 def test_chat_replies_are_the_same_with_and_without_speculation(artifacts):
     import json
     import subprocess

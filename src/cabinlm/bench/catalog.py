@@ -5,7 +5,8 @@ nothing but the standard library and cabinlm.errors.
 
     hf         transformers, greedy decoding with its default growing cache, float32 weights
                de-quantized from the GGUF.
-    llama.cpp  llama-cpp-python (low-level API) on the GGUF file itself.
+    llama.cpp  llama-cpp-python (low-level API) on the GGUF file itself; gguf-lookup adds its
+               prompt-lookup speculative decoding.
     ort-genai  onnxruntime-genai, models built by its own model builder from the same de-quantized
                weights: int4, int4 with an int8 KV cache, fp32.
 """
@@ -23,7 +24,11 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "hf": ("fp32",),
     # "gguf": the file's own weights (Q4_1 for the built-in model), f16 KV cache (llama.cpp's default).
     # "gguf-kv8": the same with a q8_0 KV cache (needs flash attention in llama.cpp).
-    "llama.cpp": ("gguf", "gguf-kv8"),
+    # "gguf-lookup": "gguf" with prompt-lookup speculative decoding, lossless under greedy decoding (the
+    # lever cabinlm's own decoding has): drafts from llama-cpp-python's own LlamaPromptLookupDecoding
+    # over the tokens so far, verified in one llama_decode with the logits of every row, the rejected
+    # drafts' cells removed from the KV cache (bench/peers.py LlamaCppEngine.advance).
+    "llama.cpp": ("gguf", "gguf-kv8", "gguf-lookup"),
     "ort-genai": ("int4", "int4-kv8", "fp32"),
 }
 

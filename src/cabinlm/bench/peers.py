@@ -17,8 +17,8 @@ import sys
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable
 
 from cabinlm.bench.catalog import INSTALL, BaselineError, BaselineUnavailable, first_line
 from cabinlm.bench.child import check
@@ -34,7 +34,7 @@ def open_engine(name: str, path: Path, script: Script, folder: Path, threads: in
     if name == "hf":
         return HFEngine(folder, script, threads, config, None)
     if name == "llama.cpp":
-        return LlamaCppEngine(path, threads, config, n_ctx)
+        return LlamaCppEngine(path, threads, config, n_ctx, stop_ids=script.stop_ids)
     if name == "ort-genai":
         built = build_ort_genai(path, folder, config, log)
         return OrtGenaiEngine(built, threads, config, n_ctx)
@@ -74,7 +74,8 @@ class HFEngine(Engine):
 class LlamaCppEngine(Engine):
     name = "llama.cpp"
 
-    def __init__(self, path: Path, threads: int, config: str, n_ctx: int):
+    def __init__(self, path: Path, threads: int, config: str, n_ctx: int, stop_ids: Iterable[int] = ()):
+        """stop_ids: the script's (gguf-lookup accepts no draft past one)."""
         import ctypes
 
         import numpy as np
@@ -121,6 +122,33 @@ class LlamaCppEngine(Engine):
         self.n_vocab = int(L.llama_vocab_n_tokens(vocab))
         self.config = {"name": config, "weights": "the GGUF file as is", "kv": kv, "n_ctx": self.n_ctx,
                        "n_batch": self.n_batch, "llama_cpp_python": L.__version__}  # fmt: skip
+        self.stop_ids = frozenset(stop_ids)
+        # The tokens in llama.cpp's KV cache, in order (the prompt-lookup drafter's input).
+        self.history = np.zeros(self.n_ctx + 1, dtype=np.intc)
+        self.drafter = None
+        if config == "gguf-lookup":
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+            self.drafter = LlamaPromptLookupDecoding(**LOOKUP)
+            # Counted as the dialogue runs: the trace's config is a shallow copy of this one, so it shares
+            # this dict and ends with the final counts.
+            self.spec = {"drafter": "llama_cpp.llama_speculative.LlamaPromptLookupDecoding", **LOOKUP,
+                         "verify": "one llama_decode of [token, drafts] with the logits of every row, greedy "
+                                   "acceptance, the rejected drafts' cells removed with llama_memory_seq_rm",
+                         "verified": 0, "drafted": 0, "accepted": 0}  # fmt: skip
+            self.config["speculative"] = self.spec
+
+    def _full(self, rc: int, n: int) -> ContextFull:
+        why = "no free KV-cache slot" if rc == 1 else "error"
+        return ContextFull(
+            f"context full at {self.context} tokens (n_ctx {self.n_ctx}): llama_decode returned {rc} ({why}) "
+            f"for {n} more tokens; llama.cpp's library does not shift or evict by itself"
+            + (f" [{self.log[-1]}]" if self.log else "")
+        )
+
+    def _argmax(self, row: int) -> int:
+        ptr = self.L.llama_get_logits_ith(self.ctx, row)
+        return int(self.np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).argmax())
 
     def feed(self, ids: list[int]) -> int:
         L = self.L
@@ -129,19 +157,75 @@ class LlamaCppEngine(Engine):
             arr = (L.llama_token * len(chunk))(*chunk)
             rc = L.llama_decode(self.ctx, L.llama_batch_get_one(arr, len(chunk)))
             if rc != 0:
-                why = "no free KV-cache slot" if rc == 1 else "error"
-                raise ContextFull(
-                    f"context full at {self.context} tokens (n_ctx {self.n_ctx}): llama_decode returned {rc} ({why}) "
-                    f"for {len(chunk)} more tokens; llama.cpp's library does not shift or evict by itself"
-                    + (f" [{self.log[-1]}]" if self.log else "")
-                )
+                raise self._full(rc, len(chunk))
+            self.history[self.context : self.context + len(chunk)] = chunk
             self.context += len(chunk)
-        ptr = L.llama_get_logits_ith(self.ctx, -1)
-        return int(self.np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).argmax())
+        return self._argmax(-1)
+
+    def advance(self, token: int, budget: int) -> list[int]:
+        """Prompt lookup (gguf-lookup): draft from the history with llama-cpp-python's own drafter, verify
+        [token, d1 .. dk] in one llama_decode with the logits of every row, accept greedily, and remove the
+        rejected drafts' cells from the KV cache. Other configurations: one plain step."""
+        if self.drafter is None or budget < 2:
+            return [self.step(token)]
+        pos = self.context
+        self.history[pos] = token
+        # Drafts: at most budget - 1 (the call returns accepted drafts + the next token), as many as the
+        # context has room for beside `token`, none from a stop id on (a reply ends at its stop id).
+        drafts: list[int] = []
+        for d in self.drafter(self.history[: pos + 1])[: max(0, min(budget - 1, self.n_ctx - pos - 1))]:
+            if int(d) in self.stop_ids:
+                break
+            drafts.append(int(d))
+        if not drafts:
+            return [self.step(token)]
+        L = self.L
+        rows = [token, *drafts]
+        n = len(rows)
+        batch = L.llama_batch_init(n, 0, 1)
+        try:
+            for i, t in enumerate(rows):
+                batch.token[i] = t
+                batch.pos[i] = pos + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = 1
+            batch.n_tokens = n
+            rc = L.llama_decode(self.ctx, batch)
+        finally:
+            L.llama_batch_free(batch)
+        if rc != 0:
+            raise self._full(rc, n)
+        # Row i's argmax is the token chosen after rows[i]: it must equal draft i + 1 to accept it.
+        chosen: list[int] = []
+        for i in range(n):
+            c = self._argmax(i)
+            chosen.append(c)
+            if i == n - 1 or c != drafts[i] or c in self.stop_ids:
+                break
+        accepted = len(chosen) - 1  # every chosen token but the last is a draft that was accepted (and fed)
+        kept = pos + 1 + accepted
+        if kept < pos + n:
+            L.llama_memory_seq_rm(L.llama_get_memory(self.ctx), 0, kept, -1)
+        self.history[pos + 1 : kept] = drafts[:accepted]
+        self.context = kept
+        self.spec["verified"] += 1
+        self.spec["drafted"] += len(drafts)
+        self.spec["accepted"] += accepted
+        return chosen
 
     def close(self) -> None:
         self.L.llama_free(self.ctx)
         self.L.llama_model_free(self.model)
+
+
+# gguf-lookup's drafter: llama-cpp-python's own LlamaPromptLookupDecoding: the continuation of the first
+# earlier occurrence of the history's last 2 tokens (else its last token), its default max_ngram_size;
+# num_pred_tokens 2, the value llama-cpp-python's README gives for CPU-only machines (its default, 10,
+# it calls good for GPUs: on a CPU each verified row costs most of a decode step, and 10 drafts, mostly
+# rejected, ran at less than half the decode rate of 2 here). Fewer where the reply's budget or the
+# context leaves less room.
+LOOKUP = {"max_ngram_size": 2, "num_pred_tokens": 2}
 
 
 def _set_flash_attn(L, cp, on: bool) -> None:

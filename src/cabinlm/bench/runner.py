@@ -24,11 +24,21 @@ class CabinlmEngine(protocol.Engine):
 
     name = "cabinlm"
 
-    def __init__(self, folder: Path, threads: int, system: list[int]):
+    def __init__(self, folder: Path, threads: int, system: list[int], speculative: bool | None = None,
+                 stop_ids: set[int] = frozenset()):  # fmt: skip
+        """speculative: verify prompt-lookup drafts as `cabinlm chat` does (None: as chat decides,
+        runtime/speculative.drafting_by_default)."""
         from cabinlm.runtime import Decoder
+        from cabinlm.runtime.sampler import Sampler
+        from cabinlm.runtime.speculative import Speculation, drafting_by_default
 
         self.dec = Decoder(folder, threads=threads)
         self.system = list(system)
+        if speculative is None:
+            speculative = drafting_by_default(self.dec.backend)[0]
+        self.spec = Speculation() if speculative else None
+        self.sampler = Sampler(temperature=0.0)
+        self.stop_ids = set(stop_ids)
         lay, m = self.dec.layout, self.dec.manifest
         self.config = {
             "name": "cabinlm",
@@ -42,6 +52,7 @@ class CabinlmEngine(protocol.Engine):
             "window": lay.window,
             "slots": lay.slots,
             "chunk": lay.chunk,
+            "speculative": speculative,
             "onnxruntime": __import__("onnxruntime").__version__,
         }
 
@@ -51,6 +62,8 @@ class CabinlmEngine(protocol.Engine):
 
     def feed(self, ids: list[int]) -> int:
         ids = list(ids)
+        if self.spec is not None:
+            self.spec.lookup.observe(ids)
         if self.dec.cache.seen == 0 and self.system and ids[: len(self.system)] == self.system:
             logits = self.dec.feed(np.asarray(self.system), pin=True)  # the system prompt stays, as in chat
             ids = ids[len(self.system) :]
@@ -60,6 +73,13 @@ class CabinlmEngine(protocol.Engine):
 
     def step(self, token: int) -> int:
         return int(np.argmax(self.dec.step(np.array([token]))[0]))
+
+    def advance(self, token: int, budget: int) -> list[int]:
+        if self.spec is None:
+            return [self.step(token)]
+        from cabinlm.runtime.speculative import advance
+
+        return advance(self.dec, self.sampler, token, budget, self.stop_ids, self.spec)
 
 
 def script_for(folder: Path) -> protocol.Script:
@@ -83,20 +103,24 @@ def run_cabinlm(
     max_new: int = 128,
     seed: int = 0,
     time_limit_s: float = 3600,
+    speculative: bool | None = None,
     log: Callable[[str], None] = lambda s: None,
     on_reply: Callable[[int, str], None] | None = None,
 ) -> Trace:
-    """The scripted dialogue of `tokens` tokens through the runtime, in this process."""
+    """The scripted dialogue of `tokens` tokens through the runtime, in this process (speculative:
+    see CabinlmEngine)."""
     folder = Path(folder)
     script = script_for(folder)
     t = time.perf_counter()
-    engine = CabinlmEngine(folder, threads, script.system)
+    engine = CabinlmEngine(folder, threads, script.system, speculative, script.stop_ids)
     load_s = time.perf_counter() - t
     trace = protocol.dialogue(engine, script, tokens=tokens, max_new=max_new, seed=seed, time_limit_s=time_limit_s,
                         log=log, on_reply=on_reply)  # fmt: skip
     trace.load_s = round(load_s, 3)
     trace.evicted_tokens = int(engine.dec.cache.evicted)
     trace.config.update(threads=threads, loadavg_1m=round(os.getloadavg()[0], 2))
+    if engine.spec is not None:
+        trace.config.update(drafted=engine.spec.drafted, accepted=engine.spec.accepted)
     return trace
 
 
@@ -104,7 +128,7 @@ def fixed_context_cabinlm(folder: str | Path, *, threads: int, decode: int = 128
     """Fill the cache (`context` tokens; default: every slot) and decode `decode` tokens, each timed."""
     folder = Path(folder)
     script = script_for(folder)
-    engine = CabinlmEngine(folder, threads, [])
+    engine = CabinlmEngine(folder, threads, [], speculative=False)  # one token per timed step
     context = engine.dec.layout.slots if context is None else context
     trace = protocol.fixed_context(engine, script, context=context, decode=decode)
     trace.evicted_tokens = int(engine.dec.cache.evicted)

@@ -82,6 +82,9 @@ def summarize(trace: Trace) -> dict:
         "tokens": int(trace.tokens),
         "decoded_tokens": int(len(ms)),
         "decode_tok_s": _round(1000.0 / p50 if p50 else None, 2),
+        # every decoded token over all decode time: where one call chooses several tokens
+        # (speculative decoding), the median above and this can differ
+        "decode_tok_s_overall": _round(1000.0 * len(ms) / ms.sum() if len(ms) and ms.sum() > 0 else None, 2),
         "prefill_tok_s": _round(pf_tokens / pf_secs if pf_secs > 0 else None, 1),
         "latency_ms_p50": _round(p50),
         "latency_ms_p99": _round(np.percentile(ms, 99) if len(ms) else None),

@@ -16,7 +16,7 @@ import typer
 from cabinlm.cli.common import err, info
 from cabinlm.errors import CabinlmError, InputError
 from cabinlm.runtime.dialogue import Dialogue, LongMessages
-from cabinlm.runtime.speculative import Speculation
+from cabinlm.runtime.speculative import Speculation, drafting_by_default
 from cabinlm.runtime.inputs import parse_input_line
 from cabinlm.runtime.persist import load_session, save_session
 
@@ -43,8 +43,9 @@ def chat(
         None, "--speculative/--no-speculative",
         help="Draft reply tokens from the dialogue's own text (prompt lookup) and check them in one step: "
         "the same replies, faster while the window fills (it stops once the window has turned over; "
-        "docs/benchmarks.md section 13). Default: on, except for builds whose prefill graph has a fixed "
-        "size (Snapdragon HTP, static pairs), where checking a draft costs a whole chunk."),
+        "docs/benchmarks.md section 13). Default: on for the fused cpu build (`make demo`'s), whose chunk "
+        "rows are bit for bit its one-token steps; off where a check costs a whole fixed chunk (Snapdragon "
+        "HTP, static pairs) or where rows match steps only to rounding (an unbuilt export)."),
     json_out: bool = typer.Option(False, "--json", help="One JSON object per turn on stdout instead of text."),
 ) -> None:
     """Talk to an exported model. Interactive on a terminal; otherwise one user message per input line.
@@ -73,10 +74,9 @@ def chat(
     dec, tok = open_artifact(artifact, threads=threads)
     decoders = [dec] + [dec.seat() for _ in range(seats - 1)]  # the weights are held once
     if speculative is None:
-        speculative = not dec.backend.fixed_chunk
-        if not speculative:
-            info(f"speculative decoding off: this build's prefill graph always runs {dec.layout.chunk} tokens, so "
-                 "checking a draft costs a whole chunk (--speculative turns it on)")
+        speculative, why = drafting_by_default(dec.backend)
+        if dec.backend.fixed_chunk:  # a target build: say why the lever is off (an unbuilt export: --help says)
+            info(f"speculative decoding off: {why} (--speculative turns it on)")
     dialogues = [
         Dialogue(d, tok, system=system, sampler=Sampler(temperature=temperature, top_p=top_p, seed=seed),
                  max_new_tokens=max_new_tokens, long_messages=long_messages,

@@ -100,6 +100,12 @@ def bench(
     time_limit: float = typer.Option(1800, help="Seconds each engine may run before it is stopped."),
     model: Optional[str] = typer.Option(None, help="Model the baselines load [default: the artifact's source]."),
     trace_out: Optional[Path] = typer.Option(None, "--trace", help="Write every per-token sample (JSON) here."),
+    speculative: Optional[bool] = typer.Option(
+        None, "--speculative/--no-speculative",
+        help="Draft reply tokens by prompt lookup and verify them in chunks, as `cabinlm chat` does (the same "
+        "greedy replies; a call that keeps n tokens counts each at 1/n of its time). [default: as chat: on for "
+        "the fused cpu build]",
+    ),
 ) -> None:
     """A long scripted in-car dialogue (seeded user turns, greedy replies) through the runtime,
     timing every token and sampling process memory.
@@ -142,7 +148,7 @@ def bench(
     info(f"cabinlm: {tokens} tokens through {artifact} ({m.weights} weights, {m.cache.kv_dtype.value} KV, "
           f"{m.cache.slots} slots, {threads} threads)")  # fmt: skip
     trace = run_cabinlm(artifact, tokens=tokens, threads=threads, max_new=max_new, seed=seed,
-                        time_limit_s=time_limit, log=progress)  # fmt: skip
+                        time_limit_s=time_limit, speculative=speculative, log=progress)  # fmt: skip
     others = []
     ctx = context or m.cache.slots
     source = model or model_for_baselines(Path(artifact))

@@ -165,8 +165,7 @@ def decode_reply(dec: Decoder, sampler: Sampler, logits: np.ndarray, max_new: in
                 break  # the last token is fed with the next prompt
             if stopped():
                 break
-            k = min(spec.length.next(), dec.layout.chunk - 1, _room(dec)) if spec is not None else 0
-            drafts = spec.lookup.draft(k) if k > 0 else []
+            drafts = next_drafts(dec, spec) if spec is not None else []
             if drafts:
                 token = _verify(dec, sampler, token, drafts, max_new - len(r.ids), stop_ids, on_token, spec, r)
                 continue
@@ -180,6 +179,41 @@ def decode_reply(dec: Decoder, sampler: Sampler, logits: np.ndarray, max_new: in
     except KeyboardInterrupt:
         r.finish = "interrupted"
     return r
+
+
+def drafting_by_default(backend) -> tuple[bool, str]:
+    """Whether `cabinlm chat` and `cabinlm bench` draft unless told, and why not (for the notice):
+    only where a draft check is cheap and its rows are bit for bit the plain steps' (Backend)."""
+    if backend.fixed_chunk:
+        return False, (f"this build's prefill graph always runs {backend.layout.chunk} tokens, so checking a draft "
+                       "costs a whole chunk")  # fmt: skip
+    if not backend.rows_match_steps:
+        return False, ("this build's chunk rows match its one-token steps only to rounding, so a checked draft could "
+                       "break a greedy near-tie differently from plain decoding (the fused cpu build drafts by default)")
+    return True, ""
+
+
+def next_drafts(dec: Decoder, spec: Speculation) -> list[int]:
+    """The drafts to verify after the stream's last token: as many as the draft length, the chunk and
+    the room before eviction allow (none while drafting pauses, or where no n-gram matches)."""
+    k = min(spec.length.next(), dec.layout.chunk - 1, _room(dec))
+    return spec.lookup.draft(k) if k > 0 else []
+
+
+def advance(dec: Decoder, sampler: Sampler, token: int, budget: int, stop_ids: set[int],
+            spec: Speculation) -> list[int]:
+    """Feed `token` (chosen, not yet fed) and return what the stream chooses after it, at most
+    `budget` tokens: with drafts, the accepted drafts (now fed) and then the next token (chosen, not
+    fed); without, the one token a plain step chooses. A stop id is never fed. The lookup observes
+    `token` and the accepted drafts. (decode_reply's inner step, for callers that own the reply
+    loop, such as `cabinlm bench`.)"""
+    spec.lookup.observe([token])
+    drafts = next_drafts(dec, spec) if budget > 1 else []
+    if not drafts:
+        return [sampler(dec.step(np.array([token], dtype=np.int64))[0])]
+    r = Reply()
+    nxt = _verify(dec, sampler, token, drafts, budget, stop_ids, lambda t: None, spec, r)
+    return [*r.ids, nxt]
 
 
 def _room(dec: Decoder) -> int:
