@@ -111,10 +111,11 @@ class Server:
         self.stop()
 
 
-def chat_replies(artifact: Path, turns: list[str], max_new_tokens: int, system: str | None = None) -> list[str]:
+def chat_replies(artifact: Path, turns: list[str], max_new_tokens: int, system: str | None = None,
+                 *args: str) -> list[str]:  # fmt: skip
     """What `cabinlm chat` answers to these messages, one conversation, alone."""
     cmd = [sys.executable, "-m", "cabinlm", "chat", str(artifact), "--json", "--threads", "1",
-           "--max-new-tokens", str(max_new_tokens)] + (["--system", system] if system else [])  # fmt: skip
+           "--max-new-tokens", str(max_new_tokens), *args] + (["--system", system] if system else [])  # fmt: skip
     p = subprocess.run(cmd, input="\n".join(turns) + "\n", capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     return [json.loads(line)["reply"] for line in p.stdout.splitlines()]
@@ -314,6 +315,25 @@ def test_two_conversations_at_once_stream_the_exact_replies(artifact, tmp_path):
             t.join(timeout=120)
     assert not errors, errors
     assert got == expected
+
+
+def test_the_fused_build_drafts_and_serves_the_plain_replies(artifact, tmp_path):
+    """On the fused cpu build the server drafts by prompt lookup (as chat does) and its greedy replies
+    are the plain ones byte for byte, through a window that turns over (40 tokens)."""
+    from cabinlm.builders import build_artifact
+    from cabinlm.profiles import load_profile
+
+    fused = build_artifact(artifact, load_profile("cpu"), tmp_path / "fused", attention="fused")
+    turns = DRIVER + ["check the route", "and the weather again"]
+    expected = chat_replies(fused, turns, 16, None, "--no-speculative")
+    with Server(fused, tmp_path / "serve.log", "--seats", "2") as srv:
+        c = srv.client()
+        got, drafted = [], 0
+        for i in range(len(turns)):
+            text, usage = ask(c, turns[: i + 1], got, "driver", max_tokens=16)
+            got.append(text)
+            drafted += cabin(usage)["drafted_tokens"]
+        assert got == expected and drafted > 0
 
 
 def test_a_history_that_extends_the_seat_feeds_only_the_new_message(artifact, tmp_path):

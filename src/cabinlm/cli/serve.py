@@ -30,6 +30,11 @@ def serve(
     model_name: Optional[str] = typer.Option(
         None, help="The name clients send as `model` (default: the exported model's)."
     ),
+    speculative: Optional[bool] = typer.Option(
+        None, "--speculative/--no-speculative",
+        help="Draft reply tokens by prompt lookup and check them in one step, as `cabinlm chat` does: the same "
+        "replies (greedy) or the same distribution (sampled). [default: on for the fused cpu build]",
+    ),
 ) -> None:
     """Serve an exported model over HTTP: POST /v1/chat/completions (OpenAI's API, streaming or not),
     GET /v1/models, GET /health, and GET/DELETE /v1/seats. Requests run one token at a time in turns
@@ -46,7 +51,7 @@ def serve(
     # it opens the artifact. One line, exit 2.
     check_count("port", port, 0, 65535)
     config = ServeConfig(artifact, seats=seats, sessions=sessions, max_new_tokens=max_new_tokens, threads=threads,
-                         long_messages=long_messages, model_id=model_name)  # fmt: skip
+                         long_messages=long_messages, model_id=model_name, speculative=speculative)  # fmt: skip
     service = ChatService.open(config)
     if service.resumed:
         info(f"resumed {len(service.resumed)} seats from {sessions}: {', '.join(service.resumed)}")

@@ -39,6 +39,8 @@ def usage(outcome: TurnOutcome, seat: str) -> dict[str, Any]:
             "cache_bytes": r.cache_bytes,
             "prefill_tok_s": r.prefill_tok_s,
             "decode_tok_s": r.decode_tok_s,
+            "drafted_tokens": r.drafted_tokens,  # speculative decoding (prompt lookup): drafted, then accepted
+            "accepted_tokens": r.accepted_tokens,
             "saved": outcome.saved,
         },
     }

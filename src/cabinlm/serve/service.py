@@ -30,6 +30,7 @@ from typing import Any, Callable
 from cabinlm.errors import CabinlmError, InputError
 from cabinlm.runtime.dialogue import Dialogue, LongMessages
 from cabinlm.runtime.limits import check_count, check_seat_count, check_seats, check_threads
+from cabinlm.runtime.speculative import Speculation, drafting_by_default
 from cabinlm.serve.history import plan_turn
 from cabinlm.serve.scheduler import ModelTurns
 from cabinlm.serve.schema import MAX_TOKENS_LIMIT, ChatRequest, RequestError
@@ -53,6 +54,7 @@ class ServeConfig:
     long_messages: LongMessages = LongMessages.REFUSE
     model_id: str | None = None  # the name clients send as "model"; None: the exported model's name
     verify: bool = True  # check the artifact's files against the manifest's sha256 at start
+    speculative: bool | None = None  # prompt-lookup drafts; None: as chat (runtime/speculative.drafting_by_default)
 
     def __post_init__(self) -> None:
         # the checks `cabinlm chat` makes of the same options (runtime.limits); the seats against this
@@ -135,7 +137,11 @@ class ChatService:
         check_seats(config.seats, load_manifest(config.artifact))  # before the weights load, as chat does
         dec, tok = open_artifact(config.artifact, threads=config.threads, verify=config.verify)
         decoders = [dec] + [dec.seat() for _ in range(config.seats - 1)]
-        dialogues = [Dialogue(d, tok, max_new_tokens=config.max_new_tokens, long_messages=config.long_messages)
+        speculative = config.speculative
+        if speculative is None:
+            speculative = drafting_by_default(dec.backend)[0]
+        dialogues = [Dialogue(d, tok, max_new_tokens=config.max_new_tokens, long_messages=config.long_messages,
+                              speculation=Speculation() if speculative else None)
                      for d in decoders]  # fmt: skip
         store = SeatStore(config.sessions) if config.sessions is not None else None
         name = config.model_id or model_name(dec.manifest.model.source)

@@ -39,6 +39,11 @@ class RecordingSampler(Sampler):
         self.choices.append(token)
         return token
 
+    def accept_draft(self, logits: np.ndarray, draft: int) -> tuple[bool, int]:
+        ok, token = super().accept_draft(logits, draft)  # speculative decoding's choice, kept the same way
+        self.choices.append(token)
+        return ok, token
+
 
 class ScriptedSampler(Sampler):
     """Gives back recorded choices in order: a generated exchange fed again exactly as it was generated."""
@@ -109,7 +114,14 @@ def _replay(d: Dialogue, ex: Exchange, image, model: ModelTurns) -> None:
         model.pass_turn()
         return script.exhausted  # a cancelled exchange ended before its next choice
 
-    d.ask(ex.user, image=image, should_stop=between_tokens)
+    # One token per step: the recorded choices end where a cancelled reply ended, which a verified
+    # draft could run past. (Where drafting is on, a chunk's rows are its steps bit for bit, so the
+    # cache is the one the exchange left either way.)
+    speculation, d.speculation = d.speculation, None
+    try:
+        d.ask(ex.user, image=image, should_stop=between_tokens)
+    finally:
+        d.speculation = speculation
 
 
 def answer(seat, conversation: Conversation, plan: TurnPlan, frames: Frames, sampling: Sampling, model: ModelTurns,
