@@ -46,6 +46,7 @@ it stopped; a stop other than a full context is listed under the table).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -234,17 +235,27 @@ def merge_speed(rows: list[Row], files: list[str]) -> list[str]:
     """Attach each speed figure to its row; the notes to print under the table."""
     notes: list[str] = []
     by_art = {r.model: r for r in rows if r.engine == "cabinlm"}
+    plain: dict[str, Row] = {}  # an artifact's runs without drafting: a row of their own, after its row
     by_peer = {(r.engine, r.configuration, r.model): r for r in rows if r.engine != "cabinlm"}
     for f in files:
         d = json.loads(Path(f).read_text())
         art = str(Path(d["config"].get("artifact", "")).resolve())
         entry = lambda s, **kw: {"file": f, "tokens": s["tokens"], "decode_tok_s": s["decode_tok_s"],  # noqa: E731
+                                 "decode_tok_s_overall": s.get("decode_tok_s_overall"),
                                  "prefill_tok_s": s["prefill_tok_s"], "stopped": s["stopped"], **kw}  # fmt: skip
         if art in by_art:
-            by_art[art].speed.append(entry(d, evicted=d["evicted_tokens"]))
+            row = by_art[art]
+            if d["config"].get("speculative") is False:  # cabinlm bench --no-speculative
+                if art not in plain:
+                    plain[art] = dataclasses.replace(row, configuration=f"{row.configuration} (--no-speculative)",
+                                                     speed=[])  # fmt: skip
+                    rows.insert(rows.index(row) + 1, plain[art])
+                row = plain[art]
+            row.speed.append(entry(d, evicted=d["evicted_tokens"]))
             for peer, s in d.get("same_span", {}).items():
-                notes.append(f"{by_art[art].configuration} over {peer}'s span ({s['tokens']} tokens, {f}): decode "
-                             f"{s['decode_tok_s']} tok/s, prefill {s['prefill_tok_s']} tok/s")  # fmt: skip
+                notes.append(f"{row.configuration} over {peer}'s span ({s['tokens']} tokens, {f}): decode "
+                             f"{s['decode_tok_s']} tok/s (median), {s.get('decode_tok_s_overall')} tok/s (overall), "
+                             f"prefill {s['prefill_tok_s']} tok/s")  # fmt: skip
         else:
             notes.append(f"{f}: cabinlm ran {d['config'].get('artifact')}, not an artifact given here; left out")
         for b in d.get("baselines", {}).values():
@@ -311,12 +322,12 @@ def run_peers(peers: list[tuple[str, str]], path: Path, hf: Path, ids: np.ndarra
 def report(rows: list[Row], notes: list[str], text: Path, n: int, threads: int) -> Row | None:
     """Print the markdown table (and what stands above and below it); the float32 reference row."""
     ref = next((r for r in rows if r.engine == "hf"), None)
-    ref = ref or next((r for r in rows if r.engine == "cabinlm" and load_manifest(r.configuration).weights == "fp32"),
+    ref = ref or next((r for r in rows if r.engine == "cabinlm" and load_manifest(r.model).weights == "fp32"),
                       None)  # fmt: skip
     print(f"\n{text}: the first {n} tokens ({n - 1} scored), one tokenization for every engine; {threads} threads.")
     for r in rows:
         if r.engine == "cabinlm":
-            lay = load_manifest(r.configuration).cache
+            lay = load_manifest(r.model).cache
             state = (f"{r.evicted} window tokens evicted: its perplexity is over a rolling window of "
                      f"{lay.sink} + {lay.window} tokens, the peers' over the whole span" if r.evicted else
                      f"dense (nothing evicted: {n - 1} fed tokens fit its {lay.sink} + {lay.window} "
@@ -326,13 +337,14 @@ def report(rows: list[Row], notes: list[str], text: Path, n: int, threads: int) 
         print(f"Δ against {ref.engine} {ref.configuration} (float32 weights).")
     else:
         print("Δ: no float32 reference ran (hf, or a cabinlm fp32 export).")
-    print("\n| configuration | engine | weights | KV | perplexity | Δ vs float32 | decode tok/s | prefill tok/s |")
-    print("|---|---|---|---|---:|---:|---:|---:|")
+    print("\n| configuration | engine | weights | KV | perplexity | Δ vs float32 | decode tok/s (median) | "
+          "decode tok/s (overall) | prefill tok/s |")  # fmt: skip
+    print("|---|---|---|---|---:|---:|---:|---:|---:|")
     runs = lambda r, k: " / ".join(f"{s[k]:g}" if s[k] is not None else "n/a" for s in r.speed) or "—"  # noqa: E731
     for r in rows:
         delta = "—" if ref is None or r is ref else f"{(r.ppl / ref.ppl - 1) * 100:+.2f}%"
         print(f"| {r.configuration} | {r.engine} | {r.weights} | {r.kv} | {r.ppl:.4f} | {delta} | "
-              f"{runs(r, 'decode_tok_s')} | {runs(r, 'prefill_tok_s')} |")  # fmt: skip
+              f"{runs(r, 'decode_tok_s')} | {runs(r, 'decode_tok_s_overall')} | {runs(r, 'prefill_tok_s')} |")  # fmt: skip
     if notes:
         print()
         for note in notes:

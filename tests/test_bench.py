@@ -80,14 +80,14 @@ def test_bench_json_through_the_runtime(small_artifact, tmp_path):
 
 def test_bench_with_speculation_gives_the_plain_replies_and_counts_every_token(smollm2_fused):
     """`cabinlm bench` drafts by prompt lookup as chat does: the greedy replies of the scripted
-    dialogue are the plain ones on the demo's kind of build, turn for turn (through eviction: 900
+    dialogue are the plain ones on the demo's kind of build, turn for turn (through eviction: 600
     tokens in 316 slots), and a verification that keeps n tokens records n decoded tokens."""
     from cabinlm.bench.runner import run_cabinlm
 
     replies: dict[bool, list[str]] = {True: [], False: []}
     traces = {}
     for spec in (False, True):
-        traces[spec] = run_cabinlm(smollm2_fused, tokens=900, threads=2, max_new=48, speculative=spec,
+        traces[spec] = run_cabinlm(smollm2_fused, tokens=600, threads=2, max_new=48, speculative=spec,
                                    on_reply=lambda turn, text, spec=spec: replies[spec].append(text))  # fmt: skip
     plain, fast = traces[False], traces[True]
     assert replies[True] == replies[False] and len(replies[True]) >= 3, (fast.config, replies)

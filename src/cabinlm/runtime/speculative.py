@@ -182,7 +182,7 @@ def decode_reply(dec: Decoder, sampler: Sampler, logits: np.ndarray, max_new: in
 
 
 def drafting_by_default(backend) -> tuple[bool, str]:
-    """Whether `cabinlm chat` and `cabinlm bench` draft unless told, and why not (for the notice):
+    """Whether `cabinlm chat`, `bench` and `serve` draft unless told, and why not (for the notice):
     only where a draft check is cheap and its rows are bit for bit the plain steps' (Backend)."""
     if backend.fixed_chunk:
         return False, (f"this build's prefill graph always runs {backend.layout.chunk} tokens, so checking a draft "
@@ -205,8 +205,8 @@ def advance(dec: Decoder, sampler: Sampler, token: int, budget: int, stop_ids: s
     """Feed `token` (chosen, not yet fed) and return what the stream chooses after it, at most
     `budget` tokens: with drafts, the accepted drafts (now fed) and then the next token (chosen, not
     fed); without, the one token a plain step chooses. A stop id is never fed. The lookup observes
-    `token` and the accepted drafts. (decode_reply's inner step, for callers that own the reply
-    loop, such as `cabinlm bench`.)"""
+    `token` and the accepted drafts. (The step decode_reply takes, for callers that own the reply
+    loop and its output, such as `cabinlm bench`.)"""
     spec.lookup.observe([token])
     drafts = next_drafts(dec, spec) if budget > 1 else []
     if not drafts:
