@@ -93,7 +93,8 @@ def bench(
     ),
     context: Optional[int] = typer.Option(None, help="Context of llama.cpp / ort-genai. [default: cabinlm's cache slots]"),
     baseline_config: Optional[str] = typer.Option(
-        None, help="One baseline configuration (ort-genai: int4, int4-kv8, fp32); default: all, the fastest reported."
+        None, help="One baseline configuration (llama.cpp: gguf, gguf-kv8, gguf-lookup; ort-genai: int4, int4-kv8, "
+        "fp32); default: all, the fastest (lowest mean decode latency) reported."
     ),
     max_new: int = typer.Option(128, help="Longest reply per turn."),
     seed: int = typer.Option(0, help="Seed of the scripted user turns."),

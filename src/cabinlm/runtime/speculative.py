@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cabinlm.runtime.backends import Backend
 from cabinlm.runtime.decoder import Decoder
 from cabinlm.runtime.sampler import Sampler
 
@@ -181,7 +182,7 @@ def decode_reply(dec: Decoder, sampler: Sampler, logits: np.ndarray, max_new: in
     return r
 
 
-def drafting_by_default(backend) -> tuple[bool, str]:
+def drafting_by_default(backend: Backend) -> tuple[bool, str]:
     """Whether `cabinlm chat`, `bench` and `serve` draft unless told, and why not (for the notice):
     only where a draft check is cheap and its rows are bit for bit the plain steps' (Backend)."""
     if backend.fixed_chunk:
