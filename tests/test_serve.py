@@ -319,7 +319,8 @@ def test_two_conversations_at_once_stream_the_exact_replies(artifact, tmp_path):
 
 def test_the_fused_build_drafts_and_serves_the_plain_replies(artifact, tmp_path):
     """On the fused cpu build the server drafts by prompt lookup (as chat does) and its greedy replies
-    are the plain ones byte for byte, through a window that turns over (40 tokens)."""
+    are the plain ones byte for byte, through a window that turns over (40 tokens), and after a
+    history that makes the seat start over."""
     from cabinlm.builders import build_artifact
     from cabinlm.profiles import load_profile
 
@@ -334,6 +335,12 @@ def test_the_fused_build_drafts_and_serves_the_plain_replies(artifact, tmp_path)
             got.append(text)
             drafted += cabin(usage)["drafted_tokens"]
         assert got == expected and drafted > 0
+        # A shorter history on the same seat: it starts over, its two exchanges fed again one token
+        # per step with the recorded choices (drafting paused), then the new message drafts again.
+        edited = turns[:2] + ["play some jazz"]
+        text, usage = ask(c, edited, got[:2], "driver", max_tokens=16)
+        assert (cabin(usage)["history"], cabin(usage)["fed_again"]) == ("rebuilt", 2)
+        assert text == chat_replies(fused, edited, 16, None, "--no-speculative")[-1]
 
 
 def test_a_history_that_extends_the_seat_feeds_only_the_new_message(artifact, tmp_path):

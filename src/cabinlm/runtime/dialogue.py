@@ -219,3 +219,5 @@ class Dialogue:
         ids = self.tok.encode_text(reply)
         if ids:
             self.decoder.feed(ids)
+            if self.speculation is not None:
+                self.speculation.lookup.observe(ids)  # the reply is text later turns may repeat

@@ -120,6 +120,7 @@ class Speculation:
     length: DraftLength = field(default_factory=DraftLength)
     drafted: int = 0
     accepted: int = 0
+    paused: bool = False  # no drafts while set; the lookup still observes the stream
 
     def reset(self) -> None:
         self.lookup.reset()
@@ -197,6 +198,8 @@ def drafting_by_default(backend: Backend) -> tuple[bool, str]:
 def next_drafts(dec: Decoder, spec: Speculation) -> list[int]:
     """The drafts to verify after the stream's last token: as many as the draft length, the chunk and
     the room before eviction allow (none while drafting pauses, or where no n-gram matches)."""
+    if spec.paused:
+        return []
     k = min(spec.length.next(), dec.layout.chunk - 1, _room(dec))
     return spec.lookup.draft(k) if k > 0 else []
 
