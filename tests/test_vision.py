@@ -311,7 +311,7 @@ def test_the_image_processor_is_read_where_transformers_reads_it(tiny_llava_dir,
     transformers; a processor_config.json without them defers to preprocessor_config.json; neither is
     a ModelError naming both files. Each layout is checked against AutoImageProcessor itself."""
     from cabinlm.errors import ModelError
-    from cabinlm.export.models import image_processor_config
+    from cabinlm.export.image_processor import image_processor_config
 
     folder = tmp_path / "m"
     shutil.copytree(tiny_llava_dir, folder)

@@ -19,7 +19,8 @@ from cabinlm.export import kvquant
 from cabinlm.export.calibration import calibration_tokens as _calibration
 from cabinlm.export.decoder import DecoderWeights, build_decoder
 from cabinlm.export.graph import save_model
-from cabinlm.export.models import LoadedModel, decoder_weights, image_preprocessing, load_model
+from cabinlm.export.image_processor import image_preprocessing
+from cabinlm.export.models import LoadedModel, decoder_weights, load_model
 from cabinlm.export.options import OptionError  # noqa: F401 - re-exported with the rest of the options API
 from cabinlm.export.options import ExportOptions, ExportRequest, make_layout, options_for_profile
 from cabinlm.export.vision import build_vision
