@@ -8,7 +8,7 @@ import dataclasses
 import os
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -25,7 +25,7 @@ class CabinlmEngine(protocol.Engine):
     name = "cabinlm"
 
     def __init__(self, folder: Path, threads: int, system: list[int], speculative: bool | None = None,
-                 stop_ids: set[int] = frozenset()):  # fmt: skip
+                 stop_ids: Iterable[int] = ()):  # fmt: skip
         """speculative: verify prompt-lookup drafts as `cabinlm chat` does (None: as chat decides,
         runtime/speculative.drafting_by_default)."""
         from cabinlm.runtime import Decoder
