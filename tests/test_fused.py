@@ -118,9 +118,11 @@ def test_sink_and_pinned_ranks_match_the_slot_tables_ranks(load, tiny_llama_dir,
     assert c.pinned_fill == 6 < pinned  # 5 pinned tokens: 2 went to the sink
 
 
-def test_fused_int8_kv_stays_close_to_float_kv(load, tiny_llama_dir, export_to, tmp_path):
+@pytest.mark.parametrize("kernel", ["cabinlm", "onnxruntime"])
+def test_fused_int8_kv_stays_close_to_float_kv(kernel, load, tiny_llama_dir, export_to, tmp_path):
     """Static per-channel int8 scales (keys per rotation pair): the fused int8 build's logits stay as
-    close to float KV as the exported graph's own int8 KV does (same order of error)."""
+    close to float KV as the exported graph's own int8 KV does (same order of error), with cabinlm's
+    attention kernel and with ONNX Runtime's."""
     loaded = load(str(tiny_llama_dir))
     ref = Decoder(export_to(loaded, kv="fp32", **LAYOUT))
     art8 = export_to(loaded, kv="int8", **LAYOUT)
@@ -130,7 +132,8 @@ def test_fused_int8_kv_stays_close_to_float_kv(load, tiny_llama_dir, export_to, 
     half = pair.shape[-1] // 2
     np.testing.assert_array_equal(pair[..., :half], pair[..., half:])  # one scale per rotation pair
     assert (pair >= np.asarray(scales["keys"]) - 1e-7).all()  # a pair (with headroom) bounds each of its channels
-    fused = Decoder(fused_build(art8, tmp_path / "fused8"))
+    fused = Decoder(fused_build(art8, tmp_path / "fused8", attention_kernel=kernel))
+    assert fused.manifest.build.fused.attention_kernel == kernel
     graph8 = Decoder(art8)
     err_fused = drive([ref, fused], np.random.default_rng(2))
     err_graph = drive([ref, graph8], np.random.default_rng(2))

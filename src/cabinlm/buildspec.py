@@ -8,7 +8,7 @@ read by the runtime to choose its backend. Standard library only.
         "provider": {"name": "CPUExecutionProvider", "options": {}}
         "session":  {"graph_optimization_level": "basic", "intra_op_num_threads": null, ...}
         "shared_weights": null | {"file": ..., "tensors": [[name, dtype, shape, offset, length], ...]}
-        "fused":    null | {"accuracy_level": 4, "minimums": "int8"}
+        "fused":    null | {"accuracy_level": 4, "minimums": "int8", "attention_kernel": "cabinlm"}
         "profile", "engine", "engine_version"
       }
 
@@ -129,12 +129,18 @@ class FusedSettings:
 
     accuracy_level: int = 4  # MatMulNBits activations: 4 = int8, 0 = float32
     minimums: str = "int8"  # builders.Minimums: how GGUF Q4_1 block minimums run
+    # builders.AttentionKernel: "onnxruntime" (GroupQueryAttention, writing the cache through its
+    # present outputs) or "cabinlm" (kernels/int8_kv_attention.cc, int8 KV only: registered from the
+    # cabinlm.kernels library at load, writing the cache in place). Builds before it: "onnxruntime".
+    attention_kernel: str = "onnxruntime"
 
     def __post_init__(self) -> None:
         if self.accuracy_level not in (0, 1, 2, 3, 4):
             raise ValueError(f"accuracy_level must be 0..4, got {self.accuracy_level!r}")
         if self.minimums not in ("int8", "exact"):
             raise ValueError(f"minimums must be int8 or exact, got {self.minimums!r}")
+        if self.attention_kernel not in ("onnxruntime", "cabinlm"):
+            raise ValueError(f"attention_kernel must be onnxruntime or cabinlm, got {self.attention_kernel!r}")
 
 
 @dataclass(frozen=True)

@@ -185,7 +185,7 @@ def qkv_name(layer: int) -> str:
     return f"qkv.{layer}"
 
 
-def fused_decoder_io(layout: CacheLayout, num_heads: int, vocab_size: int) -> DecoderIO:
+def fused_decoder_io(layout: CacheLayout, num_heads: int, vocab_size: int, present: bool = True) -> DecoderIO:
     """The graph contract of a fused-attention build (slots N, chunk C, F = slots in use, 1 + the
     highest one; rows 0..N-1 of the buffers are the slots, rows N..N+C-1 scratch):
 
@@ -203,7 +203,9 @@ def fused_decoder_io(layout: CacheLayout, num_heads: int, vocab_size: int) -> De
     outputs
       logits                 float  (rows, vocab)
       present_key.{l}, present_value.{l}: the cache buffers themselves (bound to the inputs' memory);
-                             the chunk's K/V land in rows F .. F + tokens - 1 (empty slots, or scratch)
+                             the chunk's K/V land in rows F .. F + tokens - 1 (empty slots, or scratch).
+                             present=False (cabinlm's own attention kernel): no such outputs, the kernel
+                             writes those rows of the key_cache / value_cache inputs in place
       qkv.{l}                float  (1, tokens, (heads + 2 kv_heads) head_dim)  the chunk's un-rotated q|k|v
     and, apart from the decoder, the sink / pinned keys' rotation for the next step (P = their rows):
       refresh_source         float  (1, layers * kv_heads, P, head_dim)  their un-rotated keys ÷ key scales
@@ -234,7 +236,8 @@ def fused_decoder_io(layout: CacheLayout, num_heads: int, vocab_size: int) -> De
     for layer in range(layout.layers):
         inputs.append(TensorSpec(key_cache_name(layer), kv, (1, h, rows, d)))
         inputs.append(TensorSpec(value_cache_name(layer), kv, (1, h, rows, d)))
-        outputs.append(TensorSpec(present_key_name(layer), kv, (1, h, rows, d)))
-        outputs.append(TensorSpec(present_value_name(layer), kv, (1, h, rows, d)))
+        if present:
+            outputs.append(TensorSpec(present_key_name(layer), kv, (1, h, rows, d)))
+            outputs.append(TensorSpec(present_value_name(layer), kv, (1, h, rows, d)))
         outputs.append(TensorSpec(qkv_name(layer), "float", (1, "tokens", (num_heads + 2 * h) * d)))
     return DecoderIO(tuple(inputs), tuple(outputs))

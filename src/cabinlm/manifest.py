@@ -233,8 +233,10 @@ class Manifest:
 
     @property
     def io(self) -> DecoderIO:
-        if self.runtime_spec.backend == BackendKind.FUSED:
-            return fused_decoder_io(self.cache, self.model.num_heads, self.model.vocab_size)
+        spec = self.runtime_spec
+        if spec.backend == BackendKind.FUSED:
+            present = spec.fused is None or spec.fused.attention_kernel == "onnxruntime"
+            return fused_decoder_io(self.cache, self.model.num_heads, self.model.vocab_size, present)
         embed_dim = self.vision.embed_dim if self.vision else 0
         return decoder_io(self.cache, self.model.vocab_size, self.index_dtype, embed_dim)
 

@@ -36,6 +36,14 @@ class Attention(str, enum.Enum):
     GRAPH = "graph"  # the exported graph's own attention
 
 
+class AttentionKernel(str, enum.Enum):
+    """Fused cpu builds: which kernel computes the attention over the cache."""
+
+    AUTO = "auto"  # cabinlm's for int8 KV where this machine compiles it, ONNX Runtime's otherwise
+    CABINLM = "cabinlm"  # kernels/int8_kv_attention.cc (int8 KV): a prefill chunk about twice as fast
+    ONNXRUNTIME = "onnxruntime"  # com.microsoft::GroupQueryAttention
+
+
 class Minimums(str, enum.Enum):
     """Fused cpu builds: how GGUF Q4_1 blocks (4-bit codes plus a float block minimum) run."""
 
@@ -44,7 +52,8 @@ class Minimums(str, enum.Enum):
 
 
 def build_artifact(artifact: str | Path, profile, out: str | Path | None = None, log: Callable[[str], None] = lambda s: None,
-                   attention: Attention = Attention.AUTO, accuracy_level: int = 4, minimums: Minimums = Minimums.INT8) -> Path:
+                   attention: Attention = Attention.AUTO, accuracy_level: int = 4, minimums: Minimums = Minimums.INT8,
+                   attention_kernel: AttentionKernel = AttentionKernel.AUTO) -> Path:
     """Build `artifact` for `profile` (a DeviceProfile; None: cpu) into `out` (default: ARTIFACT/build-PROFILE).
     A TensorRT bundle (`artifact` made by a tensorrt profile's build) gets its engine built, in place
     unless `out` is given; its profile is the one it was made for.
@@ -52,9 +61,10 @@ def build_artifact(artifact: str | Path, profile, out: str | Path | None = None,
     ONNX Runtime cpu builds: attention "auto" fuses the decoder (builders/ort_fused.py) where the
     artifact allows and keeps the exported graph otherwise; "fused" insists; "graph" keeps the export.
     accuracy_level: the fused build's MatMulNBits activations (4: int8, as llama.cpp; 0: float32).
-    minimums: how the fused build runs GGUF Q4_1 blocks ("exact", or "int8": builders/ort_fused.py)."""
+    minimums: how the fused build runs GGUF Q4_1 blocks ("exact", or "int8": builders/ort_fused.py).
+    attention_kernel: the fused build's attention kernel (AttentionKernel)."""
     try:
-        attention, minimums = Attention(attention), Minimums(minimums)
+        attention, minimums, attention_kernel = Attention(attention), Minimums(minimums), AttentionKernel(attention_kernel)
     except ValueError as e:
         raise BuildError(str(e)) from e
     if isinstance(accuracy_level, bool) or accuracy_level not in (0, 1, 2, 3, 4):  # MatMulNBits' levels
@@ -92,4 +102,4 @@ def build_artifact(artifact: str | Path, profile, out: str | Path | None = None,
     from cabinlm.builders.ort import build_onnxruntime
 
     return build_onnxruntime(artifact, manifest, profile, out, log, attention=attention, accuracy_level=accuracy_level,
-                             minimums=minimums)
+                             minimums=minimums, attention_kernel=attention_kernel)

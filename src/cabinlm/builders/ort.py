@@ -95,9 +95,42 @@ def _elem_type(model: onnx.ModelProto, name: str) -> int:
     return onnx.TensorProto.INT64
 
 
-def _optimize_offline(src: Path | bytes, out: Path) -> None:
-    """ORT's extended (provider-independent fusions) optimizations, saved with external weights."""
+def _attention_kernel(manifest: Manifest, asked: str, log: Callable[[str], None]) -> str:
+    """The fused build's attention kernel (FusedSettings.attention_kernel) for builders.AttentionKernel
+    `asked`: cabinlm's own for int8 KV unless asked otherwise or no compiler here."""
+    from cabinlm import kernels
+    from cabinlm.layout import KVDType
+
+    spec = manifest.model
+    why = None
+    if manifest.cache.kv_dtype != KVDType.INT8:
+        why = f"it takes int8 KV; this export holds {manifest.cache.kv_dtype.value} KV"
+    elif spec.head_dim % 16 or spec.head_dim > 256 or spec.num_heads // spec.num_kv_heads > 16:
+        why = f"it takes a head_dim that is a multiple of 16 up to 256 and at most 16 query heads per kv head " \
+              f"(this model: {spec.head_dim}, {spec.num_heads // spec.num_kv_heads})"
+    if asked == "onnxruntime" or (asked == "auto" and why):
+        return "onnxruntime"
+    if why:
+        raise BuildError(f"--attention-kernel cabinlm does not apply: {why}; use --attention-kernel onnxruntime")
+    try:
+        path = kernels.library()
+    except kernels.KernelError as e:
+        if asked == "cabinlm":
+            raise BuildError(str(e)) from e
+        log(f"kept ONNX Runtime's GroupQueryAttention: {str(e).splitlines()[0]}")
+        return "onnxruntime"
+    log(f"attention over the int8 cache: cabinlm's kernel, compiled for this CPU ({path.name})")
+    return "cabinlm"
+
+
+def _optimize_offline(src: Path | bytes, out: Path, kernels: bool = False) -> None:
+    """ORT's extended (provider-independent fusions) optimizations, saved with external weights.
+    kernels: the graph uses cabinlm's own kernels (cabinlm.kernels), registered for the pass."""
     so = ort.SessionOptions()
+    if kernels:
+        from cabinlm import kernels as own
+
+        so.register_custom_ops_library(str(own.library()))
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     so.optimized_model_filepath = str(out / OPT_GRAPH)
     so.add_session_config_entry("session.optimized_model_external_initializers_file_name", OPT_DATA)
@@ -149,8 +182,9 @@ def static_pair(artifact: Path, manifest: Manifest, out: Path) -> tuple[dict[str
 
 
 def build_onnxruntime(artifact: Path, manifest: Manifest, profile, out: Path, log: Callable[[str], None],
-                      attention: str = "auto", accuracy_level: int = 4, minimums: str = "int8") -> Path:
-    """attention, minimums: builders.Attention, builders.Minimums (str enums)."""
+                      attention: str = "auto", accuracy_level: int = 4, minimums: str = "int8",
+                      attention_kernel: str = "auto") -> Path:
+    """attention, minimums, attention_kernel: builders.Attention, .Minimums, .AttentionKernel (str enums)."""
     if manifest.opset > profile.max_opset:
         raise BuildError(f"{artifact}: graph opset {manifest.opset} is above {profile.name}'s {profile.max_opset}")
     out.mkdir(parents=True, exist_ok=True)
@@ -186,10 +220,13 @@ def build_onnxruntime(artifact: Path, manifest: Manifest, profile, out: Path, lo
             raise BuildError(f"{artifact}: the fused attention does not apply: {why}")
         if why is None:
             q4_1 = sum(1 for i in graph.graph.initializer if i.name.endswith(io_spec.QUANT_SUFFIXES[3]))
-            fused_model = ort_fused.fused_model(graph, manifest, accuracy_level, minimums)
-            fused = FusedSettings(accuracy_level=accuracy_level, minimums=str(getattr(minimums, "value", minimums)))
+            kernel = _attention_kernel(manifest, str(getattr(attention_kernel, "value", attention_kernel)), log)
+            fused_model = ort_fused.fused_model(graph, manifest, accuracy_level, minimums, kernel)
+            fused = FusedSettings(accuracy_level=accuracy_level, minimums=str(getattr(minimums, "value", minimums)),
+                                  attention_kernel=kernel)  # fmt: skip
+            op = "cabinlm's Int8KVAttention" if kernel == "cabinlm" else "GroupQueryAttention"
             log(f"fused the decoder: {len(fused_model.graph.node)} nodes (the export has {len(graph.graph.node)}), "
-                f"GroupQueryAttention over {lay.kv_dtype.value} KV, MatMulNBits accuracy level {accuracy_level}")
+                f"{op} over {lay.kv_dtype.value} KV, MatMulNBits accuracy level {accuracy_level}")
             if q4_1:
                 log(f"{q4_1} Q4_1 matrices: " + ("4-bit blocks, minimums added exactly (block sums)" if minimums == "exact"
                     else "8-bit blocks with integer zero points (each minimum rounded to 1/34 of its block's step)"))
@@ -201,7 +238,7 @@ def build_onnxruntime(artifact: Path, manifest: Manifest, profile, out: Path, lo
             log(f"kept the exported attention ({why})")
             n = fuse_rotary(graph, manifest)
             log(f"fused the cached keys' rotary embedding into RotaryEmbedding in {n} layers")
-        _optimize_offline(graph.SerializeToString(), out)
+        _optimize_offline(graph.SerializeToString(), out, kernels=fused is not None and fused.attention_kernel == "cabinlm")
         del graph
         files.update({"graph": OPT_GRAPH, "graph_data": OPT_DATA})
         log(f"optimized the graph offline for {profile.execution_provider}")

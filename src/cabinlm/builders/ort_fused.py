@@ -157,15 +157,22 @@ def q4_1_as_int8(q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> tuple[
 
 
 def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int = 4,
-                minimums: str = "int8") -> onnx.ModelProto:  # a builders.Minimums
+                minimums: str = "int8", attention_kernel: str = "onnxruntime") -> onnx.ModelProto:
     """The fused decoder (module docstring) built from the exported graph's initializers.
 
     minimums: how GGUF Q4_1 blocks (which carry a block minimum) run. "exact": 4-bit MatMulNBits plus
     the minimum through blocksum(x) @ minimum (two more kernels per matrix); "int8": 8-bit blocks with
-    an integer zero point (q4_1_as_int8: the minimum rounds to 1/34 of a step), one kernel."""
-    from cabinlm.builders import Minimums
+    an integer zero point (q4_1_as_int8: the minimum rounds to 1/34 of a step), one kernel.
+
+    attention_kernel (builders.AttentionKernel): "onnxruntime", GroupQueryAttention; "cabinlm",
+    int8 KV only, ai.cabinlm::Int8KVAttention (kernels/int8_kv_attention.cc): the same inputs and
+    results, a chunk computed as fast as one row per step allows, the cache written in place (the
+    graph then has no present outputs: io_spec.fused_decoder_io(present=False))."""
+    from cabinlm.builders import AttentionKernel, Minimums
+    from cabinlm import kernels
 
     minimums = Minimums(minimums)
+    attention_kernel = AttentionKernel(attention_kernel)
     why = ineligible(manifest)
     if why:
         raise BuildError(f"the fused attention does not apply: {why}")
@@ -257,6 +264,9 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
             if W.has(mf.weight_name(i, part)):
                 float_weight(mf.weight_name(i, part))
     quantized_kv = lay.kv_dtype == KVDType.INT8
+    own_kernel = attention_kernel == AttentionKernel.CABINLM
+    if own_kernel and not quantized_kv:
+        raise BuildError(f"cabinlm's attention kernel takes int8 KV, not {lay.kv_dtype.value}; use --attention-kernel onnxruntime")
     kv_scales = {}
     if quantized_kv:
         kv_scales = {k: manifest.kv_scales.array(k) for k in ("rotated_keys", "values")}
@@ -273,17 +283,24 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
                                      epsilon=eps, hint=f"{p}/input_norm")  # fmt: skip
         bias = float_weight(mf.weight_name(i, "qkv_bias")) if W.has(mf.weight_name(i, "qkv_bias")) else None
         qkv = linear(h, mf.weight_name(i, "qkv"), out=mf.qkv_name(i), bias=bias)
-        gqa_in = [qkv, "", "", mf.key_cache_name(i), mf.value_cache_name(i), mf.SEQLENS_K,
-                  mf.TOTAL_SEQUENCE_LENGTH, mf.ROPE_COS, mf.ROPE_SIN, mf.POSITION_IDS, mf.ATTENTION_BIAS, ""]  # fmt: skip
-        attrs = dict(num_heads=H, kv_num_heads=Hkv, scale=float(1 / np.sqrt(Dh)), do_rotary=1, rotary_interleaved=0,
-                     local_window_size=-1)  # fmt: skip
-        if quantized_kv:
-            gqa_in += [b.weight(f"{p}.k_scale", kv_scales["rotated_keys"][i].reshape(1, Hkv, 1, Dh)),
-                       b.weight(f"{p}.v_scale", kv_scales["values"][i].reshape(1, Hkv, 1, Dh))]  # fmt: skip
-            attrs.update(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL", kv_cache_bit_width=8)
-        att, _, _ = b.op("GroupQueryAttention", *gqa_in, domain=MS, outputs=3, hint=f"{p}/attention", **attrs)
-        b.nodes[-1].output[1] = mf.present_key_name(i)
-        b.nodes[-1].output[2] = mf.present_value_name(i)
+        if own_kernel:  # kernels/int8_kv_attention.cc: the inputs GroupQueryAttention takes, in its order
+            ins = [qkv, mf.key_cache_name(i), mf.value_cache_name(i), mf.SEQLENS_K, mf.TOTAL_SEQUENCE_LENGTH, mf.ROPE_COS,
+                   mf.ROPE_SIN, mf.POSITION_IDS, mf.ATTENTION_BIAS,
+                   b.weight(f"{p}.k_scale", kv_scales["rotated_keys"][i].reshape(Hkv * Dh).astype(np.float32)),
+                   b.weight(f"{p}.v_scale", kv_scales["values"][i].reshape(Hkv * Dh).astype(np.float32))]  # fmt: skip
+            att = b.op(kernels.ATTENTION_OP, *ins, domain=kernels.DOMAIN, hint=f"{p}/attention")
+        else:
+            gqa_in = [qkv, "", "", mf.key_cache_name(i), mf.value_cache_name(i), mf.SEQLENS_K,
+                      mf.TOTAL_SEQUENCE_LENGTH, mf.ROPE_COS, mf.ROPE_SIN, mf.POSITION_IDS, mf.ATTENTION_BIAS, ""]  # fmt: skip
+            attrs = dict(num_heads=H, kv_num_heads=Hkv, scale=float(1 / np.sqrt(Dh)), do_rotary=1, rotary_interleaved=0,
+                         local_window_size=-1)  # fmt: skip
+            if quantized_kv:
+                gqa_in += [b.weight(f"{p}.k_scale", kv_scales["rotated_keys"][i].reshape(1, Hkv, 1, Dh)),
+                           b.weight(f"{p}.v_scale", kv_scales["values"][i].reshape(1, Hkv, 1, Dh))]  # fmt: skip
+                attrs.update(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL", kv_cache_bit_width=8)
+            att, _, _ = b.op("GroupQueryAttention", *gqa_in, domain=MS, outputs=3, hint=f"{p}/attention", **attrs)
+            b.nodes[-1].output[1] = mf.present_key_name(i)
+            b.nodes[-1].output[2] = mf.present_value_name(i)
         o = linear(att, mf.weight_name(i, "o"))
         h, _, _, residual = b.op("SkipSimplifiedLayerNormalization", o, residual, float_weight(mf.weight_name(i, "post_norm.weight")),
                                  outputs=4, domain=MS, epsilon=eps, hint=f"{p}/post_norm")  # fmt: skip
@@ -302,15 +319,16 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
         b.op("Gemm", h, table, transB=1, out=mf.LOGITS, hint="lm_head")
 
     _rotation(b, lay, mf.REFRESH_SOURCE, mf.REFRESH_POSITION_IDS, mf.REFRESH_COS, mf.REFRESH_SIN, mf.REFRESH_KEYS)
-    io = mf.fused_decoder_io(lay, H, spec.vocab_size)
+    io = mf.fused_decoder_io(lay, H, spec.vocab_size, present=not own_kernel)
     elem = {"float": TensorProto.FLOAT, "int64": TensorProto.INT64, "int32": TensorProto.INT32,
             "int8": TensorProto.INT8}  # fmt: skip
     inputs = [helper.make_tensor_value_info(t.name, elem[t.dtype], list(t.shape)) for t in io.inputs]
     outputs = [helper.make_tensor_value_info(t.name, elem[t.dtype], list(t.shape)) for t in io.outputs]
     g = helper.make_graph(b.nodes, "cabinlm_decoder_fused", inputs, outputs, b.inits)
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)],
-                              producer_name="cabinlm", ir_version=10)  # fmt: skip
-    return model
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)]
+    if own_kernel:
+        opsets.append(helper.make_opsetid(kernels.DOMAIN, 1))
+    return helper.make_model(g, opset_imports=opsets, producer_name="cabinlm", ir_version=10)
 
 
 ROTATE_GRAPH = "decoder.rotate.onnx"

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from cabinlm.builders import Attention, Minimums
+from cabinlm.builders import Attention, AttentionKernel, Minimums
 from cabinlm.cli.common import info, load_profile
 
 
@@ -27,6 +27,11 @@ def build(
         "re-expresses each block as 8-bit codes with an integer zero point, the minimum rounded to 1/34 of the "
         "block's step (about 10% faster decode, 43 MB more weights for SmolLM2); 'exact' adds each minimum through "
         "block sums (two more kernels per matrix). docs/benchmarks.md measures both."),
+    attention_kernel: AttentionKernel = typer.Option(
+        AttentionKernel.AUTO, help="Fused cpu builds: 'cabinlm' computes the attention over int8 KV with cabinlm's own "
+        "kernel (C++, compiled on this machine: needs g++ or clang++; prefill chunks about twice as fast as "
+        "ONNX Runtime's quantized-cache path, decode steps faster at a full cache); 'onnxruntime' keeps ONNX Runtime's "
+        "GroupQueryAttention; 'auto' takes cabinlm's for int8 KV where a compiler is found."),
 ) -> None:
     """Build an exported artifact for a device: the cpu profile gets the decoder fused and optimized
     offline; Snapdragon targets (sa8295p, sa8775p) get the prefill and decode graphs compiled by
@@ -40,7 +45,7 @@ def build(
 
     try:
         path = build_artifact(artifact, load_profile(profile) if profile else None, out, log=info, attention=attention,
-                              accuracy_level=accuracy_level, minimums=minimums)  # fmt: skip
+                              accuracy_level=accuracy_level, minimums=minimums, attention_kernel=attention_kernel)  # fmt: skip
     except TensorRTUnavailable as e:
         if e.details:  # the compatibility report
             info(e.details)

@@ -90,11 +90,15 @@ class FusedBackend(Backend):
     def _bind(self) -> None:
         lay, V = self.layout, self.graphs.manifest.model.vocab_size
         kv_onnx = lay.kv_dtype.onnx_name
+        # GroupQueryAttention writes the chunk's K/V through present outputs bound to the cache's own
+        # memory; cabinlm's kernel writes them into its cache inputs (the graph has no present outputs).
+        in_place = not any(t.name == io.present_key_name(0) for t in self.manifest.io.outputs)
         cache, aliases = [], []
         for i in range(lay.layers):
             k, v = ortvalue(self.keys[i][None], kv_onnx), ortvalue(self.values[i][None], kv_onnx)
             cache += [(io.key_cache_name(i), k), (io.value_cache_name(i), v)]
-            aliases += [(io.present_key_name(i), k), (io.present_value_name(i), v)]
+            if not in_place:
+                aliases += [(io.present_key_name(i), k), (io.present_value_name(i), v)]
         self._cache_values = cache
         width = (self._heads + 2 * lay.kv_heads) * lay.head_dim
         f32 = np.dtype(np.float32)

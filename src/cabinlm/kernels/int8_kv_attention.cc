@@ -1,0 +1,489 @@
+// cabinlm's attention over an int8 KV cache: an ONNX Runtime custom operator, ai.cabinlm::Int8KVAttention.
+//
+// It takes the place of com.microsoft::GroupQueryAttention in the cpu build's fused decoder
+// (builders/ort_fused.py), with the same inputs and meaning, for int8 KV with static per-channel
+// scales. Why an own kernel: ONNX Runtime's quantized-cache path computes a chunk of tokens one row at
+// a time with the cache de-quantized per row, which makes a prefill chunk over a full window about
+// three times as slow as over a float32 cache (docs/benchmarks.md, section 11).
+//
+//   inputs   0 qkv                   float (1, n, (H + 2 Hkv) D)  the chunk's un-rotated q | k | v
+//            1 key_cache             int8  (1, Hkv, R, D)  keys rotated at write time; rows F .. F+n-1 are
+//            2 value_cache           int8  (1, Hkv, R, D)  written here, in place (F = total - n)
+//            3 seqlens_k             int32 (1,)            F + n - 1
+//            4 total_sequence_length int32 ()              F + n
+//            5 rope_cos, 6 rope_sin  float (rows, D / 2)   the rotation of the row position_ids names
+//            7 position_ids          int64 (1, n)
+//            8 attention_bias        float (1, 1, n, F + n) additive (0, or -1e30 for a slot not to see)
+//            9 k_scale, 10 v_scale   float (Hkv * D)       per channel: keys per rotation pair, values
+//   output   0 attention             float (1, n, H D)
+//
+// Invariants the runtime relies on:
+//  * the chunk's K/V are rotated (keys), divided by their scales, rounded half to even and saturated to
+//    +-127 (the rounding of the sink / pinned keys' refresh graph), then written to rows F .. F+n-1 of
+//    the caches before any row attends: row i attends over cache rows 0 .. F+i, its own included, read
+//    back as int8, exactly as a one-token step would;
+//  * a row's result is a function of that row's inputs alone, computed in one fixed order (keys in
+//    row order, the head dimension in 16 fixed lanes): row i of a chunk is bit for bit the one-token
+//    step that sees the same cache rows (speculative verification depends on it);
+//  * a key whose biased score is below the row's maximum by more than 87 weighs exactly 0.
+//
+// Built by cabinlm/kernels/__init__.py with the machine's compiler; it needs no ONNX Runtime headers:
+// the few C API entries it calls are declared below by their place in the API's table, which ONNX
+// Runtime only ever appends to (OrtApi, onnxruntime_c_api.h).
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+extern "C" {
+struct OrtStatus;
+struct OrtValue;
+struct OrtKernelInfo;
+struct OrtKernelContext;
+struct OrtSessionOptions;
+struct OrtCustomOpDomain;
+struct OrtTensorTypeAndShapeInfo;
+struct OrtShapeInferContext;
+}
+
+namespace {
+
+// --- the ONNX Runtime C API, by table index ------------------------------------------------------
+
+constexpr uint32_t kApiVersion = 18;  // KernelContext_ParallelFor is in every table from 16 on
+
+enum Entry : size_t {
+  kCreateStatus = 0,
+  kCreateCustomOpDomain = 26,
+  kCustomOpDomainAdd = 27,
+  kAddCustomOpDomain = 28,
+  kGetTensorMutableData = 51,
+  kGetDimensionsCount = 61,
+  kGetDimensions = 62,
+  kGetTensorTypeAndShape = 65,
+  kKernelContextGetInputCount = 88,
+  kKernelContextGetInput = 90,
+  kKernelContextGetOutput = 91,
+  kReleaseStatus = 93,
+  kReleaseTensorTypeAndShapeInfo = 99,
+  kKernelContextParallelFor = 274,
+};
+
+enum ErrorCode : int { kFail = 1, kInvalidArgument = 2 };
+enum ElementType : int { kFloat = 1, kInt8 = 3, kInt32 = 6, kInt64 = 7 };
+
+struct ApiBase {
+  const void* const* (*GetApi)(uint32_t version);
+  const char* (*GetVersionString)();
+};
+
+const void* const* g_api = nullptr;
+
+template <typename F>
+F entry(Entry e) {
+  return reinterpret_cast<F>(const_cast<void*>(g_api[e]));
+}
+
+OrtStatus* error(ErrorCode code, const std::string& msg) {
+  return entry<OrtStatus* (*)(int, const char*)>(kCreateStatus)(code, msg.c_str());
+}
+
+// OrtStatus* -> early return
+#define CABIN_TRY(expr)              \
+  do {                               \
+    if (OrtStatus* s_ = (expr)) return s_; \
+  } while (0)
+
+OrtStatus* dims_of(const OrtValue* v, std::vector<int64_t>* out) {
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  CABIN_TRY(entry<OrtStatus* (*)(const OrtValue*, OrtTensorTypeAndShapeInfo**)>(kGetTensorTypeAndShape)(v, &info));
+  size_t n = 0;
+  OrtStatus* s = entry<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, size_t*)>(kGetDimensionsCount)(info, &n);
+  if (!s) {
+    out->assign(n, 0);
+    s = entry<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, int64_t*, size_t)>(kGetDimensions)(info, out->data(), n);
+  }
+  entry<void (*)(OrtTensorTypeAndShapeInfo*)>(kReleaseTensorTypeAndShapeInfo)(info);
+  return s;
+}
+
+OrtStatus* input(OrtKernelContext* ctx, size_t i, const OrtValue** v) {
+  return entry<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContextGetInput)(ctx, i, v);
+}
+
+template <typename T>
+OrtStatus* data_of(const OrtValue* v, T** out) {
+  void* p = nullptr;
+  CABIN_TRY(entry<OrtStatus* (*)(OrtValue*, void**)>(kGetTensorMutableData)(const_cast<OrtValue*>(v), &p));
+  *out = static_cast<T*>(p);
+  return nullptr;
+}
+
+// --- the arithmetic ------------------------------------------------------------------------------
+
+constexpr int kLanes = 16;  // every sum below runs over 16 fixed lanes, in one fixed order
+constexpr int kMaxGroup = 16;
+constexpr int kMaxHeadDim = 256;
+constexpr int kRowBlock = 4;  // rows of one kv head that share each key's conversion to float
+
+// Portable vectors (GCC / Clang): AVX-512 or AVX2 on x86, NEON on Arm.
+typedef float vf16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+typedef int8_t vb16 __attribute__((vector_size(16)));
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+
+inline vf16 load(const float* p) {
+  vf16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store(float* p, vf16 v) { std::memcpy(p, &v, sizeof v); }
+inline vf16 load_int8(const int8_t* p) {  // 16 int8 -> 16 float, exactly
+#if defined(__AVX512F__)
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  vf16 v;
+  std::memcpy(&v, &f, sizeof v);
+  return v;
+#elif defined(__AVX2__)
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
+  vf16 v;
+  std::memcpy(&v, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
+  return v;
+#else
+  vb16 b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(__builtin_convertvector(b, vi16), vf16);  // sign-extend, then convert
+#endif
+}
+inline vf16 splat(float x) { return vf16{} + x; }
+
+inline float hsum(vf16 v) {  // a fixed tree: 16 -> 8 -> 4 -> 1
+  vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+inline float hmax(vf16 v) {  // exact in any order
+  float m = v[0];
+  for (int l = 1; l < kLanes; ++l) m = v[l] > m ? v[l] : m;
+  return m;
+}
+
+// exp(x) for x <= 0, exactly 0 below -87 (a masked key): a Cephes-style polynomial on 2^n e^r.
+inline vf16 exp_nonpositive(vf16 x) {
+  const vi16 masked = x < splat(-87.0f);
+  const vf16 xc = masked ? splat(-87.0f) : x;
+  const vi16 ni = __builtin_convertvector(xc * 1.44269504088896341f - 0.5f, vi16);  // round(x log2 e), x <= 0
+  const vf16 n = __builtin_convertvector(ni, vf16);
+  vf16 r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  vf16 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vf16 scale = (vf16)((ni + 127) << 23);
+  return masked ? splat(0.0f) : p * scale;
+}
+
+inline int8_t quantize(float x) {  // half to even, saturated to +-127
+  float r = std::nearbyint(x);
+  r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+  return static_cast<int8_t>(r);
+}
+
+// rotate-half rotary embedding of one head (x: D values), into out
+inline void rotate(const float* x, const float* cos, const float* sin, int64_t D, float* out) {
+  const int64_t h = D / 2;
+  for (int64_t d = 0; d < h; ++d) {
+    out[d] = x[d] * cos[d] - x[d + h] * sin[d];
+    out[d + h] = x[d + h] * cos[d] + x[d] * sin[d];
+  }
+}
+
+struct Problem {
+  const float* qkv;
+  int8_t* keys;
+  int8_t* values;
+  const float* cos;
+  const float* sin;
+  const int64_t* position_ids;
+  const float* bias;
+  const float* k_scale;
+  const float* v_scale;
+  float* out;
+  int64_t n, F, T, R, H, Hkv, D, group, rope_rows, blocks;
+  float scale;
+};
+
+// Rows i0 .. i1-1 (at most kRowBlock) and kv head g: every query head of the group. Each row's
+// arithmetic is the same sequence whatever block it is computed in.
+void attend(const Problem& p, int64_t i0, int64_t i1, int64_t g) {
+  const int64_t D = p.D, V16 = D / kLanes, G = p.group, W = (p.H + 2 * p.Hkv) * D;
+  const int64_t B = i1 - i0, Lmax = p.F + i1;  // row i attends keys 0 .. F+i
+  const int64_t stride = (Lmax + kLanes - 1) / kLanes * kLanes;
+  const float* ks = p.k_scale + g * D;
+  const float* vs = p.v_scale + g * D;
+  const int8_t* K = p.keys + g * p.R * D;
+  const int8_t* V = p.values + g * p.R * D;
+
+  alignas(64) float q[kRowBlock][kMaxGroup][kMaxHeadDim];
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t i = i0 + b, pos = p.position_ids[i];
+    for (int64_t r = 0; r < G; ++r) {
+      float rotated[kMaxHeadDim];
+      rotate(p.qkv + i * W + (g * G + r) * D, p.cos + pos * (D / 2), p.sin + pos * (D / 2), D, rotated);
+      for (int64_t d = 0; d < D; ++d) q[b][r][d] = rotated[d] * ks[d] * p.scale;  // the key scale folded in
+    }
+  }
+
+  // scores[b][r][0 .. stride): row b's keys, then -1e30 up to a multiple of 16 lanes (weight 0)
+  thread_local std::vector<float> scores;
+  scores.assign(static_cast<size_t>(B * G * stride), -1e30f);
+  vf16 kf[kMaxHeadDim / kLanes];
+  for (int64_t j = 0; j < Lmax; ++j) {
+    for (int64_t c = 0; c < V16; ++c) kf[c] = load_int8(K + j * D + c * kLanes);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t i = i0 + b;
+      if (j > p.F + i) continue;
+      const float bias = p.bias[i * p.T + j];
+      for (int64_t r = 0; r < G; ++r) {
+        vf16 acc = load(q[b][r]) * kf[0];
+        for (int64_t c = 1; c < V16; ++c) acc += load(q[b][r] + c * kLanes) * kf[c];
+        scores[(b * G + r) * stride + j] = hsum(acc) + bias;
+      }
+    }
+  }
+
+  float inv_sum[kRowBlock][kMaxGroup];
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t r = 0; r < G; ++r) {
+      float* s = scores.data() + (b * G + r) * stride;
+      const int64_t Ls = (p.F + i0 + b + 1 + kLanes - 1) / kLanes * kLanes;  // this row's lanes
+      vf16 m = load(s);
+      for (int64_t j = kLanes; j < Ls; j += kLanes) {
+        const vf16 x = load(s + j);
+        m = x > m ? x : m;
+      }
+      const vf16 mx = splat(hmax(m));
+      vf16 acc = splat(0.0f);
+      for (int64_t j = 0; j < Ls; j += kLanes) {
+        const vf16 e = exp_nonpositive(load(s + j) - mx);
+        store(s + j, e);
+        acc += e;
+      }
+      inv_sum[b][r] = 1.0f / hsum(acc);
+    }
+
+  alignas(64) float o[kRowBlock][kMaxGroup][kMaxHeadDim];
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t r = 0; r < G; ++r) std::memset(o[b][r], 0, sizeof(float) * D);
+  vf16 vf[kMaxHeadDim / kLanes];
+  for (int64_t j = 0; j < Lmax; ++j) {
+    for (int64_t c = 0; c < V16; ++c) vf[c] = load_int8(V + j * D + c * kLanes);
+    for (int64_t b = 0; b < B; ++b) {
+      if (j > p.F + i0 + b) continue;  // a later row of the chunk: not this row's key
+      for (int64_t r = 0; r < G; ++r) {
+        const float w = scores[(b * G + r) * stride + j];
+        if (w == 0.0f) continue;  // a masked key or a later row's: adds exactly nothing
+        float* acc = o[b][r];
+        for (int64_t c = 0; c < V16; ++c) store(acc + c * kLanes, load(acc + c * kLanes) + w * vf[c]);
+      }
+    }
+  }
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t r = 0; r < G; ++r) {
+      float* out = p.out + (i0 + b) * p.H * D + (g * G + r) * D;
+      for (int64_t d = 0; d < D; ++d) out[d] = o[b][r][d] * inv_sum[b][r] * vs[d];
+    }
+}
+
+// The chunk's new keys (rotated) and values, quantized into cache rows F .. F+n-1.
+void write_rows(const Problem& p) {
+  const int64_t D = p.D, W = (p.H + 2 * p.Hkv) * D;
+  float rotated[kMaxHeadDim];
+  for (int64_t i = 0; i < p.n; ++i) {
+    const float* row = p.qkv + i * W;
+    const int64_t pos = p.position_ids[i];
+    for (int64_t g = 0; g < p.Hkv; ++g) {
+      const float* ks = p.k_scale + g * D;
+      const float* vs = p.v_scale + g * D;
+      rotate(row + (p.H + g) * D, p.cos + pos * (D / 2), p.sin + pos * (D / 2), D, rotated);
+      int8_t* k = p.keys + (g * p.R + p.F + i) * D;
+      int8_t* v = p.values + (g * p.R + p.F + i) * D;
+      const float* vin = row + (p.H + p.Hkv + g) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        k[d] = quantize(rotated[d] / ks[d]);
+        v[d] = quantize(vin[d] / vs[d]);
+      }
+    }
+  }
+}
+
+void attend_unit(void* data, size_t unit) {
+  const Problem& p = *static_cast<const Problem*>(data);
+  const int64_t u = static_cast<int64_t>(unit), block = u / p.Hkv, g = u % p.Hkv;
+  const int64_t i0 = block * kRowBlock, i1 = std::min(p.n, i0 + kRowBlock);
+  attend(p, i0, i1, g);
+}
+
+std::string shape_str(const std::vector<int64_t>& d) {
+  std::string s = "(";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + ")";
+}
+
+OrtStatus* compute(void* /*kernel*/, OrtKernelContext* ctx) {
+  const OrtValue* in[11];
+  std::vector<int64_t> dq, dk, dv, dc, db, dp, dsk, dsv;
+  for (size_t i = 0; i < 11; ++i) CABIN_TRY(input(ctx, i, &in[i]));
+  CABIN_TRY(dims_of(in[0], &dq));
+  CABIN_TRY(dims_of(in[1], &dk));
+  CABIN_TRY(dims_of(in[2], &dv));
+  CABIN_TRY(dims_of(in[5], &dc));
+  CABIN_TRY(dims_of(in[7], &dp));
+  CABIN_TRY(dims_of(in[8], &db));
+  CABIN_TRY(dims_of(in[9], &dsk));
+  CABIN_TRY(dims_of(in[10], &dsv));
+  const std::string where = "Int8KVAttention: ";
+  if (dq.size() != 3 || dq[0] != 1 || dk.size() != 4 || dk[0] != 1 || dk != dv)
+    return error(kInvalidArgument, where + "qkv " + shape_str(dq) + " and caches " + shape_str(dk) + " / " +
+                                       shape_str(dv) + " are not (1, n, width) and two equal (1, kv_heads, rows, head_dim)");
+  Problem p{};
+  p.n = dq[1];
+  p.Hkv = dk[1];
+  p.R = dk[2];
+  p.D = dk[3];
+  if (p.D % kLanes != 0 || p.D > kMaxHeadDim || dq[2] % p.D != 0)
+    return error(kInvalidArgument, where + "head_dim " + std::to_string(p.D) + " must be a multiple of 16 up to 256 dividing the qkv width");
+  p.H = dq[2] / p.D - 2 * p.Hkv;
+  if (p.H <= 0 || p.H % p.Hkv != 0 || p.H / p.Hkv > kMaxGroup)
+    return error(kInvalidArgument, where + "qkv width " + std::to_string(dq[2]) + " is not (heads + 2 kv_heads) head_dim with heads a multiple of kv_heads");
+  p.group = p.H / p.Hkv;
+  int32_t *seqlens = nullptr, *total = nullptr;
+  CABIN_TRY(data_of(in[3], &seqlens));
+  CABIN_TRY(data_of(in[4], &total));
+  p.T = *total;
+  p.F = p.T - p.n;
+  if (p.F < 0 || p.T > p.R || *seqlens != p.T - 1)
+    return error(kInvalidArgument, where + "total_sequence_length " + std::to_string(p.T) + " and seqlens_k " +
+                                       std::to_string(*seqlens) + " do not fit " + std::to_string(p.n) + " tokens in " +
+                                       std::to_string(p.R) + " cache rows");
+  if (dc.size() != 2 || dc[1] * 2 != p.D || dp.size() != 2 || dp[1] != p.n || db.size() != 4 || db[2] != p.n || db[3] != p.T ||
+      dsk.size() != 1 || dsk[0] != p.Hkv * p.D || dsv != dsk)
+    return error(kInvalidArgument, where + "rope " + shape_str(dc) + ", position_ids " + shape_str(dp) + ", bias " + shape_str(db) +
+                                       " or scales " + shape_str(dsk) + " do not match the chunk");
+  p.rope_rows = dc[0];
+  CABIN_TRY(data_of(in[0], &p.qkv));
+  CABIN_TRY(data_of(in[1], &p.keys));
+  CABIN_TRY(data_of(in[2], &p.values));
+  CABIN_TRY(data_of(in[5], &p.cos));
+  CABIN_TRY(data_of(in[6], &p.sin));
+  CABIN_TRY(data_of(in[7], &p.position_ids));
+  CABIN_TRY(data_of(in[8], &p.bias));
+  CABIN_TRY(data_of(in[9], &p.k_scale));
+  CABIN_TRY(data_of(in[10], &p.v_scale));
+  for (int64_t i = 0; i < p.n; ++i)
+    if (p.position_ids[i] < 0 || p.position_ids[i] >= p.rope_rows)
+      return error(kInvalidArgument, where + "position id " + std::to_string(p.position_ids[i]) + " outside the rotation tables");
+  p.scale = 1.0f / std::sqrt(static_cast<float>(p.D));
+  const int64_t out_dims[3] = {1, p.n, p.H * p.D};
+  OrtValue* out = nullptr;
+  CABIN_TRY(entry<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(kKernelContextGetOutput)(
+      ctx, 0, out_dims, 3, &out));
+  CABIN_TRY(data_of(out, &p.out));
+
+  write_rows(p);
+  p.blocks = (p.n + kRowBlock - 1) / kRowBlock;
+  const size_t units = static_cast<size_t>(p.blocks * p.Hkv);
+  return entry<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(
+      kKernelContextParallelFor)(ctx, attend_unit, units, units, &p);
+}
+
+// --- the operator's description ------------------------------------------------------------------
+
+struct CustomOp {
+  uint32_t version;
+  void* (*CreateKernel)(const CustomOp*, const void*, const OrtKernelInfo*);
+  const char* (*GetName)(const CustomOp*);
+  const char* (*GetExecutionProviderType)(const CustomOp*);
+  int (*GetInputType)(const CustomOp*, size_t);
+  size_t (*GetInputTypeCount)(const CustomOp*);
+  int (*GetOutputType)(const CustomOp*, size_t);
+  size_t (*GetOutputTypeCount)(const CustomOp*);
+  void (*KernelCompute)(void*, OrtKernelContext*);
+  void (*KernelDestroy)(void*);
+  int (*GetInputCharacteristic)(const CustomOp*, size_t);
+  int (*GetOutputCharacteristic)(const CustomOp*, size_t);
+  int (*GetInputMemoryType)(const CustomOp*, size_t);
+  int (*GetVariadicInputMinArity)(const CustomOp*);
+  int (*GetVariadicInputHomogeneity)(const CustomOp*);
+  int (*GetVariadicOutputMinArity)(const CustomOp*);
+  int (*GetVariadicOutputHomogeneity)(const CustomOp*);
+  OrtStatus* (*CreateKernelV2)(const CustomOp*, const void*, const OrtKernelInfo*, void**);
+  OrtStatus* (*KernelComputeV2)(void*, OrtKernelContext*);
+  OrtStatus* (*InferOutputShapeFn)(const CustomOp*, OrtShapeInferContext*);
+  int (*GetStartVersion)(const CustomOp*);
+  int (*GetEndVersion)(const CustomOp*);
+  size_t (*GetMayInplace)(int**, int**);
+  void (*ReleaseMayInplace)(int*, int*);
+  size_t (*GetAliasMap)(int**, int**);
+  void (*ReleaseAliasMap)(int*, int*);
+};
+
+constexpr int kInputTypes[11] = {kFloat, kInt8, kInt8, kInt32, kInt32, kFloat, kFloat, kInt64, kFloat, kFloat, kFloat};
+int g_kernel_tag = 0;  // the kernel keeps no state: every run reads its shapes from its inputs
+
+CustomOp make_op() {
+  CustomOp op{};
+  op.version = 16;  // kernels created and run through the V2 entries, which return a status
+  op.GetName = [](const CustomOp*) { return "Int8KVAttention"; };
+  op.GetExecutionProviderType = [](const CustomOp*) { return "CPUExecutionProvider"; };
+  op.GetInputType = [](const CustomOp*, size_t i) { return kInputTypes[i]; };
+  op.GetInputTypeCount = [](const CustomOp*) { return static_cast<size_t>(11); };
+  op.GetOutputType = [](const CustomOp*, size_t) { return static_cast<int>(kFloat); };
+  op.GetOutputTypeCount = [](const CustomOp*) { return static_cast<size_t>(1); };
+  op.KernelDestroy = [](void*) {};
+  op.GetInputCharacteristic = [](const CustomOp*, size_t) { return 0; };   // required
+  op.GetOutputCharacteristic = [](const CustomOp*, size_t) { return 0; };  // required
+  op.GetInputMemoryType = [](const CustomOp*, size_t) { return 0; };       // the provider's default
+  op.GetVariadicInputMinArity = [](const CustomOp*) { return 1; };
+  op.GetVariadicInputHomogeneity = [](const CustomOp*) { return 1; };
+  op.GetVariadicOutputMinArity = [](const CustomOp*) { return 1; };
+  op.GetVariadicOutputHomogeneity = [](const CustomOp*) { return 1; };
+  op.CreateKernelV2 = [](const CustomOp*, const void*, const OrtKernelInfo*, void** kernel) -> OrtStatus* {
+    *kernel = &g_kernel_tag;
+    return nullptr;
+  };
+  op.KernelComputeV2 = compute;
+  op.GetStartVersion = [](const CustomOp*) { return 1; };
+  op.GetEndVersion = [](const CustomOp*) { return 2147483647; };
+  return op;
+}
+
+CustomOp g_op = make_op();
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
+                                                                              const ApiBase* base) {
+  g_api = base->GetApi(kApiVersion);
+  if (!g_api) return nullptr;  // an ONNX Runtime older than 1.18: nothing registered, the graph will not load
+  OrtCustomOpDomain* domain = nullptr;
+  CABIN_TRY(entry<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(kCreateCustomOpDomain)("ai.cabinlm", &domain));
+  CABIN_TRY(entry<OrtStatus* (*)(OrtCustomOpDomain*, const CustomOp*)>(kCustomOpDomainAdd)(domain, &g_op));
+  // The domain lives as long as the process: ONNX Runtime reads it for every session that uses it.
+  return entry<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(kAddCustomOpDomain)(options, domain);
+}

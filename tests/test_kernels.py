@@ -1,0 +1,226 @@
+"""cabinlm's own attention kernel (kernels/int8_kv_attention.cc) against an independent numpy reference
+and against ONNX Runtime's GroupQueryAttention; a chunk's rows are its one-token steps bit for bit;
+bad input gets the kernel's own error; the library compiles once per machine; builds choose it."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from cabinlm import kernels
+from cabinlm.builders import BuildError, build_artifact
+from cabinlm.profiles import load_profile
+from cabinlm.runtime import Decoder
+
+H, HKV, D, ROWS = 6, 2, 32, 80  # three query heads per kv head
+INPUTS = ("qkv", "keys", "values", "seqlens_k", "total", "cos", "sin", "position_ids", "bias", "k_scale", "v_scale")
+
+
+def _graph(kind: str) -> ort.InferenceSession:
+    f, i8 = TensorProto.FLOAT, TensorProto.INT8
+    vi = [helper.make_tensor_value_info("qkv", f, [1, "n", (H + 2 * HKV) * D]),
+          helper.make_tensor_value_info("keys", i8, [1, HKV, ROWS, D]),
+          helper.make_tensor_value_info("values", i8, [1, HKV, ROWS, D]),
+          helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
+          helper.make_tensor_value_info("total", TensorProto.INT32, []),
+          helper.make_tensor_value_info("cos", f, [ROWS, D // 2]), helper.make_tensor_value_info("sin", f, [ROWS, D // 2]),
+          helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, "n"]),
+          helper.make_tensor_value_info("bias", f, [1, 1, "n", "t"]),
+          helper.make_tensor_value_info("k_scale", f, None), helper.make_tensor_value_info("v_scale", f, None)]  # fmt: skip
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    so.log_severity_level = 3
+    if kind == "cabinlm":
+        node = helper.make_node(kernels.ATTENTION_OP, list(INPUTS), ["out"], domain=kernels.DOMAIN)
+        outs = [helper.make_tensor_value_info("out", f, None)]
+        so.register_custom_ops_library(str(kernels.library()))
+    else:
+        ins = ["qkv", "", "", "keys", "values", "seqlens_k", "total", "cos", "sin", "position_ids", "bias", "", "k_scale", "v_scale"]
+        node = helper.make_node("GroupQueryAttention", ins, ["out", "present_keys", "present_values"], domain="com.microsoft",
+                                num_heads=H, kv_num_heads=HKV, scale=float(1 / np.sqrt(D)), do_rotary=1, rotary_interleaved=0,
+                                local_window_size=-1, k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL",
+                                kv_cache_bit_width=8)  # fmt: skip
+        outs = [helper.make_tensor_value_info(o, t, None) for o, t in (("out", f), ("present_keys", i8), ("present_values", i8))]
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1), helper.make_opsetid(kernels.DOMAIN, 1)]
+    model = helper.make_model(helper.make_graph([node], "attention", vi, outs), opset_imports=opsets, ir_version=10)
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+@pytest.fixture(scope="module")
+def sessions():
+    return {kind: _graph(kind) for kind in ("cabinlm", "onnxruntime")}
+
+
+class Case:
+    """A chunk of n tokens after F cached ones: random cache codes, rotation tables, scales, a bias
+    that hides a few cached slots (as the runtime hides empty pinned slots) and later chunk rows."""
+
+    def __init__(self, rng, n: int, F: int, hidden: tuple[int, int] = (0, 0)):
+        self.n, self.F = n, F
+        self.qkv = (rng.standard_normal((1, n, (H + 2 * HKV) * D)) * 2).astype(np.float32)
+        self.keys = rng.integers(-120, 121, (1, HKV, ROWS, D)).astype(np.int8)
+        self.values = rng.integers(-120, 121, (1, HKV, ROWS, D)).astype(np.int8)
+        angles = rng.random((ROWS, D // 2)) * 6
+        self.cos, self.sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+        self.position_ids = rng.permutation(ROWS)[:n][None].astype(np.int64)
+        bias = np.zeros((n, F + n), np.float32)
+        bias[:, F:] = np.where(np.tri(n, dtype=bool), 0, -1e30)
+        bias[:, hidden[0] : hidden[1]] = -1e30
+        self.bias = bias[None, None]
+        pair = rng.random((HKV, D // 2)) * 0.04 + 0.02  # keys: one scale per rotation pair
+        self.k_scale = np.concatenate([pair, pair], -1).reshape(-1).astype(np.float32)
+        self.v_scale = (rng.random(HKV * D) * 0.03 + 0.01).astype(np.float32)
+
+    def feeds(self, kind: str) -> dict:
+        shape = (1, HKV, 1, D) if kind == "onnxruntime" else (HKV * D,)
+        return dict(qkv=self.qkv, keys=self.keys.copy(), values=self.values.copy(),
+                    seqlens_k=np.array([self.F + self.n - 1], np.int32), total=np.array(self.F + self.n, np.int32),
+                    cos=self.cos, sin=self.sin, position_ids=self.position_ids, bias=self.bias,
+                    k_scale=self.k_scale.reshape(shape), v_scale=self.v_scale.reshape(shape))  # fmt: skip
+
+
+def run(session, feeds: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The output and the caches after the run (the kernel writes its cache inputs in place; ONNX
+    Runtime's kernel writes present outputs bound to the same memory)."""
+    b = session.io_binding()
+    for name, value in feeds.items():
+        b.bind_cpu_input(name, value)
+    b.bind_output("out")
+    if len(session.get_outputs()) == 3:
+        b.bind_ortvalue_output("present_keys", ort.OrtValue.ortvalue_from_numpy(feeds["keys"]))
+        b.bind_ortvalue_output("present_values", ort.OrtValue.ortvalue_from_numpy(feeds["values"]))
+    session.run_with_iobinding(b)
+    return b.copy_outputs_to_cpu()[0], feeds["keys"], feeds["values"]
+
+
+def reference(c: Case) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Plain numpy in float64: rotate, quantize the chunk's K/V into rows F.., attend causally over
+    the de-quantized cache."""
+    keys, values = c.keys.astype(np.float64), c.values.astype(np.float64)
+    q = c.qkv[0, :, : H * D].reshape(c.n, H, D).astype(np.float64)
+    k = c.qkv[0, :, H * D : (H + HKV) * D].reshape(c.n, HKV, D).astype(np.float64)
+    v = c.qkv[0, :, (H + HKV) * D :].reshape(c.n, HKV, D).astype(np.float64)
+    ks, vs = c.k_scale.reshape(HKV, D).astype(np.float64), c.v_scale.reshape(HKV, D).astype(np.float64)
+
+    def rotate(x, i):
+        p, h = c.position_ids[0, i], D // 2
+        cos, sin = c.cos[p].astype(np.float64), c.sin[p].astype(np.float64)
+        return np.concatenate([x[..., :h] * cos - x[..., h:] * sin, x[..., h:] * cos + x[..., :h] * sin], -1)
+
+    for i in range(c.n):
+        keys[0, :, c.F + i] = np.clip(np.rint(rotate(k[i], i) / ks), -127, 127)
+        values[0, :, c.F + i] = np.clip(np.rint(v[i] / vs), -127, 127)
+    out = np.zeros((c.n, H, D))
+    for i in range(c.n):
+        for h in range(H):
+            g, visible = h // (H // HKV), c.F + i + 1
+            scores = keys[0, g, :visible] * ks[g] @ rotate(q[i, h], i) / np.sqrt(D) + c.bias[0, 0, i, :visible]
+            p = np.exp(scores - scores.max())
+            out[i, h] = (p / p.sum()) @ (values[0, g, :visible] * vs[g])
+    return out.reshape(1, c.n, H * D), keys.astype(np.int8), values.astype(np.int8)
+
+
+@pytest.mark.parametrize("n,F,hidden", [(1, 0, (0, 0)), (1, 37, (3, 9)), (5, 20, (0, 4)), (4, 15, (2, 3)), (16, 40, (10, 30)),
+                                         (17, 63, (1, 2))])  # a row whose keys end on a 16-lane edge: (4, 15)
+def test_the_kernel_computes_what_plain_numpy_computes(sessions, n, F, hidden):
+    c = Case(np.random.default_rng(n * 100 + F), n, F, hidden)
+    out, keys, values = run(sessions["cabinlm"], c.feeds("cabinlm"))
+    ref_out, ref_keys, ref_values = reference(c)
+    for got, want in ((keys, ref_keys), (values, ref_values)):
+        diff = np.abs(got.astype(np.int32) - want)
+        assert diff.max() <= 1 and (diff > 0).mean() < 0.01  # float32 vs float64 at a .5 boundary, rarely
+        untouched = np.ones(ROWS, bool)
+        untouched[F : F + n] = False
+        np.testing.assert_array_equal(got[:, :, untouched], (c.keys if got is keys else c.values)[:, :, untouched])
+    # the reference attends over its own rounding of the new rows: compare where both rounded alike
+    if np.array_equal(keys, ref_keys) and np.array_equal(values, ref_values):
+        np.testing.assert_allclose(out, ref_out, rtol=1e-4, atol=1e-4)
+    else:
+        assert np.abs(out - ref_out).max() < 0.01 * np.abs(ref_out).max()
+
+
+def test_the_kernel_agrees_with_onnxruntimes_group_query_attention(sessions):
+    """The same inputs mean the same thing (positions, tables, bias, scales): ONNX Runtime's kernel
+    rounds a few values differently, so the outputs agree closely, not to the bit."""
+    for n, F in ((1, 50), (9, 30)):
+        c = Case(np.random.default_rng(7 + n), n, F, (2, 6))
+        out, keys, _ = run(sessions["cabinlm"], c.feeds("cabinlm"))
+        ort_out, ort_keys, _ = run(sessions["onnxruntime"], c.feeds("onnxruntime"))
+        assert np.abs(keys.astype(np.int32) - ort_keys).max() <= 1
+        assert np.abs(out - ort_out).max() < 0.01 * np.abs(ort_out).max()
+
+
+def test_a_chunks_rows_are_its_one_token_steps_bit_for_bit(sessions):
+    """Speculative verification keeps a chunk row's choice only because the row is the step."""
+    s = sessions["cabinlm"]
+    c = Case(np.random.default_rng(3), 7, 45, (5, 12))
+    chunk_out, chunk_keys, chunk_values = run(s, c.feeds("cabinlm"))
+    keys, values = c.keys.copy(), c.values.copy()
+    for i in range(c.n):
+        step = dict(c.feeds("cabinlm"), qkv=np.ascontiguousarray(c.qkv[:, i : i + 1]), keys=keys, values=values,
+                    seqlens_k=np.array([c.F + i], np.int32), total=np.array(c.F + i + 1, np.int32),
+                    position_ids=np.ascontiguousarray(c.position_ids[:, i : i + 1]),
+                    bias=np.ascontiguousarray(c.bias[:, :, i : i + 1, : c.F + i + 1]))  # fmt: skip
+        out, keys, values = run(s, step)
+        np.testing.assert_array_equal(out[0, 0], chunk_out[0, i])
+    np.testing.assert_array_equal(keys, chunk_keys)
+    np.testing.assert_array_equal(values, chunk_values)
+
+
+def test_a_chunk_that_does_not_fit_the_cache_is_refused_with_the_kernels_reason(sessions):
+    c = Case(np.random.default_rng(4), 4, ROWS - 2)
+    with pytest.raises(Exception, match="do not fit 4 tokens in 80 cache rows"):
+        run(sessions["cabinlm"], c.feeds("cabinlm"))
+    c = Case(np.random.default_rng(4), 2, 10)
+    feeds = dict(c.feeds("cabinlm"), position_ids=np.array([[0, ROWS]], np.int64))
+    with pytest.raises(Exception, match="outside the rotation tables"):
+        run(sessions["cabinlm"], feeds)
+
+
+def test_the_library_compiles_once_and_a_missing_compiler_is_named(monkeypatch, tmp_path):
+    monkeypatch.setenv("CABINLM_CACHE", str(tmp_path))
+    first = kernels.library()
+    assert first.parent == tmp_path / "kernels" and first.exists()
+    stamp = first.stat().st_mtime_ns
+    assert kernels.library() == first and first.stat().st_mtime_ns == stamp  # cached, not compiled again
+    monkeypatch.setattr(kernels, "_compiler", lambda: None)
+    with pytest.raises(kernels.KernelError, match="no C.. compiler found"):
+        kernels.library()
+    assert "apt install g++" in kernels.unavailable()
+
+
+LAYOUT = dict(sink=2, pinned=10, window=16, chunk=4)
+
+
+def test_int8_builds_take_the_kernel_and_fall_back_where_it_cannot_be_had(load, tiny_llama_dir, export_to, tmp_path, monkeypatch):
+    art = export_to(load(str(tiny_llama_dir)), kv="int8", **LAYOUT)
+    logs: list[str] = []
+    own = build_artifact(art, load_profile("cpu"), tmp_path / "own", log=logs.append)
+    manifest = json.loads((own / "manifest.json").read_text())
+    assert manifest["build"]["fused"]["attention_kernel"] == "cabinlm"
+    graph = onnx.load(str(own / "decoder.opt.onnx"), load_external_data=False)
+    assert [n.op_type for n in graph.graph.node].count(kernels.ATTENTION_OP) == 2  # one per layer
+    assert not [o.name for o in graph.graph.output if o.name.startswith("present")]  # the cache is written in place
+    gqa = build_artifact(art, load_profile("cpu"), tmp_path / "gqa", attention_kernel="onnxruntime")
+    a, b = Decoder(own), Decoder(gqa)
+    rng = np.random.default_rng(5)
+    for ids in (rng.integers(3, 300, 4), rng.integers(3, 300, 3), *[rng.integers(3, 300, 1) for _ in range(40)]):
+        la, lb = a.feed(ids), b.feed(ids)
+        assert np.abs(la - lb).max() < 0.05 * np.abs(lb).max()  # the same model, rounding apart
+    assert a.cache.evicted == b.cache.evicted > 0
+
+    monkeypatch.setattr(kernels, "_compiler", lambda: None)
+    logs.clear()
+    fallback = build_artifact(art, load_profile("cpu"), tmp_path / "fallback", log=logs.append)
+    assert json.loads((fallback / "manifest.json").read_text())["build"]["fused"]["attention_kernel"] == "onnxruntime"
+    assert any("kept ONNX Runtime's GroupQueryAttention: no C++ compiler" in line for line in logs)
+    with pytest.raises(BuildError, match="no C.. compiler"):
+        build_artifact(art, load_profile("cpu"), tmp_path / "refused", attention_kernel="cabinlm")
+    fp32 = export_to(load(str(tiny_llama_dir)), kv="fp32", **LAYOUT)
+    with pytest.raises(BuildError, match="takes int8 KV"):
+        build_artifact(fp32, load_profile("cpu"), tmp_path / "fp32", attention_kernel="cabinlm")
