@@ -12,6 +12,7 @@ instructions) into the cache folder (CABINLM_CACHE, default ~/.cache/cabinlm) un
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -37,6 +38,16 @@ def _compiler() -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _version(cxx: str) -> str:
+    """The compiler's --version text, asked once per process."""
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelError(f"{cxx} --version failed ({e}); set CXX to a working C++ compiler") from e
+
+
+@functools.lru_cache(maxsize=None)
 def _cpu_signature() -> str:
     """What -march=native compiles for: the CPU's model and feature flags (Linux), else its name."""
     try:
@@ -57,11 +68,7 @@ def library() -> Path:
     if cxx is None:
         raise KernelError("no C++ compiler found (CXX, g++, c++ or clang++) to compile cabinlm's attention kernel; "
                           "install one (Debian / Ubuntu: apt install g++), or build with --attention-kernel onnxruntime")
-    try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise KernelError(f"{cxx} --version failed ({e}); set CXX to a working C++ compiler") from e
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, platform.machine(),
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), _version(cxx), platform.machine(),
                                     _cpu_signature()]).encode()).hexdigest()[:16]  # fmt: skip
     out = _cache() / f"libcabinlm_kernels-{key}.so"
     if out.exists():

@@ -22,9 +22,12 @@
 //    +-127 (the rounding of the sink / pinned keys' refresh graph), then written to rows F .. F+n-1 of
 //    the caches before any row attends: row i attends over cache rows 0 .. F+i, its own included, read
 //    back as int8, exactly as a one-token step would;
-//  * a row's result is a function of that row's inputs alone, computed in one fixed order (keys in
-//    row order, the head dimension in 16 fixed lanes): row i of a chunk is bit for bit the one-token
-//    step that sees the same cache rows (speculative verification depends on it);
+//  * a row's result is a function of that row's inputs alone, computed in one fixed order (a score
+//    over the head dimension in 16 lanes reduced by one fixed tree, the softmax sum in 16 lanes, the
+//    values added key after key): row i of a chunk is bit for bit the one-token step that sees the
+//    same cache rows (speculative verification depends on it). How rows are grouped (blocks of 4
+//    rows of one kv head, which share each key's conversion to float; tiles of 16 or 32 keys) changes
+//    the work, never a row's arithmetic;
 //  * a key whose biased score is below the row's maximum by more than 87 weighs exactly 0.
 //
 // Built by cabinlm/kernels/__init__.py with the machine's compiler; it needs no ONNX Runtime headers:
@@ -133,6 +136,7 @@ constexpr int kLanes = 16;  // every sum below runs over 16 fixed lanes, in one 
 constexpr int kMaxGroup = 16;
 constexpr int kMaxHeadDim = 256;
 constexpr int kRowBlock = 4;  // rows of one kv head that share each key's conversion to float
+constexpr int kTile = 32;     // keys converted to float at a time for P V
 
 // Portable vectors (GCC / Clang): AVX-512 or AVX2 on x86, NEON on Arm.
 typedef float vf16 __attribute__((vector_size(64)));
@@ -213,6 +217,76 @@ inline void rotate(const float* x, const float* cos, const float* sin, int64_t D
   }
 }
 
+#define CABIN_IDX(...) __VA_ARGS__
+// 16 vectors -> one: lane l the sum of the 16 lanes of vector l, by one tree for every vector (lanes
+// m and m+8, then m and m+4 of those, then m and m+2, then m and m+1). Two-source shuffles leave
+// the sums in bit-reversed order; qk_tile stores key l's products at v[kBitReversed[l]].
+constexpr int kBitReversed[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+inline vf16 reduce16(const vf16* v) {
+  vf16 t[8], u[4], w[2];
+  for (int k = 0; k < 8; ++k)
+    t[k] = __builtin_shufflevector(v[2 * k], v[2 * k + 1], CABIN_IDX(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)) +
+           __builtin_shufflevector(v[2 * k], v[2 * k + 1], CABIN_IDX(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31));
+  for (int k = 0; k < 4; ++k)
+    u[k] = __builtin_shufflevector(t[2 * k], t[2 * k + 1], CABIN_IDX(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27)) +
+           __builtin_shufflevector(t[2 * k], t[2 * k + 1], CABIN_IDX(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31));
+  for (int k = 0; k < 2; ++k)
+    w[k] = __builtin_shufflevector(u[2 * k], u[2 * k + 1], CABIN_IDX(0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29)) +
+           __builtin_shufflevector(u[2 * k], u[2 * k + 1], CABIN_IDX(2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31));
+  return __builtin_shufflevector(w[0], w[1], CABIN_IDX(0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30)) +
+         __builtin_shufflevector(w[0], w[1], CABIN_IDX(1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31));
+}
+
+template <int NV>
+vf16 qk_tile_n(const float* q, const float* keys, int64_t D) {
+  vf16 qv[NV], v[kLanes];
+  for (int c = 0; c < NV; ++c) qv[c] = load(q + c * kLanes);
+  for (int l = 0; l < kLanes; ++l) {
+    const float* k = keys + l * D;
+    vf16 a = qv[0] * load(k);
+    for (int c = 1; c < NV; ++c) a += qv[c] * load(k + c * kLanes);
+    v[kBitReversed[l]] = a;
+  }
+  return reduce16(v);
+}
+
+// The 16 scores q . keys[l] (keys: 16 rows of D floats), lane l for key l.
+inline vf16 qk_tile(int64_t nv, const float* q, const float* keys, int64_t D) {
+  switch (nv) {
+#define CABIN_QK(N) \
+  case N:           \
+    return qk_tile_n<N>(q, keys, D);
+    CABIN_QK(1) CABIN_QK(2) CABIN_QK(3) CABIN_QK(4) CABIN_QK(5) CABIN_QK(6) CABIN_QK(7) CABIN_QK(8)
+    CABIN_QK(9) CABIN_QK(10) CABIN_QK(11) CABIN_QK(12) CABIN_QK(13) CABIN_QK(14) CABIN_QK(15) CABIN_QK(16)
+#undef CABIN_QK
+  }
+  return splat(0.0f);
+}
+
+template <int NV>
+void pv_tile_n(const float* w, const float* tile, int64_t count, int64_t D, float* o) {
+  vf16 acc[NV];
+  for (int c = 0; c < NV; ++c) acc[c] = load(o + c * kLanes);
+  for (int64_t j = 0; j < count; ++j) {
+    const float wj = w[j];
+    if (wj == 0.0f) continue;  // a masked key: adds exactly nothing
+    for (int c = 0; c < NV; ++c) acc[c] += wj * load(tile + j * D + c * kLanes);
+  }
+  for (int c = 0; c < NV; ++c) store(o + c * kLanes, acc[c]);
+}
+
+// o[0 .. D) += sum over the tile's keys j (in order) of w[j] * tile[j]: D / 16 accumulators in registers.
+inline void pv_tile(int64_t nv, const float* w, const float* tile, int64_t count, int64_t D, float* o) {
+  switch (nv) {
+#define CABIN_PV(N) \
+  case N:           \
+    return pv_tile_n<N>(w, tile, count, D, o);
+    CABIN_PV(1) CABIN_PV(2) CABIN_PV(3) CABIN_PV(4) CABIN_PV(5) CABIN_PV(6) CABIN_PV(7) CABIN_PV(8)
+    CABIN_PV(9) CABIN_PV(10) CABIN_PV(11) CABIN_PV(12) CABIN_PV(13) CABIN_PV(14) CABIN_PV(15) CABIN_PV(16)
+#undef CABIN_PV
+  }
+}
+
 struct Problem {
   const float* qkv;
   int8_t* keys;
@@ -249,21 +323,24 @@ void attend(const Problem& p, int64_t i0, int64_t i1, int64_t g) {
     }
   }
 
-  // scores[b][r][0 .. stride): row b's keys, then -1e30 up to a multiple of 16 lanes (weight 0)
+  // Q K^T, 16 keys at a time: the tile's keys converted to float once for all rows and heads, then
+  // per row and head (qk_tile) each key's products summed over 16 lanes and the lanes of 16 keys
+  // reduced together, one fixed tree for every key. scores[b][r][0 .. stride): row b's keys, biased;
+  // keys after the row's own (later chunk rows, the tile's tail) -1e30 (weight 0).
   thread_local std::vector<float> scores;
-  scores.assign(static_cast<size_t>(B * G * stride), -1e30f);
-  vf16 kf[kMaxHeadDim / kLanes];
-  for (int64_t j = 0; j < Lmax; ++j) {
-    for (int64_t c = 0; c < V16; ++c) kf[c] = load_int8(K + j * D + c * kLanes);
+  scores.resize(static_cast<size_t>(B * G * stride));
+  alignas(64) float keys[kLanes * kMaxHeadDim];
+  for (int64_t j0 = 0; j0 < Lmax; j0 += kLanes) {
+    const int64_t count = std::min<int64_t>(kLanes, Lmax - j0);
+    for (int64_t l = 0; l < kLanes; ++l)
+      for (int64_t c = 0; c < V16; ++c)
+        store(keys + l * D + c * kLanes, l < count ? load_int8(K + (j0 + l) * D + c * kLanes) : splat(0.0f));
     for (int64_t b = 0; b < B; ++b) {
-      const int64_t i = i0 + b;
-      if (j > p.F + i) continue;
-      const float bias = p.bias[i * p.T + j];
-      for (int64_t r = 0; r < G; ++r) {
-        vf16 acc = load(q[b][r]) * kf[0];
-        for (int64_t c = 1; c < V16; ++c) acc += load(q[b][r] + c * kLanes) * kf[c];
-        scores[(b * G + r) * stride + j] = hsum(acc) + bias;
-      }
+      const int64_t i = i0 + b, mine = p.F + i + 1 - j0;  // this row's keys in the tile (may be <= 0)
+      alignas(64) float bias[kLanes];
+      for (int64_t l = 0; l < kLanes; ++l) bias[l] = l < mine ? p.bias[i * p.T + j0 + l] : -1e30f;
+      const vf16 bv = load(bias);
+      for (int64_t r = 0; r < G; ++r) store(scores.data() + (b * G + r) * stride + j0, qk_tile(V16, q[b][r], keys, D) + bv);
     }
   }
 
@@ -287,20 +364,21 @@ void attend(const Problem& p, int64_t i0, int64_t i1, int64_t g) {
       inv_sum[b][r] = 1.0f / hsum(acc);
     }
 
+  // P V, a tile of keys at a time: the tile's values converted to float once, each row and head's
+  // accumulators held in registers over the tile (pv_tile); every accumulator still adds its keys'
+  // terms one key after the other, in key order.
   alignas(64) float o[kRowBlock][kMaxGroup][kMaxHeadDim];
   for (int64_t b = 0; b < B; ++b)
     for (int64_t r = 0; r < G; ++r) std::memset(o[b][r], 0, sizeof(float) * D);
-  vf16 vf[kMaxHeadDim / kLanes];
-  for (int64_t j = 0; j < Lmax; ++j) {
-    for (int64_t c = 0; c < V16; ++c) vf[c] = load_int8(V + j * D + c * kLanes);
+  alignas(64) float tile[kTile * kMaxHeadDim];
+  for (int64_t j0 = 0; j0 < Lmax; j0 += kTile) {
+    const int64_t count = std::min<int64_t>(kTile, Lmax - j0);
+    for (int64_t j = 0; j < count; ++j)
+      for (int64_t c = 0; c < V16; ++c) store(tile + j * D + c * kLanes, load_int8(V + (j0 + j) * D + c * kLanes));
     for (int64_t b = 0; b < B; ++b) {
-      if (j > p.F + i0 + b) continue;  // a later row of the chunk: not this row's key
-      for (int64_t r = 0; r < G; ++r) {
-        const float w = scores[(b * G + r) * stride + j];
-        if (w == 0.0f) continue;  // a masked key or a later row's: adds exactly nothing
-        float* acc = o[b][r];
-        for (int64_t c = 0; c < V16; ++c) store(acc + c * kLanes, load(acc + c * kLanes) + w * vf[c]);
-      }
+      const int64_t mine = std::min<int64_t>(count, p.F + i0 + b + 1 - j0);  // this row's keys in the tile
+      if (mine <= 0) continue;
+      for (int64_t r = 0; r < G; ++r) pv_tile(V16, scores.data() + (b * G + r) * stride + j0, tile, mine, D, o[b][r]);
     }
   }
   for (int64_t b = 0; b < B; ++b)
