@@ -1,6 +1,7 @@
-"""What ONNX Runtime's own kernels cost for one SmolLM2-sized decode step, each measured alone
-(docs/benchmarks.md, section 11): the attention over the cache per KV format, the quantized matmuls
-per weight format, and the two kernels a Q4_1 block minimum adds when it is kept exact.
+"""What the kernels cost for one SmolLM2-sized decode step, each measured alone (docs/benchmarks.md,
+section 11): the attention over the cache per KV format (ONNX Runtime's GroupQueryAttention, and
+cabinlm's own Int8KVAttention over int8 KV), the quantized matmuls per weight format, and the two
+kernels a Q4_1 block minimum adds when it is kept exact.
 
     python benchmarks/kernel_costs.py [--threads 2] [--runs 200] [--ort-genai DIR]
 
@@ -29,16 +30,21 @@ ap.add_argument("--ort-genai", default=None, help="an onnxruntime-genai model fo
 a = ap.parse_args()
 
 
-def session(model):
+def session(model, own_kernels: bool = False):
     so = ort.SessionOptions()
     so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = a.threads, 1, 3
+    if own_kernels:
+        from cabinlm import kernels
+
+        so.register_custom_ops_library(str(kernels.library()))
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
 def model(nodes, inputs, outputs, inits, typed=()):
     outs = [helper.make_tensor_value_info(o, T.FLOAT, None) for o in outputs] + list(typed)
     g = helper.make_graph(nodes, "k", inputs, outs, inits)
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)], ir_version=10)
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid(MS, 1), helper.make_opsetid("ai.cabinlm", 1)]
+    return helper.make_model(g, opset_imports=opsets, ir_version=10)
 
 
 def timed(run, runs):
@@ -51,7 +57,10 @@ def timed(run, runs):
 
 
 def attention(kv: str, filled: int, tokens: int) -> float:
-    """GroupQueryAttention (rotary inside, additive bias) over `filled` slots for all layers."""
+    """GroupQueryAttention (rotary inside, additive bias) over `filled` slots for all layers; kv
+    "cabinlm int8": cabinlm's Int8KVAttention (kernels/int8_kv_attention.cc) over int8 KV instead."""
+    own = kv == "cabinlm int8"
+    kv = "int8" if own else kv
     rows = SLOTS + CHUNK
     packed = kv == "int4"
     etype = {"fp32": T.FLOAT, "int8": T.INT8, "int4": T.UINT8}[kv]
@@ -72,9 +81,16 @@ def attention(kv: str, filled: int, tokens: int) -> float:
                 inits.append(numpy_helper.from_array(np.full((1, HKV, 1, DH), 0.05, np.float32), f"{n}{i}"))
             gi += [f"ks{i}", f"vs{i}"]
             attrs.update(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL", kv_cache_bit_width=4 if packed else 8)
-        nodes.append(helper.make_node("GroupQueryAttention", gi, [f"o{i}", f"pk{i}", f"pv{i}"], domain=MS, **attrs))
+        if own:  # the chunk's K/V written into k{i} / v{i} in place: no present outputs
+            inits = [t for t in inits if t.name not in (f"ks{i}", f"vs{i}")]  # flat (kv_heads * head_dim) scales
+            for n in ("ks", "vs"):
+                inits.append(numpy_helper.from_array(np.full(HKV * DH, 0.05, np.float32), f"{n}{i}"))
+            ci = ["qkv", f"k{i}", f"v{i}", "seqlens", "total", "cos", "sin", "pos", "bias", f"ks{i}", f"vs{i}"]
+            nodes.append(helper.make_node("Int8KVAttention", ci, [f"o{i}"], domain="ai.cabinlm"))
+        else:
+            nodes.append(helper.make_node("GroupQueryAttention", gi, [f"o{i}", f"pk{i}", f"pv{i}"], domain=MS, **attrs))
         outs.append(f"o{i}")
-    s = session(model(nodes, ins, outs, inits, caches))
+    s = session(model(nodes, ins, outs, inits, () if own else caches), own_kernels=own)
     rng = np.random.default_rng(0)
     b = s.io_binding()
     feeds = {"qkv": rng.standard_normal((1, tokens, (H + 2 * HKV) * DH), np.float32),
@@ -91,7 +107,8 @@ def attention(kv: str, filled: int, tokens: int) -> float:
             ov = ort.OrtValue.ortvalue_from_numpy((rng.standard_normal((1, HKV, rows, width)) * 20).astype(dtype))
             keep.append(ov)
             b.bind_ortvalue_input(f"{n}{i}", ov)
-            b.bind_ortvalue_output(f"p{n}{i}", ov)  # past and present share the buffer, as in the fused build
+            if not own:
+                b.bind_ortvalue_output(f"p{n}{i}", ov)  # past and present share the buffer, as in the fused build
         b.bind_output(f"o{i}")
     return timed(lambda: s.run_with_iobinding(b), a.runs if tokens == 1 else max(20, a.runs // 10))
 
@@ -151,10 +168,10 @@ def session_options_plain():
 
 
 print(f"ONNX Runtime {ort.__version__}, {a.threads} threads, {LAYERS} layers, medians of {a.runs} runs\n")
-print("| GroupQueryAttention, all layers | KV | slots attended | ms |\n|---|---|---:|---:|")
-for tokens in (1, 40):
+print("| attention, all layers | KV | slots attended | ms |\n|---|---|---:|---:|")
+for tokens in (1, 40, 64):
     for filled in ((256, SLOTS) if tokens == 1 else (SLOTS,)):
-        for kv in ("int8", "fp32", "int4"):
+        for kv in ("cabinlm int8", "int8", "fp32", "int4"):
             what = "decode (1 token)" if tokens == 1 else f"prefill ({tokens} tokens)"
             print(f"| {what} | {kv} | {filled} | {attention(kv, filled, tokens):.2f} |", flush=True)
 print("\n| the 120 layer projections (M = 1) | ms |\n|---|---:|")

@@ -45,6 +45,7 @@ class CabinlmEngine(protocol.Engine):
             "artifact": str(folder),
             "weights": m.weights,
             "backend": m.runtime_spec.backend.value,
+            "attention_kernel": m.runtime_spec.fused.attention_kernel if m.runtime_spec.fused else None,
             "device": self.dec.device,
             "kv": lay.kv_dtype.value,
             "sink": lay.sink,
