@@ -188,6 +188,15 @@ def test_the_library_compiles_once_and_a_missing_compiler_is_named(monkeypatch, 
     assert first.parent == tmp_path / "kernels" and first.exists()
     stamp = first.stat().st_mtime_ns
     assert kernels.library() == first and first.stat().st_mtime_ns == stamp  # cached, not compiled again
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("CABINLM_CACHE", str(tmp_path / "a-file"))  # a file where the cache folder should be
+    with pytest.raises(kernels.KernelError, match="set CABINLM_CACHE to a writable folder"):
+        kernels.library()
+    monkeypatch.setenv("CXX", str(tmp_path / "a-file"))  # not a compiler
+    monkeypatch.setenv("CABINLM_CACHE", str(tmp_path / "other"))
+    monkeypatch.setattr(kernels, "_compiler", lambda: str(tmp_path / "a-file"))
+    with pytest.raises(kernels.KernelError, match="set CXX to a working C.. compiler"):
+        kernels.library()
     monkeypatch.setattr(kernels, "_compiler", lambda: None)
     with pytest.raises(kernels.KernelError, match="no C.. compiler found"):
         kernels.library()

@@ -73,11 +73,18 @@ def library() -> Path:
     out = _cache() / f"libcabinlm_kernels-{key}.so"
     if out.exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
     try:
-        done = subprocess.run([cxx, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=600)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+    except OSError as e:
+        raise KernelError(f"cannot write the compiled kernel into {out.parent} ({e.strerror or e}); "
+                          "set CABINLM_CACHE to a writable folder") from e
+    try:
+        try:
+            done = subprocess.run([cxx, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise KernelError(f"{cxx} could not be run to compile {SOURCE.name} ({e}); set CXX to a working C++ compiler") from e
         if done.returncode != 0:
             raise KernelError(f"{cxx} could not compile {SOURCE.name} (exit {done.returncode}):\n{done.stderr.strip()[-2000:]}\n"
                               "build with --attention-kernel onnxruntime to use ONNX Runtime's own attention instead")
