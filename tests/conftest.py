@@ -109,7 +109,7 @@ def smollm2_fused(smollm2, export_to, tmp_path_factory):
     from cabinlm.builders import build_artifact
     from cabinlm.profiles import load_profile
 
-    art = export_to(smollm2, kv="int8", sink=4, pinned=60, window=252, chunk=32)
+    art = export_to(smollm2, kv="int8", sink=4, pinned=60, window=252, chunk=32, weights="int4")
     return build_artifact(art, load_profile("cpu"), tmp_path_factory.mktemp("smollm2-fused") / "build-cpu")
 
 

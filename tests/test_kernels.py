@@ -1,6 +1,7 @@
-"""cabinlm's own attention kernel (kernels/int8_kv_attention.cc) against an independent numpy reference
-and against ONNX Runtime's GroupQueryAttention; a chunk's rows are its one-token steps bit for bit;
-bad input gets the kernel's own error; the library compiles once per machine; builds choose it."""
+"""cabinlm's own kernels against independent numpy references: the attention over int8 KV
+(kernels/int8_kv_attention.cc, also against ONNX Runtime's GroupQueryAttention) and the Q4_1 matmul
+(kernels/block_q4_matmul.cc, both of its paths); a chunk's rows are its one-token steps bit for bit;
+bad input gets the kernel's own error; the library compiles once per machine; builds choose them."""
 
 from __future__ import annotations
 
@@ -233,3 +234,155 @@ def test_int8_builds_take_the_kernel_and_fall_back_where_it_cannot_be_had(load, 
     fp32 = export_to(load(str(tiny_llama_dir)), kv="fp32", **LAYOUT)
     with pytest.raises(BuildError, match="takes int8 KV"):
         build_artifact(fp32, load_profile("cpu"), tmp_path / "fp32", attention_kernel="cabinlm")
+
+
+# --- BlockQ4MatMul ------------------------------------------------------------------------------
+
+
+def _q4_case(K: int, N: int, seed: int = 0):
+    """GGUF-like Q4_1 blocks: 4-bit codes, float16 scales and minimums (some positive)."""
+    rng = np.random.default_rng(seed)
+    q = rng.integers(0, 16, (K, N)).astype(np.uint8)
+    d = rng.uniform(1e-3, 2e-2, (K // 32, N)).astype(np.float16).astype(np.float32)
+    m = (-d * rng.uniform(-2, 15, (K // 32, N))).astype(np.float16).astype(np.float32)
+    return q, d, m
+
+
+def _matmul_session(blob: np.ndarray, library=None, width: int | str | None = None) -> ort.InferenceSession:
+    T, nb, _ = blob.shape
+    node = helper.make_node(kernels.MATMUL_OP, ["x", "w"], ["y"], domain=kernels.DOMAIN)
+    g = helper.make_graph([node], "matmul", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "n", width or nb * 32])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                          [onnx.numpy_helper.from_array(blob, "w")])  # fmt: skip
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(kernels.DOMAIN, 1)],
+                              ir_version=10)  # fmt: skip
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    so.log_severity_level = 3
+    so.register_custom_ops_library(str(library or kernels.library()))
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def _q4_reference(x: np.ndarray, q, d, m) -> np.ndarray:
+    """The kernel's arithmetic in float64: each row quantized per block of 32 to int8 codes (scale
+    amax / 127, half to even), the integer dot products with the codes and with the minimums: the
+    exported weights times the quantized row."""
+    M, K = x.shape
+    xb = x.reshape(M, K // 32, 32)
+    amax = np.abs(xb).max(-1)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), np.float32(0)).astype(np.float32)
+    codes = np.rint(xb * inv[..., None]).astype(np.float64)
+    dot = np.einsum("mbk,bkn->mbn", codes, q.reshape(K // 32, 32, -1).astype(np.float64))
+    scale = (amax / np.float32(127)).astype(np.float64)
+    sums = (scale.astype(np.float32) * codes.sum(-1).astype(np.float32)).astype(np.float64)  # float32, as the kernel
+    return (dot * d[None] * scale[..., None] + m[None] * sums[..., None]).sum(1)
+
+
+def test_the_q4_layout_holds_the_exported_codes_scales_and_minimums():
+    """An independent unpacking of builders.ort_fused.block_q4_layout gives back every code, scale
+    and minimum; a scale that is not a float16, or a width that is not tiles of 16, is not laid out."""
+    from cabinlm.builders.ort_fused import block_q4_layout
+
+    K, N = 96, 48
+    q, d, m = _q4_case(K, N)
+    blob = block_q4_layout(q, d, m)
+    assert blob.shape == (N // 16, K // 32, 320) and blob.dtype == np.uint8
+    for t in range(N // 16):
+        for b in range(K // 32):
+            cell = blob[t, b]
+            for j in range(4):
+                for c in range(16):
+                    for i in range(4):
+                        byte = int(cell[64 * j + 4 * c + i])
+                        assert byte & 15 == q[32 * b + 4 * j + i, 16 * t + c]
+                        assert byte >> 4 == q[32 * b + 4 * (j + 4) + i, 16 * t + c]
+            np.testing.assert_array_equal(cell[256:288].view(np.float16).astype(np.float32), d[b, 16 * t : 16 * t + 16])
+            np.testing.assert_array_equal(cell[288:320].view(np.float16).astype(np.float32), m[b, 16 * t : 16 * t + 16])
+    assert block_q4_layout(q, d + np.float32(1e-7), m) is None  # not a float16 any more
+    assert block_q4_layout(q[:, :40], d[:, :40], m[:, :40]) is None  # 40 columns: not tiles of 16
+
+
+@pytest.mark.parametrize("path", ["native", "generic"])
+def test_block_q4_matmul_computes_the_q4_1_product(path, tmp_path, monkeypatch):
+    """Both paths of the kernel (this CPU's, and the plain C++ one other CPUs get) against the numpy
+    reference of its arithmetic (float32 rounding apart) and against x @ W in float64 (the int8
+    activations' rounding apart); rows of zeros, several tiles, row counts around the blocks of 4."""
+    from cabinlm.builders.ort_fused import block_q4_layout
+
+    if path == "generic":
+        monkeypatch.setenv("CABINLM_CACHE", str(tmp_path))
+        library = kernels.library(defines=("CABINLM_GENERIC",))
+        assert kernels.matmul_isa(str(library)) == "generic"
+    else:
+        library = kernels.library()
+    K, N = 160, 64
+    q, d, m = _q4_case(K, N, seed=1)
+    session = _matmul_session(block_q4_layout(q, d, m), library)
+    W = (q.reshape(K // 32, 32, N) * d[:, None].astype(np.float64) + m[:, None]).reshape(K, N)
+    rng = np.random.default_rng(2)
+    for rows in (1, 3, 4, 9):
+        x = rng.standard_normal((rows, K)).astype(np.float32)
+        x[0, 32:64] = 0.0  # a block of zeros: scale 0, codes 0
+        y = session.run(None, {"x": x[None]})[0][0]
+        assert y.shape == (rows, N)
+        ref = _q4_reference(x, q, d, m)
+        assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max(), np.abs(y - ref).max()
+        exact = x.astype(np.float64) @ W
+        assert np.abs(y - exact).max() <= 0.02 * np.abs(exact).max()  # int8 activations
+
+
+def test_block_q4_matmul_rows_are_one_row_runs_bit_for_bit():
+    from cabinlm.builders.ort_fused import block_q4_layout
+
+    q, d, m = _q4_case(96, 32, seed=3)
+    session = _matmul_session(block_q4_layout(q, d, m))
+    x = np.random.default_rng(4).standard_normal((1, 7, 96)).astype(np.float32)
+    chunk = session.run(None, {"x": x})[0]
+    steps = np.concatenate([session.run(None, {"x": x[:, i : i + 1]})[0] for i in range(7)], axis=1)
+    assert np.array_equal(chunk, steps)
+
+
+def test_block_q4_matmul_refuses_weights_of_another_shape():
+    from cabinlm.builders.ort_fused import block_q4_layout
+
+    q, d, m = _q4_case(64, 16)
+    session = _matmul_session(block_q4_layout(q, d, m), width="k")
+    with pytest.raises(Exception, match=r"BlockQ4MatMul: x \(1, 2, 96\) and weights \(1, 2, 320\)"):
+        session.run(None, {"x": np.zeros((1, 2, 96), np.float32)})
+
+
+def test_smollm2_q4_1_builds_take_the_matmul_kernel(smollm2, export_to, long_text, tmp_path, monkeypatch):
+    """The GGUF's Q4_1 matrices on BlockQ4MatMul by default (int8 activations), fewer weight bytes;
+    against float activations (MatMulNBits, exact minimums, accuracy level 0: which keeps MatMulNBits)
+    its logits are as close as MatMulNBits' own int8 activations get; a CPU without AVX-512 VNNI
+    keeps MatMulNBits; asking for the kernel with float activations is refused."""
+    from cabinlm.runtime import Tokenizer
+
+    art = export_to(smollm2, sink=4, pinned=60, window=124, chunk=32, weights="int4")
+    logs: list[str] = []
+    own = build_artifact(art, load_profile("cpu"), tmp_path / "own", log=logs.append)
+    nbits = build_artifact(art, load_profile("cpu"), tmp_path / "nbits", matmul_kernel="onnxruntime", minimums="exact")
+    ref = build_artifact(art, load_profile("cpu"), tmp_path / "ref", accuracy_level=0, minimums="exact")
+    manifests = {p.name: json.loads((p / "manifest.json").read_text()) for p in (own, nbits, ref)}
+    assert [manifests[n]["build"]["fused"]["matmul_kernel"] for n in ("own", "nbits", "ref")] == ["cabinlm", "onnxruntime",
+                                                                                                 "onnxruntime"]  # fmt: skip
+    ops = [n.op_type for n in onnx.load(str(own / "decoder.opt.onnx"), load_external_data=False).graph.node]
+    assert ops.count(kernels.MATMUL_OP) == 4 * smollm2.spec.num_layers  # qkv, o, gate_up, down of every layer
+    assert any("Q4_1 matrices: cabinlm's BlockQ4MatMul" in line for line in logs)
+    assert manifests["own"]["quality"]["build"]["weights_bytes"] < manifests["nbits"]["quality"]["build"]["weights_bytes"]
+    ids = Tokenizer(own / "tokenizer.json").encode(long_text, add_special_tokens=True)[:300]
+    exact = Decoder(ref).feed(ids, all_logits=True)
+    errors = {}
+    for name, build in (("own", own), ("nbits", nbits)):
+        got = Decoder(build).feed(ids, all_logits=True)
+        errors[name] = ((got.argmax(-1) == exact.argmax(-1)).mean(), np.abs(got - exact).mean())
+    print("next-token agreement, mean |logit diff| against float activations:", errors)
+    assert errors["own"][0] >= 0.9 and errors["own"][1] <= 1.25 * errors["nbits"][1], errors
+
+    with pytest.raises(BuildError, match="int8 activations"):
+        build_artifact(art, load_profile("cpu"), tmp_path / "refused", accuracy_level=0, matmul_kernel="cabinlm")
+    monkeypatch.setattr(kernels, "matmul_isa", lambda path=None: "generic")
+    logs.clear()
+    plain = build_artifact(art, load_profile("cpu"), tmp_path / "plain", log=logs.append)
+    assert json.loads((plain / "manifest.json").read_text())["build"]["fused"]["matmul_kernel"] == "onnxruntime"
+    assert any("no AVX-512 VNNI" in line for line in logs)

@@ -133,6 +133,14 @@ class FusedSettings:
     # present outputs) or "cabinlm" (kernels/int8_kv_attention.cc, int8 KV only: registered from the
     # cabinlm.kernels library at load, writing the cache in place). Builds before it: "onnxruntime".
     attention_kernel: str = "onnxruntime"
+    # builders.MatmulKernel: "onnxruntime" (MatMulNBits for every quantized matrix) or "cabinlm"
+    # (kernels/block_q4_matmul.cc for the Q4_1 matrices, from the same library). Builds before it: "onnxruntime".
+    matmul_kernel: str = "onnxruntime"
+
+    @property
+    def own_kernels(self) -> bool:
+        """The graph holds cabinlm's own operators (ai.cabinlm): the session registers cabinlm.kernels."""
+        return self.attention_kernel == "cabinlm" or self.matmul_kernel == "cabinlm"
 
     def __post_init__(self) -> None:
         if self.accuracy_level not in (0, 1, 2, 3, 4):
@@ -141,6 +149,8 @@ class FusedSettings:
             raise ValueError(f"minimums must be int8 or exact, got {self.minimums!r}")
         if self.attention_kernel not in ("onnxruntime", "cabinlm"):
             raise ValueError(f"attention_kernel must be onnxruntime or cabinlm, got {self.attention_kernel!r}")
+        if self.matmul_kernel not in ("onnxruntime", "cabinlm"):
+            raise ValueError(f"matmul_kernel must be onnxruntime or cabinlm, got {self.matmul_kernel!r}")
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ class CabinlmEngine(protocol.Engine):
             "weights": m.weights,
             "backend": m.runtime_spec.backend.value,
             "attention_kernel": m.runtime_spec.fused.attention_kernel if m.runtime_spec.fused else None,
+            "matmul_kernel": m.runtime_spec.fused.matmul_kernel if m.runtime_spec.fused else None,
             "device": self.dec.device,
             "kv": lay.kv_dtype.value,
             "sink": lay.sink,

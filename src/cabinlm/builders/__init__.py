@@ -44,6 +44,14 @@ class AttentionKernel(str, enum.Enum):
     ONNXRUNTIME = "onnxruntime"  # com.microsoft::GroupQueryAttention
 
 
+class MatmulKernel(str, enum.Enum):
+    """Fused cpu builds: which kernel computes the layers' matmuls over GGUF Q4_1 blocks."""
+
+    AUTO = "auto"  # cabinlm's where this machine compiles its fast path (AVX-512 VNNI), ONNX Runtime's otherwise
+    CABINLM = "cabinlm"  # kernels/block_q4_matmul.cc: the 4-bit blocks and minimums read as exported
+    ONNXRUNTIME = "onnxruntime"  # com.microsoft::MatMulNBits (the blocks as --minimums says)
+
+
 class Minimums(str, enum.Enum):
     """Fused cpu builds: how GGUF Q4_1 blocks (4-bit codes plus a float block minimum) run."""
 
@@ -53,7 +61,8 @@ class Minimums(str, enum.Enum):
 
 def build_artifact(artifact: str | Path, profile, out: str | Path | None = None, log: Callable[[str], None] = lambda s: None,
                    attention: Attention = Attention.AUTO, accuracy_level: int = 4, minimums: Minimums = Minimums.INT8,
-                   attention_kernel: AttentionKernel = AttentionKernel.AUTO) -> Path:
+                   attention_kernel: AttentionKernel = AttentionKernel.AUTO,
+                   matmul_kernel: MatmulKernel = MatmulKernel.AUTO) -> Path:
     """Build `artifact` for `profile` (a DeviceProfile; None: cpu) into `out` (default: ARTIFACT/build-PROFILE).
     A TensorRT bundle (`artifact` made by a tensorrt profile's build) gets its engine built, in place
     unless `out` is given; its profile is the one it was made for.
@@ -62,9 +71,10 @@ def build_artifact(artifact: str | Path, profile, out: str | Path | None = None,
     artifact allows and keeps the exported graph otherwise; "fused" insists; "graph" keeps the export.
     accuracy_level: the fused build's MatMulNBits activations (4: int8, as llama.cpp; 0: float32).
     minimums: how the fused build runs GGUF Q4_1 blocks ("exact", or "int8": builders/ort_fused.py).
-    attention_kernel: the fused build's attention kernel (AttentionKernel)."""
+    attention_kernel, matmul_kernel: the fused build's kernels (AttentionKernel, MatmulKernel)."""
     try:
         attention, minimums, attention_kernel = Attention(attention), Minimums(minimums), AttentionKernel(attention_kernel)
+        matmul_kernel = MatmulKernel(matmul_kernel)
     except ValueError as e:
         raise BuildError(str(e)) from e
     if isinstance(accuracy_level, bool) or accuracy_level not in (0, 1, 2, 3, 4):  # MatMulNBits' levels
@@ -102,4 +112,4 @@ def build_artifact(artifact: str | Path, profile, out: str | Path | None = None,
     from cabinlm.builders.ort import build_onnxruntime
 
     return build_onnxruntime(artifact, manifest, profile, out, log, attention=attention, accuracy_level=accuracy_level,
-                             minimums=minimums, attention_kernel=attention_kernel)
+                             minimums=minimums, attention_kernel=attention_kernel, matmul_kernel=matmul_kernel)

@@ -123,6 +123,38 @@ def _attention_kernel(manifest: Manifest, asked: str, log: Callable[[str], None]
     return "cabinlm"
 
 
+def _matmul_kernel(q4_1: int, asked: str, accuracy_level: int, log: Callable[[str], None]) -> str:
+    """The fused build's matmul kernel for its `q4_1` Q4_1 matrices (FusedSettings.matmul_kernel) for
+    builders.MatmulKernel `asked`: cabinlm's own where this machine compiles its fast path (AVX-512
+    VNNI) and the activations are int8 (accuracy level 4, the kernel's only arithmetic), unless
+    asked otherwise; its plain C++ path is correct but slower than MatMulNBits."""
+    from cabinlm import kernels
+
+    why = None
+    if not q4_1:
+        why = "the export holds no Q4_1 matrices (it takes a GGUF's Q4_1 blocks)"
+    elif accuracy_level != 4:
+        why = f"it computes with int8 activations (accuracy level 4), not level {accuracy_level}"
+    if asked == "onnxruntime" or (asked == "auto" and why):
+        return "onnxruntime"
+    if why:
+        raise BuildError(f"--matmul-kernel cabinlm does not apply: {why}; use --matmul-kernel onnxruntime")
+    try:
+        path = kernels.library()
+    except kernels.KernelError as e:
+        if asked == "cabinlm":
+            raise BuildError(str(e)) from e
+        log(f"kept ONNX Runtime's MatMulNBits: {str(e).splitlines()[0]}")
+        return "onnxruntime"
+    isa = kernels.matmul_isa(str(path))
+    if asked == "auto" and isa != "avx512-vnni":
+        log("kept ONNX Runtime's MatMulNBits: this CPU has no AVX-512 VNNI, and cabinlm's Q4_1 matmul has no faster "
+            "path here (--matmul-kernel cabinlm runs its plain C++ path)")
+        return "onnxruntime"
+    log(f"{q4_1} Q4_1 matrices: cabinlm's BlockQ4MatMul ({isa}), 4-bit codes and minimums as exported")
+    return "cabinlm"
+
+
 def _optimize_offline(src: Path | bytes, out: Path, kernels: bool = False) -> None:
     """ORT's extended (provider-independent fusions) optimizations, saved with external weights.
     kernels: the graph uses cabinlm's own kernels (cabinlm.kernels), registered for the pass."""
@@ -183,8 +215,9 @@ def static_pair(artifact: Path, manifest: Manifest, out: Path) -> tuple[dict[str
 
 def build_onnxruntime(artifact: Path, manifest: Manifest, profile, out: Path, log: Callable[[str], None],
                       attention: str = "auto", accuracy_level: int = 4, minimums: str = "int8",
-                      attention_kernel: str = "auto") -> Path:
-    """attention, minimums, attention_kernel: builders.Attention, .Minimums, .AttentionKernel (str enums)."""
+                      attention_kernel: str = "auto", matmul_kernel: str = "auto") -> Path:
+    """attention, minimums, attention_kernel, matmul_kernel: builders.Attention, .Minimums,
+    .AttentionKernel, .MatmulKernel (str enums)."""
     if manifest.opset > profile.max_opset:
         raise BuildError(f"{artifact}: graph opset {manifest.opset} is above {profile.name}'s {profile.max_opset}")
     out.mkdir(parents=True, exist_ok=True)
@@ -221,14 +254,19 @@ def build_onnxruntime(artifact: Path, manifest: Manifest, profile, out: Path, lo
         if why is None:
             q4_1 = sum(1 for i in graph.graph.initializer if i.name.endswith(io_spec.QUANT_SUFFIXES[3]))
             kernel = _attention_kernel(manifest, str(getattr(attention_kernel, "value", attention_kernel)), log)
-            fused_model = ort_fused.fused_model(graph, manifest, accuracy_level, minimums, kernel)
+            matmul = _matmul_kernel(q4_1, str(getattr(matmul_kernel, "value", matmul_kernel)), accuracy_level, log)
+            fused_model = ort_fused.fused_model(graph, manifest, accuracy_level, minimums, kernel, matmul)
             fused = FusedSettings(accuracy_level=accuracy_level, minimums=str(getattr(minimums, "value", minimums)),
-                                  attention_kernel=kernel)  # fmt: skip
+                                  attention_kernel=kernel, matmul_kernel=matmul)  # fmt: skip
             op = "cabinlm's Int8KVAttention" if kernel == "cabinlm" else "GroupQueryAttention"
+            mm = "BlockQ4MatMul for the Q4_1 matrices, " if matmul == "cabinlm" else ""
             log(f"fused the decoder: {len(fused_model.graph.node)} nodes (the export has {len(graph.graph.node)}), "
-                f"{op} over {lay.kv_dtype.value} KV, MatMulNBits accuracy level {accuracy_level}")
-            if q4_1:
-                log(f"{q4_1} Q4_1 matrices: " + ("4-bit blocks, minimums added exactly (block sums)" if minimums == "exact"
+                f"{op} over {lay.kv_dtype.value} KV, {mm}MatMulNBits accuracy level {accuracy_level}")
+            from cabinlm.kernels import MATMUL_OP
+
+            on_nbits = q4_1 - sum(n.op_type == MATMUL_OP for n in fused_model.graph.node)
+            if on_nbits:
+                log(f"{on_nbits} Q4_1 matrices on MatMulNBits: " + ("4-bit blocks, minimums added exactly (block sums)" if minimums == "exact"
                     else "8-bit blocks with integer zero points (each minimum rounded to 1/34 of its block's step)"))
             del graph
             graph, backend = fused_model, BackendKind.FUSED
@@ -238,7 +276,7 @@ def build_onnxruntime(artifact: Path, manifest: Manifest, profile, out: Path, lo
             log(f"kept the exported attention ({why})")
             n = fuse_rotary(graph, manifest)
             log(f"fused the cached keys' rotary embedding into RotaryEmbedding in {n} layers")
-        _optimize_offline(graph.SerializeToString(), out, kernels=fused is not None and fused.attention_kernel == "cabinlm")
+        _optimize_offline(graph.SerializeToString(), out, kernels=fused is not None and fused.own_kernels)
         del graph
         files.update({"graph": OPT_GRAPH, "graph_data": OPT_DATA})
         log(f"optimized the graph offline for {profile.execution_provider}")

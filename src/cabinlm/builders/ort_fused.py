@@ -117,6 +117,30 @@ def _pack4(q: np.ndarray) -> np.ndarray:
     return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
 
 
+def block_q4_layout(q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> np.ndarray | None:
+    """GGUF Q4_1 blocks (w = d * q + m) in the layout of cabinlm's BlockQ4MatMul
+    (kernels/block_q4_matmul.cc): per tile of 16 columns and block of 32 rows, 256 bytes of codes
+    (byte 4 c + i of the j-th 64 holds column c's rows 4 j + i in its low nibble and 4 (j + 4) + i in
+    its high one), then the 16 scales and the 16 minimums as float16. The same codes, scales and
+    minimums as the export: None where a scale or minimum is not a float16 (then the kernel does not
+    apply) or the shape is not tiles of 16 columns by blocks of 32 rows.
+
+    q (K, N) codes 0..15; scale, offset (K / 32, N). Returns uint8 (N / 16, K / 32, 320)."""
+    K, N = q.shape
+    if N % 16 or K % BLOCK:
+        return None
+    d16, m16 = scale.astype(np.float16), offset.astype(np.float16)
+    if not (np.array_equal(d16.astype(np.float32), scale) and np.array_equal(m16.astype(np.float32), offset)):
+        return None
+    T, nb = N // 16, K // BLOCK
+    c = q.astype(np.uint8).reshape(nb, 8, 4, T, 16)  # (block, j, i, tile, column): row 32 b + 4 j + i
+    packed = c[:, :4] | (c[:, 4:] << 4)  # (block, j < 4, i, tile, column)
+    codes = packed.transpose(3, 0, 1, 4, 2).reshape(T, nb, 256)  # byte 64 j + 4 c + i
+    d = d16.reshape(nb, T, 16).transpose(1, 0, 2).copy().view(np.uint8).reshape(T, nb, 32)
+    m = m16.reshape(nb, T, 16).transpose(1, 0, 2).copy().view(np.uint8).reshape(T, nb, 32)
+    return np.ascontiguousarray(np.concatenate([codes, d, m], axis=2))
+
+
 def q4_1_as_int8(q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """GGUF Q4_1 blocks (w = d * q + m, q in 0..15) re-expressed as 8-bit blocks with an integer zero
     point, w' = s * (q8 - z), without a block-sum kernel for the minimum.
@@ -157,7 +181,8 @@ def q4_1_as_int8(q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> tuple[
 
 
 def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int = 4,
-                minimums: str = "int8", attention_kernel: str = "onnxruntime") -> onnx.ModelProto:
+                minimums: str = "int8", attention_kernel: str = "onnxruntime",
+                matmul_kernel: str = "onnxruntime") -> onnx.ModelProto:
     """The fused decoder (module docstring) built from the exported graph's initializers.
 
     minimums: how GGUF Q4_1 blocks (which carry a block minimum) run. "exact": 4-bit MatMulNBits plus
@@ -167,12 +192,18 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
     attention_kernel (builders.AttentionKernel): "onnxruntime", GroupQueryAttention; "cabinlm",
     int8 KV only, ai.cabinlm::Int8KVAttention (kernels/int8_kv_attention.cc): the same inputs and
     results, a chunk computed as fast as one row per step allows, the cache written in place (the
-    graph then has no present outputs: io_spec.fused_decoder_io(present=False))."""
-    from cabinlm.builders import AttentionKernel, Minimums
+    graph then has no present outputs: io_spec.fused_decoder_io(present=False)).
+
+    matmul_kernel (builders.MatmulKernel): "cabinlm" runs each Q4_1 matrix whose scales and minimums
+    are float16 (a GGUF's always are) on ai.cabinlm::BlockQ4MatMul (kernels/block_q4_matmul.cc),
+    its 4-bit codes and minimums as exported; `minimums` then applies to any other Q4_1 matrix."""
+    from cabinlm.builders import AttentionKernel, MatmulKernel, Minimums
     from cabinlm import kernels
 
     minimums = Minimums(minimums)
     attention_kernel = AttentionKernel(attention_kernel)
+    matmul_kernel = MatmulKernel(matmul_kernel)
+    own_ops = False
     why = ineligible(manifest)
     if why:
         raise BuildError(f"the fused attention does not apply: {why}")
@@ -183,9 +214,10 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
     eps = float(spec.rms_norm_eps)
 
     def linear(x: str, name: str, out: str | None = None, bias: str | None = None) -> str:
-        """x (1, tokens, K) @ W: MatMulNBits over the exported blocks (a GGUF Q4_1 block: 8-bit codes
-        with zero points, or with minimums="exact" the 4-bit codes plus blocksum(x) @ offset: a MatMul
-        by a block indicator, a MatMul and an Add), or MatMul for float32."""
+        """x (1, tokens, K) @ W: a GGUF Q4_1 matrix on cabinlm's BlockQ4MatMul (matmul_kernel
+        "cabinlm"); otherwise MatMulNBits over the exported blocks (a Q4_1 block: 8-bit codes with
+        zero points, or with minimums="exact" the 4-bit codes plus blocksum(x) @ offset: a MatMul by a
+        block indicator, a MatMul and an Add), or MatMul for float32."""
         if not W.has(f"{name}.q"):
             y = b.op("MatMul", x, f"{name}", hint=name, out=None if bias else out)
             return b.op("Add", y, bias, out=out, hint=f"{name}/bias") if bias else y
@@ -194,6 +226,15 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
         nb = K // BLOCK
         scale = W.get(f"{name}.scale").astype(np.float32)  # (nb, N)
         offset = W.get(f"{name}.offset").astype(np.float32) if W.has(f"{name}.offset") else None
+        blob = None
+        if offset is not None and matmul_kernel == MatmulKernel.CABINLM:
+            blob = block_q4_layout(q, scale, offset)
+        if blob is not None:
+            nonlocal own_ops
+            own_ops = True
+            y = b.op(kernels.MATMUL_OP, x, b.weight(f"{name}.blocks", blob), domain=kernels.DOMAIN, hint=name,
+                     out=None if bias else out)  # fmt: skip
+            return b.op("Add", y, bias, out=out, hint=f"{name}/bias") if bias else y
         if offset is not None and minimums == "int8":
             q8, s8, z8 = q4_1_as_int8(q, scale, offset)
             ins = [x, b.weight(f"{name}.nbits", q8.T.reshape(N, nb, BLOCK)), b.weight(f"{name}.nbits_scale", s8.T),
@@ -326,7 +367,7 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
     outputs = [helper.make_tensor_value_info(t.name, elem[t.dtype], list(t.shape)) for t in io.outputs]
     g = helper.make_graph(b.nodes, "cabinlm_decoder_fused", inputs, outputs, b.inits)
     opsets = [helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)]
-    if own_kernel:
+    if own_kernel or own_ops:
         opsets.append(helper.make_opsetid(kernels.DOMAIN, 1))
     return helper.make_model(g, opset_imports=opsets, producer_name="cabinlm", ir_version=10)
 

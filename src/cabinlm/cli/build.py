@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from cabinlm.builders import Attention, AttentionKernel, Minimums
+from cabinlm.builders import Attention, AttentionKernel, MatmulKernel, Minimums
 from cabinlm.cli.common import info, load_profile
 
 
@@ -32,6 +32,11 @@ def build(
         "kernel (C++, compiled on this machine: needs g++ or clang++; prefill chunks about twice as fast as "
         "ONNX Runtime's quantized-cache path, decode steps faster at a full cache); 'onnxruntime' keeps ONNX Runtime's "
         "GroupQueryAttention; 'auto' takes cabinlm's for int8 KV where a compiler is found."),
+    matmul_kernel: MatmulKernel = typer.Option(
+        MatmulKernel.AUTO, help="Fused cpu builds of a GGUF's Q4_1 matrices: 'cabinlm' multiplies them with cabinlm's own "
+        "kernel, reading the 4-bit codes and minimums as exported (half the bytes of --minimums int8, none of the "
+        "rounding; compiled here like the attention kernel, fast where the CPU has AVX-512 VNNI); 'onnxruntime' "
+        "keeps MatMulNBits (as --minimums says); 'auto' takes cabinlm's where the CPU has AVX-512 VNNI."),
 ) -> None:
     """Build an exported artifact for a device: the cpu profile gets the decoder fused and optimized
     offline; Snapdragon targets (sa8295p, sa8775p) get the prefill and decode graphs compiled by
@@ -45,7 +50,8 @@ def build(
 
     try:
         path = build_artifact(artifact, load_profile(profile) if profile else None, out, log=info, attention=attention,
-                              accuracy_level=accuracy_level, minimums=minimums, attention_kernel=attention_kernel)  # fmt: skip
+                              accuracy_level=accuracy_level, minimums=minimums, attention_kernel=attention_kernel,
+                              matmul_kernel=matmul_kernel)  # fmt: skip
     except TensorRTUnavailable as e:
         if e.details:  # the compatibility report
             info(e.details)

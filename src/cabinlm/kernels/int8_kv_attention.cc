@@ -30,9 +30,8 @@
 //    the work, never a row's arithmetic;
 //  * a key whose biased score is below the row's maximum by more than 87 weighs exactly 0.
 //
-// Built by cabinlm/kernels/__init__.py with the machine's compiler; it needs no ONNX Runtime headers:
-// the few C API entries it calls are declared below by their place in the API's table, which ONNX
-// Runtime only ever appends to (OrtApi, onnxruntime_c_api.h).
+// Built by cabinlm/kernels/__init__.py with the machine's compiler, into one library with the other
+// kernels; the ONNX Runtime C API entries it calls are declared in ort_api.h.
 
 #include <algorithm>
 #include <cmath>
@@ -46,89 +45,11 @@
 #include <immintrin.h>
 #endif
 
-extern "C" {
-struct OrtStatus;
-struct OrtValue;
-struct OrtKernelInfo;
-struct OrtKernelContext;
-struct OrtSessionOptions;
-struct OrtCustomOpDomain;
-struct OrtTensorTypeAndShapeInfo;
-struct OrtShapeInferContext;
-}
+#include "ort_api.h"
 
 namespace {
 
-// --- the ONNX Runtime C API, by table index ------------------------------------------------------
-
-constexpr uint32_t kApiVersion = 18;  // KernelContext_ParallelFor is in every table from 16 on
-
-enum Entry : size_t {
-  kCreateStatus = 0,
-  kCreateCustomOpDomain = 26,
-  kCustomOpDomainAdd = 27,
-  kAddCustomOpDomain = 28,
-  kGetTensorMutableData = 51,
-  kGetDimensionsCount = 61,
-  kGetDimensions = 62,
-  kGetTensorTypeAndShape = 65,
-  kKernelContextGetInputCount = 88,
-  kKernelContextGetInput = 90,
-  kKernelContextGetOutput = 91,
-  kReleaseStatus = 93,
-  kReleaseTensorTypeAndShapeInfo = 99,
-  kKernelContextParallelFor = 274,
-};
-
-enum ErrorCode : int { kFail = 1, kInvalidArgument = 2 };
-enum ElementType : int { kFloat = 1, kInt8 = 3, kInt32 = 6, kInt64 = 7 };
-
-struct ApiBase {
-  const void* const* (*GetApi)(uint32_t version);
-  const char* (*GetVersionString)();
-};
-
-const void* const* g_api = nullptr;
-
-template <typename F>
-F entry(Entry e) {
-  return reinterpret_cast<F>(const_cast<void*>(g_api[e]));
-}
-
-OrtStatus* error(ErrorCode code, const std::string& msg) {
-  return entry<OrtStatus* (*)(int, const char*)>(kCreateStatus)(code, msg.c_str());
-}
-
-// OrtStatus* -> early return
-#define CABIN_TRY(expr)              \
-  do {                               \
-    if (OrtStatus* s_ = (expr)) return s_; \
-  } while (0)
-
-OrtStatus* dims_of(const OrtValue* v, std::vector<int64_t>* out) {
-  OrtTensorTypeAndShapeInfo* info = nullptr;
-  CABIN_TRY(entry<OrtStatus* (*)(const OrtValue*, OrtTensorTypeAndShapeInfo**)>(kGetTensorTypeAndShape)(v, &info));
-  size_t n = 0;
-  OrtStatus* s = entry<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, size_t*)>(kGetDimensionsCount)(info, &n);
-  if (!s) {
-    out->assign(n, 0);
-    s = entry<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, int64_t*, size_t)>(kGetDimensions)(info, out->data(), n);
-  }
-  entry<void (*)(OrtTensorTypeAndShapeInfo*)>(kReleaseTensorTypeAndShapeInfo)(info);
-  return s;
-}
-
-OrtStatus* input(OrtKernelContext* ctx, size_t i, const OrtValue** v) {
-  return entry<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContextGetInput)(ctx, i, v);
-}
-
-template <typename T>
-OrtStatus* data_of(const OrtValue* v, T** out) {
-  void* p = nullptr;
-  CABIN_TRY(entry<OrtStatus* (*)(OrtValue*, void**)>(kGetTensorMutableData)(const_cast<OrtValue*>(v), &p));
-  *out = static_cast<T*>(p);
-  return nullptr;
-}
+using namespace cabinlm_ort;
 
 // --- the arithmetic ------------------------------------------------------------------------------
 
@@ -417,13 +338,7 @@ void attend_unit(void* data, size_t unit) {
   attend(p, i0, i1, g);
 }
 
-std::string shape_str(const std::vector<int64_t>& d) {
-  std::string s = "(";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + ")";
-}
-
-OrtStatus* compute(void* /*kernel*/, OrtKernelContext* ctx) {
+OrtStatus* compute(OrtKernelContext* ctx) {
   const OrtValue* in[11];
   std::vector<int64_t> dq, dk, dv, dc, db, dp, dsk, dsv;
   for (size_t i = 0; i < 11; ++i) CABIN_TRY(input(ctx, i, &in[i]));
@@ -477,91 +392,26 @@ OrtStatus* compute(void* /*kernel*/, OrtKernelContext* ctx) {
     if (p.position_ids[i] < 0 || p.position_ids[i] >= p.rope_rows)
       return error(kInvalidArgument, where + "position id " + std::to_string(p.position_ids[i]) + " outside the rotation tables");
   p.scale = 1.0f / std::sqrt(static_cast<float>(p.D));
-  const int64_t out_dims[3] = {1, p.n, p.H * p.D};
   OrtValue* out = nullptr;
-  CABIN_TRY(entry<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(kKernelContextGetOutput)(
-      ctx, 0, out_dims, 3, &out));
+  CABIN_TRY(output(ctx, 0, {1, p.n, p.H * p.D}, &out));
   CABIN_TRY(data_of(out, &p.out));
 
   write_rows(p);
   p.blocks = (p.n + kRowBlock - 1) / kRowBlock;
   const size_t units = static_cast<size_t>(p.blocks * p.Hkv);
-  return entry<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(
-      kKernelContextParallelFor)(ctx, attend_unit, units, units, &p);
+  return parallel_for(ctx, attend_unit, units, &p);
 }
 
-// --- the operator's description ------------------------------------------------------------------
-
-struct CustomOp {
-  uint32_t version;
-  void* (*CreateKernel)(const CustomOp*, const void*, const OrtKernelInfo*);
-  const char* (*GetName)(const CustomOp*);
-  const char* (*GetExecutionProviderType)(const CustomOp*);
-  int (*GetInputType)(const CustomOp*, size_t);
-  size_t (*GetInputTypeCount)(const CustomOp*);
-  int (*GetOutputType)(const CustomOp*, size_t);
-  size_t (*GetOutputTypeCount)(const CustomOp*);
-  void (*KernelCompute)(void*, OrtKernelContext*);
-  void (*KernelDestroy)(void*);
-  int (*GetInputCharacteristic)(const CustomOp*, size_t);
-  int (*GetOutputCharacteristic)(const CustomOp*, size_t);
-  int (*GetInputMemoryType)(const CustomOp*, size_t);
-  int (*GetVariadicInputMinArity)(const CustomOp*);
-  int (*GetVariadicInputHomogeneity)(const CustomOp*);
-  int (*GetVariadicOutputMinArity)(const CustomOp*);
-  int (*GetVariadicOutputHomogeneity)(const CustomOp*);
-  OrtStatus* (*CreateKernelV2)(const CustomOp*, const void*, const OrtKernelInfo*, void**);
-  OrtStatus* (*KernelComputeV2)(void*, OrtKernelContext*);
-  OrtStatus* (*InferOutputShapeFn)(const CustomOp*, OrtShapeInferContext*);
-  int (*GetStartVersion)(const CustomOp*);
-  int (*GetEndVersion)(const CustomOp*);
-  size_t (*GetMayInplace)(int**, int**);
-  void (*ReleaseMayInplace)(int*, int*);
-  size_t (*GetAliasMap)(int**, int**);
-  void (*ReleaseAliasMap)(int*, int*);
+struct Int8KVAttention {
+  static constexpr const char* kName = "Int8KVAttention";
+  static constexpr ElementType kInputTypes[11] = {kFloat, kInt8, kInt8, kInt32, kInt32, kFloat,
+                                                  kFloat, kInt64, kFloat, kFloat, kFloat};
+  static OrtStatus* compute(OrtKernelContext* ctx) { return ::compute(ctx); }
 };
-
-constexpr int kInputTypes[11] = {kFloat, kInt8, kInt8, kInt32, kInt32, kFloat, kFloat, kInt64, kFloat, kFloat, kFloat};
-int g_kernel_tag = 0;  // the kernel keeps no state: every run reads its shapes from its inputs
-
-CustomOp make_op() {
-  CustomOp op{};
-  op.version = 16;  // kernels created and run through the V2 entries, which return a status
-  op.GetName = [](const CustomOp*) { return "Int8KVAttention"; };
-  op.GetExecutionProviderType = [](const CustomOp*) { return "CPUExecutionProvider"; };
-  op.GetInputType = [](const CustomOp*, size_t i) { return kInputTypes[i]; };
-  op.GetInputTypeCount = [](const CustomOp*) { return static_cast<size_t>(11); };
-  op.GetOutputType = [](const CustomOp*, size_t) { return static_cast<int>(kFloat); };
-  op.GetOutputTypeCount = [](const CustomOp*) { return static_cast<size_t>(1); };
-  op.KernelDestroy = [](void*) {};
-  op.GetInputCharacteristic = [](const CustomOp*, size_t) { return 0; };   // required
-  op.GetOutputCharacteristic = [](const CustomOp*, size_t) { return 0; };  // required
-  op.GetInputMemoryType = [](const CustomOp*, size_t) { return 0; };       // the provider's default
-  op.GetVariadicInputMinArity = [](const CustomOp*) { return 1; };
-  op.GetVariadicInputHomogeneity = [](const CustomOp*) { return 1; };
-  op.GetVariadicOutputMinArity = [](const CustomOp*) { return 1; };
-  op.GetVariadicOutputHomogeneity = [](const CustomOp*) { return 1; };
-  op.CreateKernelV2 = [](const CustomOp*, const void*, const OrtKernelInfo*, void** kernel) -> OrtStatus* {
-    *kernel = &g_kernel_tag;
-    return nullptr;
-  };
-  op.KernelComputeV2 = compute;
-  op.GetStartVersion = [](const CustomOp*) { return 1; };
-  op.GetEndVersion = [](const CustomOp*) { return 2147483647; };
-  return op;
-}
-
-CustomOp g_op = make_op();
 
 }  // namespace
 
-extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
-                                                                              const ApiBase* base) {
-  g_api = base->GetApi(kApiVersion);
-  if (!g_api) return nullptr;  // an ONNX Runtime older than 1.18: nothing registered, the graph will not load
-  OrtCustomOpDomain* domain = nullptr;
-  CABIN_TRY(entry<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(kCreateCustomOpDomain)("ai.cabinlm", &domain));
-  CABIN_TRY(entry<OrtStatus* (*)(OrtCustomOpDomain*, const CustomOp*)>(kCustomOpDomainAdd)(domain, &g_op));
-  // The domain lives as long as the process: ONNX Runtime reads it for every session that uses it.
-  return entry<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(kAddCustomOpDomain)(options, domain);
+const cabinlm_ort::CustomOp* cabinlm_ort::int8_kv_attention_op() {
+  static const CustomOp op = make_op<Int8KVAttention>();
+  return &op;
 }

@@ -46,14 +46,14 @@ def session_options(spec: BuildSpec, threads: int | None = None, extra: dict[str
         so.add_session_config_entry(key, str(value))
     so.inter_op_num_threads = 1
     so.log_severity_level = 3
-    if spec.fused is not None and spec.fused.attention_kernel == "cabinlm":
+    if spec.fused is not None and spec.fused.own_kernels:
         from cabinlm import kernels
 
         try:
             so.register_custom_ops_library(str(kernels.library()))
         except kernels.KernelError as e:
-            raise BackendError(f"this build computes its attention with cabinlm's own kernel, which cannot be had here: {e}; "
-                               "or build the export again with --attention-kernel onnxruntime") from e
+            raise BackendError(f"this build runs cabinlm's own kernels, which cannot be had here: {e}; or build the export "
+                               "again with --attention-kernel onnxruntime --matmul-kernel onnxruntime") from e
     return so
 
 

@@ -1,0 +1,241 @@
+// cabinlm's matmul over GGUF Q4_1 weights: an ONNX Runtime custom operator, ai.cabinlm::BlockQ4MatMul.
+//
+// It takes the place of com.microsoft::MatMulNBits in the cpu build's fused decoder
+// (builders/ort_fused.py) for the layers' Q4_1 matrices: blocks of 32 weights along K, each weight
+// d * q + m with a 4-bit code q and the block's float16 scale d and minimum m. Why an own kernel:
+// MatMulNBits has no minimum, so the build ran each Q4_1 block as 8-bit codes with an integer zero
+// point (twice the bytes a 4-bit block needs) or as 4-bit codes plus two more kernels per matrix for
+// the minimum; a decode step reads every weight once, so its time is the bytes it reads.
+//
+//   inputs   0 x        float (..., K)
+//            1 weights  uint8 (N / 16, K / 32, 320)  per tile of 16 columns and block of 32 rows of W:
+//                       256 bytes of codes, 16 float16 scales, 16 float16 minimums (block_q4_layout
+//                       in builders/ort_fused.py writes them; byte 4 c + i of the j-th 64 bytes holds
+//                       column c's codes for rows 4 j + i (low nibble) and 4 (j + 4) + i (high))
+//   output   0 y        float (..., N)                 y = x @ W
+//
+// How it computes (llama.cpp's Q4_1 x Q8_1 dot product): each row of x is quantized per block of 32
+// to int8 codes c with the block's scale s = a / 127 (a its largest magnitude; rounded half to even);
+// then, with x' = s c the quantized row,
+//   y[n] = sum over blocks of  d[n] s (q[n] . c)  +  m[n] s sum(c)  =  sum over k of W[k, n] x'[k]
+// with both integer sums exact (VNNI's unsigned x signed byte products): the exported weights times
+// the quantized activations, minimums included. (The minimum times the float sum of x instead would
+// leave the quantization error times d q, which does not average out as it does times W: measured,
+// twice the logit error on SmolLM2.) The float terms are added block after block.
+//
+// Invariant the runtime relies on: a row's result is a function of that row alone, computed by one
+// fixed sequence of operations (the same code for any number of rows; rows are grouped by 4 to
+// share each weight tile's unpacking, never to change a row's arithmetic): row i of a chunk is bit
+// for bit the one-token step (speculative verification depends on it).
+//
+// Built with the machine's own instructions: the AVX-512 VNNI path where the CPU has it, otherwise
+// a plain C++ path (correct, not fast; the build only chooses this kernel where kernel_isa() says
+// "avx512-vnni", builders/ort.py).
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(CABINLM_GENERIC)
+#define CABINLM_VNNI 1
+#include <immintrin.h>
+#endif
+
+#include "ort_api.h"
+
+namespace {
+
+using namespace cabinlm_ort;
+
+constexpr int kCols = 16;                               // columns per tile
+constexpr int kBlock = 32;                              // rows of W per block
+constexpr int kCodeBytes = kCols * kBlock / 2;          // 256
+constexpr int kTileBlockBytes = kCodeBytes + 4 * kCols;  // + 16 float16 scales + 16 float16 minimums
+constexpr int kRowBlock = 4;                            // rows of x that share a tile's unpacking
+
+struct Problem {
+  const int8_t* xq;  // (M, nb, 32) the rows' codes
+  const float* dx;   // (M, nb) their scales
+  const float* sx;   // (M, nb) their scales times the blocks' code sums
+  const uint8_t* w;
+  float* y;
+  int64_t M, K, N, nb, tiles;
+};
+
+float half_to_float(uint16_t h) {  // exact: every float16 is a float32
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: m * 2^-24
+    float f = std::ldexp(static_cast<float>(man), -24);
+    std::memcpy(&bits, &f, 4);
+    bits |= sign;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Row r of x (K floats) -> its codes, scales and scaled code sums; the same sequence for every row.
+void quantize_row(const float* x, int64_t nb, int8_t* q, float* d, float* s) {
+  for (int64_t b = 0; b < nb; ++b, x += kBlock, q += kBlock) {
+    float amax = 0.0f;
+    for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int32_t sum = 0;
+    for (int i = 0; i < kBlock; ++i) {
+      q[i] = static_cast<int8_t>(std::nearbyint(x[i] * inv));  // |q| <= 127
+      sum += q[i];
+    }
+    d[b] = amax / 127.0f;
+    s[b] = d[b] * static_cast<float>(sum);
+  }
+}
+
+#if CABINLM_VNNI
+// Rows r0 .. r0+R-1 of one tile of 16 columns.
+template <int R>
+void tile_rows(const Problem& p, int64_t t, int64_t r0) {
+  const uint8_t* w = p.w + t * p.nb * kTileBlockBytes;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < p.nb; ++b, w += kTileBlockBytes) {
+    __m512i codes[8];
+    for (int j = 0; j < 4; ++j) {
+      const __m512i packed = _mm512_loadu_si512(w + 64 * j);
+      codes[j] = _mm512_and_si512(packed, low);
+      codes[j + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kCodeBytes)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kCodeBytes + 32)));
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (r0 + r) * p.nb + b;
+      int32_t x4[8];  // the row's codes, four at a time
+      std::memcpy(x4, p.xq + at * kBlock, sizeof x4);
+      __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();  // integer: exact in any order
+      for (int j = 0; j < 8; j += 2) {
+        even = _mm512_dpbusd_epi32(even, codes[j], _mm512_set1_epi32(x4[j]));
+        odd = _mm512_dpbusd_epi32(odd, codes[j + 1], _mm512_set1_epi32(x4[j + 1]));
+      }
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
+      acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(p.dx[at])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(p.sx[at]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(p.y + (r0 + r) * p.N + t * kCols, acc[r]);
+}
+#else
+template <int R>
+void tile_rows(const Problem& p, int64_t t, int64_t r0) {
+  const uint8_t* w = p.w + t * p.nb * kTileBlockBytes;
+  float acc[R][kCols] = {};
+  for (int64_t b = 0; b < p.nb; ++b, w += kTileBlockBytes) {
+    float d[kCols], m[kCols];
+    for (int c = 0; c < kCols; ++c) {
+      uint16_t h[2];
+      std::memcpy(&h[0], w + kCodeBytes + 2 * c, 2);
+      std::memcpy(&h[1], w + kCodeBytes + 2 * kCols + 2 * c, 2);
+      d[c] = half_to_float(h[0]);
+      m[c] = half_to_float(h[1]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (r0 + r) * p.nb + b;
+      const int8_t* xq = p.xq + at * kBlock;
+      for (int c = 0; c < kCols; ++c) {
+        int32_t dot = 0;
+        for (int j = 0; j < 4; ++j)
+          for (int i = 0; i < 4; ++i) {
+            const uint8_t byte = w[64 * j + 4 * c + i];
+            dot += (byte & 0x0F) * xq[4 * j + i] + (byte >> 4) * xq[4 * (j + 4) + i];
+          }
+        acc[r][c] = std::fma(static_cast<float>(dot), d[c] * p.dx[at], acc[r][c]);
+        acc[r][c] = std::fma(m[c], p.sx[at], acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) std::memcpy(p.y + (r0 + r) * p.N + t * kCols, acc[r], sizeof acc[r]);
+}
+#endif
+
+void tile_unit(void* data, size_t unit) {
+  const Problem& p = *static_cast<const Problem*>(data);
+  const int64_t t = static_cast<int64_t>(unit);
+  int64_t r = 0;
+  for (; r + kRowBlock <= p.M; r += kRowBlock) tile_rows<kRowBlock>(p, t, r);
+  switch (p.M - r) {
+    case 3: tile_rows<3>(p, t, r); break;
+    case 2: tile_rows<2>(p, t, r); break;
+    case 1: tile_rows<1>(p, t, r); break;
+    default: break;
+  }
+}
+
+OrtStatus* compute(OrtKernelContext* ctx) {
+  const OrtValue *xv = nullptr, *wv = nullptr;
+  std::vector<int64_t> dx, dw;
+  CABIN_TRY(input(ctx, 0, &xv));
+  CABIN_TRY(input(ctx, 1, &wv));
+  CABIN_TRY(dims_of(xv, &dx));
+  CABIN_TRY(dims_of(wv, &dw));
+  const std::string where = "BlockQ4MatMul: ";
+  if (dx.empty() || dw.size() != 3 || dw[2] != kTileBlockBytes || dx.back() != dw[1] * kBlock)
+    return error(kInvalidArgument, where + "x " + shape_str(dx) + " and weights " + shape_str(dw) +
+                                       " are not (..., K) and (N / 16, K / 32, 320)");
+  Problem p{};
+  p.K = dx.back();
+  p.nb = dw[1];
+  p.tiles = dw[0];
+  p.N = p.tiles * kCols;
+  p.M = 1;
+  for (size_t i = 0; i + 1 < dx.size(); ++i) p.M *= dx[i];
+  const float* x = nullptr;
+  CABIN_TRY(data_of(xv, &x));
+  CABIN_TRY(data_of(wv, &p.w));
+  std::vector<int64_t> dy(dx);
+  dy.back() = p.N;
+  OrtValue* yv = nullptr;
+  CABIN_TRY(output(ctx, 0, dy, &yv));
+  CABIN_TRY(data_of(yv, &p.y));
+  if (p.M == 0) return nullptr;
+
+  std::vector<int8_t> xq(static_cast<size_t>(p.M * p.K));
+  std::vector<float> scales(static_cast<size_t>(p.M * p.nb)), sums(scales.size());
+  for (int64_t r = 0; r < p.M; ++r)
+    quantize_row(x + r * p.K, p.nb, xq.data() + r * p.K, scales.data() + r * p.nb, sums.data() + r * p.nb);
+  p.xq = xq.data();
+  p.dx = scales.data();
+  p.sx = sums.data();
+  return parallel_for(ctx, tile_unit, static_cast<size_t>(p.tiles), &p);
+}
+
+struct BlockQ4MatMul {
+  static constexpr const char* kName = "BlockQ4MatMul";
+  static constexpr ElementType kInputTypes[2] = {kFloat, kUint8};
+  static OrtStatus* compute(OrtKernelContext* ctx) { return ::compute(ctx); }
+};
+
+}  // namespace
+
+const cabinlm_ort::CustomOp* cabinlm_ort::block_q4_matmul_op() {
+  static const CustomOp op = make_op<BlockQ4MatMul>();
+  return &op;
+}
+
+// Which path this library was compiled with (the build asks, through ctypes, before choosing it).
+extern "C" __attribute__((visibility("default"))) const char* cabinlm_block_q4_isa() {
+#if CABINLM_VNNI
+  return "avx512-vnni";
+#else
+  return "generic";
+#endif
+}

@@ -1,0 +1,177 @@
+// The part of ONNX Runtime's C API that cabinlm's kernels use, declared by place in the API's table.
+//
+// The kernels need no ONNX Runtime headers: OrtApi (onnxruntime_c_api.h) is a table of function
+// pointers that ONNX Runtime only ever appends to, so an entry's index names it in every release
+// from the version asked for on. Every entry declared here is called by a kernel, and every kernel
+// runs in the tests (tests/test_kernels.py).
+
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+extern "C" {
+struct OrtStatus;
+struct OrtValue;
+struct OrtKernelInfo;
+struct OrtKernelContext;
+struct OrtSessionOptions;
+struct OrtCustomOpDomain;
+struct OrtTensorTypeAndShapeInfo;
+struct OrtShapeInferContext;
+}
+
+namespace cabinlm_ort {
+
+constexpr uint32_t kApiVersion = 18;  // KernelContext_ParallelFor is in every table from 16 on
+
+enum Entry : size_t {
+  kCreateStatus = 0,
+  kCreateCustomOpDomain = 26,
+  kCustomOpDomainAdd = 27,
+  kAddCustomOpDomain = 28,
+  kGetTensorMutableData = 51,
+  kGetDimensionsCount = 61,
+  kGetDimensions = 62,
+  kGetTensorTypeAndShape = 65,
+  kKernelContextGetInput = 90,
+  kKernelContextGetOutput = 91,
+  kReleaseTensorTypeAndShapeInfo = 99,
+  kKernelContextParallelFor = 274,
+};
+
+enum ErrorCode : int { kFail = 1, kInvalidArgument = 2 };
+enum ElementType : int { kFloat = 1, kUint8 = 2, kInt8 = 3, kInt32 = 6, kInt64 = 7 };
+
+struct ApiBase {
+  const void* const* (*GetApi)(uint32_t version);
+  const char* (*GetVersionString)();
+};
+
+inline const void* const* g_api = nullptr;  // set once by RegisterCustomOps (register.cc)
+
+template <typename F>
+F entry(Entry e) {
+  return reinterpret_cast<F>(const_cast<void*>(g_api[e]));
+}
+
+inline OrtStatus* error(ErrorCode code, const std::string& msg) {
+  return entry<OrtStatus* (*)(int, const char*)>(kCreateStatus)(code, msg.c_str());
+}
+
+// OrtStatus* -> early return
+#define CABIN_TRY(expr)                    \
+  do {                                     \
+    if (OrtStatus* s_ = (expr)) return s_; \
+  } while (0)
+
+inline OrtStatus* dims_of(const OrtValue* v, std::vector<int64_t>* out) {
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  CABIN_TRY(entry<OrtStatus* (*)(const OrtValue*, OrtTensorTypeAndShapeInfo**)>(kGetTensorTypeAndShape)(v, &info));
+  size_t n = 0;
+  OrtStatus* s = entry<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, size_t*)>(kGetDimensionsCount)(info, &n);
+  if (!s) {
+    out->assign(n, 0);
+    s = entry<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, int64_t*, size_t)>(kGetDimensions)(info, out->data(), n);
+  }
+  entry<void (*)(OrtTensorTypeAndShapeInfo*)>(kReleaseTensorTypeAndShapeInfo)(info);
+  return s;
+}
+
+inline OrtStatus* input(OrtKernelContext* ctx, size_t i, const OrtValue** v) {
+  return entry<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContextGetInput)(ctx, i, v);
+}
+
+inline OrtStatus* output(OrtKernelContext* ctx, size_t i, const std::vector<int64_t>& dims, OrtValue** v) {
+  return entry<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(kKernelContextGetOutput)(
+      ctx, i, dims.data(), dims.size(), v);
+}
+
+template <typename T>
+OrtStatus* data_of(const OrtValue* v, T** out) {
+  void* p = nullptr;
+  CABIN_TRY(entry<OrtStatus* (*)(OrtValue*, void**)>(kGetTensorMutableData)(const_cast<OrtValue*>(v), &p));
+  *out = static_cast<T*>(p);
+  return nullptr;
+}
+
+// fn(data, unit) for unit in 0 .. units-1, in the session's intra-op pool.
+inline OrtStatus* parallel_for(OrtKernelContext* ctx, void (*fn)(void*, size_t), size_t units, void* data) {
+  return entry<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(
+      kKernelContextParallelFor)(ctx, fn, units, units, data);
+}
+
+inline std::string shape_str(const std::vector<int64_t>& d) {
+  std::string s = "(";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + ")";
+}
+
+// OrtCustomOp, version 16 of its layout (onnxruntime_c_api.h).
+struct CustomOp {
+  uint32_t version;
+  void* (*CreateKernel)(const CustomOp*, const void*, const OrtKernelInfo*);
+  const char* (*GetName)(const CustomOp*);
+  const char* (*GetExecutionProviderType)(const CustomOp*);
+  int (*GetInputType)(const CustomOp*, size_t);
+  size_t (*GetInputTypeCount)(const CustomOp*);
+  int (*GetOutputType)(const CustomOp*, size_t);
+  size_t (*GetOutputTypeCount)(const CustomOp*);
+  void (*KernelCompute)(void*, OrtKernelContext*);
+  void (*KernelDestroy)(void*);
+  int (*GetInputCharacteristic)(const CustomOp*, size_t);
+  int (*GetOutputCharacteristic)(const CustomOp*, size_t);
+  int (*GetInputMemoryType)(const CustomOp*, size_t);
+  int (*GetVariadicInputMinArity)(const CustomOp*);
+  int (*GetVariadicInputHomogeneity)(const CustomOp*);
+  int (*GetVariadicOutputMinArity)(const CustomOp*);
+  int (*GetVariadicOutputHomogeneity)(const CustomOp*);
+  OrtStatus* (*CreateKernelV2)(const CustomOp*, const void*, const OrtKernelInfo*, void**);
+  OrtStatus* (*KernelComputeV2)(void*, OrtKernelContext*);
+  OrtStatus* (*InferOutputShapeFn)(const CustomOp*, OrtShapeInferContext*);
+  int (*GetStartVersion)(const CustomOp*);
+  int (*GetEndVersion)(const CustomOp*);
+  size_t (*GetMayInplace)(int**, int**);
+  void (*ReleaseMayInplace)(int*, int*);
+  size_t (*GetAliasMap)(int**, int**);
+  void (*ReleaseAliasMap)(int*, int*);
+};
+
+// A stateless CPU operator: every input required, one float output, created and run through the
+// V2 entries (which return a status). Op is a struct with static kName, kInputTypes and compute.
+template <typename Op>
+CustomOp make_op() {
+  static int kernel_tag = 0;  // the kernels keep no state: every run reads its shapes from its inputs
+  CustomOp op{};
+  op.version = 16;
+  op.GetName = [](const CustomOp*) { return Op::kName; };
+  op.GetExecutionProviderType = [](const CustomOp*) { return "CPUExecutionProvider"; };
+  op.GetInputType = [](const CustomOp*, size_t i) { return static_cast<int>(Op::kInputTypes[i]); };
+  op.GetInputTypeCount = [](const CustomOp*) { return sizeof Op::kInputTypes / sizeof Op::kInputTypes[0]; };
+  op.GetOutputType = [](const CustomOp*, size_t) { return static_cast<int>(kFloat); };
+  op.GetOutputTypeCount = [](const CustomOp*) { return static_cast<size_t>(1); };
+  op.KernelDestroy = [](void*) {};
+  op.GetInputCharacteristic = [](const CustomOp*, size_t) { return 0; };   // required
+  op.GetOutputCharacteristic = [](const CustomOp*, size_t) { return 0; };  // required
+  op.GetInputMemoryType = [](const CustomOp*, size_t) { return 0; };       // the provider's default
+  op.GetVariadicInputMinArity = [](const CustomOp*) { return 1; };
+  op.GetVariadicInputHomogeneity = [](const CustomOp*) { return 1; };
+  op.GetVariadicOutputMinArity = [](const CustomOp*) { return 1; };
+  op.GetVariadicOutputHomogeneity = [](const CustomOp*) { return 1; };
+  op.CreateKernelV2 = [](const CustomOp*, const void*, const OrtKernelInfo*, void** kernel) -> OrtStatus* {
+    *kernel = &kernel_tag;
+    return nullptr;
+  };
+  op.KernelComputeV2 = [](void*, OrtKernelContext* ctx) { return Op::compute(ctx); };
+  op.GetStartVersion = [](const CustomOp*) { return 1; };
+  op.GetEndVersion = [](const CustomOp*) { return 2147483647; };
+  return op;
+}
+
+// The operators the library registers (one per source file).
+const CustomOp* int8_kv_attention_op();
+const CustomOp* block_q4_matmul_op();
+
+}  // namespace cabinlm_ort
