@@ -1,7 +1,8 @@
 """What the kernels cost for one SmolLM2-sized decode step, each measured alone (docs/benchmarks.md,
 section 11): the attention over the cache per KV format (ONNX Runtime's GroupQueryAttention, and
-cabinlm's own Int8KVAttention over int8 KV), the quantized matmuls per weight format, and the two
-kernels a Q4_1 block minimum adds when it is kept exact.
+cabinlm's own Int8KVAttention over int8 KV), the quantized matmuls per weight format (MatMulNBits,
+and cabinlm's own BlockQ4MatMul over Q4_1 blocks), and the two kernels a Q4_1 block minimum adds
+when it is kept exact.
 
     python benchmarks/kernel_costs.py [--threads 2] [--runs 200] [--ort-genai DIR]
 
@@ -120,6 +121,13 @@ def matmuls(kind: str) -> float:
     for i in range(LAYERS):
         for j, (K, N) in enumerate(SHAPES):
             x, p, nb = ("x" if K == 576 else "y"), f"l{i}_{j}", K // 32
+            if kind.startswith("cabinlm"):  # Q4_1 blocks as exported: 4-bit codes, float16 scale and minimum
+                blob = rng.integers(0, 256, (N // 16, nb, 320), dtype=np.uint8)
+                blob[:, :, 256:] = np.frombuffer(np.full(N // 16 * nb * 32, 0.01, np.float16).tobytes(), np.uint8).reshape(N // 16, nb, 64)
+                inits.append(numpy_helper.from_array(blob, p + "w"))
+                nodes.append(helper.make_node("BlockQ4MatMul", [x, p + "w"], [p + "o"], domain="ai.cabinlm"))
+                outs.append(p + "o")
+                continue
             bits = 8 if kind == "int8 + zero points (Q4_1 as int8)" else 4
             inits += [numpy_helper.from_array(rng.integers(0, 256, (N, nb, 32 * bits // 8), dtype=np.uint8), p + "w"),
                       numpy_helper.from_array(rng.random((N, nb), np.float32) * 0.01, p + "s")]  # fmt: skip
@@ -138,7 +146,7 @@ def matmuls(kind: str) -> float:
                 nodes += [helper.make_node("MatMul", [x, p + "i"], [p + "b"]), helper.make_node("Gemm", [p + "b", p + "m", out], [p + "o"])]
             outs.append(p + "o")
     ins = [helper.make_tensor_value_info("x", T.FLOAT, [1, 576]), helper.make_tensor_value_info("y", T.FLOAT, [1, 1536])]
-    s = session(model(nodes, ins, outs, inits))
+    s = session(model(nodes, ins, outs, inits), own_kernels=kind.startswith("cabinlm"))
     feeds = {"x": rng.standard_normal((1, 576), np.float32), "y": rng.standard_normal((1, 1536), np.float32)}
     return timed(lambda: s.run(None, feeds), a.runs if "float zero" not in kind else max(10, a.runs // 20))
 
@@ -175,8 +183,8 @@ for tokens in (1, 40, 64):
             what = "decode (1 token)" if tokens == 1 else f"prefill ({tokens} tokens)"
             print(f"| {what} | {kv} | {filled} | {attention(kv, filled, tokens):.2f} |", flush=True)
 print("\n| the 120 layer projections (M = 1) | ms |\n|---|---:|")
-for kind in ("int4 (no minimum)", "int4 + exact Q4_1 minimum (MatMul + Gemm)", "int8 + zero points (Q4_1 as int8)",
-             "int4 + float zero points (the minimum in the kernel)"):
+for kind in ("cabinlm's BlockQ4MatMul (Q4_1 as exported)", "int4 (no minimum)", "int4 + exact Q4_1 minimum (MatMul + Gemm)",
+             "int8 + zero points (Q4_1 as int8)", "int4 + float zero points (the minimum in the kernel)"):
     print(f"| {kind} | {matmuls(kind):.2f} |", flush=True)
 if a.ort_genai:
     print(f"\n| {a.ort_genai}: one decode step | context | ms |\n|---|---:|---:|")

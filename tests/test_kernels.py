@@ -248,10 +248,10 @@ def _q4_case(K: int, N: int, seed: int = 0):
     return q, d, m
 
 
-def _matmul_session(blob: np.ndarray, library=None, width: int | str | None = None) -> ort.InferenceSession:
+def _matmul_session(blob: np.ndarray, library=None, width: int | str | None = None, swiglu: bool = False) -> ort.InferenceSession:
     T, nb, _ = blob.shape
-    node = helper.make_node(kernels.MATMUL_OP, ["x", "w"], ["y"], domain=kernels.DOMAIN)
-    g = helper.make_graph([node], "matmul", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "n", width or nb * 32])],
+    node = helper.make_node(kernels.SWIGLU_MATMUL_OP if swiglu else kernels.MATMUL_OP, ["x", "w"], ["y"], domain=kernels.DOMAIN)
+    g = helper.make_graph([node], "matmul", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "n", width or nb * 32 * (2 if swiglu else 1)])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
                           [onnx.numpy_helper.from_array(blob, "w")])  # fmt: skip
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(kernels.DOMAIN, 1)],
@@ -330,6 +330,18 @@ def test_block_q4_matmul_computes_the_q4_1_product(path, tmp_path, monkeypatch):
         exact = x.astype(np.float64) @ W
         assert np.abs(y - exact).max() <= 0.02 * np.abs(exact).max()  # int8 activations
 
+    # BlockQ4SwiGLUMatMul: x = gate | up, y = (silu(gate) * up) @ W
+    swiglu = _matmul_session(block_q4_layout(q, d, m), library, swiglu=True)
+    gu = rng.standard_normal((5, 2 * K)).astype(np.float32) * 3
+    gu[0, :16] = [-100, -88, -87, -30, -1e-3, 0, 1e-3, 30, 87, 88, 100, -5, 5, 0.5, -0.5, 2]  # sigmoid's far ends
+    g, u = gu[:, :K].astype(np.float64), gu[:, K:].astype(np.float64)
+    act = g / (1 + np.exp(-g)) * u
+    y = swiglu.run(None, {"x": gu[None]})[0][0]
+    ref = _q4_reference(act.astype(np.float32), q, d, m)  # the float32 activation rounds a few codes differently
+    assert np.abs(y - ref).max() <= 2e-3 * np.abs(ref).max(), np.abs(y - ref).max()
+    exact = act @ W
+    assert np.abs(y - exact).max() <= 0.02 * np.abs(exact).max()
+
 
 def test_block_q4_matmul_rows_are_one_row_runs_bit_for_bit():
     from cabinlm.builders.ort_fused import block_q4_layout
@@ -340,6 +352,11 @@ def test_block_q4_matmul_rows_are_one_row_runs_bit_for_bit():
     chunk = session.run(None, {"x": x})[0]
     steps = np.concatenate([session.run(None, {"x": x[:, i : i + 1]})[0] for i in range(7)], axis=1)
     assert np.array_equal(chunk, steps)
+    swiglu = _matmul_session(block_q4_layout(q, d, m), swiglu=True)
+    gu = np.random.default_rng(5).standard_normal((1, 7, 192)).astype(np.float32)
+    chunk = swiglu.run(None, {"x": gu})[0]
+    steps = np.concatenate([swiglu.run(None, {"x": gu[:, i : i + 1]})[0] for i in range(7)], axis=1)
+    assert np.array_equal(chunk, steps)
 
 
 def test_block_q4_matmul_refuses_weights_of_another_shape():
@@ -347,8 +364,11 @@ def test_block_q4_matmul_refuses_weights_of_another_shape():
 
     q, d, m = _q4_case(64, 16)
     session = _matmul_session(block_q4_layout(q, d, m), width="k")
-    with pytest.raises(Exception, match=r"BlockQ4MatMul: x \(1, 2, 96\) and weights \(1, 2, 320\)"):
+    with pytest.raises(Exception, match=r"BlockQ4MatMul: x \(1, 2, 96\) and weights \(1, 2, 320\) are not \(\.\.\., K\)"):
         session.run(None, {"x": np.zeros((1, 2, 96), np.float32)})
+    swiglu = _matmul_session(block_q4_layout(q, d, m), width="k", swiglu=True)
+    with pytest.raises(Exception, match=r"BlockQ4SwiGLUMatMul: x \(1, 2, 64\) .* are not \(\.\.\., 2 K\)"):
+        swiglu.run(None, {"x": np.zeros((1, 2, 64), np.float32)})
 
 
 def test_smollm2_q4_1_builds_take_the_matmul_kernel(smollm2, export_to, long_text, tmp_path, monkeypatch):
@@ -367,7 +387,8 @@ def test_smollm2_q4_1_builds_take_the_matmul_kernel(smollm2, export_to, long_tex
     assert [manifests[n]["build"]["fused"]["matmul_kernel"] for n in ("own", "nbits", "ref")] == ["cabinlm", "onnxruntime",
                                                                                                  "onnxruntime"]  # fmt: skip
     ops = [n.op_type for n in onnx.load(str(own / "decoder.opt.onnx"), load_external_data=False).graph.node]
-    assert ops.count(kernels.MATMUL_OP) == 4 * smollm2.spec.num_layers  # qkv, o, gate_up, down of every layer
+    assert ops.count(kernels.MATMUL_OP) == 3 * smollm2.spec.num_layers  # qkv, o, gate_up of every layer
+    assert ops.count(kernels.SWIGLU_MATMUL_OP) == smollm2.spec.num_layers and "Sigmoid" not in ops  # down, its SwiGLU
     assert any("Q4_1 matrices: cabinlm's BlockQ4MatMul" in line for line in logs)
     assert manifests["own"]["quality"]["build"]["weights_bytes"] < manifests["nbits"]["quality"]["build"]["weights_bytes"]
     ids = Tokenizer(own / "tokenizer.json").encode(long_text, add_special_tokens=True)[:300]

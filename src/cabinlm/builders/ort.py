@@ -262,9 +262,9 @@ def build_onnxruntime(artifact: Path, manifest: Manifest, profile, out: Path, lo
             mm = "BlockQ4MatMul for the Q4_1 matrices, " if matmul == "cabinlm" else ""
             log(f"fused the decoder: {len(fused_model.graph.node)} nodes (the export has {len(graph.graph.node)}), "
                 f"{op} over {lay.kv_dtype.value} KV, {mm}MatMulNBits accuracy level {accuracy_level}")
-            from cabinlm.kernels import MATMUL_OP
+            from cabinlm.kernels import MATMUL_OP, SWIGLU_MATMUL_OP
 
-            on_nbits = q4_1 - sum(n.op_type == MATMUL_OP for n in fused_model.graph.node)
+            on_nbits = q4_1 - sum(n.op_type in (MATMUL_OP, SWIGLU_MATMUL_OP) for n in fused_model.graph.node)
             if on_nbits:
                 log(f"{on_nbits} Q4_1 matrices on MatMulNBits: " + ("4-bit blocks, minimums added exactly (block sums)" if minimums == "exact"
                     else "8-bit blocks with integer zero points (each minimum rounded to 1/34 of its block's step)"))

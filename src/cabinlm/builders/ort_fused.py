@@ -196,7 +196,8 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
 
     matmul_kernel (builders.MatmulKernel): "cabinlm" runs each Q4_1 matrix whose scales and minimums
     are float16 (a GGUF's always are) on ai.cabinlm::BlockQ4MatMul (kernels/block_q4_matmul.cc),
-    its 4-bit codes and minimums as exported; `minimums` then applies to any other Q4_1 matrix."""
+    its 4-bit codes and minimums as exported, the down projection as BlockQ4SwiGLUMatMul (the SwiGLU
+    computed in its kernel); `minimums` then applies to any other Q4_1 matrix."""
     from cabinlm.builders import AttentionKernel, MatmulKernel, Minimums
     from cabinlm import kernels
 
@@ -213,6 +214,19 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
     b = _Builder()
     eps = float(spec.rms_norm_eps)
 
+    def own_blocks(name: str) -> str | None:
+        """A Q4_1 matrix laid out for cabinlm's BlockQ4MatMul (its initializer), or None where the
+        build runs it on MatMulNBits (matmul_kernel "onnxruntime", another format, not float16)."""
+        nonlocal own_ops
+        if matmul_kernel != MatmulKernel.CABINLM or not W.has(f"{name}.offset"):
+            return None
+        blob = block_q4_layout(W.get(f"{name}.q"), W.get(f"{name}.scale").astype(np.float32),
+                               W.get(f"{name}.offset").astype(np.float32))  # fmt: skip
+        if blob is None:
+            return None
+        own_ops = True
+        return b.weight(f"{name}.blocks", blob)
+
     def linear(x: str, name: str, out: str | None = None, bias: str | None = None) -> str:
         """x (1, tokens, K) @ W: a GGUF Q4_1 matrix on cabinlm's BlockQ4MatMul (matmul_kernel
         "cabinlm"); otherwise MatMulNBits over the exported blocks (a Q4_1 block: 8-bit codes with
@@ -226,14 +240,9 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
         nb = K // BLOCK
         scale = W.get(f"{name}.scale").astype(np.float32)  # (nb, N)
         offset = W.get(f"{name}.offset").astype(np.float32) if W.has(f"{name}.offset") else None
-        blob = None
-        if offset is not None and matmul_kernel == MatmulKernel.CABINLM:
-            blob = block_q4_layout(q, scale, offset)
-        if blob is not None:
-            nonlocal own_ops
-            own_ops = True
-            y = b.op(kernels.MATMUL_OP, x, b.weight(f"{name}.blocks", blob), domain=kernels.DOMAIN, hint=name,
-                     out=None if bias else out)  # fmt: skip
+        blocks = own_blocks(name)
+        if blocks is not None:
+            y = b.op(kernels.MATMUL_OP, x, blocks, domain=kernels.DOMAIN, hint=name, out=None if bias else out)
             return b.op("Add", y, bias, out=out, hint=f"{name}/bias") if bias else y
         if offset is not None and minimums == "int8":
             q8, s8, z8 = q4_1_as_int8(q, scale, offset)
@@ -345,9 +354,14 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
         o = linear(att, mf.weight_name(i, "o"))
         h, _, _, residual = b.op("SkipSimplifiedLayerNormalization", o, residual, float_weight(mf.weight_name(i, "post_norm.weight")),
                                  outputs=4, domain=MS, epsilon=eps, hint=f"{p}/post_norm")  # fmt: skip
-        gate, up = b.op("Split", linear(h, mf.weight_name(i, "gate_up")), b.const(np.array([I, I], np.int64)), outputs=2, axis=-1)
-        act = b.op("Mul", b.op("Mul", gate, b.op("Sigmoid", gate)), up, hint=f"{p}/swiglu")
-        x = linear(act, mf.weight_name(i, "down"))
+        gate_up = linear(h, mf.weight_name(i, "gate_up"))
+        down = own_blocks(mf.weight_name(i, "down"))
+        if down is not None:  # silu(gate) * up inside the down projection's kernel
+            x = b.op(kernels.SWIGLU_MATMUL_OP, gate_up, down, domain=kernels.DOMAIN, hint=f"{p}.down")
+        else:
+            gate, up = b.op("Split", gate_up, b.const(np.array([I, I], np.int64)), outputs=2, axis=-1)
+            act = b.op("Mul", b.op("Mul", gate, b.op("Sigmoid", gate)), up, hint=f"{p}/swiglu")
+            x = linear(act, mf.weight_name(i, "down"))
     x = b.op("Squeeze", b.op("Add", x, residual), b.const(np.array([0], np.int64)))
     x = b.op("Gather", x, mf.LOGIT_ROWS, axis=0, hint="logit_rows")
     h = b.op("SimplifiedLayerNormalization", x, float_weight("final_norm.weight"), axis=-1, epsilon=eps, stash_type=1)

@@ -5,9 +5,11 @@ it computes and what it guarantees):
 
 * `int8_kv_attention.cc`: `Int8KVAttention`, the attention over the int8 KV cache;
 * `block_q4_matmul.cc`: `BlockQ4MatMul`, the layers' matmuls over GGUF Q4_1 blocks (4-bit codes,
-  float16 scale and minimum) read as they are;
+  float16 scale and minimum) read as they are, and `BlockQ4SwiGLUMatMul`, the MLP's down projection
+  of silu(gate) * up;
 * `register.cc`: the entry point ONNX Runtime calls; `ort_api.h`: the ONNX Runtime C API entries
-  the kernels call, declared by their place in the API's table (no ONNX Runtime headers needed).
+  the kernels call, declared by their place in the API's table (no ONNX Runtime headers needed);
+  `vector_math.h`: the portable float vectors both kernels compute with.
 
 The library is compiled once per source, compiler and CPU (`-march=native`: the machine's own vector
 instructions) into the cache folder (CABINLM_CACHE, default ~/.cache/cabinlm) under kernels/, by
@@ -28,10 +30,11 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / name for name in ("register.cc", "int8_kv_attention.cc", "block_q4_matmul.cc"))
-HEADERS = (HERE / "ort_api.h",)
+HEADERS = (HERE / "ort_api.h", HERE / "vector_math.h")
 DOMAIN = "ai.cabinlm"
 ATTENTION_OP = "Int8KVAttention"
 MATMUL_OP = "BlockQ4MatMul"
+SWIGLU_MATMUL_OP = "BlockQ4SwiGLUMatMul"  # the MLP's down projection, its SwiGLU included
 FLAGS = ("-O3", "-march=native", "-std=gnu++17", "-ffp-contract=fast", "-fPIC", "-shared", "-fvisibility=hidden")
 
 

@@ -14,6 +14,10 @@
 //                       column c's codes for rows 4 j + i (low nibble) and 4 (j + 4) + i (high))
 //   output   0 y        float (..., N)                 y = x @ W
 //
+// ai.cabinlm::BlockQ4SwiGLUMatMul takes the MLP's gate | up product instead and multiplies its
+// SwiGLU: x (..., 2 K) -> y = (silu(x[..., :K]) * x[..., K:]) @ W, silu(g) = g / (1 + exp(-g)),
+// in place of a Split, a Sigmoid and two Muls per layer.
+//
 // How it computes (llama.cpp's Q4_1 x Q8_1 dot product): each row of x is quantized per block of 32
 // to int8 codes c with the block's scale s = a / 127 (a its largest magnitude; rounded half to even);
 // then, with x' = s c the quantized row,
@@ -46,10 +50,12 @@
 #endif
 
 #include "ort_api.h"
+#include "vector_math.h"
 
 namespace {
 
 using namespace cabinlm_ort;
+using namespace cabinlm_vec;
 
 constexpr int kCols = 16;                               // columns per tile
 constexpr int kBlock = 32;                              // rows of W per block
@@ -98,6 +104,18 @@ void quantize_row(const float* x, int64_t nb, int8_t* q, float* d, float* s) {
     }
     d[b] = amax / 127.0f;
     s[b] = d[b] * static_cast<float>(sum);
+  }
+}
+
+// silu(gate) * up for one row of gate | up (2 K floats), 16 lanes at a time: sigmoid from exp of
+// -|g| only (no overflow), exp_nonpositive's polynomial.
+void swiglu_row(const float* gu, int64_t K, float* out) {
+  for (int64_t k = 0; k < K; k += 16) {
+    const vf16 g = load(gu + k), u = load(gu + K + k);
+    const vi16 positive = g >= splat(0.0f);
+    const vf16 e = exp_nonpositive(positive ? -g : g);
+    const vf16 sigmoid = (positive ? splat(1.0f) : e) / (splat(1.0f) + e);
+    store(out + k, g * sigmoid * u);
   }
 }
 
@@ -180,19 +198,20 @@ void tile_unit(void* data, size_t unit) {
   }
 }
 
-OrtStatus* compute(OrtKernelContext* ctx) {
+OrtStatus* compute(OrtKernelContext* ctx, bool swiglu) {
   const OrtValue *xv = nullptr, *wv = nullptr;
   std::vector<int64_t> dx, dw;
   CABIN_TRY(input(ctx, 0, &xv));
   CABIN_TRY(input(ctx, 1, &wv));
   CABIN_TRY(dims_of(xv, &dx));
   CABIN_TRY(dims_of(wv, &dw));
-  const std::string where = "BlockQ4MatMul: ";
-  if (dx.empty() || dw.size() != 3 || dw[2] != kTileBlockBytes || dx.back() != dw[1] * kBlock)
-    return error(kInvalidArgument, where + "x " + shape_str(dx) + " and weights " + shape_str(dw) +
-                                       " are not (..., K) and (N / 16, K / 32, 320)");
+  const std::string where = swiglu ? "BlockQ4SwiGLUMatMul: " : "BlockQ4MatMul: ";
+  const int64_t width = swiglu ? 2 : 1;  // x holds gate | up for the SwiGLU
+  if (dx.empty() || dw.size() != 3 || dw[2] != kTileBlockBytes || dx.back() != width * dw[1] * kBlock)
+    return error(kInvalidArgument, where + "x " + shape_str(dx) + " and weights " + shape_str(dw) + " are not (..., " +
+                                       (swiglu ? "2 K" : "K") + ") and (N / 16, K / 32, 320)");
   Problem p{};
-  p.K = dx.back();
+  p.K = dx.back() / width;
   p.nb = dw[1];
   p.tiles = dw[0];
   p.N = p.tiles * kCols;
@@ -210,8 +229,15 @@ OrtStatus* compute(OrtKernelContext* ctx) {
 
   std::vector<int8_t> xq(static_cast<size_t>(p.M * p.K));
   std::vector<float> scales(static_cast<size_t>(p.M * p.nb)), sums(scales.size());
-  for (int64_t r = 0; r < p.M; ++r)
-    quantize_row(x + r * p.K, p.nb, xq.data() + r * p.K, scales.data() + r * p.nb, sums.data() + r * p.nb);
+  std::vector<float> act(swiglu ? static_cast<size_t>(p.K) : 0);
+  for (int64_t r = 0; r < p.M; ++r) {
+    const float* row = x + r * width * p.K;
+    if (swiglu) {
+      swiglu_row(row, p.K, act.data());
+      row = act.data();
+    }
+    quantize_row(row, p.nb, xq.data() + r * p.K, scales.data() + r * p.nb, sums.data() + r * p.nb);
+  }
   p.xq = xq.data();
   p.dx = scales.data();
   p.sx = sums.data();
@@ -221,13 +247,24 @@ OrtStatus* compute(OrtKernelContext* ctx) {
 struct BlockQ4MatMul {
   static constexpr const char* kName = "BlockQ4MatMul";
   static constexpr ElementType kInputTypes[2] = {kFloat, kUint8};
-  static OrtStatus* compute(OrtKernelContext* ctx) { return ::compute(ctx); }
+  static OrtStatus* compute(OrtKernelContext* ctx) { return ::compute(ctx, false); }
+};
+
+struct BlockQ4SwiGLUMatMul {
+  static constexpr const char* kName = "BlockQ4SwiGLUMatMul";
+  static constexpr ElementType kInputTypes[2] = {kFloat, kUint8};
+  static OrtStatus* compute(OrtKernelContext* ctx) { return ::compute(ctx, true); }
 };
 
 }  // namespace
 
 const cabinlm_ort::CustomOp* cabinlm_ort::block_q4_matmul_op() {
   static const CustomOp op = make_op<BlockQ4MatMul>();
+  return &op;
+}
+
+const cabinlm_ort::CustomOp* cabinlm_ort::block_q4_swiglu_matmul_op() {
+  static const CustomOp op = make_op<BlockQ4SwiGLUMatMul>();
   return &op;
 }
 

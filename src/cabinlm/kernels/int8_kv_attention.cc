@@ -46,10 +46,12 @@
 #endif
 
 #include "ort_api.h"
+#include "vector_math.h"
 
 namespace {
 
 using namespace cabinlm_ort;
+using namespace cabinlm_vec;
 
 // --- the arithmetic ------------------------------------------------------------------------------
 
@@ -59,19 +61,6 @@ constexpr int kMaxHeadDim = 256;
 constexpr int kRowBlock = 4;  // rows of one kv head that share each key's conversion to float
 constexpr int kTile = 32;     // keys converted to float at a time for P V
 
-// Portable vectors (GCC / Clang): AVX-512 or AVX2 on x86, NEON on Arm.
-typedef float vf16 __attribute__((vector_size(64)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
-typedef int8_t vb16 __attribute__((vector_size(16)));
-typedef float vf8 __attribute__((vector_size(32)));
-typedef float vf4 __attribute__((vector_size(16)));
-
-inline vf16 load(const float* p) {
-  vf16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void store(float* p, vf16 v) { std::memcpy(p, &v, sizeof v); }
 inline vf16 load_int8(const int8_t* p) {  // 16 int8 -> 16 float, exactly
 #if defined(__AVX512F__)
   const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -91,7 +80,6 @@ inline vf16 load_int8(const int8_t* p) {  // 16 int8 -> 16 float, exactly
   return __builtin_convertvector(__builtin_convertvector(b, vi16), vf16);  // sign-extend, then convert
 #endif
 }
-inline vf16 splat(float x) { return vf16{} + x; }
 
 inline float hsum(vf16 v) {  // a fixed tree: 16 -> 8 -> 4 -> 1
   vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -102,25 +90,6 @@ inline float hmax(vf16 v) {  // exact in any order
   float m = v[0];
   for (int l = 1; l < kLanes; ++l) m = v[l] > m ? v[l] : m;
   return m;
-}
-
-// exp(x) for x <= 0, exactly 0 below -87 (a masked key): a Cephes-style polynomial on 2^n e^r.
-inline vf16 exp_nonpositive(vf16 x) {
-  const vi16 masked = x < splat(-87.0f);
-  const vf16 xc = masked ? splat(-87.0f) : x;
-  const vi16 ni = __builtin_convertvector(xc * 1.44269504088896341f - 0.5f, vi16);  // round(x log2 e), x <= 0
-  const vf16 n = __builtin_convertvector(ni, vf16);
-  vf16 r = xc - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  vf16 p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const vf16 scale = (vf16)((ni + 127) << 23);
-  return masked ? splat(0.0f) : p * scale;
 }
 
 inline int8_t quantize(float x) {  // half to even, saturated to +-127

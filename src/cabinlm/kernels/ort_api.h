@@ -173,5 +173,6 @@ CustomOp make_op() {
 // The operators the library registers (one per source file).
 const CustomOp* int8_kv_attention_op();
 const CustomOp* block_q4_matmul_op();
+const CustomOp* block_q4_swiglu_matmul_op();
 
 }  // namespace cabinlm_ort
