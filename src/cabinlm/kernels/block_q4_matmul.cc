@@ -120,6 +120,8 @@ void swiglu_row(const float* gu, int64_t K, float* out) {
 }
 
 #if CABINLM_VNNI
+typedef int32_t int32_alias __attribute__((may_alias));
+
 // Rows r0 .. r0+R-1 of one tile of 16 columns.
 template <int R>
 void tile_rows(const Problem& p, int64_t t, int64_t r0) {
@@ -138,8 +140,8 @@ void tile_rows(const Problem& p, int64_t t, int64_t r0) {
     const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kCodeBytes + 32)));
     for (int r = 0; r < R; ++r) {
       const int64_t at = (r0 + r) * p.nb + b;
-      int32_t x4[8];  // the row's codes, four at a time
-      std::memcpy(x4, p.xq + at * kBlock, sizeof x4);
+      // the row's codes, four at a time, each broadcast by the load itself ({1to16})
+      const int32_alias* x4 = reinterpret_cast<const int32_alias*>(p.xq + at * kBlock);
       __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();  // integer: exact in any order
       for (int j = 0; j < 8; j += 2) {
         even = _mm512_dpbusd_epi32(even, codes[j], _mm512_set1_epi32(x4[j]));
