@@ -125,7 +125,8 @@ def run_cabinlm(art: Path, ids: np.ndarray, threads: int) -> Row:
     fused = m.runtime_spec.fused
     if fused is not None:
         act = ACTIVATIONS.get(fused.accuracy_level, "?")
-        weights += f"; fused, Q4_1 minimums {fused.minimums}, {act} activations (level {fused.accuracy_level})"
+        q4_1 = "cabinlm's Q4_1 matmul" if fused.matmul_kernel == "cabinlm" else f"Q4_1 minimums {fused.minimums}"
+        weights += f"; fused, {q4_1}, {act} activations (level {fused.accuracy_level})"
     kv = f"{lay.kv_dtype.value}; sink {lay.sink} + window {lay.window} (+ pinned {lay.pinned}, unused here)"
     return Row(str(art), "cabinlm", weights, kv, int(res.tokens), res.ppl, res.nll_mean, int(dec.cache.evicted),
                seconds, str(art.resolve()))  # fmt: skip
