@@ -286,7 +286,7 @@ def test_q4_1_blocks_as_int8_move_each_block_by_one_small_constant():
     values block by block: a block holding zero moves as a whole by one constant (the levels keep
     their spacing) of at most d / 34; a block far from zero is re-rounded value by value within
     half its new step; a constant block is kept."""
-    from cabinlm.builders.ort_fused import q4_1_as_int8
+    from cabinlm.builders.block_layouts import q4_1_as_int8
 
     rng = np.random.default_rng(0)
     K, N = 96, 40

@@ -95,10 +95,23 @@ def _elem_type(model: onnx.ModelProto, name: str) -> int:
     return onnx.TensorProto.INT64
 
 
+def _own_library(asked: str, kept: str, log: Callable[[str], None]) -> Path | None:
+    """cabinlm's compiled kernel library, or None (logged: ONNX Runtime's `kept` stays) where it
+    cannot be had and the kernel was not insisted on (`asked` "cabinlm": a BuildError instead)."""
+    from cabinlm import kernels
+
+    try:
+        return kernels.library()
+    except kernels.KernelError as e:
+        if asked == "cabinlm":
+            raise BuildError(str(e)) from e
+        log(f"kept ONNX Runtime's {kept}: {str(e).splitlines()[0]}")
+        return None
+
+
 def _attention_kernel(manifest: Manifest, asked: str, log: Callable[[str], None]) -> str:
     """The fused build's attention kernel (FusedSettings.attention_kernel) for builders.AttentionKernel
     `asked`: cabinlm's own for int8 KV unless asked otherwise or no compiler here."""
-    from cabinlm import kernels
     from cabinlm.layout import KVDType
 
     spec = manifest.model
@@ -112,12 +125,8 @@ def _attention_kernel(manifest: Manifest, asked: str, log: Callable[[str], None]
         return "onnxruntime"
     if why:
         raise BuildError(f"--attention-kernel cabinlm does not apply: {why}; use --attention-kernel onnxruntime")
-    try:
-        path = kernels.library()
-    except kernels.KernelError as e:
-        if asked == "cabinlm":
-            raise BuildError(str(e)) from e
-        log(f"kept ONNX Runtime's GroupQueryAttention: {str(e).splitlines()[0]}")
+    path = _own_library(asked, "GroupQueryAttention", log)
+    if path is None:
         return "onnxruntime"
     log(f"attention over the int8 cache: cabinlm's kernel, compiled for this CPU ({path.name})")
     return "cabinlm"
@@ -139,12 +148,8 @@ def _matmul_kernel(q4_1: int, asked: str, accuracy_level: int, log: Callable[[st
         return "onnxruntime"
     if why:
         raise BuildError(f"--matmul-kernel cabinlm does not apply: {why}; use --matmul-kernel onnxruntime")
-    try:
-        path = kernels.library()
-    except kernels.KernelError as e:
-        if asked == "cabinlm":
-            raise BuildError(str(e)) from e
-        log(f"kept ONNX Runtime's MatMulNBits: {str(e).splitlines()[0]}")
+    path = _own_library(asked, "MatMulNBits", log)
+    if path is None:
         return "onnxruntime"
     isa = kernels.matmul_isa(str(path))
     if asked == "auto" and isa != "avx512-vnni":

@@ -25,7 +25,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from cabinlm.builders import BuildError
-from cabinlm.builders.ort_fused import _pack4
+from cabinlm.builders.block_layouts import pack4
 
 MS = "com.microsoft"
 BLOCK = 32  # the export's block size along K (export/wquant.py)
@@ -153,7 +153,7 @@ def blocks_to_matmulnbits(model: onnx.ModelProto) -> dict[str, int]:
             raise BuildError(f"{dq.input[0]}: codes outside {bits} bits; re-export")
         name = dq.input[0].removesuffix(".q")
         codes = q.T.reshape(N, nb, BLOCK)
-        blob = _pack4(codes) if bits == 4 else codes.astype(np.uint8)
+        blob = pack4(codes) if bits == 4 else codes.astype(np.uint8)
         ins = [mm[0].input[0], f"{name}.nbits", f"{name}.nbits_scale"]
         new_inits += [numpy_helper.from_array(np.ascontiguousarray(blob), f"{name}.nbits"),
                       numpy_helper.from_array(np.ascontiguousarray(scale.T), f"{name}.nbits_scale")]  # fmt: skip
@@ -162,7 +162,7 @@ def blocks_to_matmulnbits(model: onnx.ModelProto) -> dict[str, int]:
             if bits == 4:
                 if nb % 2:
                     zp = np.concatenate([zp, np.zeros((N, 1), np.uint8)], axis=1)
-                zp = _pack4(zp)
+                zp = pack4(zp)
             new_inits.append(numpy_helper.from_array(np.ascontiguousarray(zp), f"{name}.nbits_zero_point"))
             ins.append(f"{name}.nbits_zero_point")
         # The HTP form takes a 3-D input (batch, tokens, K); the export's hidden states are (tokens, K).

@@ -10,7 +10,7 @@
 //   inputs   0 x        float (..., K)
 //            1 weights  uint8 (N / 16, K / 32, 320)  per tile of 16 columns and block of 32 rows of W:
 //                       256 bytes of codes, 16 float16 scales, 16 float16 minimums (block_q4_layout
-//                       in builders/ort_fused.py writes them; byte 4 c + i of the j-th 64 bytes holds
+//                       in builders/block_layouts.py writes them; byte 4 c + i of the j-th 64 bytes holds
 //                       column c's codes for rows 4 j + i (low nibble) and 4 (j + 4) + i (high))
 //   output   0 y        float (..., N)                 y = x @ W
 //
