@@ -12,6 +12,7 @@ import time
 import numpy as np
 
 from cabinlm.runtime import Decoder
+from cabinlm.engines.ort_fused.spec import FusedSettings
 
 ap = argparse.ArgumentParser()
 ap.add_argument("builds", nargs=2)
@@ -46,7 +47,7 @@ def decode(d: Decoder) -> float:
 
 decoders = {b: Decoder(b, threads=a.threads) for b in a.builds}
 for d in decoders.values():
-    kernel = d.manifest.runtime_spec.fused.attention_kernel if d.manifest.runtime_spec.fused else "-"
+    kernel = d.manifest.runtime_spec.facts_as(FusedSettings).attention_kernel if d.manifest.runtime_spec.facts_as(FusedSettings) else "-"
     print(f"{d.folder}: attention kernel {kernel}")
 got = {b: {"prefill": [], "decode": []} for b in a.builds}
 for r in range(a.rounds):

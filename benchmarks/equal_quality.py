@@ -64,6 +64,7 @@ from cabinlm.bench.runner import model_for_baselines
 from cabinlm.manifest import load_manifest
 from cabinlm.runtime import Decoder, Tokenizer
 from cabinlm.runtime.perplexity import chunked_perplexity
+from cabinlm.engines.ort_fused.spec import FusedSettings
 
 # MatMulNBits accuracy_level -> the activations' type in its products (ONNX Runtime's contrib op docs).
 ACTIVATIONS = {0: "float32", 1: "float32", 2: "float16", 3: "bfloat16", 4: "int8"}
@@ -122,7 +123,7 @@ def run_cabinlm(art: Path, ids: np.ndarray, threads: int) -> Row:
     weights = m.weights
     if w:
         weights += f" ({w.get('imported', 0)} imported, {w.get('quantized', 0)} quantized; head {w.get('head', '?')})"
-    fused = m.runtime_spec.fused
+    fused = m.runtime_spec.facts_as(FusedSettings)
     if fused is not None:
         act = ACTIVATIONS.get(fused.accuracy_level, "?")
         q4_1 = "cabinlm's Q4_1 matmul" if fused.matmul_kernel == "cabinlm" else f"Q4_1 minimums {fused.minimums}"

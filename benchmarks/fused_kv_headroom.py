@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cabinlm.builders import build_artifact
+from cabinlm.engines.build import build_artifact
 from cabinlm.profiles import load_profile
 from cabinlm.runtime import Decoder, Tokenizer
 from cabinlm.runtime.perplexity import chunked_perplexity

@@ -35,7 +35,7 @@ def session(model, own_kernels: bool = False):
     so = ort.SessionOptions()
     so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = a.threads, 1, 3
     if own_kernels:
-        from cabinlm import kernels
+        from cabinlm.engines.ort_fused import kernels
 
         so.register_custom_ops_library(str(kernels.library()))
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])

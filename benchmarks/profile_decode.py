@@ -13,8 +13,8 @@ import time
 
 import numpy as np
 
-import cabinlm.runtime.backends.exported as exported_mod
-import cabinlm.runtime.backends.fused as fused_mod
+import cabinlm.engines.ort_graph.backend as exported_mod
+import cabinlm.engines.ort_fused.backend as fused_mod
 from cabinlm.runtime import Decoder
 
 ap = argparse.ArgumentParser()

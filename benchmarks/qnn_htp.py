@@ -30,6 +30,7 @@ import numpy as np
 from cabinlm.manifest import load_manifest
 from cabinlm.runtime import Decoder, Tokenizer
 from cabinlm.runtime.perplexity import chunked_perplexity
+from cabinlm.engines.qnn_htp.spec import QnnSettings
 
 EXACT = {"session.qdq_matmulnbits_accuracy_level": "0"}
 
@@ -61,8 +62,8 @@ def build(art: str, profile: str, out: Path) -> dict:
     rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", p.stderr).group(1)) * 1024
     m = load_manifest(out)
     return {"wall_s": round(wall, 1), "peak_rss_bytes": rss, "binary_bytes": m.quality["build"]["binary_bytes"],
-            "weights": m.build.qnn.weights, "weight_sharing": m.build.qnn.weight_sharing,
-            "qairt": m.build.qnn.qairt_version, "check": m.build.qnn.check}  # fmt: skip
+            "weights": m.build.facts_as(QnnSettings).weights, "weight_sharing": m.build.facts_as(QnnSettings).weight_sharing,
+            "qairt": m.build.facts_as(QnnSettings).qairt_version, "check": m.build.facts_as(QnnSettings).check}  # fmt: skip
 
 
 def decode_steps(folder, ids: np.ndarray, prompt: int, steps: int, **kw) -> tuple[np.ndarray, float]:

@@ -14,6 +14,7 @@ import argparse
 from cabinlm.runtime import Decoder, Tokenizer
 from cabinlm.runtime.perplexity import chunked_perplexity
 from cabinlm.manifest import load_manifest
+from cabinlm.engines.ort_fused.spec import FusedSettings
 
 ap = argparse.ArgumentParser()
 ap.add_argument("text")
@@ -29,8 +30,8 @@ for art in a.artifacts:
     src = m.quality.get("weights", {})
     how = f"{src.get('imported', 0)} imported / {src.get('quantized', 0)} quantized" if src else "float32"
     levels = [("float32", None)] if m.weights == "fp32" else [("int8 (level 4)", "4"), ("float32 (level 0)", "0")]
-    if m.runtime_spec.fused is not None:
-        fused = m.runtime_spec.fused
+    if m.runtime_spec.facts_as(FusedSettings) is not None:
+        fused = m.runtime_spec.facts_as(FusedSettings)
         how = f"fused build, Q4_1 minimums {fused.minimums}"
         levels = [(f"level {fused.accuracy_level} (built in)", None)]
     for label, level in levels:

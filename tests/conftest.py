@@ -106,7 +106,7 @@ def smollm2(load):
 def smollm2_fused(smollm2, export_to, tmp_path_factory):
     """SmolLM2 as `make demo` builds it (the GGUF's blocks, int8 KV, the fused cpu decoder) in a
     small cache: sink 4 + pinned 60 + window 252, chunk 32."""
-    from cabinlm.builders import build_artifact
+    from cabinlm.engines.build import build_artifact
     from cabinlm.profiles import load_profile
 
     art = export_to(smollm2, kv="int8", sink=4, pinned=60, window=252, chunk=32, weights="int4")

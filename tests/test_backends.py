@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from cabinlm import kernels
-from cabinlm.builders import build_artifact
+from cabinlm.engines.ort_fused import kernels
+from cabinlm.engines.build import build_artifact
 from cabinlm.layout import KVDType
 from cabinlm.manifest import load_manifest
 from cabinlm.profiles import load_profile
@@ -148,7 +148,7 @@ def test_every_backend_follows_the_streaming_reference(backend, artifacts, strea
     dec = Decoder(folder)
     assert type(dec.backend).kind.value == kind and dec.device == "onnxruntime-cpu"
     if backend == FUSED_INT8:  # never GroupQueryAttention in its place (the graph: the next test)
-        assert dec.manifest.build.fused.attention_kernel == "cabinlm"
+        assert dec.manifest.build.facts.attention_kernel == "cabinlm"
     errors = stream_errors(dec, ids, expected)
     every, mean = TOLERANCE[dec.manifest.cache.kv_dtype]
     assert errors.max() < every and errors.mean() < mean, (backend, errors.max(), errors.mean())
@@ -159,7 +159,7 @@ def test_the_int8_kv_fused_build_runs_cabinlms_attention_kernel(artifacts):
     cabinlm's Int8KVAttention, and no GroupQueryAttention is left (that one the fp32 entry covers)."""
     folder = artifact(artifacts, FUSED_INT8)
     m = load_manifest(folder)
-    assert m.cache.kv_dtype == KVDType.INT8 and m.build.fused.attention_kernel == "cabinlm"
+    assert m.cache.kv_dtype == KVDType.INT8 and m.build.facts.attention_kernel == "cabinlm"
     graph = onnx.load(str(folder / m.files["graph"].path), load_external_data=False).graph
     ops = [(n.domain, n.op_type) for n in graph.node]
     assert ops.count((kernels.DOMAIN, kernels.ATTENTION_OP)) == m.cache.layers
@@ -170,7 +170,7 @@ def test_the_int8_tolerance_fails_a_fused_cache_one_position_off(artifacts, stre
     """The int8 tolerance is loose enough for rounding, not for bookkeeping: the same build with
     each chunk rotated one eviction late (the window keys' distances unchanged, the re-rotated sink
     and pinned keys' off by one) is far outside it."""
-    from cabinlm.runtime.backends.rotated import RotatedKeys
+    from cabinlm.engines.ort_fused.rotated import RotatedKeys
 
     folder = artifact(artifacts, FUSED_INT8)
     right = RotatedKeys.chunk_tables

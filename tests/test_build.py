@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 import pytest
 
-from cabinlm.builders.trt_compat import check_file
+from cabinlm.engines.tensorrt.compat import check_file
 from cabinlm.runtime import Decoder, Tokenizer
 from cabinlm.runtime.perplexity import chunked_perplexity
 from test_cli import assert_clean_error, cabinlm
@@ -97,8 +97,8 @@ def test_tensorrt_profiles_check_compatibility_then_write_the_target_bundle(tiny
     assert check_file(art / "decoder.onnx", "8.6") == []  # no errors, no warnings
     b = cabinlm("build", art, "--profile", "orin-x")  # no TensorRT here: the bundle, and how to finish on the car
     assert b.returncode == 0, b.stderr
-    assert "0 error(s)" in b.stderr and "wrote the TensorRT bundle" in b.stdout and "cabinlm build build-orin-x" in b.stdout
-    assert json.loads((art / "build-orin-x" / "manifest.json").read_text())["build"]["tensorrt"]["state"] == "bundle"
+    assert "0 error(s)" in b.stderr and "wrote the TensorRT bundle" in b.stdout and "cabinlm build orin-build-orin-x" in b.stdout
+    assert json.loads((tmp_path / "orin-build-orin-x" / "manifest.json").read_text())["build"]["tensorrt"]["state"] == "bundle"
     chat = cabinlm("chat", art, "--json", "--max-new-tokens", 3, stdin="hi\n")  # int32 indices run on ORT too
     assert chat.returncode == 0, chat.stderr
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from cabinlm.errors import InputError, LayoutError
 from cabinlm.manifest import CacheLayout
-from cabinlm.runtime.backends.exported import write_slots
+from cabinlm.engines.ort_graph.backend import write_slots
 from cabinlm.runtime.slots import MASK_VALUE, SlotState, SlotTable, StateError, check_state
 
 

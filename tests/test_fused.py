@@ -11,7 +11,7 @@ import onnx
 import pytest
 from test_cli import assert_clean_error, cabinlm
 
-from cabinlm.builders import build_artifact
+from cabinlm.engines.build import build_artifact
 from cabinlm.profiles import load_profile
 from cabinlm.runtime import Decoder, Dialogue, open_artifact
 from cabinlm.runtime.persist import load_session, save_session
@@ -133,7 +133,7 @@ def test_fused_int8_kv_stays_close_to_float_kv(kernel, load, tiny_llama_dir, exp
     np.testing.assert_array_equal(pair[..., :half], pair[..., half:])  # one scale per rotation pair
     assert (pair >= np.asarray(scales["keys"]) - 1e-7).all()  # a pair (with headroom) bounds each of its channels
     fused = Decoder(fused_build(art8, tmp_path / "fused8", attention_kernel=kernel))
-    assert fused.manifest.build.fused.attention_kernel == kernel
+    assert fused.manifest.build.facts.attention_kernel == kernel
     graph8 = Decoder(art8)
     err_fused = drive([ref, fused], np.random.default_rng(2))
     err_graph = drive([ref, graph8], np.random.default_rng(2))
@@ -286,7 +286,7 @@ def test_q4_1_blocks_as_int8_move_each_block_by_one_small_constant():
     values block by block: a block holding zero moves as a whole by one constant (the levels keep
     their spacing) of at most d / 34; a block far from zero is re-rounded value by value within
     half its new step; a constant block is kept."""
-    from cabinlm.builders.block_layouts import q4_1_as_int8
+    from cabinlm.engines.ort_fused.block_layouts import q4_1_as_int8
 
     rng = np.random.default_rng(0)
     K, N = 96, 40

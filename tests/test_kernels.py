@@ -13,8 +13,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from cabinlm import kernels
-from cabinlm.builders import BuildError, build_artifact
+from cabinlm.engines.ort_fused import kernels
+from cabinlm.engines.build import BuildError, build_artifact
 from cabinlm.profiles import load_profile
 from cabinlm.runtime import Decoder
 
@@ -281,7 +281,7 @@ def _q4_reference(x: np.ndarray, q, d, m) -> np.ndarray:
 def test_the_q4_layout_holds_the_exported_codes_scales_and_minimums():
     """An independent unpacking of builders.block_layouts.block_q4_layout gives back every code, scale
     and minimum; a scale that is not a float16, or a width that is not tiles of 16, is not laid out."""
-    from cabinlm.builders.block_layouts import block_q4_layout
+    from cabinlm.engines.ort_fused.block_layouts import block_q4_layout
 
     K, N = 96, 48
     q, d, m = _q4_case(K, N)
@@ -307,7 +307,7 @@ def test_block_q4_matmul_computes_the_q4_1_product(path, tmp_path, monkeypatch):
     """Both paths of the kernel (this CPU's, and the plain C++ one other CPUs get) against the numpy
     reference of its arithmetic (float32 rounding apart) and against x @ W in float64 (the int8
     activations' rounding apart); rows of zeros, several tiles, row counts around the blocks of 4."""
-    from cabinlm.builders.block_layouts import block_q4_layout
+    from cabinlm.engines.ort_fused.block_layouts import block_q4_layout
 
     if path == "generic":
         monkeypatch.setenv("CABINLM_CACHE", str(tmp_path))
@@ -344,7 +344,7 @@ def test_block_q4_matmul_computes_the_q4_1_product(path, tmp_path, monkeypatch):
 
 
 def test_block_q4_matmul_rows_are_one_row_runs_bit_for_bit():
-    from cabinlm.builders.block_layouts import block_q4_layout
+    from cabinlm.engines.ort_fused.block_layouts import block_q4_layout
 
     q, d, m = _q4_case(96, 32, seed=3)
     session = _matmul_session(block_q4_layout(q, d, m))
@@ -360,7 +360,7 @@ def test_block_q4_matmul_rows_are_one_row_runs_bit_for_bit():
 
 
 def test_block_q4_matmul_refuses_weights_of_another_shape():
-    from cabinlm.builders.block_layouts import block_q4_layout
+    from cabinlm.engines.ort_fused.block_layouts import block_q4_layout
 
     q, d, m = _q4_case(64, 16)
     session = _matmul_session(block_q4_layout(q, d, m), width="k")

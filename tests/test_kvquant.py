@@ -16,7 +16,7 @@ from cabinlm.export import kvquant as kvq
 from cabinlm.export.graph import GraphBuilder
 from cabinlm.manifest import CacheLayout, KVDType
 from cabinlm.runtime import Decoder, Tokenizer
-from cabinlm.runtime.backends.exported import allocate
+from cabinlm.engines.ort_graph.backend import allocate
 from cabinlm.runtime.perplexity import chunked_perplexity
 
 QMAX = {"int8": 127.0, "fp8": 448.0}

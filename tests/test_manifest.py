@@ -81,11 +81,12 @@ def test_an_artifact_of_an_older_format_is_refused_with_what_to_run(artifact):
 ])  # fmt: skip
 def test_the_build_section_is_typed_and_checked(artifact, field, bad):
     """The build is typed data: a wrong kind, provider, option type or table is one ManifestError."""
-    from cabinlm.buildspec import BackendKind, BuildSpec, FusedSettings
-
     import dataclasses
 
-    d = dataclasses.replace(load_manifest(artifact), build=BuildSpec(backend=BackendKind.FUSED, fused=FusedSettings())).to_dict()
+    from cabinlm.buildspec import BackendKind, BuildSpec
+    from cabinlm.engines.ort_fused.spec import FusedSettings
+
+    d = dataclasses.replace(load_manifest(artifact), build=BuildSpec(backend=BackendKind.FUSED, facts=FusedSettings())).to_dict()
     spec = d["build"]
     assert Manifest.from_dict(d).runtime_spec.backend == BackendKind.FUSED  # the well-formed spec loads
     if isinstance(bad, dict) and isinstance(spec.get(field), dict):
@@ -147,7 +148,7 @@ def test_a_hostile_manifest_is_a_manifest_error_or_a_valid_manifest(built_manife
 @pytest.fixture(scope="module")
 def built_manifest(load, tiny_llama_dir, export_to, tmp_path_factory):
     """An int8-KV fused cpu build's manifest: every typed section present (build, rotary, kv_scales)."""
-    from cabinlm.builders import build_artifact
+    from cabinlm.engines.build import build_artifact
     from cabinlm.profiles import load_profile
 
     art = export_to(load(str(tiny_llama_dir)), sink=2, pinned=6, window=32, chunk=8, kv="int8")

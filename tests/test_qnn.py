@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from cabinlm.builders import build_artifact
+from cabinlm.engines.build import build_artifact
 from cabinlm.manifest import FileEntry, load_manifest
 from cabinlm.profiles import load_profile
 from cabinlm.runtime import Decoder
@@ -84,7 +84,7 @@ def test_both_chips_get_context_binaries_and_the_manifest_records_them(builds):
         assert spec.backend.value == "qnn-htp" and spec.engine == "qnn"
         assert spec.provider.name == "QNNExecutionProvider"
         assert spec.provider.options == {"backend_type": "htp", "htp_arch": str(arch), "soc_model": str(soc)}
-        q = spec.qnn
+        q = spec.facts
         assert (q.htp_arch, q.soc_model, q.activations, q.weights) == (arch, soc, "fp16", "int4")
         assert q.qairt_version.startswith("2.") and spec.engine_version == q.qairt_version
         assert q.rewrites["rms_norms"] == 5 and q.rewrites["matmul_4bit"] == 8  # 2 layers x 4 + final norm
@@ -98,9 +98,9 @@ def test_both_chips_get_context_binaries_and_the_manifest_records_them(builds):
             ctx = onnx.load(str(folder / m.files[role].path), load_external_data=False)
             assert {n.op_type for n in ctx.graph.node} == {"EPContext"}
     v68, v73 = load_manifest(builds["sa8295p"]), load_manifest(builds["sa8775p"])
-    assert not v68.build.qnn.weight_sharing and len(v68.build.qnn.binaries) == 2
+    assert not v68.build.facts.weight_sharing and len(v68.build.facts.binaries) == 2
     # v73: prefill and decode share one binary (one weights copy); the unshared twin is the simulator's
-    assert v73.build.qnn.weight_sharing
+    assert v73.build.facts.weight_sharing
     car = [e.path for r, e in v73.files.items() if r.startswith("context_binary") and not r.endswith("_simulator")]
     assert len(car) == 1 and {"graph_simulator", "graph_decode_simulator", "context_binary_simulator"} <= set(v73.files)
 
@@ -121,7 +121,7 @@ def test_simulated_htp_follows_the_float_reference_on_an_fp32_export(load, tiny_
     loaded = load(str(tiny_llama_dir))
     art = export_to(loaded, kv="fp16", **LAYOUT)
     folder = build_artifact(art, load_profile("sa8295p"), tmp_path / "htp")
-    assert load_manifest(folder).build.qnn.weights == "fp16"
+    assert load_manifest(folder).build.facts.weights == "fp16"
     ids = stream_ids()
     expected = reference_logits(loaded.model, ids)
     got = run_stream(folder, ids)

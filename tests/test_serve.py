@@ -321,7 +321,7 @@ def test_the_fused_build_drafts_and_serves_the_plain_replies(artifact, tmp_path)
     """On the fused cpu build the server drafts by prompt lookup (as chat does) and its greedy replies
     are the plain ones byte for byte, through a window that turns over (40 tokens), and after a
     history that makes the seat start over."""
-    from cabinlm.builders import build_artifact
+    from cabinlm.engines.build import build_artifact
     from cabinlm.profiles import load_profile
 
     fused = build_artifact(artifact, load_profile("cpu"), tmp_path / "fused", attention="fused")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cabinlm.builders import build_artifact
+from cabinlm.engines.build import build_artifact
 from cabinlm.profiles import load_profile
 from cabinlm.runtime import Decoder, Dialogue, open_artifact
 from cabinlm.runtime.persist import load_session, save_session

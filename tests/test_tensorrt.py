@@ -12,20 +12,20 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from cabinlm.builders import build_artifact
-from cabinlm.builders.trt import tensorrt_present
-from cabinlm.builders.trt_api import (api_era, network_flag_names, parse_installed_version, parser_error_line, precision_flags,
+from cabinlm.engines.build import build_artifact
+from cabinlm.engines.tensorrt.builder import tensorrt_present
+from cabinlm.engines.tensorrt.api import (api_era, network_flag_names, parse_installed_version, parser_error_line, precision_flags,
                                       profile_shapes, runtime_shapes, token_profiles, workspace_bytes)  # fmt: skip
-from cabinlm.builders.trt_compat import check_file
-from cabinlm.builders.trt_engine import effective_era
-from cabinlm.builders.trt_graph import fp16_matmuls, fp16_safe_norms
+from cabinlm.engines.tensorrt.compat import check_file
+from cabinlm.engines.tensorrt.engine import effective_era
+from cabinlm.engines.tensorrt.graph import fp16_matmuls, fp16_safe_norms
 from cabinlm.errors import CabinlmError
 from cabinlm.io_spec import decoder_io
 from cabinlm.layout import CacheLayout, KVDType
 from cabinlm.manifest import Manifest, load_manifest
 from cabinlm.profiles import load_profile
 from cabinlm.runtime import Decoder, Tokenizer
-from cabinlm.tensorrt_spec import ApiEra, EngineState, GpuInfo, TensorRTSettings, TokenProfile
+from cabinlm.engines.tensorrt.spec import ApiEra, EngineState, GpuInfo, TensorRTSettings, TokenProfile
 from test_cli import assert_clean_error, cabinlm
 
 
@@ -235,7 +235,7 @@ def test_strongly_typed_graph_runs_its_weight_products_in_fp16(trt_bundle, long_
 def test_build_without_tensorrt_writes_the_bundle(trt_bundle):
     art, bundle = trt_bundle
     m = load_manifest(bundle)
-    s = m.runtime_spec.tensorrt
+    s = m.runtime_spec.facts
     assert m.runtime_spec.backend.value == "tensorrt" and m.runtime_spec.profile == "orin-x"
     assert s.state is EngineState.BUNDLE and s.api_era is ApiEra.TRT8 and s.precision == ("fp16",)
     assert s.workspace_bytes == 512 << 20 and [p.name for p in s.profiles] == ["decode", "prefill"]
@@ -253,7 +253,7 @@ def test_build_without_tensorrt_writes_the_bundle(trt_bundle):
                                                 ("thor", ApiEra.TRT10, ("fp16", "int8"))])  # fmt: skip
 def test_bundles_for_tensorrt_10_profiles(name, era, precision, load, tiny_qwen2_dir, export_to, tmp_path):
     art = export_to(load(str(tiny_qwen2_dir)), sink=4, pinned=12, window=48, chunk=16, kv="int8", index_dtype="int32")
-    s = load_manifest(build_artifact(art, load_profile(name), tmp_path / name)).runtime_spec.tensorrt
+    s = load_manifest(build_artifact(art, load_profile(name), tmp_path / name)).runtime_spec.facts
     assert s.api_era is era and s.precision == precision and s.target_version == load_profile(name).engine_version
 
 
@@ -285,10 +285,10 @@ def test_cli_bundle_chat_build_and_doctor_without_tensorrt(trt_bundle, tmp_path)
 @pytest.mark.skipif(not tensorrt_present(), reason="needs TensorRT and an NVIDIA GPU: no machine of this project has "
                     "TensorRT (docs/tensorrt.md); run on a DRIVE / Jetson / Thor board or a GPU host with TensorRT")
 def test_engine_on_a_gpu_matches_onnxruntime(load, tiny_qwen2_dir, export_to, tmp_path):
-    from cabinlm.builders.trt_doctor import diagnose
+    from cabinlm.engines.tensorrt.doctor import diagnose
 
     art = export_to(load(str(tiny_qwen2_dir)), sink=4, pinned=12, window=48, chunk=16, kv="fp16", index_dtype="int32")
     out = build_artifact(art, load_profile("jetson-agx-orin-64gb"), tmp_path / "engine")
-    assert load_manifest(out).runtime_spec.tensorrt.state is EngineState.ENGINE
+    assert load_manifest(out).runtime_spec.facts.state is EngineState.ENGINE
     checks = diagnose(out)
     assert all(c.status == "ok" for c in checks), [c.line() for c in checks]

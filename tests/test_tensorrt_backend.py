@@ -18,17 +18,17 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from cabinlm.builders import build_artifact
+from cabinlm.engines.build import build_artifact
 from cabinlm.layout import CacheLayout
 from cabinlm.manifest import FileEntry, load_manifest
 from cabinlm.profiles import load_profile
 from cabinlm.runtime import Decoder
-from cabinlm.runtime.backends import exported
-from cabinlm.runtime.backends import tensorrt as trt_backend
-from cabinlm.runtime.backends.cuda_mem import DeviceInfo
-from cabinlm.runtime.backends.trt_plan import DevicePlan, apply_copy, slot_runs
+from cabinlm.engines.ort_graph import backend as exported
+from cabinlm.engines.tensorrt import backend as trt_backend
+from cabinlm.engines.tensorrt.cuda_mem import DeviceInfo
+from cabinlm.engines.tensorrt.device_plan import DevicePlan, apply_copy, slot_runs
 from cabinlm.io_spec import decoder_io
-from cabinlm.tensorrt_spec import EngineState, GpuInfo
+from cabinlm.engines.tensorrt.spec import EngineState, GpuInfo
 from cabinlm.runtime.perplexity import chunked_perplexity
 
 
@@ -172,7 +172,7 @@ class FakeEngine:
               "int8": np.int8}  # fmt: skip
 
     def __init__(self, folder, manifest, cuda):
-        self.manifest, self.cuda, self.settings = manifest, cuda, manifest.runtime_spec.tensorrt
+        self.manifest, self.cuda, self.settings = manifest, cuda, manifest.runtime_spec.facts
         self.session = ort.InferenceSession(str(folder / manifest.files["graph"].path), providers=["CPUExecutionProvider"])
         self.runs = [0] * len(self.settings.profiles)
         self.num_optimization_profiles = len(self.settings.profiles)
@@ -211,9 +211,9 @@ def engine_build(load, tiny_qwen2_dir, export_to, tmp_path_factory) -> tuple[Pat
     out = build_artifact(art, load_profile("orin-x"), tmp_path_factory.mktemp("trt") / "b")
     m = load_manifest(out)
     (out / "decoder.engine").write_bytes(b"fake engine")
-    s = dataclasses.replace(m.build.tensorrt, state=EngineState.ENGINE, built_with="8.6.11.4", gpu=GpuInfo("Fake GPU", "8.7"),
+    s = dataclasses.replace(m.build.facts, state=EngineState.ENGINE, built_with="8.6.11.4", gpu=GpuInfo("Fake GPU", "8.7"),
                             graph_sha256=m.files["graph"].sha256)  # fmt: skip
-    m.build = dataclasses.replace(m.build, tensorrt=s)
+    m.build = dataclasses.replace(m.build, facts=s)
     m.files["engine"] = FileEntry.of(out, "decoder.engine")
     m.save(out)
     return art, out

@@ -20,10 +20,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 CHECKED = [  # the modules that call TensorRT or CUDA, and the host-side ones they use
-    "cabinlm/builders/trt_engine.py", "cabinlm/builders/trt_api.py", "cabinlm/builders/trt.py",
-    "cabinlm/builders/trt_bundle.py", "cabinlm/builders/trt_graph.py", "cabinlm/builders/trt_doctor.py",
-    "cabinlm/runtime/backends/tensorrt.py", "cabinlm/runtime/backends/cuda_mem.py",
-    "cabinlm/runtime/backends/trt_plan.py", "cabinlm/tensorrt_spec.py",
+    "cabinlm/engines/tensorrt/engine.py", "cabinlm/engines/tensorrt/api.py", "cabinlm/engines/tensorrt/builder.py",
+    "cabinlm/engines/tensorrt/bundle.py", "cabinlm/engines/tensorrt/graph.py", "cabinlm/engines/tensorrt/doctor.py",
+    "cabinlm/engines/tensorrt/backend.py", "cabinlm/engines/tensorrt/cuda_mem.py",
+    "cabinlm/engines/tensorrt/device_plan.py", "cabinlm/engines/tensorrt/spec.py",
 ]  # fmt: skip
 
 
@@ -56,7 +56,7 @@ def mypy_run(tmp_path_factory):
     canary = tmp / "canary.py"
     canary.write_text("import tensorrt as trt\n\ntrt.Builder(trt.Logger()).no_such_method()\n")
     # a call of ours broken on purpose: the backend's execute_async_v3 without its stream
-    backend = (SRC / "cabinlm/runtime/backends/tensorrt.py").read_text()
+    backend = (SRC / "cabinlm/engines/tensorrt/backend.py").read_text()
     assert "context.execute_async_v3(self.cuda.stream)" in backend
     broken = tmp / "broken_backend.py"
     broken.write_text(backend.replace("context.execute_async_v3(self.cuda.stream)", "context.execute_async_v3()"))

@@ -7,7 +7,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from cabinlm.builders.trt_compat import (
+from cabinlm.engines.tensorrt.compat import (
     KINDS,
     Violation,
     check_file,

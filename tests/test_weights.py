@@ -9,7 +9,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-import cabinlm.runtime.backends.exported as session_mod  # the exported-graph backend opens its sessions with it
+import cabinlm.engines.ort_graph.backend as session_mod  # the exported-graph backend opens its sessions with it
 from cabinlm.export import wquant
 from cabinlm.export.models import decoder_weights
 from cabinlm.export.wquant import QuantMatrix

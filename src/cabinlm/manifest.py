@@ -59,6 +59,7 @@ from cabinlm.io_spec import (  # noqa: F401 - re-exported: the manifest is where
     weight_name,
 )
 from cabinlm.buildspec import BackendKind, BuildSpec
+from cabinlm.engines.ort_fused.spec import FusedSettings
 from cabinlm.layout import CacheLayout, KVDType  # noqa: F401 - re-exported
 from cabinlm.vision_spec import ImagePreprocess, VisionSpec  # noqa: F401 - re-exported
 
@@ -235,7 +236,8 @@ class Manifest:
     def io(self) -> DecoderIO:
         spec = self.runtime_spec
         if spec.backend == BackendKind.FUSED:
-            present = spec.fused is None or spec.fused.attention_kernel == "onnxruntime"
+            fused = spec.facts_as(FusedSettings)
+            present = fused is None or fused.attention_kernel == "onnxruntime"
             return fused_decoder_io(self.cache, self.model.num_heads, self.model.vocab_size, present)
         embed_dim = self.vision.embed_dim if self.vision else 0
         return decoder_io(self.cache, self.model.vocab_size, self.index_dtype, embed_dim)

@@ -16,6 +16,7 @@ from cabinlm.bench import protocol
 from cabinlm.bench.script import SYSTEM
 from cabinlm.bench.trace import Trace, summarize, truncate
 from cabinlm.errors import CabinlmError
+from cabinlm.engines.ort_fused.spec import FusedSettings
 
 
 class CabinlmEngine(protocol.Engine):
@@ -40,13 +41,14 @@ class CabinlmEngine(protocol.Engine):
         self.sampler = Sampler(temperature=0.0)
         self.stop_ids = set(stop_ids)
         lay, m = self.dec.layout, self.dec.manifest
+        fused = m.runtime_spec.facts_as(FusedSettings)
         self.config = {
             "name": "cabinlm",
             "artifact": str(folder),
             "weights": m.weights,
             "backend": m.runtime_spec.backend.value,
-            "attention_kernel": m.runtime_spec.fused.attention_kernel if m.runtime_spec.fused else None,
-            "matmul_kernel": m.runtime_spec.fused.matmul_kernel if m.runtime_spec.fused else None,
+            "attention_kernel": fused.attention_kernel if fused else None,
+            "matmul_kernel": fused.matmul_kernel if fused else None,
             "device": self.dec.device,
             "kv": lay.kv_dtype.value,
             "sink": lay.sink,

@@ -7,15 +7,17 @@ from typing import Optional
 
 import typer
 
-from cabinlm.builders import Attention, AttentionKernel, MatmulKernel, Minimums
+from cabinlm.engines.build import Attention, AttentionKernel, MatmulKernel, Minimums
 from cabinlm.cli.common import info, load_profile
+from cabinlm.engines.tensorrt.spec import TensorRTSettings
 
 
 def build(
     artifact: Path = typer.Argument(..., help="Folder written by `cabinlm export`."),
     profile: Optional[str] = typer.Option(None, help="Device profile name or .toml file (default: cpu; for a TensorRT "
                                           "bundle, the profile it was made for)."),
-    out: Optional[Path] = typer.Option(None, "-o", "--out", help="Output folder [default: ARTIFACT/build-PROFILE]."),
+    out: Optional[Path] = typer.Option(None, "-o", "--out", help="Output folder, outside the export (a build never writes into its input) "
+                                     "[default: ARTIFACT-build-PROFILE beside the export]."),
     attention: Attention = typer.Option(
         Attention.AUTO, help="cpu builds: 'fused' re-emits the decoder around ONNX Runtime's GroupQueryAttention and "
         "MatMulNBits kernels (about 4x faster decode; int8 / fp32 KV, text models); 'graph' keeps the exported "
@@ -45,8 +47,8 @@ def build(
     TensorRT targets (orin-x, jetson-*, thor) are checked for TensorRT compatibility and written as a
     target bundle; where TensorRT and a GPU are present the engine is built too. On the target,
     `cabinlm build BUNDLE` builds the bundle's engine (docs/tensorrt.md). `cabinlm chat OUT` runs it."""
-    from cabinlm.builders import build_artifact
-    from cabinlm.builders.trt import TensorRTUnavailable
+    from cabinlm.engines.build import build_artifact
+    from cabinlm.engines.tensorrt.builder import TensorRTUnavailable
 
     try:
         path = build_artifact(artifact, load_profile(profile) if profile else None, out, log=info, attention=attention,
@@ -56,12 +58,13 @@ def build(
         if e.details:  # the compatibility report
             info(e.details)
         raise
-    from cabinlm.builders.trt_bundle import finish_instruction
+    from cabinlm.engines.tensorrt.bundle import finish_instruction
     from cabinlm.manifest import load_manifest
-    from cabinlm.tensorrt_spec import EngineState
+    from cabinlm.engines.tensorrt.spec import EngineState
 
     built = load_manifest(path, check_files=False).runtime_spec
-    if built.tensorrt is not None and built.tensorrt.state is EngineState.BUNDLE:  # no TensorRT here: finish on the car
-        typer.echo(f"wrote the TensorRT bundle {path}; {finish_instruction(path, built.tensorrt, built.profile)}")
+    trt = built.facts_as(TensorRTSettings)
+    if trt is not None and trt.state is EngineState.BUNDLE:  # no TensorRT here: finish on the car
+        typer.echo(f"wrote the TensorRT bundle {path}; {finish_instruction(path, trt, built.profile)}")
         return
     typer.echo(f"built {artifact} for {built.profile or profile}: {path} (run it with `cabinlm chat {path}`)")

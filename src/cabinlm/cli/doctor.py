@@ -21,7 +21,7 @@ def doctor(
 
       cabinlm doctor build-orin-x            # on the board, after copying the bundle there
     """
-    from cabinlm.builders.trt_doctor import diagnose
+    from cabinlm.engines.tensorrt.doctor import diagnose
 
     checks = diagnose(bundle, build=build, report=lambda c: info(c.line()))
     failed = [c.name for c in checks if c.status == "fail"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cabinlm.manifest import Manifest, load_manifest, verify_checksums
-from cabinlm.runtime.backends import Backend, BackendError
+from cabinlm.engines.backend import Backend, BackendError
 from cabinlm.runtime.decoder import Decoder
 from cabinlm.runtime.dialogue import Dialogue, TurnResult
 from cabinlm.runtime.perplexity import PerplexityResult, stream_perplexity

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from cabinlm.manifest import Manifest, load_manifest
-from cabinlm.runtime.backends import Backend, open_backend
+from cabinlm.engines.backend import Backend
+from cabinlm.engines.registry import open_backend
 from cabinlm.runtime.interrupts import defer_sigint
 from cabinlm.runtime.slots import SlotTable
 
@@ -38,7 +39,7 @@ class Decoder:
         self.backend = _backend
         self.vision = _vision
         if _vision is None and self.manifest.vision is not None:
-            from cabinlm.runtime.backends.ort_session import session_options
+            from cabinlm.engines.onnxruntime.session import session_options
             from cabinlm.runtime.vision import VisionEncoder
 
             # The camera-frame encoder runs on ONNX Runtime's CPU provider, with the build's settings.

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cabinlm.runtime.backends import Backend
+from cabinlm.engines.backend import Backend
 from cabinlm.runtime.decoder import Decoder
 from cabinlm.runtime.sampler import Sampler
 

@@ -1,0 +1,103 @@
+"""The backend interface: what the Decoder asks of an engine, and nothing more.
+
+A backend owns one dialogue's cache buffers, in the memory its engine reads (host arrays for ONNX
+Runtime on the CPU), allocated once over the artifact's CacheLayout; the slot bookkeeping
+(runtime/slots.py) is the Decoder's and the same for every backend. One step:
+
+    plan = table.plan(n, pin)           where the chunk goes, its positions, the mask   (Decoder)
+    out  = backend.run(plan, ids, ...)  the graph over the cache; nothing is committed    (backend)
+    backend.commit(plan, out)           the chunk's K/V into their slots, in place        (backend)
+    table.advance(plan)                 the bookkeeping follows the data                  (Decoder)
+
+`run` may write only into rows no cached token occupies (scratch rows or empty slots): until
+`commit`, the cache still describes the table's state, so an interrupted step loses nothing.
+Backends that share loaded weights between dialogues (seats) do it through `seat()`.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from cabinlm.engines.registry import BackendKind
+from cabinlm.errors import CabinlmError
+from cabinlm.manifest import Manifest
+from cabinlm.runtime.slots import SlotTable, StepPlan
+
+
+class BackendError(CabinlmError):
+    """The artifact's backend or execution provider cannot run here, or its graphs do not load."""
+
+
+@dataclass
+class StepOutput:
+    """What one run returns: the logits rows asked for, and the chunk's K/V in the backend's own
+    form (`new`), which only that backend's commit reads."""
+
+    logits: np.ndarray  # (rows, vocab) float32
+    new: Any = field(default=None, repr=False)
+
+
+class Backend(abc.ABC):
+    """One engine running the decoder over one dialogue's fixed cache buffers."""
+
+    kind: ClassVar[BackendKind]
+
+    def __init__(self, manifest: Manifest, table: SlotTable):
+        self.manifest = manifest
+        self.layout = manifest.cache
+        self.table = table  # the Decoder's bookkeeping: read here, advanced only by the Decoder
+
+    @property
+    def device(self) -> str:
+        """What the graphs run on, for reports: the engine and its provider, e.g. "onnxruntime-cpu"."""
+        spec = self.manifest.runtime_spec
+        return f"{spec.engine}-{spec.provider.name.removesuffix('ExecutionProvider').lower()}"
+
+    @property
+    def fixed_chunk(self) -> bool:
+        """Every chunk of 2+ tokens runs a graph of exactly `chunk` tokens (padded): a short chunk,
+        e.g. a speculative draft check, costs as much as a full one."""
+        return False
+
+    @property
+    def rows_match_steps(self) -> bool:
+        """Row i of a chunk gives, bit for bit, the logits of the (i+1)-th of one-token steps over
+        the same tokens, while the window fills (where drafting runs; true of the fused cpu decoder,
+        tests/test_speculative.py checks it on SmolLM2). Where it is not, rows and steps agree only to rounding, which int8 activation
+        quantization can amplify past a greedy near-tie: a verified draft could then pick another
+        token than plain decoding, so drafting is not on by default there."""
+        return False
+
+    @abc.abstractmethod
+    def run(self, plan: StepPlan, ids: np.ndarray, all_logits: bool, embeds: np.ndarray | None) -> StepOutput:
+        """The graph over the cache for one planned chunk of 1..chunk tokens. Logits of every token
+        (all_logits) or of the last one only. embeds: image-token embeddings (vision-language)."""
+
+    @abc.abstractmethod
+    def commit(self, plan: StepPlan, out: StepOutput) -> None:
+        """Write the chunk's K/V into the plan's slots, in place (the caller holds Ctrl-C). The plan
+        may be a prefix of the one that ran (speculative decoding keeps the accepted tokens only):
+        then only its first plan.tokens tokens are written, and no slot in use changes for the others."""
+
+    @abc.abstractmethod
+    def buffers(self) -> dict[str, np.ndarray]:
+        """The cache's own memory (host views), by name, in a fixed order: session files save and
+        restore exactly these bytes."""
+
+    def reset(self) -> None:
+        """The table was reset: drop anything derived from the cached tokens."""
+
+    def restored(self) -> None:
+        """The buffers and the table were just overwritten from a session file."""
+
+    @abc.abstractmethod
+    def seat(self, table: SlotTable) -> Backend:
+        """Another dialogue on the same loaded engine: weights shared, buffers its own."""
+
+    def nbytes(self) -> int:
+        """Bytes held by the cache buffers, read from the arrays themselves."""
+        return int(sum(b.nbytes for b in self.buffers().values()))

@@ -1,0 +1,112 @@
+"""`cabinlm build`: an exported artifact -> what a device profile's engine loads.
+
+    profile ──> the engines whose builder targets it (engines/registry.py), most preferred first:
+                cpu: onnxruntime-fused, else onnxruntime-graph (--attention picks); a static-shape
+                CPU profile: onnxruntime-static; Snapdragon: qnn-htp; NVIDIA: tensorrt
+    builder.check(request)            the first that can build this artifact (or the one insisted on)
+    BuildOutput.prepare(artifact, out) the output folder, refused if it is (in) the input or a file
+    builder.build(request, output)    its files, and the typed BuildSpec
+    output.finish(spec)               manifest.json, derived and validated as every load validates
+    builder.after_save(...)           checks that run the finished build (fused: against the export;
+                                      qnn-htp: in Qualcomm's simulator, done inside build)
+
+The output folder is itself an artifact: `cabinlm chat OUT` and `cabinlm perplexity OUT` run it.
+A TensorRT bundle (a build whose engine is made on the target) is finished by `cabinlm build BUNDLE`.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from cabinlm.engines.builder import Attention, BuildError, Builder, BuildRequest, CpuBuildOptions
+from cabinlm.engines.ort_fused.spec import AttentionKernel, MatmulKernel, Minimums
+from cabinlm.engines.output import BuildOutput
+from cabinlm.engines.registry import ENGINES, BackendKind
+
+if TYPE_CHECKING:
+    from cabinlm.profiles import DeviceProfile
+
+__all__ = ["Attention", "AttentionKernel", "BuildError", "MatmulKernel", "Minimums", "build_artifact", "choose_builder",
+           "default_output"]
+
+
+def default_output(artifact: Path, profile_name: str) -> Path:
+    """Where a build goes without -o: beside the export, never inside it (ARTIFACT-build-PROFILE)."""
+    return artifact.parent / f"{artifact.name}-build-{profile_name}"
+
+
+def choose_builder(request: BuildRequest) -> Builder:
+    """The engine that builds this artifact for the request's profile: the most preferred one that can
+    (--attention fused / graph insist on one), or a BuildError saying why none can."""
+    profile, attention = request.profile, request.options.attention
+    targets = [e.builder() for e in ENGINES.values()]
+    targets = sorted((b for b in targets if b.targets(profile)), key=lambda b: -b.preference)
+    if not targets:
+        raise BuildError(f"no engine of this cabinlm builds for profile {profile.name} (engine {profile.engine.value}, "
+                         f"provider {profile.execution_provider})")
+    if attention is Attention.GRAPH:
+        targets = [b for b in targets if b.kind is not BackendKind.FUSED]
+    elif attention is Attention.FUSED:
+        if not any(b.kind is BackendKind.FUSED for b in targets):
+            raise BuildError(f"--attention fused builds for the cpu profile's engine; {profile.name} uses {targets[0].kind.value}")
+        targets = [b for b in targets if b.kind is BackendKind.FUSED]
+    why: list[str] = []
+    for b in targets:
+        reason = b.check(request)
+        if reason is None:
+            if why:
+                request.log(f"kept the exported attention ({why[-1]})" if b.kind is BackendKind.EXPORTED_GRAPH
+                            else f"built {b.kind.value}: {why[-1]}")  # fmt: skip
+            return b
+        if attention is Attention.FUSED and b.kind is BackendKind.FUSED:
+            raise BuildError(f"{request.artifact}: the fused attention does not apply: {reason}")
+        why.append(reason)
+    raise BuildError(f"{request.artifact}: cannot be built for {profile.name}: {'; '.join(why)}")
+
+
+def build_artifact(artifact: str | Path, profile: DeviceProfile | None, out: str | Path | None = None,
+                   log: Callable[[str], None] = lambda s: None, attention: Attention | str = Attention.AUTO,
+                   accuracy_level: int = 4, minimums: Minimums | str = Minimums.INT8,
+                   attention_kernel: AttentionKernel | str = AttentionKernel.AUTO,
+                   matmul_kernel: MatmulKernel | str = MatmulKernel.AUTO) -> Path:
+    """Build `artifact` for `profile` (None: cpu) into `out` (default: beside it, ARTIFACT-build-PROFILE).
+    A TensorRT bundle (`artifact` made by a tensorrt profile's build) gets its engine built, in place
+    unless `out` is given; its profile is the one it was made for.
+
+    cpu builds: attention "auto" fuses the decoder (engines/ort_fused) where the artifact allows and
+    keeps the exported graph otherwise; "fused" insists; "graph" keeps the export. accuracy_level:
+    the fused build's MatMulNBits activations (4: int8, as llama.cpp; 0: float32). minimums: how the
+    fused build runs GGUF Q4_1 blocks. attention_kernel, matmul_kernel: the fused build's kernels."""
+    options = CpuBuildOptions(attention=attention, accuracy_level=accuracy_level, minimums=minimums,  # type: ignore[arg-type]
+                              attention_kernel=attention_kernel, matmul_kernel=matmul_kernel)  # type: ignore[arg-type]
+    from cabinlm.manifest import load_manifest
+    from cabinlm.profiles import load_profile
+
+    artifact = Path(artifact)
+    manifest = load_manifest(artifact)
+    if manifest.build is not None:
+        builder = ENGINES[manifest.build.backend].builder()
+        return builder.finish(artifact, manifest, profile, Path(out) if out is not None else None, log)
+    profile = profile if profile is not None else load_profile("cpu")  # no --profile: the host CPU
+    if manifest.cache.kv_dtype not in profile.kv_dtypes:
+        raise BuildError(
+            f"{artifact} holds {manifest.cache.kv_dtype.value} KV, which profile {profile.name} cannot run "
+            f"({', '.join(k.value for k in profile.kv_dtypes)}); re-export with --profile {profile.name}"
+        )
+    if manifest.opset > profile.max_opset:
+        raise BuildError(f"{artifact}: graph opset {manifest.opset} is above {profile.name}'s {profile.max_opset}")
+    out = Path(out) if out is not None else default_output(artifact, profile.name)
+    from cabinlm.engines.output import check_output
+
+    check_output(artifact, out)  # before any engine's checks, which may be slow
+    request = BuildRequest(artifact, manifest, profile, options, log)
+    builder = choose_builder(request)
+    t0 = time.perf_counter()
+    output = BuildOutput.prepare(artifact, manifest, out)
+    spec = builder.build(request, output)
+    built = output.finish(spec, profile.name)
+    builder.after_save(request, output, built)
+    output.update_quality(built, seconds=round(time.perf_counter() - t0, 1))
+    return out

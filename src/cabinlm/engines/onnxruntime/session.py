@@ -1,0 +1,96 @@
+"""ONNX Runtime sessions as a build describes them: its settings, its execution provider (checked to
+be the one that actually runs: ONNX Runtime otherwise falls back to the CPU without a word), and its
+graph I/O checked against the manifest."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnxruntime as ort
+
+from cabinlm.buildspec import BuildSpec, OptimizationLevel
+from cabinlm.io_spec import DecoderIO
+from cabinlm.engines.backend import BackendError
+from cabinlm.engines.ort_fused.spec import FusedSettings
+
+_LEVELS = {
+    OptimizationLevel.DISABLE: ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    OptimizationLevel.BASIC: ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    OptimizationLevel.EXTENDED: ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    OptimizationLevel.ALL: ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+
+_ORT_TYPES = {
+    "float": "tensor(float)",
+    "float16": "tensor(float16)",
+    "int64": "tensor(int64)",
+    "int32": "tensor(int32)",
+    "bool": "tensor(bool)",
+    "int8": "tensor(int8)",
+    "uint8": "tensor(uint8)",
+    "float8e4m3fn": "tensor(float8e4m3fn)",
+}
+
+
+def session_options(spec: BuildSpec, threads: int | None = None, extra: dict[str, str] | None = None) -> ort.SessionOptions:
+    """The build's session settings, then the caller's thread count and extra config entries."""
+    s = spec.session
+    so = ort.SessionOptions()
+    so.graph_optimization_level = _LEVELS[s.graph_optimization_level]
+    threads = threads or s.intra_op_num_threads
+    if threads:
+        so.intra_op_num_threads = int(threads)
+    so.enable_cpu_mem_arena = s.enable_cpu_mem_arena
+    if s.denormal_as_zero:
+        so.add_session_config_entry("session.set_denormal_as_zero", "1")
+    for key, value in {**s.config, **(extra or {})}.items():
+        so.add_session_config_entry(key, str(value))
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    fused = spec.facts_as(FusedSettings)
+    if fused is not None and fused.own_kernels:
+        from cabinlm.engines.ort_fused import kernels
+
+        try:
+            so.register_custom_ops_library(str(kernels.library()))
+        except kernels.KernelError as e:
+            raise BackendError(f"this build runs cabinlm's own kernels, which cannot be had here: {e}; or build the export "
+                               "again with --attention-kernel onnxruntime --matmul-kernel onnxruntime") from e
+    return so
+
+
+def open_session(graph: Path, options: ort.SessionOptions, spec: BuildSpec) -> ort.InferenceSession:
+    """A session on the build's execution provider, refused if ONNX Runtime would run it elsewhere."""
+    provider = spec.provider
+    offered = ort.get_available_providers()
+    if provider.name not in offered:
+        raise BackendError(
+            f"{graph.parent}: this build runs on {provider.name}, which this onnxruntime does not offer "
+            f"({', '.join(offered)}); install the onnxruntime package with that provider, or build for another profile"
+        )
+    try:
+        session = ort.InferenceSession(str(graph), options, providers=[(provider.name, dict(provider.options))])
+    except Exception as e:  # onnxruntime raises its own exception types for unreadable graphs
+        raise BackendError(f"{graph}: onnxruntime cannot load the graph ({str(e).splitlines()[0]}); export or build again") from e
+    if session.get_providers()[0] != provider.name:
+        raise BackendError(f"{graph}: onnxruntime placed the graph on {session.get_providers()[0]}, not {provider.name}")
+    return session
+
+
+def check_io(session: ort.InferenceSession, io: DecoderIO, where: Path, built: bool) -> None:
+    """The graph must have exactly the I/O the manifest declares (names, element types, fixed dims)."""
+    got = {i.name: i for i in session.get_inputs()}
+    got.update({o.name: o for o in session.get_outputs()})
+    again = "run `cabinlm build` again" if built else "export again"
+    for t in (*io.inputs, *io.outputs):
+        arg = got.get(t.name)
+        if arg is None:
+            raise BackendError(f"{where}: the graph has no {t.name!r} that the manifest declares; {again}")
+        if arg.type != _ORT_TYPES[t.dtype]:
+            raise BackendError(f"{where}: graph tensor {t.name!r} is {arg.type}, the manifest says {t.dtype}; {again}")
+        static = [d for d in t.shape if isinstance(d, int)]
+        if static != [d for d in arg.shape if isinstance(d, int)]:
+            raise BackendError(
+                f"{where}: graph tensor {t.name!r} has shape {arg.shape}, the manifest says {list(t.shape)}; the graph "
+                f"and the manifest come from different exports or builds: {again}"
+            )

@@ -1,0 +1,228 @@
+"""The cpu build's fused decoder (builders/ort_fused.py) on ONNX Runtime: GroupQueryAttention reads
+the cache in place and writes the chunk's rotated K/V after the slots in use; the sink / pinned keys
+follow the evictions (backends/rotated.py). The contract is io_spec.fused_decoder_io.
+
+Buffers (allocated once per dialogue):
+
+    keys, values  (layers, kv_heads, slots + chunk, head_dim)  int8 or float32: rows 0..N-1 the slots,
+                  rows N.. scratch where the kernel writes a chunk that lands beyond the slots in use
+    key_source    (layers, kv_heads, sink + pinned, head_dim)  float32: the sink / pinned tokens' keys,
+                  un-rotated, from which their rotated rows are re-written as evictions move them
+
+Int8 KV has static per-channel scales (the manifest's kv_scales), held by the graph: no scale buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from cabinlm import io_spec as io
+from cabinlm.engines.registry import BackendKind
+from cabinlm.manifest import Manifest
+from cabinlm.engines.backend import Backend, StepOutput
+from cabinlm.engines.onnxruntime.binding import Binding, ortvalue
+from cabinlm.engines.onnxruntime.session import check_io, open_session, session_options
+from cabinlm.engines.ort_fused.rotated import RotatedKeys
+from cabinlm.runtime.slots import SlotTable, StepPlan
+
+
+@dataclass
+class FusedGraphs:
+    """What every dialogue on one loaded fused build shares."""
+
+    manifest: Manifest
+    decoder: ort.InferenceSession
+    rotate: ort.InferenceSession | None  # the sink / pinned keys' refresh graph (numpy without it)
+
+
+def load_fused(folder: Path, manifest: Manifest, threads: int | None, extra: dict[str, str] | None) -> FusedGraphs:
+    spec = manifest.runtime_spec
+    decoder = open_session(folder / manifest.files["graph"].path, session_options(spec, threads, extra), spec)
+    check_io(decoder, manifest.io, folder, built=True)
+    rotate = None
+    if "rotate_graph" in manifest.files:
+        rotate = open_session(folder / manifest.files["rotate_graph"].path, session_options(spec, 1), spec)
+    return FusedGraphs(manifest, decoder, rotate)
+
+
+class FusedBackend(Backend):
+    kind = BackendKind.FUSED
+
+    def __init__(self, graphs: FusedGraphs, table: SlotTable):
+        super().__init__(graphs.manifest, table)
+        self.graphs = graphs
+        m = self.manifest
+        lay = self.layout
+        L, H, N, D = lay.buffer_shape
+        dtype = np.dtype(lay.kv_dtype.numpy_name)
+        self.keys = np.zeros((L, H, N + lay.chunk, D), dtype=dtype)
+        self.values = np.zeros((L, H, N + lay.chunk, D), dtype=dtype)
+        self.key_source = np.zeros((L, H, lay.sink + lay.pinned, D), dtype=np.float32)
+        scales = m.kv_scales.array("rotated_keys") if lay.quantized else None
+        self.rotated = RotatedKeys(lay, table, self.keys, self.key_source, m.rotary.inv_freq, m.rotary.scale, scales,
+                                   graphs.rotate)  # fmt: skip
+        self._heads = m.model.num_heads
+        self._rows = np.arange(lay.chunk, dtype=np.int64)
+        self._bind()
+
+    @property
+    def rows_match_steps(self) -> bool:
+        # While the window fills, slots are taken in order: a chunk row sums the same keys in the same
+        # order as its step, the unused slots adding exact zeros (tests/test_speculative.py). cabinlm's
+        # attention kernel computes every row by one fixed sequence whatever the chunk (its header);
+        # GroupQueryAttention's rows were measured to match.
+        return True
+
+    def buffers(self) -> dict[str, np.ndarray]:
+        return {"keys": self.keys, "values": self.values, "key_source": self.key_source}
+
+    def seat(self, table: SlotTable) -> FusedBackend:
+        return FusedBackend(self.graphs, table)
+
+    def reset(self) -> None:
+        self.rotated.forget()
+
+    def restored(self) -> None:
+        self.rotated.forget()
+
+    def _bind(self) -> None:
+        lay, V = self.layout, self.graphs.manifest.model.vocab_size
+        kv_onnx = lay.kv_dtype.onnx_name
+        # GroupQueryAttention writes the chunk's K/V through present outputs bound to the cache's own
+        # memory; cabinlm's kernel writes them into its cache inputs (the graph has no present outputs).
+        in_place = not any(t.name == io.present_key_name(0) for t in self.manifest.io.outputs)
+        cache, aliases = [], []
+        for i in range(lay.layers):
+            k, v = ortvalue(self.keys[i][None], kv_onnx), ortvalue(self.values[i][None], kv_onnx)
+            cache += [(io.key_cache_name(i), k), (io.value_cache_name(i), v)]
+            if not in_place:
+                aliases += [(io.present_key_name(i), k), (io.present_value_name(i), v)]
+        self._cache_values = cache
+        width = (self._heads + 2 * lay.kv_heads) * lay.head_dim
+        f32 = np.dtype(np.float32)
+        outs = [(io.LOGITS, ("rows", V), f32, "float")]
+        outs += [(io.qkv_name(i), (1, "tokens", width), f32, "float") for i in range(lay.layers)]
+        session = self.graphs.decoder
+        # Bound with the aliases, before the outputs ORT allocates per run (which come back in binding
+        # order); re-binding it later keeps its place.
+        aliases.append((io.REFRESH_KEYS, ortvalue(self.rotated.ahead_out, kv_onnx)))
+        self._decode = Binding(session, cache, outs, tokens=1, rows=1, aliases=aliases)
+        self._prefill = Binding(session, cache, outs, tokens=None, aliases=aliases)
+        self._chunk_rows = np.arange(lay.chunk, dtype=np.int64)[None]
+        # Single-token decode binds its inputs once, over buffers a step writes in place: the token,
+        # F and F + 1 (seqlens_k, total_sequence_length), the rotation tables (RotatedKeys fills row
+        # 0), row 0 of them and of the logits. Only the bias is rebound, when the slots in use change.
+        self._ids1 = np.zeros(1, dtype=np.int64)
+        self._seqlens1 = np.zeros(1, dtype=np.int32)
+        self._total1 = np.zeros((), dtype=np.int32)
+        self._zero_bias = np.zeros((1, 1, 1, lay.slots + 1), dtype=np.float32)
+        self._bias: np.ndarray | None = None  # the bias bound now, kept alive while bound
+        self._bias_held: tuple | None = None  # the slots in use it was made for
+        fixed = {io.INPUT_IDS: self._ids1, io.POSITION_IDS: np.zeros((1, 1), dtype=np.int64),
+                 io.ROPE_COS: self.rotated.cos, io.ROPE_SIN: self.rotated.sin, io.SEQLENS_K: self._seqlens1,
+                 io.TOTAL_SEQUENCE_LENGTH: self._total1, io.LOGIT_ROWS: np.zeros(1, dtype=np.int64)}  # fmt: skip
+        self._decode_inputs = [(name, ortvalue(arr, "")) for name, arr in fixed.items()]
+        for name, ov in self._decode_inputs:
+            self._decode.binding.bind_ortvalue_input(name, ov)
+        self._ahead_bound = None
+        self._bind_ahead()
+
+    def _bind_ahead(self) -> None:
+        """The side inputs / output of the sink and pinned keys' next rotation (RotatedKeys.ahead),
+        bound again whenever the rotated-keys helper replaces them (a new set of pinned tokens)."""
+        rot = self.rotated
+        if self._ahead_bound == rot.ahead_version:
+            return
+        values = [(name, ortvalue(arr, "")) for name, arr in rot.ahead.items()]
+        out = ortvalue(rot.ahead_out, self.layout.kv_dtype.onnx_name)
+        for binding in (self._decode.binding, self._prefill.binding):
+            for name, ov in values:
+                binding.bind_ortvalue_input(name, ov)
+            binding.bind_ortvalue_output(io.REFRESH_KEYS, out)
+        self._ahead_values = (values, out)  # kept alive while bound
+        self._ahead_bound = rot.ahead_version
+
+    def run(self, plan: StepPlan, ids: np.ndarray, all_logits: bool, embeds: np.ndarray | None) -> StepOutput:
+        """The kernel reads the first F slots (F = 1 + the highest in use) and writes the chunk's K/V
+        into rows F..F+n-1: empty slots or scratch rows, never a cached token's."""
+        if embeds is not None:
+            raise ValueError("this model has no vision input")
+        n, N = plan.tokens, self.layout.slots
+        self.rotated.refresh(plan)
+        self.rotated.chunk_tables(plan)
+        F = self.table.extent
+        if n == 1:
+            return self._run_one(ids, plan, F)
+        mask = plan.attention_mask
+        bias = mask[None, None] if F == N else np.concatenate([mask[:, :F], mask[:, N:]], axis=1)[None, None]
+        rows = self._rows[:n] if all_logits else self._rows[n - 1 : n]
+        inputs = {
+            io.INPUT_IDS: np.ascontiguousarray(ids, dtype=np.int64),
+            io.POSITION_IDS: self._chunk_rows[:, :n],
+            io.ROPE_COS: self.rotated.cos,
+            io.ROPE_SIN: self.rotated.sin,
+            io.ATTENTION_BIAS: bias,
+            io.SEQLENS_K: np.array([F + n - 1], dtype=np.int32),
+            io.TOTAL_SEQUENCE_LENGTH: np.array(F + n, dtype=np.int32),
+            io.LOGIT_ROWS: rows,
+        }
+        self._bind_ahead()
+        outs = self._prefill.run(inputs)
+        return StepOutput(outs[0], (F, outs[1:]))
+
+    def _run_one(self, ids: np.ndarray, plan: StepPlan, F: int) -> StepOutput:
+        """One token: the inputs bound at load are written in place."""
+        self._ids1[0] = ids[0]
+        self._seqlens1[0] = F
+        self._total1[()] = F + 1
+        t = self.table
+        bias = {}
+        # The bias changes only with the set of slots in use: F, and the sink / pinned / camera-frame
+        # fills (a window step replaces the oldest window token, a slot that stays in use).
+        held = (F, t.sink_fill, t.pinned_fill, t.image_fill, t.frames)
+        if held != self._bias_held:
+            if t.length == F:  # every slot below F holds a token: nothing to mask
+                self._bias = self._zero_bias[..., : F + 1]
+            else:  # empty slots below F (pinned slots not yet used, for one): the plan's mask
+                mask = plan.attention_mask
+                self._bias = np.concatenate([mask[:, :F], mask[:, self.layout.slots :]], axis=1)[None, None]
+            bias[io.ATTENTION_BIAS] = self._bias
+            self._bias_held = held
+        self._bind_ahead()
+        self.rotated.plan_ahead(plan)
+        outs = self._decode.run(bias)
+        self.rotated.ahead_done()
+        return StepOutput(outs[0], (F, outs[1:]))
+
+    def commit(self, plan: StepPlan, out: StepOutput) -> None:
+        """Keep the sink / pinned tokens' un-rotated keys, then move the chunk's rows F.. into their
+        slots (often the same rows: then nothing moves). A prefix plan moves its tokens only; the
+        kernel's rows of the others stay in empty slots or scratch rows, masked and never read."""
+        start, qkv = out.new
+        self.rotated.keep_sources(plan, qkv, self._heads)
+        slots = plan.slots
+        n = len(slots)
+        lo, hi = int(slots[0]), int(slots[-1]) + 1
+        if n == 1:  # a decode step: one row per layer and head
+            if lo != start:
+                self.keys[:, :, lo] = self.keys[:, :, start]
+                self.values[:, :, lo] = self.values[:, :, start]
+        elif not (lo == start and hi - lo == n):
+            where = slice(lo, hi) if hi - lo == n else slots
+            for buf in (self.keys, self.values):
+                # through a small copy: the rows never overlap, but numpy would prove it the slow way
+                buf[:, :, where] = buf[:, :, start : start + n].copy()
+
+
+def unavailable() -> str | None:
+    """The fused decoder runs on ONNX Runtime's CPU provider; its own kernels come with each build."""
+    return None
+
+
+def open_backend(folder: Path, manifest: Manifest, table: SlotTable, threads: int | None = None,
+                 session_config: dict[str, str] | None = None) -> FusedBackend:
+    return FusedBackend(load_fused(folder, manifest, threads, session_config), table)

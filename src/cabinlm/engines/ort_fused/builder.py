@@ -1,0 +1,168 @@
+"""onnxruntime-fused builds (the cpu profile's default): the exported graph's weights re-emitted around
+ONNX Runtime's kernels and cabinlm's own (graph.py), the sink / pinned keys' refresh graph, ONNX
+Runtime's fusions done offline, then the build checked against the exported graph."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, ClassVar
+
+import numpy as np
+
+from cabinlm import io_spec
+from cabinlm.buildspec import BuildSpec, OptimizationLevel
+from cabinlm.engines.builder import Builder, BuildError, BuildRequest
+from cabinlm.engines.onnxruntime.offline import OPT_DATA, OPT_GRAPH, log_weights, optimize_offline, read_graph
+from cabinlm.engines.ort_fused import graph as fused_graph
+from cabinlm.engines.ort_fused.spec import FusedSettings
+from cabinlm.engines.ort_graph.builder import spec_for, targets_cpu
+from cabinlm.engines.output import BuildOutput
+from cabinlm.engines.registry import BackendKind
+from cabinlm.manifest import MANIFEST_NAME, Manifest
+
+
+def _own_library(asked: str, kept: str, log: Callable[[str], None]) -> Path | None:
+    """cabinlm's compiled kernel library, or None (logged: ONNX Runtime's `kept` stays) where it
+    cannot be had and the kernel was not insisted on (`asked` "cabinlm": a BuildError instead)."""
+    from cabinlm.engines.ort_fused import kernels
+
+    try:
+        return kernels.library()
+    except kernels.KernelError as e:
+        if asked == "cabinlm":
+            raise BuildError(str(e)) from e
+        log(f"kept ONNX Runtime's {kept}: {str(e).splitlines()[0]}")
+        return None
+
+
+def _attention_kernel(manifest: Manifest, asked: str, log: Callable[[str], None]) -> str:
+    """The fused build's attention kernel (FusedSettings.attention_kernel) for builders.AttentionKernel
+    `asked`: cabinlm's own for int8 KV unless asked otherwise or no compiler here."""
+    from cabinlm.layout import KVDType
+
+    spec = manifest.model
+    why = None
+    if manifest.cache.kv_dtype != KVDType.INT8:
+        why = f"it takes int8 KV; this export holds {manifest.cache.kv_dtype.value} KV"
+    elif spec.head_dim % 16 or spec.head_dim > 256 or spec.num_heads // spec.num_kv_heads > 16:
+        why = f"it takes a head_dim that is a multiple of 16 up to 256 and at most 16 query heads per kv head " \
+              f"(this model: {spec.head_dim}, {spec.num_heads // spec.num_kv_heads})"
+    if asked == "onnxruntime" or (asked == "auto" and why):
+        return "onnxruntime"
+    if why:
+        raise BuildError(f"--attention-kernel cabinlm does not apply: {why}; use --attention-kernel onnxruntime")
+    path = _own_library(asked, "GroupQueryAttention", log)
+    if path is None:
+        return "onnxruntime"
+    log(f"attention over the int8 cache: cabinlm's kernel, compiled for this CPU ({path.name})")
+    return "cabinlm"
+
+
+def _matmul_kernel(q4_1: int, asked: str, accuracy_level: int, log: Callable[[str], None]) -> str:
+    """The fused build's matmul kernel for its `q4_1` Q4_1 matrices (FusedSettings.matmul_kernel) for
+    builders.MatmulKernel `asked`: cabinlm's own where this machine compiles its fast path (AVX-512
+    VNNI) and the activations are int8 (accuracy level 4, the kernel's only arithmetic), unless
+    asked otherwise; its plain C++ path is correct but slower than MatMulNBits."""
+    from cabinlm.engines.ort_fused import kernels
+
+    why = None
+    if not q4_1:
+        why = "the export holds no Q4_1 matrices (it takes a GGUF's Q4_1 blocks)"
+    elif accuracy_level != 4:
+        why = f"it computes with int8 activations (accuracy level 4), not level {accuracy_level}"
+    if asked == "onnxruntime" or (asked == "auto" and why):
+        return "onnxruntime"
+    if why:
+        raise BuildError(f"--matmul-kernel cabinlm does not apply: {why}; use --matmul-kernel onnxruntime")
+    path = _own_library(asked, "MatMulNBits", log)
+    if path is None:
+        return "onnxruntime"
+    isa = kernels.matmul_isa(str(path))
+    if asked == "auto" and isa != "avx512-vnni":
+        log("kept ONNX Runtime's MatMulNBits: this CPU has no AVX-512 VNNI, and cabinlm's Q4_1 matmul has no faster "
+            "path here (--matmul-kernel cabinlm runs its plain C++ path)")
+        return "onnxruntime"
+    log(f"{q4_1} Q4_1 matrices: cabinlm's BlockQ4MatMul ({isa}), 4-bit codes and minimums as exported")
+    return "cabinlm"
+
+
+
+class FusedBuilder(Builder):
+    kind: ClassVar[BackendKind] = BackendKind.FUSED
+    preference: ClassVar[int] = 10  # the cpu profile's engine wherever it applies
+
+    def targets(self, profile) -> bool:
+        return targets_cpu(profile, static=False)
+
+    def check(self, request: BuildRequest) -> str | None:
+        return fused_graph.ineligible(request.manifest)
+
+    def build(self, request: BuildRequest, output: BuildOutput) -> BuildSpec:
+        manifest, opts, log = request.manifest, request.options, request.log
+        output.copy("tokenizer")
+        graph = read_graph(request.artifact, manifest)
+        q4_1 = sum(1 for i in graph.graph.initializer if i.name.endswith(io_spec.QUANT_SUFFIXES[3]))
+        kernel = _attention_kernel(manifest, opts.attention_kernel.value, log)
+        matmul = _matmul_kernel(q4_1, opts.matmul_kernel.value, opts.accuracy_level, log)
+        model = fused_graph.fused_model(graph, manifest, opts.accuracy_level, opts.minimums, kernel, matmul)
+        facts = FusedSettings(accuracy_level=opts.accuracy_level, minimums=opts.minimums.value,
+                              attention_kernel=kernel, matmul_kernel=matmul)  # fmt: skip
+        op = "cabinlm's Int8KVAttention" if kernel == "cabinlm" else "GroupQueryAttention"
+        mm = "BlockQ4MatMul for the Q4_1 matrices, " if matmul == "cabinlm" else ""
+        log(f"fused the decoder: {len(model.graph.node)} nodes (the export has {len(graph.graph.node)}), "
+            f"{op} over {manifest.cache.kv_dtype.value} KV, {mm}MatMulNBits accuracy level {opts.accuracy_level}")
+        from cabinlm.engines.ort_fused.kernels import MATMUL_OP, SWIGLU_MATMUL_OP
+
+        on_nbits = q4_1 - sum(n.op_type in (MATMUL_OP, SWIGLU_MATMUL_OP) for n in model.graph.node)
+        if on_nbits:
+            log(f"{on_nbits} Q4_1 matrices on MatMulNBits: " + ("4-bit blocks, minimums added exactly (block sums)"
+                if opts.minimums.value == "exact"
+                else "8-bit blocks with integer zero points (each minimum rounded to 1/34 of its block's step)"))  # fmt: skip
+        del graph
+        import onnx
+
+        onnx.save_model(fused_graph.rotation_model(manifest), str(output.path(fused_graph.ROTATE_GRAPH)))
+        output.add("rotate_graph", fused_graph.ROTATE_GRAPH)
+        library = None
+        if facts.own_kernels:
+            from cabinlm.engines.ort_fused import kernels
+
+            library = kernels.library()
+        optimize_offline(model.SerializeToString(), output.folder, library)
+        del model
+        output.add("graph", OPT_GRAPH)
+        output.add("graph_data", OPT_DATA)
+        log(f"optimized the graph offline for {request.profile.execution_provider}")
+        log_weights(manifest, output, log)
+        return spec_for(self.kind, request, OptimizationLevel.BASIC, facts)
+
+    def after_save(self, request: BuildRequest, output: BuildOutput, built: Manifest) -> None:
+        check = _check_fused(request.artifact, output.folder)
+        output.update_quality(built, check=check)
+        request.log(f"checked against the exported graph: next-token agreement {check['agreement']:.0%} over "
+                    f"{check['tokens']} tokens, max |logit diff| {check['max_abs_diff']:.3g}")
+
+
+CHECK_TEXT = ("The driver asked the assistant for the fastest route to the airport, and whether the tunnel "
+              "on the ring road was open tonight. ")  # fmt: skip
+
+
+def _check_fused(artifact: Path, out: Path, min_agreement: float = 0.8) -> dict:
+    """The fused build against the exported graph on a short text: the same next token at most
+    positions (KV quantization and int8 activations may move a few), or the build is refused."""
+    from cabinlm.runtime import Decoder, Tokenizer
+
+    ids = Tokenizer(out / "tokenizer.json").encode(CHECK_TEXT * 4, add_special_tokens=True)[:96]
+    ref = Decoder(artifact).feed(np.asarray(ids), all_logits=True)
+    got = Decoder(out).feed(np.asarray(ids), all_logits=True)
+    agreement = float((ref.argmax(-1) == got.argmax(-1)).mean())
+    check = {"tokens": len(ids), "agreement": round(agreement, 3), "max_abs_diff": round(float(np.abs(ref - got).max()), 4)}
+    if agreement < min_agreement:
+        (out / MANIFEST_NAME).unlink(missing_ok=True)  # a refused build never looks finished
+        raise BuildError(f"the fused build disagrees with the exported graph: the same next token at only {agreement:.0%} "
+                         f"of {len(ids)} positions (max |logit diff| {check['max_abs_diff']}); build with --attention graph "
+                         "and report this")  # fmt: skip
+    return check
+
+
+BUILDER = FusedBuilder()

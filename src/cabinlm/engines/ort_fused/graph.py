@@ -1,0 +1,353 @@
+"""The cpu build's fused decoder: the exported graph's weights re-emitted around ONNX Runtime's own
+kernels, so that a decode step runs about 12 kernels per layer instead of about 80.
+
+    x ─ SkipSimplifiedLayerNorm ─ MatMulNBits q|k|v ─ GroupQueryAttention ─ MatMulNBits o
+      ─ SkipSimplifiedLayerNorm ─ MatMulNBits gate|up ─ SiLU(gate) * up ─ MatMulNBits down
+
+An engine-specific build, like a TensorRT engine: the exported graph stays plain ONNX, and this file
+only rearranges its initializers (the same bytes, the GGUF blocks included, except a Q4_1 block's
+float minimum: by default the block becomes 8-bit codes with an integer zero point, q4_1_as_int8).
+
+How the cache semantics survive the fusion. GroupQueryAttention rotates the chunk's keys before it
+stores them, so keys are cached *rotated*, at a virtual position v = rank + E, where E is the number
+of window tokens evicted before the token was written (runtime/rotated.py):
+
+  * a window token's rank drops by one at every later eviction (the evicted tokens are older), so
+    its rank is always v - E_now: a query rotated at L + E_now (L = its rank) sees every window key
+    at the distance of the ranks, L - rank, which is what the normative semantics ask;
+  * sink and pinned tokens keep their rank while E grows, so the runtime re-writes their keys at
+    rank + E_now before every step from an un-rotated float32 copy (the graph's qkv outputs): at
+    most sink + pinned rows, never the window, and never from quantized data. A decode step computes
+    the next step's copy on the side (refresh_* inputs, refresh_keys output), in the same kernel pool,
+    so a steady dialogue runs no second session per token.
+
+Positions are never large inside the graph: the runtime computes the chunk's cos / sin in float64
+and passes them as inputs, so a dialogue of millions of tokens rotates as exactly as its first.
+
+The new K/V are written by the kernel into rows N..N+tokens-1 of the (N + chunk)-row cache buffers
+(past and present are the same memory); the runtime moves them into their slots (a few hundred
+bytes per token and layer). Int8 KV uses static per-channel scales calibrated at export: keys per
+rotation pair (a rotation moves magnitude only inside a pair), values per channel.
+
+Eligible: a text-only model, int8 or fp32 KV, dynamic shapes (the cpu profile). Anything else keeps
+the exported graph (builders/ort.py says which and why).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from cabinlm import manifest as mf
+from cabinlm.engines.builder import BuildError
+from cabinlm.engines.ort_fused.block_layouts import BLOCK, block_q4_layout, pack4, q4_1_as_int8
+from cabinlm.layout import KVDType
+from cabinlm.manifest import Manifest
+
+MS = "com.microsoft"
+FUSED_KV = (KVDType.INT8, KVDType.FP32)
+
+
+def ineligible(manifest: Manifest) -> str | None:
+    """Why this export cannot take the fused attention (None: it can)."""
+    lay = manifest.cache
+    if manifest.vision is not None:
+        return "a vision-language model's camera-frame region changes ranks in ways a rotated cache cannot follow"
+    if lay.kv_dtype not in FUSED_KV:
+        return f"{lay.kv_dtype.value} KV (the fused kernel takes int8 or fp32 KV)"
+    if manifest.index_dtype != "int64":
+        return "int32 indices"
+    return None
+
+
+class _Weights:
+    """Initializers of the exported graph by name."""
+
+    def __init__(self, model: onnx.ModelProto):
+        self.inits = {i.name: i for i in model.graph.initializer}
+        self.nodes = {n.name: n for n in model.graph.node}
+
+    def has(self, name: str) -> bool:
+        return name in self.inits
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self.inits:
+            raise BuildError(f"the exported graph has no initializer {name!r}; it is not a cabinlm decoder, re-export")
+        t = self.inits[name]
+        if t.data_type == TensorProto.UINT4:  # packed two per byte, low nibble first
+            raw = np.frombuffer(t.raw_data, dtype=np.uint8)
+            flat = np.stack([raw & 0x0F, raw >> 4], axis=-1).reshape(-1)
+            return flat[: int(np.prod(t.dims))].reshape(tuple(t.dims))
+        return numpy_helper.to_array(t)
+
+
+class _Builder:
+    def __init__(self):
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self._n = 0
+        self._consts: dict[tuple, str] = {}
+
+    def name(self, hint: str) -> str:
+        self._n += 1
+        return f"{hint}#{self._n}"
+
+    def op(self, op_type: str, *inputs: str, out: str | None = None, outputs: int = 1, domain: str = "", hint: str = "", **attrs):
+        base = hint or op_type.lower()
+        outs = [out] if out else [self.name(f"{base}/out{i}") for i in range(outputs)]
+        self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=self.name(f"n/{base}"), domain=domain, **attrs))
+        return outs[0] if outputs == 1 else outs
+
+    def weight(self, name: str, arr: np.ndarray) -> str:
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
+        return name
+
+    def const(self, arr: np.ndarray) -> str:
+        arr = np.asarray(arr)
+        key = (arr.dtype.str, arr.shape, arr.tobytes())
+        if key not in self._consts:
+            self._consts[key] = self.weight(self.name("const"), arr)
+        return self._consts[key]
+
+
+def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int = 4,
+                minimums: str = "int8", attention_kernel: str = "onnxruntime",
+                matmul_kernel: str = "onnxruntime") -> onnx.ModelProto:
+    """The fused decoder (module docstring) built from the exported graph's initializers.
+
+    minimums: how GGUF Q4_1 blocks (which carry a block minimum) run. "exact": 4-bit MatMulNBits plus
+    the minimum through blocksum(x) @ minimum (two more kernels per matrix); "int8": 8-bit blocks with
+    an integer zero point (q4_1_as_int8: the minimum rounds to 1/34 of a step), one kernel.
+
+    attention_kernel (builders.AttentionKernel): "onnxruntime", GroupQueryAttention; "cabinlm",
+    int8 KV only, ai.cabinlm::Int8KVAttention (kernels/int8_kv_attention.cc): the same inputs and
+    results, a chunk computed as fast as one row per step allows, the cache written in place (the
+    graph then has no present outputs: io_spec.fused_decoder_io(present=False)).
+
+    matmul_kernel (builders.MatmulKernel): "cabinlm" runs each Q4_1 matrix whose scales and minimums
+    are float16 (a GGUF's always are) on ai.cabinlm::BlockQ4MatMul (kernels/block_q4_matmul.cc),
+    its 4-bit codes and minimums as exported, the down projection as BlockQ4SwiGLUMatMul (the SwiGLU
+    computed in its kernel); `minimums` then applies to any other Q4_1 matrix."""
+    from cabinlm.engines.ort_fused.spec import AttentionKernel, MatmulKernel, Minimums
+    from cabinlm.engines.ort_fused import kernels
+
+    minimums = Minimums(minimums)
+    attention_kernel = AttentionKernel(attention_kernel)
+    matmul_kernel = MatmulKernel(matmul_kernel)
+    own_ops = False
+    why = ineligible(manifest)
+    if why:
+        raise BuildError(f"the fused attention does not apply: {why}")
+    spec, lay = manifest.model, manifest.cache
+    H, Hkv, Dh, D = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size
+    W = _Weights(graph)
+    b = _Builder()
+    eps = float(spec.rms_norm_eps)
+
+    def own_blocks(name: str) -> str | None:
+        """A Q4_1 matrix laid out for cabinlm's BlockQ4MatMul (its initializer), or None where the
+        build runs it on MatMulNBits (matmul_kernel "onnxruntime", another format, not float16)."""
+        nonlocal own_ops
+        if matmul_kernel != MatmulKernel.CABINLM or not W.has(f"{name}.offset"):
+            return None
+        blob = block_q4_layout(W.get(f"{name}.q"), W.get(f"{name}.scale").astype(np.float32),
+                               W.get(f"{name}.offset").astype(np.float32))  # fmt: skip
+        if blob is None:
+            return None
+        own_ops = True
+        return b.weight(f"{name}.blocks", blob)
+
+    def linear(x: str, name: str, out: str | None = None, bias: str | None = None) -> str:
+        """x (1, tokens, K) @ W: a GGUF Q4_1 matrix on cabinlm's BlockQ4MatMul (matmul_kernel
+        "cabinlm"); otherwise MatMulNBits over the exported blocks (a Q4_1 block: 8-bit codes with
+        zero points, or with minimums="exact" the 4-bit codes plus blocksum(x) @ offset: a MatMul by a
+        block indicator, a MatMul and an Add), or MatMul for float32."""
+        if not W.has(f"{name}.q"):
+            y = b.op("MatMul", x, f"{name}", hint=name, out=None if bias else out)
+            return b.op("Add", y, bias, out=out, hint=f"{name}/bias") if bias else y
+        q = W.get(f"{name}.q")  # (K, N)
+        K, N = q.shape
+        nb = K // BLOCK
+        scale = W.get(f"{name}.scale").astype(np.float32)  # (nb, N)
+        offset = W.get(f"{name}.offset").astype(np.float32) if W.has(f"{name}.offset") else None
+        blocks = own_blocks(name)
+        if blocks is not None:
+            y = b.op(kernels.MATMUL_OP, x, blocks, domain=kernels.DOMAIN, hint=name, out=None if bias else out)
+            return b.op("Add", y, bias, out=out, hint=f"{name}/bias") if bias else y
+        if offset is not None and minimums == "int8":
+            q8, s8, z8 = q4_1_as_int8(q, scale, offset)
+            ins = [x, b.weight(f"{name}.nbits", q8.T.reshape(N, nb, BLOCK)), b.weight(f"{name}.nbits_scale", s8.T),
+                   b.weight(f"{name}.nbits_zero_point", z8.T)]  # fmt: skip
+            if bias is not None:
+                ins += ["", bias]  # g_idx, bias
+            attrs = dict(K=K, N=N, bits=8, block_size=BLOCK, accuracy_level=accuracy_level)
+            return b.op("MatMulNBits", *ins, domain=MS, out=out, hint=name, **attrs)
+        bits = 8 if q.dtype == np.int8 else 4
+        if bits == 8:  # symmetric int8 -> MatMulNBits' 8-bit blocks, default zero point 128
+            blob = (q.T.astype(np.int16) + 128).astype(np.uint8).reshape(N, nb, BLOCK)
+        else:
+            blob = pack4(q.T.reshape(N, nb, BLOCK))
+        ins = [x, b.weight(f"{name}.nbits", blob), b.weight(f"{name}.nbits_scale", scale.T)]
+        if W.has(f"{name}.zero_point"):  # int4 zero points, packed along the blocks
+            zp = W.get(f"{name}.zero_point").T  # (N, nb)
+            if nb % 2:
+                zp = np.concatenate([zp, np.zeros((N, 1), zp.dtype)], axis=1)
+            ins.append(b.weight(f"{name}.nbits_zero_point", pack4(zp)))
+        elif bits == 4:
+            # Without zero points MatMulNBits computes scale * (q - 8): a GGUF Q4_1 block (d * q + m)
+            # is then d * (q - 8) + (m + 8 d), the minimum moved by 8 steps (exact in float32 for
+            # fp16 d and m), which keeps the kernel on its zero-point-free path.
+            base = np.zeros_like(scale) if offset is None else offset
+            offset = (base + 8.0 * scale).astype(np.float32)
+        if bias is not None:
+            ins += ["", "", bias]  # zero_points (if absent), g_idx, bias
+            if len(ins) == 7:  # zero points were given: drop the empty slot
+                ins = ins[:4] + ["", bias]
+        attrs = dict(K=K, N=N, bits=bits, block_size=BLOCK, accuracy_level=accuracy_level)
+        if offset is None:
+            return b.op("MatMulNBits", *ins, domain=MS, out=out, hint=name, **attrs)
+        y = b.op("MatMulNBits", *ins, domain=MS, hint=name, **attrs)
+        indicator = np.kron(np.eye(nb, dtype=np.float32), np.ones((BLOCK, 1), np.float32))  # (K, nb)
+        sums = b.op("MatMul", x, b.const(indicator), hint=f"{name}/block_sums")
+        shift = b.op("MatMul", sums, b.weight(f"{name}.nbits_offset", offset), hint=f"{name}/offset")
+        return b.op("Add", y, shift, out=out, hint=f"{name}/offset")
+
+    # Embedding: as exported (a float table, or int8 / int4 rows scaled per block).
+    ids = mf.INPUT_IDS
+    if W.has("embed_tokens"):
+        b.weight("embed_tokens", W.get("embed_tokens"))
+        x = b.op("Unsqueeze", b.op("Gather", "embed_tokens", ids, axis=0), b.const(np.array([0], np.int64)), hint="embed")
+    else:
+        q = W.get("embed_tokens.q")  # (V, D)
+        nb = D // BLOCK
+        b.weight("embed_tokens.q", q)
+        xq = b.op("Reshape", b.op("Cast", b.op("Gather", "embed_tokens.q", ids, axis=0), to=TensorProto.FLOAT),
+                  b.const(np.array([-1, nb, BLOCK], np.int64)))  # fmt: skip
+        if W.has("embed_tokens.zero_point"):
+            b.weight("embed_tokens.zero_point", W.get("embed_tokens.zero_point"))
+            zp = b.op("Cast", b.op("Gather", "embed_tokens.zero_point", ids, axis=0), to=TensorProto.FLOAT)
+            xq = b.op("Sub", xq, b.op("Unsqueeze", zp, b.const(np.array([2], np.int64))))
+        b.weight("embed_tokens.scale", W.get("embed_tokens.scale"))
+        sc = b.op("Gather", "embed_tokens.scale", ids, axis=0)
+        xq = b.op("Mul", xq, b.op("Unsqueeze", sc, b.const(np.array([2], np.int64))))
+        if W.has("embed_tokens.offset"):
+            b.weight("embed_tokens.offset", W.get("embed_tokens.offset"))
+            off = b.op("Gather", "embed_tokens.offset", ids, axis=0)
+            xq = b.op("Add", xq, b.op("Unsqueeze", off, b.const(np.array([2], np.int64))))
+        x = b.op("Reshape", xq, b.const(np.array([1, -1, D], np.int64)), hint="embed")
+
+    def float_weight(name: str) -> str:
+        return b.weight(name, W.get(name).astype(np.float32))
+
+    for i in range(lay.layers):  # float32 linears (fp32 exports) are used by name
+        for part in ("qkv", "o", "gate_up", "down"):
+            if W.has(mf.weight_name(i, part)):
+                float_weight(mf.weight_name(i, part))
+    quantized_kv = lay.kv_dtype == KVDType.INT8
+    own_kernel = attention_kernel == AttentionKernel.CABINLM
+    if own_kernel and not quantized_kv:
+        raise BuildError(f"cabinlm's attention kernel takes int8 KV, not {lay.kv_dtype.value}; use --attention-kernel onnxruntime")
+    kv_scales = {}
+    if quantized_kv:
+        kv_scales = {k: manifest.kv_scales.array(k) for k in ("rotated_keys", "values")}
+    I = spec.intermediate_size
+    residual = None
+    for i in range(lay.layers):
+        p = f"layers.{i}"
+        norm = float_weight(mf.weight_name(i, "input_norm.weight"))
+        if residual is None:
+            h = b.op("SimplifiedLayerNormalization", x, norm, axis=-1, epsilon=eps, stash_type=1, hint=f"{p}/input_norm")
+            residual = x
+        else:
+            h, _, _, residual = b.op("SkipSimplifiedLayerNormalization", x, residual, norm, outputs=4, domain=MS,
+                                     epsilon=eps, hint=f"{p}/input_norm")  # fmt: skip
+        bias = float_weight(mf.weight_name(i, "qkv_bias")) if W.has(mf.weight_name(i, "qkv_bias")) else None
+        qkv = linear(h, mf.weight_name(i, "qkv"), out=mf.qkv_name(i), bias=bias)
+        if own_kernel:  # kernels/int8_kv_attention.cc: the inputs GroupQueryAttention takes, in its order
+            ins = [qkv, mf.key_cache_name(i), mf.value_cache_name(i), mf.SEQLENS_K, mf.TOTAL_SEQUENCE_LENGTH, mf.ROPE_COS,
+                   mf.ROPE_SIN, mf.POSITION_IDS, mf.ATTENTION_BIAS,
+                   b.weight(f"{p}.k_scale", kv_scales["rotated_keys"][i].reshape(Hkv * Dh).astype(np.float32)),
+                   b.weight(f"{p}.v_scale", kv_scales["values"][i].reshape(Hkv * Dh).astype(np.float32))]  # fmt: skip
+            att = b.op(kernels.ATTENTION_OP, *ins, domain=kernels.DOMAIN, hint=f"{p}/attention")
+        else:
+            gqa_in = [qkv, "", "", mf.key_cache_name(i), mf.value_cache_name(i), mf.SEQLENS_K,
+                      mf.TOTAL_SEQUENCE_LENGTH, mf.ROPE_COS, mf.ROPE_SIN, mf.POSITION_IDS, mf.ATTENTION_BIAS, ""]  # fmt: skip
+            attrs = dict(num_heads=H, kv_num_heads=Hkv, scale=float(1 / np.sqrt(Dh)), do_rotary=1, rotary_interleaved=0,
+                         local_window_size=-1)  # fmt: skip
+            if quantized_kv:
+                gqa_in += [b.weight(f"{p}.k_scale", kv_scales["rotated_keys"][i].reshape(1, Hkv, 1, Dh)),
+                           b.weight(f"{p}.v_scale", kv_scales["values"][i].reshape(1, Hkv, 1, Dh))]  # fmt: skip
+                attrs.update(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL", kv_cache_bit_width=8)
+            att, _, _ = b.op("GroupQueryAttention", *gqa_in, domain=MS, outputs=3, hint=f"{p}/attention", **attrs)
+            b.nodes[-1].output[1] = mf.present_key_name(i)
+            b.nodes[-1].output[2] = mf.present_value_name(i)
+        o = linear(att, mf.weight_name(i, "o"))
+        h, _, _, residual = b.op("SkipSimplifiedLayerNormalization", o, residual, float_weight(mf.weight_name(i, "post_norm.weight")),
+                                 outputs=4, domain=MS, epsilon=eps, hint=f"{p}/post_norm")  # fmt: skip
+        gate_up = linear(h, mf.weight_name(i, "gate_up"))
+        down = own_blocks(mf.weight_name(i, "down"))
+        if down is not None:  # silu(gate) * up inside the down projection's kernel
+            x = b.op(kernels.SWIGLU_MATMUL_OP, gate_up, down, domain=kernels.DOMAIN, hint=f"{p}.down")
+        else:
+            gate, up = b.op("Split", gate_up, b.const(np.array([I, I], np.int64)), outputs=2, axis=-1)
+            act = b.op("Mul", b.op("Mul", gate, b.op("Sigmoid", gate)), up, hint=f"{p}/swiglu")
+            x = linear(act, mf.weight_name(i, "down"))
+    x = b.op("Squeeze", b.op("Add", x, residual), b.const(np.array([0], np.int64)))
+    x = b.op("Gather", x, mf.LOGIT_ROWS, axis=0, hint="logit_rows")
+    h = b.op("SimplifiedLayerNormalization", x, float_weight("final_norm.weight"), axis=-1, epsilon=eps, stash_type=1)
+    if W.has("lm_head.q"):
+        linear(h, "lm_head", out=mf.LOGITS)
+    else:
+        table = "lm_head" if W.has("lm_head") else "embed_tokens"
+        if table == "lm_head":
+            float_weight("lm_head")
+        b.op("Gemm", h, table, transB=1, out=mf.LOGITS, hint="lm_head")
+
+    _rotation(b, lay, mf.REFRESH_SOURCE, mf.REFRESH_POSITION_IDS, mf.REFRESH_COS, mf.REFRESH_SIN, mf.REFRESH_KEYS)
+    io = mf.fused_decoder_io(lay, H, spec.vocab_size, present=not own_kernel)
+    elem = {"float": TensorProto.FLOAT, "int64": TensorProto.INT64, "int32": TensorProto.INT32,
+            "int8": TensorProto.INT8}  # fmt: skip
+    inputs = [helper.make_tensor_value_info(t.name, elem[t.dtype], list(t.shape)) for t in io.inputs]
+    outputs = [helper.make_tensor_value_info(t.name, elem[t.dtype], list(t.shape)) for t in io.outputs]
+    g = helper.make_graph(b.nodes, "cabinlm_decoder_fused", inputs, outputs, b.inits)
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)]
+    if own_kernel or own_ops:
+        opsets.append(helper.make_opsetid(kernels.DOMAIN, 1))
+    return helper.make_model(g, opset_imports=opsets, producer_name="cabinlm", ir_version=10)
+
+
+ROTATE_GRAPH = "decoder.rotate.onnx"
+
+
+def _rotation(b: _Builder, lay, source: str, position_ids: str, cos: str, sin: str, out: str) -> None:
+    """RotaryEmbedding over the float32 sources, then (int8 KV) rounding half to even and saturation
+    to +-127: the sink / pinned keys' refresh, in the decoder and in the rotation graph alike."""
+    int8 = lay.kv_dtype == KVDType.INT8
+    y = b.op("RotaryEmbedding", source, position_ids, cos, sin, domain=MS, interleaved=0, hint="rotate",
+             out=None if int8 else out)  # fmt: skip
+    if int8:
+        clipped = b.op("Clip", y, b.const(np.array(-127.0, np.float32)), b.const(np.array(127.0, np.float32)))
+        zero = b.const(np.array(0, np.int8))
+        b.op("QuantizeLinear", clipped, b.const(np.array(1.0, np.float32)), zero, out=out)
+
+
+def rotation_model(manifest: Manifest) -> onnx.ModelProto:
+    """The runtime's refresh of the sink / pinned keys as one small graph: RotaryEmbedding over the
+    float32 sources (already divided by the key scales: one scale per rotation pair commutes with the
+    rotation), then int8 rounding (half to even) and saturation to +-127, for every layer and head
+    at once. Inputs: source (1, layers * kv_heads, rows, head_dim), position_ids (1, rows), cos / sin
+    (rows, head_dim / 2); output keys (1, layers * kv_heads, rows, head_dim) in the cache's type."""
+    lay = manifest.cache
+    b = _Builder()
+    _rotation(b, lay, "source", "position_ids", "cos", "sin", "keys")
+    out_type = TensorProto.INT8 if lay.kv_dtype == KVDType.INT8 else TensorProto.FLOAT
+    heads, d = lay.layers * lay.kv_heads, lay.head_dim
+    inputs = [helper.make_tensor_value_info("source", TensorProto.FLOAT, [1, heads, "rows", d]),
+              helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, "rows"]),
+              helper.make_tensor_value_info("cos", TensorProto.FLOAT, ["rows", d // 2]),
+              helper.make_tensor_value_info("sin", TensorProto.FLOAT, ["rows", d // 2])]  # fmt: skip
+    outputs = [helper.make_tensor_value_info("keys", out_type, [1, heads, "rows", d])]
+    g = helper.make_graph(b.nodes, "cabinlm_rotate_pinned", inputs, outputs, b.inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)],
+                             producer_name="cabinlm", ir_version=10)  # fmt: skip

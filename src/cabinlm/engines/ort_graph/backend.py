@@ -1,0 +1,210 @@
+"""The exported graph on ONNX Runtime (a plain export, or a dynamic-shape build of it): the graph
+contract of io_spec.decoder_io. The static engines (ort_static, qnn_htp) run the same contract with
+every dimension fixed, through this class (a short chunk padded to the graph's size).
+
+Buffers (allocated once per dialogue; the graph reads them in place through OrtValues over this
+memory, bound once at load):
+
+    keys, values     (layers, kv_heads, slots, head_dim)  kv dtype (fp8: its uint8 bytes)   un-rotated
+    value_scales     (layers, kv_heads, slots, 1)         float16, int8 / fp8 KV only
+
+A step binds ids, positions, mask and logit rows; the chunk's K/V come back as outputs (buffers
+allocated once for single-token decode) and commit writes them into their slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from cabinlm import io_spec as io
+from cabinlm.engines.registry import BackendKind
+from cabinlm.manifest import Manifest
+from cabinlm.engines.backend import Backend, StepOutput
+from cabinlm.engines.onnxruntime.binding import Binding, ortvalue
+from cabinlm.engines.onnxruntime.session import check_io, open_session, session_options
+from cabinlm.runtime.slots import MASK_VALUE, SlotTable, StepPlan
+
+
+@dataclass
+class LoadedGraphs:
+    """What every dialogue on one loaded artifact shares: sessions (and the weights they hold)."""
+
+    manifest: Manifest
+    prefill: ort.InferenceSession  # any chunk size, or exactly `chunk` tokens (static)
+    decode: ort.InferenceSession  # one token (the same session unless static)
+    static: bool
+    weights: list[tuple[str, ort.OrtValue]]  # a static pair's shared weights, kept alive here
+
+
+def load_graphs(folder: Path, manifest: Manifest, threads: int | None, extra: dict[str, str] | None,
+                static: bool = False, weights: list[tuple[str, ort.OrtValue]] | None = None) -> LoadedGraphs:
+    """The artifact's graph sessions: one for every chunk size, or (static) the prefill graph
+    ("graph", tokens = chunk) and the decode graph ("graph_decode", tokens = 1). weights: initializers
+    handed to every session (a static pair's shared weights), held in memory once."""
+    spec = manifest.runtime_spec
+    weights = weights or []
+
+    def session(role: str, tokens: int | None) -> ort.InferenceSession:
+        so = session_options(spec, threads, extra)
+        for name, ov in weights:
+            so.add_initializer(name, ov)
+        if weights:  # pre-packing would give each session its own re-laid-out copy of every matrix
+            so.add_session_config_entry("session.disable_prepacking", "1")
+        path = folder / manifest.files[role].path
+        s = open_session(path, so, spec)
+        lay = manifest.cache
+        check_io(s, manifest.io if tokens is None else manifest.io.with_tokens(tokens, lay.slots), folder,
+                 built=manifest.build is not None)  # fmt: skip
+        return s
+
+    if static:
+        return LoadedGraphs(manifest, session("graph", manifest.cache.chunk), session("graph_decode", 1), True, weights)
+    s = session("graph", None)
+    return LoadedGraphs(manifest, s, s, False, weights)
+
+
+def allocate(layout) -> dict[str, np.ndarray]:
+    """This backend's cache buffers for a layout (the module docstring's table)."""
+    L, H, N, D = layout.buffer_shape
+    dtype = np.dtype(layout.kv_dtype.numpy_name)
+    bufs = {"keys": np.zeros((L, H, N, D), dtype=dtype), "values": np.zeros((L, H, N, D), dtype=dtype)}
+    if layout.quantized:
+        bufs["value_scales"] = np.zeros((L, H, N, 1), dtype=np.float16)
+    return bufs
+
+
+class ExportedGraphBackend(Backend):
+    """io_spec.decoder_io on ONNX Runtime; static pairs pad a prompt's last chunk to the graph's size."""
+
+    kind = BackendKind.EXPORTED_GRAPH
+
+    def __init__(self, graphs: LoadedGraphs, table: SlotTable):
+        super().__init__(graphs.manifest, table)
+        self.graphs = graphs
+        m = self.manifest
+        lay = self.layout
+        bufs = allocate(lay)
+        self.keys, self.values = bufs["keys"], bufs["values"]
+        self.value_scales = bufs.get("value_scales")
+        self._index = np.dtype(m.index_dtype)
+        self._rows = np.arange(lay.chunk, dtype=self._index)
+        if m.vision is not None:  # text chunks of a vision-language model: no image rows
+            self._no_embeds = np.zeros((lay.chunk, m.vision.embed_dim), dtype=np.float32)
+            self._no_image = np.zeros((lay.chunk, 1), dtype=bool)
+            self._all_image = np.ones((lay.chunk, 1), dtype=bool)
+        self._bind()
+
+    def _bind(self) -> None:
+        lay, kv_onnx = self.layout, self.layout.kv_dtype.onnx_name
+        kv = np.dtype(lay.kv_dtype.numpy_name)
+        cache = []  # OrtValues over this dialogue's buffers, shared by both bindings
+        for i in range(lay.layers):
+            cache += [(io.key_cache_name(i), ortvalue(self.keys[i], kv_onnx)),
+                      (io.value_cache_name(i), ortvalue(self.values[i], kv_onnx))]  # fmt: skip
+            if self.value_scales is not None:
+                cache.append((io.value_scale_name(i), ortvalue(self.value_scales[i], "float16")))
+        self._cache_values = cache
+        H, D, V = lay.kv_heads, lay.head_dim, self.graphs.manifest.model.vocab_size
+        outs = [(io.LOGITS, ("rows", V), np.dtype(np.float32), "float")]
+        outs += [(io.new_key_name(i), (H, "tokens", D), kv, kv_onnx) for i in range(lay.layers)]
+        outs += [(io.new_value_name(i), (H, "tokens", D), kv, kv_onnx) for i in range(lay.layers)]
+        if lay.quantized:
+            f16 = np.dtype(np.float16)
+            outs += [(io.new_value_scale_name(i), (H, "tokens", 1), f16, "float16") for i in range(lay.layers)]
+        self._decode = Binding(self.graphs.decode, cache, outs, tokens=1, rows=1)
+        size = lay.chunk if self.graphs.static else None  # a static prefill graph returns a row per token
+        self._prefill = Binding(self.graphs.prefill, cache, outs, tokens=size, rows=size)
+
+    @property
+    def fixed_chunk(self) -> bool:
+        return self.graphs.static
+
+    def buffers(self) -> dict[str, np.ndarray]:
+        out = {"keys": self.keys, "values": self.values}
+        if self.value_scales is not None:
+            out["value_scales"] = self.value_scales
+        return out
+
+    def seat(self, table: SlotTable) -> ExportedGraphBackend:
+        return type(self)(self.graphs, table)
+
+    def run(self, plan: StepPlan, ids: np.ndarray, all_logits: bool, embeds: np.ndarray | None) -> StepOutput:
+        n, index = plan.tokens, self._index
+        binding = self._decode if n == 1 else self._prefill
+        size = binding.tokens if binding.tokens is not None else n  # a static graph's fixed token count
+        ids = np.ascontiguousarray(ids, dtype=index)
+        pos, mask = plan.position_ids.astype(index, copy=False), plan.attention_mask
+        inputs = {}
+        if self.graphs.manifest.vision is not None:
+            if embeds is None:
+                inputs = {io.IMAGE_EMBEDS: self._no_embeds[:size], io.IMAGE_MASK: self._no_image[:size]}
+            else:
+                rows = np.zeros((size, embeds.shape[1]), dtype=np.float32)
+                rows[:n] = embeds
+                inputs = {io.IMAGE_EMBEDS: rows, io.IMAGE_MASK: self._all_image[:size]}
+        elif embeds is not None:
+            raise ValueError("this model has no vision input")
+        if size != n:
+            ids, pos, mask = _pad(ids, pos, mask, size, self.layout.slots)
+        if binding.tokens is not None and binding.tokens > 1:  # static prefill: every row, then pick
+            logit_rows = self._rows[:size]
+        else:
+            logit_rows = self._rows[:n] if all_logits and n > 1 else self._rows[n - 1 : n]
+        inputs.update({io.INPUT_IDS: ids, io.POSITION_IDS: pos,
+                       io.CACHE_POSITION_IDS: plan.cache_position_ids.astype(index, copy=False),
+                       io.ATTENTION_MASK: mask, io.LOGIT_ROWS: logit_rows})  # fmt: skip
+        outs = binding.run(inputs)
+        L = self.layout.layers
+        logits = outs[0]
+        if len(logits) != (n if all_logits and n > 1 else 1):  # a static graph's rows: keep the asked ones
+            logits = logits[:n] if all_logits else logits[n - 1 : n]
+        new = outs[1 : 1 + L], outs[1 + L : 1 + 2 * L], outs[1 + 2 * L :]
+        if size != n:  # padded: the real tokens' K/V only
+            new = tuple([x[:, :n] for x in xs] for xs in new)
+        return StepOutput(logits, new)
+
+    def commit(self, plan: StepPlan, out: StepOutput) -> None:
+        """Per layer (kv_heads, tokens, head_dim) K/V and (kv_heads, tokens, 1) value scales into
+        their slots; a contiguous run of slots (no wrap of the ring inside the chunk) is one slice."""
+        keys, values, scales = out.new
+        write_slots(self.keys, keys, plan.slots)
+        write_slots(self.values, values, plan.slots)
+        if self.value_scales is not None:
+            write_slots(self.value_scales, scales, plan.slots)
+
+
+def write_slots(buffer: np.ndarray, news: list[np.ndarray], slots: np.ndarray) -> None:
+    """buffer (layers, kv_heads, slots, X)[:, :, slots] = news (per layer (kv_heads, tokens, X); the
+    first len(slots) tokens), in place. A contiguous run of slots (no wrap of the ring) is one slice."""
+    n = len(slots)
+    lo, hi = int(slots[0]), int(slots[-1]) + 1
+    where = (slice(None), slice(lo, hi)) if hi - lo == n else (slice(None), slots)
+    for layer, x in enumerate(news):
+        buffer[layer][where] = x if x.shape[1] == n else x[:, :n]  # more tokens ran than are kept
+
+
+def _pad(ids, pos, mask, size: int, slots: int):
+    """Pad a chunk to a static graph's token count. Pad tokens come after the real ones, so the
+    causal mask hides them from the real tokens; their outputs are dropped."""
+    n = len(ids)
+    ids_p = np.zeros(size, dtype=ids.dtype)
+    ids_p[:n] = ids
+    pos_p = np.arange(pos[0], pos[0] + size, dtype=pos.dtype)
+    mask_p = np.empty((size, slots + size), dtype=mask.dtype)
+    mask_p[:, :slots] = mask[0, :slots]
+    mask_p[:, slots:] = np.where(np.tri(size, dtype=bool), np.float32(0), MASK_VALUE)
+    return ids_p, pos_p, mask_p
+
+
+def unavailable() -> str | None:
+    """The exported graph runs wherever onnxruntime imports (its CPU provider is always there)."""
+    return None
+
+
+def open_backend(folder: Path, manifest: Manifest, table: SlotTable, threads: int | None = None,
+                 session_config: dict[str, str] | None = None) -> ExportedGraphBackend:
+    return ExportedGraphBackend(load_graphs(folder, manifest, threads, session_config), table)

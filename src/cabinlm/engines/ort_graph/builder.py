@@ -1,0 +1,52 @@
+"""onnxruntime-graph builds: the exported graph, its cached keys' rotation as ONNX Runtime's
+RotaryEmbedding kernel, ONNX Runtime's provider-independent fusions done offline. What a cpu build
+becomes where the fused decoder does not apply (fp16 / fp8 KV, vision-language models) or
+`--attention graph` asks for it."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from cabinlm.buildspec import CPU_PROVIDER, BuildSpec, ExecutionProvider, OptimizationLevel
+from cabinlm.engines.builder import Builder, BuildRequest
+from cabinlm.engines.onnxruntime.offline import (OPT_DATA, OPT_GRAPH, cpu_session, fuse_rotary, log_weights, optimize_offline,
+                                                 read_graph)
+from cabinlm.engines.output import BuildOutput
+from cabinlm.engines.registry import BackendKind
+
+
+def targets_cpu(profile, static: bool) -> bool:
+    """An ONNX Runtime profile on the CPU provider, with (static) or without fixed shapes."""
+    return profile.engine.value == "onnxruntime" and profile.execution_provider == CPU_PROVIDER and profile.static_shapes == static
+
+
+def spec_for(kind: BackendKind, request: BuildRequest, optimization: OptimizationLevel, facts=None) -> BuildSpec:
+    import onnxruntime as ort
+
+    return BuildSpec(backend=kind, provider=ExecutionProvider(CPU_PROVIDER), session=cpu_session(request.profile, optimization),
+                     profile=request.profile.name, engine="onnxruntime", engine_version=ort.__version__, facts=facts)  # fmt: skip
+
+
+class GraphBuilder(Builder):
+    kind: ClassVar[BackendKind] = BackendKind.EXPORTED_GRAPH
+
+    def targets(self, profile) -> bool:
+        return targets_cpu(profile, static=False)
+
+    def build(self, request: BuildRequest, output: BuildOutput) -> BuildSpec:
+        output.copy("tokenizer")
+        output.copy_if_present("vision_graph", "vision_data")  # the camera encoder runs as exported
+        graph = read_graph(request.artifact, request.manifest)
+        n = fuse_rotary(graph, request.manifest)
+        request.log(f"fused the cached keys' rotary embedding into RotaryEmbedding in {n} layers")
+        optimize_offline(graph.SerializeToString(), output.folder)
+        del graph
+        output.add("graph", OPT_GRAPH)
+        output.add("graph_data", OPT_DATA)
+        request.log(f"optimized the graph offline for {request.profile.execution_provider}")
+        log_weights(request.manifest, output, request.log)
+        # the heavy fusions are done; the host adds its own at load
+        return spec_for(self.kind, request, OptimizationLevel.BASIC)
+
+
+BUILDER = GraphBuilder()

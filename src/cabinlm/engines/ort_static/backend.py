@@ -1,0 +1,55 @@
+"""A static-shape build on ONNX Runtime: the prefill graph (tokens = chunk) and the decode graph
+(tokens = 1) over one memory map of the weights file, the exported graph's contract with every
+dimension fixed (engines/ort_graph/backend.py runs it, padding a short chunk)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from cabinlm.engines.backend import BackendError
+from cabinlm.engines.ort_graph.backend import ExportedGraphBackend, load_graphs
+from cabinlm.engines.ort_static.spec import SharedWeights
+from cabinlm.engines.registry import BackendKind
+from cabinlm.manifest import Manifest
+from cabinlm.runtime.slots import SlotTable
+
+
+def shared_weights(folder: Path, manifest: Manifest) -> list[tuple[str, ort.OrtValue]]:
+    """The weights a static graph pair shares, as OrtValues over one read-only memory map of the
+    weights file: handed to both sessions, they are held in memory once."""
+    table = manifest.runtime_spec.facts_as(SharedWeights)
+    if table is None:
+        raise BackendError(f"{folder}: the manifest names a static pair without its weight table; run `cabinlm build` again")
+    data = np.memmap(folder / table.file, dtype=np.uint8, mode="r")
+    out = []
+    for t in table.tensors:
+        if t.offset + t.length > len(data):
+            raise ValueError(f"shared weight {t.name} lies beyond the end of {table.file}")
+        arr = data[t.offset : t.offset + t.length].view(np.dtype(t.dtype)).reshape(t.shape)
+        out.append((t.name, ort.OrtValue.ortvalue_from_numpy(arr)))
+    return out
+
+
+
+class StaticPairBackend(ExportedGraphBackend):
+    """A static-shape build: prefill graph (tokens = chunk) and decode graph (tokens = 1) over one
+    memory map of the weights. The same contract as the exported graph, with every dimension fixed."""
+
+    kind = BackendKind.STATIC_PAIR
+
+
+def unavailable() -> str | None:
+    """A static pair runs on ONNX Runtime's CPU provider, always there."""
+    return None
+
+
+def open_backend(folder: Path, manifest: Manifest, table: SlotTable, threads: int | None = None,
+                 session_config: dict[str, str] | None = None) -> StaticPairBackend:
+    try:
+        weights = shared_weights(folder, manifest)
+    except ValueError as e:
+        raise BackendError(f"{folder}: {e}; run `cabinlm build` again") from e
+    return StaticPairBackend(load_graphs(folder, manifest, threads, session_config, static=True, weights=weights), table)

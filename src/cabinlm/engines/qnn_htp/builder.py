@@ -1,0 +1,266 @@
+"""Qualcomm HTP builds: the decoder compiled by Qualcomm's own compiler (the QNN SDK inside the
+`onnxruntime-qnn` plugin) into context binaries, the form a Snapdragon cockpit loads.
+
+    artifact graph ─ qnn_graph.htp_ready ─┬─ fix tokens = chunk ─ compile ─ decoder.prefill.ctx.onnx ┐
+                                          └─ fix tokens = 1     ─ compile ─ decoder.decode.ctx.onnx  ┴─ *_qnn.bin
+
+Each `.ctx.onnx` holds one EPContext node that points at the binary. CPU fallback is disabled while
+compiling: a node the HTP cannot run fails the build, named. On HTP v73 and later the two graphs are
+compiled into one context and share one copy of the weights; on v68 each graph holds its own.
+
+On an x86 host the same binaries run in Qualcomm's HTP simulator (backend.py): the
+build checks one decode step of the compiled graph there against ONNX Runtime's CPU provider.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import resource
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, ClassVar, Iterator
+
+import numpy as np
+import onnx
+
+from cabinlm.buildspec import BuildSpec, ExecutionProvider, OptimizationLevel, SessionSettings
+from cabinlm.engines.builder import Builder, BuildError, BuildRequest
+from cabinlm.engines.onnxruntime.offline import fix_tokens, read_graph
+from cabinlm.engines.output import BuildOutput
+from cabinlm.engines.qnn_htp import plugin as qnn_plugin
+from cabinlm.engines.qnn_htp.graph import htp_ready
+from cabinlm.engines.qnn_htp.spec import QNN_PROVIDER, SIMULATOR, QnnSettings
+from cabinlm.engines.registry import BackendKind
+from cabinlm.manifest import Manifest
+
+PREFILL_CTX, DECODE_CTX = "decoder.prefill.ctx.onnx", "decoder.decode.ctx.onnx"
+# The unshared twin of a weight-sharing build's (prefill, decode) context models, for the x86 simulator.
+SIM_PAIR = ("decoder.prefill.sim.ctx.onnx", "decoder.decode.sim.ctx.onnx")
+WEIGHT_SHARING_MIN_ARCH = 73  # QNN shares weights between graphs of one context from HTP v73 on
+
+
+class HTPRejected(BuildError):
+    """A node of the graph cannot run on the HTP (CPU fallback is off)."""
+
+
+@contextlib.contextmanager
+def _stderr_to(path: Path) -> Iterator[None]:
+    """The process's stderr (where ONNX Runtime's C++ logger writes) into a file, for the duration."""
+    import sys
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "w") as f:
+        os.dup2(f.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+_UNSUPPORTED = re.compile(r"\{ name: ([^,]+), type: ([^ }]+) \}")
+
+
+def compile_graph(src: Path, ctx: Path, profile, share: bool, last: bool) -> None:
+    """Compile one graph for the profile's HTP into ctx (+ its binary), CPU fallback disabled."""
+    import onnxruntime as ort
+
+    so = qnn_plugin.session_options(profile_provider(profile))
+    so.add_session_config_entry("ep.context_enable", "1")
+    so.add_session_config_entry("ep.context_file_path", str(ctx))
+    so.add_session_config_entry("ep.context_embed_mode", "0")
+    if share:
+        so.add_session_config_entry("ep.share_ep_contexts", "1")
+        if last:
+            so.add_session_config_entry("ep.stop_share_ep_contexts", "1")
+    so.log_severity_level = 2
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "qnn.log"
+        try:
+            with _stderr_to(log), qnn_plugin.native_stdout_to_stderr():
+                ort.InferenceSession(str(src), so)
+        except Exception as e:  # onnxruntime raises its own exception types
+            text = log.read_text(errors="replace")
+            nodes = _UNSUPPORTED.findall(text)
+            if nodes:
+                names = ", ".join(f"{n} ({t})" for n, t in dict(nodes).items())
+                raise HTPRejected(f"the HTP ({profile.name}: v{profile.htp_arch}) cannot run {len(dict(nodes))} node(s) of "
+                                  f"{src.name}: {names}. CPU fallback is off for HTP builds; re-export without these "
+                                  "ops or report this") from e  # fmt: skip
+            detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+            errors = [ln for ln in text.splitlines() if ":E:" in ln or "[E:" in ln or "ERROR" in ln]
+            raise BuildError(f"QNN could not compile {src.name} for {profile.name}: {detail}"
+                             + (f" ({errors[-1].strip()[:300]})" if errors else "")) from e  # fmt: skip
+
+
+def profile_provider(profile) -> ExecutionProvider:
+    """The QNN provider options of a profile: the HTP backend, its architecture and SoC."""
+    return ExecutionProvider(QNN_PROVIDER, {"backend_type": "htp", "htp_arch": str(profile.htp_arch),
+                                            "soc_model": str(profile.soc_model)})  # fmt: skip
+
+
+def _compile_pair(sources: list[tuple[Path, int]], out: Path, names: tuple[str, str], profile, share: bool,
+                  log: Callable[[str], None], simulator: bool = False) -> dict[str, str]:
+    """Compile the prefill and decode graphs into out/names (+ their binaries). Returns manifest
+    roles -> files: graph, graph_decode, context_binary[_N] (each with SIMULATOR appended for the
+    simulator's twin)."""
+    suffix = SIMULATOR if simulator else ""
+    files: dict[str, str] = {}
+    binaries: list[str] = []
+    for i, ((src, tokens), name) in enumerate(zip(sources, names)):
+        t = time.perf_counter()
+        log(f"compiling {name} (tokens = {tokens}) for HTP v{profile.htp_arch}, SoC {profile.soc_model}"
+            f"{', weights shared' if share else ''} ...")  # fmt: skip
+        compile_graph(src, out / name, profile, share=share, last=i == len(sources) - 1)
+        log(f"  compiled in {time.perf_counter() - t:.1f} s")
+        files[("graph", "graph_decode")[i] + suffix] = name
+    for name in names:
+        binary = _binary_of(out / name)[0]
+        if binary not in binaries:
+            binaries.append(binary)
+    for i, b in enumerate(binaries):
+        files[f"context_binary{'' if i == 0 else f'_{i}'}{suffix}"] = b
+    return files
+
+
+def _binary_of(ctx: Path) -> tuple[str, str]:
+    """The binary file an EPContext model points at, and the QNN SDK version it records."""
+    m = onnx.load(str(ctx), load_external_data=False)
+    nodes = list(m.graph.node)
+    if not nodes or any(n.op_type != "EPContext" for n in nodes):
+        raise BuildError(f"{ctx.name}: the compiled model is not one EPContext node; the HTP did not take the whole graph")
+    attrs = {a.name: a for a in nodes[0].attribute}
+    return attrs["ep_cache_context"].s.decode(), attrs["ep_sdk_version"].s.decode() if "ep_sdk_version" in attrs else ""
+
+
+class QnnBuilder(Builder):
+    kind: ClassVar[BackendKind] = BackendKind.QNN_HTP
+
+    def targets(self, profile) -> bool:
+        return profile.execution_provider == QNN_PROVIDER
+
+    def check(self, request: BuildRequest) -> str | None:
+        kv = request.manifest.cache.kv_dtype.value
+        if kv != "fp16":
+            return (f"it holds {kv} KV; this cabinlm version compiles fp16 KV for the HTP (the exported int8 KV's "
+                    f"DequantizeLinear over the cache is not an HTP op): re-export with --kv fp16 (the default of "
+                    f"{request.profile.name})")  # fmt: skip
+        return None
+
+    def build(self, request: BuildRequest, output: BuildOutput) -> BuildSpec:
+        """Compile the artifact for the profile's HTP (module docstring)."""
+        qnn_plugin.require()
+        artifact, manifest, profile, log = request.artifact, request.manifest, request.profile, request.log
+        out = output.folder
+        for stale in (PREFILL_CTX, DECODE_CTX, *SIM_PAIR):
+            (out / stale).unlink(missing_ok=True)
+        for old in out.glob("*_qnn.bin"):
+            old.unlink()
+        lay = manifest.cache
+        t0 = time.perf_counter()
+        model = read_graph(artifact, manifest)
+        rewrites = htp_ready(model)
+        log(f"made the graph HTP-ready: {rewrites['rms_norms']} RMSNorms fused (fp16-safe), "
+            f"{rewrites['matmul_4bit']} 4-bit and {rewrites['matmul_8bit']} 8-bit weight matrices as MatMulNBits"
+            + (", the token table as a float gather" if rewrites["float_embedding"] else ""))  # fmt: skip
+        share = profile.htp_arch >= WEIGHT_SHARING_MIN_ARCH
+        with tempfile.TemporaryDirectory(prefix="cabinlm-htp-") as tmp:
+            sources = []
+            for role, tokens in (("prefill", lay.chunk), ("decode", 1)):
+                m = onnx.ModelProto()
+                m.CopyFrom(model)
+                fix_tokens(m, tokens, lay.slots)
+                src = Path(tmp) / f"decoder.{role}.onnx"
+                onnx.save_model(m, str(src), save_as_external_data=True, all_tensors_to_one_file=True,
+                                location=src.name + ".data", size_threshold=1024)  # fmt: skip
+                sources.append((src, tokens))
+                del m
+            del model
+            if share:
+                # The car's binaries share their weights; Qualcomm's x86 simulator cannot load a context
+                # with shared weights (it crashes), so the same graphs are also compiled unshared for it.
+                # That twin is compiled first: a graph the HTP rejects fails there, before a shared
+                # context is open (a failed shared compile leaves the plugin unable to shut down cleanly).
+                log("compiling the graphs without weight sharing, for Qualcomm's x86 HTP simulator ...")
+                files = _compile_pair(sources, out, SIM_PAIR, profile, False, log, simulator=True)
+                log("compiling the graphs with shared weights, for the car ...")
+                files.update(_compile_pair(sources, out, (PREFILL_CTX, DECODE_CTX), profile, True, log))
+            else:
+                files = _compile_pair(sources, out, (PREFILL_CTX, DECODE_CTX), profile, False, log)
+            check = _check_decode(sources[1][0], out / files["graph_decode" + (SIMULATOR if share else "")], manifest, profile)
+        compile_seconds = round(time.perf_counter() - t0, 1)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        binaries = [p for r, p in files.items() if r.startswith("context_binary")]
+        sdk = _binary_of(out / files["graph"])[1]
+        weights = "fp16" if not (rewrites["matmul_4bit"] or rewrites["matmul_8bit"]) else (
+            "int4" if rewrites["matmul_4bit"] else "int8")  # fmt: skip
+        settings = QnnSettings(
+            qairt_version=sdk.removeprefix("v"), soc_model=profile.soc_model, htp_arch=profile.htp_arch,
+            chip=profile.chip, activations="fp16", weights=weights, weight_sharing=share,
+            binaries=tuple(binaries), compile_seconds=compile_seconds, peak_host_bytes=int(peak),
+            rewrites=dict(rewrites), check=check,
+        )  # fmt: skip
+        for role, name in files.items():
+            output.add(role, name)
+        output.copy("tokenizer")
+        sizes = {b: (out / b).stat().st_size for b in binaries}
+        car = [files[r] for r in files if r.startswith("context_binary") and not r.endswith(SIMULATOR)]
+        output.quality.update(seconds=compile_seconds, binary_bytes=sizes)
+        log(f"context binaries for the car: {', '.join(f'{b} {sizes[b] / 1e6:.1f} MB' for b in car)}"
+            + (" (prefill and decode share the weights)" if share else
+               f" (HTP v{profile.htp_arch} has no weight sharing between graphs: each holds its own weights)"))  # fmt: skip
+        log(f"checked one decode step in the HTP simulator against the CPU: top-1 {'the same' if check['same_top1'] else 'DIFFERENT'}, "
+            f"logit correlation {check['correlation']:.5f}, max |diff| {check['max_abs_diff']:.3g}")  # fmt: skip
+        return BuildSpec(backend=BackendKind.QNN_HTP, provider=profile_provider(profile),
+                         session=SessionSettings(graph_optimization_level=OptimizationLevel.DISABLE),
+                         profile=profile.name, engine="qnn", engine_version=settings.qairt_version, facts=settings)  # fmt: skip
+
+
+def _check_decode(src: Path, ctx: Path, manifest: Manifest, profile, min_correlation: float = 0.99) -> dict:
+    """One decode step (the first token of a dialogue, empty cache) of the compiled graph in the
+    HTP (the simulator on x86) against the same HTP-ready graph on ONNX Runtime's CPU provider. A
+    graph that overflows fp16 or was miscompiled has near-random logits: refused."""
+    import onnxruntime as ort
+
+    from cabinlm import io_spec as io
+    from cabinlm.runtime.slots import MASK_VALUE
+
+    lay = manifest.cache
+    index = np.dtype(manifest.index_dtype)
+    feed: dict[str, np.ndarray] = {io.INPUT_IDS: np.array([1], index), io.POSITION_IDS: np.array([0], index),
+                                   io.CACHE_POSITION_IDS: np.zeros(lay.slots, index), io.LOGIT_ROWS: np.array([0], index)}  # fmt: skip
+    mask = np.full((1, lay.slots + 1), MASK_VALUE, np.float32)
+    mask[0, -1] = 0
+    feed[io.ATTENTION_MASK] = mask
+    kv = np.dtype(lay.kv_dtype.numpy_name)
+    for i in range(lay.layers):
+        shape = (lay.kv_heads, lay.slots, lay.head_dim)
+        feed[io.key_cache_name(i)] = np.zeros(shape, kv)
+        feed[io.value_cache_name(i)] = np.zeros(shape, kv)
+        if lay.quantized:
+            feed[io.value_scale_name(i)] = np.zeros((lay.kv_heads, lay.slots, 1), np.float16)
+    if manifest.vision is not None:
+        feed[io.IMAGE_EMBEDS] = np.zeros((1, manifest.vision.embed_dim), np.float32)
+        feed[io.IMAGE_MASK] = np.zeros((1, 1), bool)
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
+    ref = ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"]).run([io.LOGITS], feed)[0][0]
+    htp = qnn_plugin.open_context_session(ctx, profile_provider(profile), share=False)
+    got = htp.run([io.LOGITS], feed)[0][0]
+    corr = float(np.corrcoef(ref.astype(np.float64), got.astype(np.float64))[0, 1]) if np.isfinite(got).all() else 0.0
+    check = {"correlation": round(corr, 6), "same_top1": bool(ref.argmax() == got.argmax()),
+             "max_abs_diff": round(float(np.abs(ref - got).max()), 4) if np.isfinite(got).all() else None}  # fmt: skip
+    if corr < min_correlation:
+        raise BuildError(f"the compiled decoder's logits do not follow the graph's (correlation {corr:.3f} over one "
+                         f"decode step in the HTP simulator; top-1 {'same' if check['same_top1'] else 'different'}): "
+                         "a value overflows fp16 or the compiler changed the meaning; report this")  # fmt: skip
+    return check
+
+
+BUILDER = QnnBuilder()

@@ -1,0 +1,79 @@
+"""What a Qualcomm HTP build is, as typed data (manifest "build.qnn"): the chip and compiler the
+context binaries were made for and by, their precision, and what the build measured. Standard library
+only; written by builders/qnn.py, read by runtime/backends/qnn.py and `cabinlm plan`.
+
+    "qnn": {
+      "qairt_version": "2.51.0.260929181845",   the QNN SDK that compiled the binaries
+      "htp_arch": 73, "soc_model": 52, "chip": "Qualcomm SA8775P ...",
+      "activations": "fp16", "weights": "int4",  what the HTP computes in / holds
+      "weight_sharing": true,                  prefill and decode graphs share one weights copy
+      "binaries": ["decoder.prefill.ctx_qnn.bin"],
+      "compile_seconds": 31.2, "peak_host_bytes": 2400000000,
+      "rewrites": {...}, "check": {"correlation": 0.9999, "same_top1": true, "max_abs_diff": 0.02}
+    }
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+QNN_PROVIDER = "QNNExecutionProvider"
+# Manifest roles ending in SIMULATOR ("graph_simulator", "context_binary_simulator", ...) are the
+# unshared twin a weight-sharing build carries for Qualcomm's x86 simulator.
+SIMULATOR = "_simulator"
+PRECISIONS = ("fp16", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class QnnSettings:
+    """A QNN HTP build's facts: the chip and compiler its context binaries were made for and by."""
+
+    KEY: ClassVar[str] = "qnn"  # where a build's manifest holds these facts ("build.qnn")
+
+    qairt_version: str
+    htp_arch: int
+    soc_model: int
+    chip: str
+    activations: str  # what the HTP computes in
+    weights: str  # what the binaries hold for the weight matrices
+    weight_sharing: bool
+    binaries: tuple[str, ...]  # context binary files (their checksums are under manifest "files")
+    compile_seconds: float = 0.0
+    peak_host_bytes: int = 0  # peak resident memory of the build process
+    rewrites: dict[str, int] = field(default_factory=dict)
+    check: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "binaries", tuple(self.binaries))
+        for name in ("htp_arch", "soc_model", "peak_host_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"build.qnn.{name}: expected a non-negative integer, got {v!r}")
+        for name in ("qairt_version", "chip"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"build.qnn.{name}: expected a string")
+        for name in ("activations", "weights"):
+            if getattr(self, name) not in PRECISIONS:
+                raise ValueError(f"build.qnn.{name}: one of {PRECISIONS}, got {getattr(self, name)!r}")
+        if not isinstance(self.weight_sharing, bool):
+            raise ValueError("build.qnn.weight_sharing: expected true or false")
+        if not self.binaries or not all(isinstance(b, str) and b.endswith(".bin") and "/" not in b and "\\" not in b
+                                        and not b.startswith(".") for b in self.binaries):  # fmt: skip
+            raise ValueError(f"build.qnn.binaries: expected .bin file names in the build folder, got {self.binaries!r}")
+        if isinstance(self.compile_seconds, bool) or not isinstance(self.compile_seconds, (int, float)):
+            raise ValueError("build.qnn.compile_seconds: expected a number")
+        if not isinstance(self.rewrites, dict) or not isinstance(self.check, dict):
+            raise ValueError("build.qnn.rewrites and build.qnn.check: expected objects")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["binaries"] = list(self.binaries)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> QnnSettings:
+        if not isinstance(d, dict):
+            raise TypeError(f"build.qnn: expected an object, got {type(d).__name__}")
+        return cls(**d)
