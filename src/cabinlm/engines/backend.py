@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from cabinlm.engines.registry import BackendKind
 from cabinlm.errors import CabinlmError
 from cabinlm.manifest import Manifest
-from cabinlm.runtime.slots import SlotTable, StepPlan
+
+if TYPE_CHECKING:  # the runtime's bookkeeping: annotations only (cabinlm.runtime imports this module)
+    from cabinlm.runtime.slots import SlotTable, StepPlan
 
 
 class BackendError(CabinlmError):
