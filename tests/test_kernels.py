@@ -1,11 +1,13 @@
 """cabinlm's own kernels against independent numpy references: the attention over int8 KV
 (kernels/int8_kv_attention.cc, also against ONNX Runtime's GroupQueryAttention) and the Q4_1 matmul
 (kernels/block_q4_matmul.cc, both of its paths); a chunk's rows are its one-token steps bit for bit;
-bad input gets the kernel's own error; the library compiles once per machine; builds choose them."""
+bad input gets the kernel's own error; builds choose them for the profile's CPU (tests/test_kernel_library.py:
+the library as a build carries it)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -14,15 +16,23 @@ import pytest
 from onnx import TensorProto, helper
 
 from cabinlm.engines.ort_fused import kernels
+from cabinlm.engines.ort_fused.kernels.compiler import compile_library
 from cabinlm.engines.build import BuildError, build_artifact
 from cabinlm.profiles import load_profile
+from cabinlm.profiles.schema import parse_profile
 from cabinlm.runtime import Decoder
 
 H, HKV, D, ROWS = 6, 2, 32, 80  # three query heads per kv head
 INPUTS = ("qkv", "keys", "values", "seqlens_k", "total", "cos", "sin", "position_ids", "bias", "k_scale", "v_scale")
 
 
-def _graph(kind: str) -> ort.InferenceSession:
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    """The kernel library for this machine's CPU, as `cabinlm build` compiles it."""
+    return compile_library(tmp_path_factory.mktemp("kernels")).path
+
+
+def _graph(kind: str, library) -> ort.InferenceSession:
     f, i8 = TensorProto.FLOAT, TensorProto.INT8
     vi = [helper.make_tensor_value_info("qkv", f, [1, "n", (H + 2 * HKV) * D]),
           helper.make_tensor_value_info("keys", i8, [1, HKV, ROWS, D]),
@@ -39,7 +49,7 @@ def _graph(kind: str) -> ort.InferenceSession:
     if kind == "cabinlm":
         node = helper.make_node(kernels.ATTENTION_OP, list(INPUTS), ["out"], domain=kernels.DOMAIN)
         outs = [helper.make_tensor_value_info("out", f, None)]
-        so.register_custom_ops_library(str(kernels.library()))
+        so.register_custom_ops_library(str(library))
     else:
         ins = ["qkv", "", "", "keys", "values", "seqlens_k", "total", "cos", "sin", "position_ids", "bias", "", "k_scale", "v_scale"]
         node = helper.make_node("GroupQueryAttention", ins, ["out", "present_keys", "present_values"], domain="com.microsoft",
@@ -53,8 +63,8 @@ def _graph(kind: str) -> ort.InferenceSession:
 
 
 @pytest.fixture(scope="module")
-def sessions():
-    return {kind: _graph(kind) for kind in ("cabinlm", "onnxruntime")}
+def sessions(library):
+    return {kind: _graph(kind, library) for kind in ("cabinlm", "onnxruntime")}
 
 
 class Case:
@@ -183,27 +193,6 @@ def test_a_chunk_that_does_not_fit_the_cache_is_refused_with_the_kernels_reason(
         run(sessions["cabinlm"], feeds)
 
 
-def test_the_library_compiles_once_and_a_missing_compiler_is_named(monkeypatch, tmp_path):
-    monkeypatch.setenv("CABINLM_CACHE", str(tmp_path))
-    first = kernels.library()
-    assert first.parent == tmp_path / "kernels" and first.exists()
-    stamp = first.stat().st_mtime_ns
-    assert kernels.library() == first and first.stat().st_mtime_ns == stamp  # cached, not compiled again
-    (tmp_path / "a-file").write_text("")
-    monkeypatch.setenv("CABINLM_CACHE", str(tmp_path / "a-file"))  # a file where the cache folder should be
-    with pytest.raises(kernels.KernelError, match="set CABINLM_CACHE to a writable folder"):
-        kernels.library()
-    monkeypatch.setenv("CXX", str(tmp_path / "a-file"))  # not a compiler
-    monkeypatch.setenv("CABINLM_CACHE", str(tmp_path / "other"))
-    monkeypatch.setattr(kernels, "_compiler", lambda: str(tmp_path / "a-file"))
-    with pytest.raises(kernels.KernelError, match="set CXX to a working C.. compiler"):
-        kernels.library()
-    monkeypatch.setattr(kernels, "_compiler", lambda: None)
-    with pytest.raises(kernels.KernelError, match="no C.. compiler found"):
-        kernels.library()
-    assert "apt install g++" in kernels.unavailable()
-
-
 LAYOUT = dict(sink=2, pinned=10, window=16, chunk=4)
 
 
@@ -224,11 +213,18 @@ def test_int8_builds_take_the_kernel_and_fall_back_where_it_cannot_be_had(load, 
         assert np.abs(la - lb).max() < 0.05 * np.abs(lb).max()  # the same model, rounding apart
     assert a.cache.evicted == b.cache.evicted > 0
 
-    monkeypatch.setattr(kernels, "_compiler", lambda: None)
+    assert manifest["files"]["kernel_library"]["path"] == kernels.LIBRARY  # carried by the build, checksummed
+
+    # A build machine without a C++ compiler: no CXX, and no g++ / c++ / clang++ on PATH.
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "no-compilers"))
     logs.clear()
     fallback = build_artifact(art, load_profile("cpu"), tmp_path / "fallback", log=logs.append)
-    assert json.loads((fallback / "manifest.json").read_text())["build"]["fused"]["attention_kernel"] == "onnxruntime"
-    assert any("kept ONNX Runtime's GroupQueryAttention: no C++ compiler" in line for line in logs)
+    built = json.loads((fallback / "manifest.json").read_text())
+    assert built["build"]["fused"]["attention_kernel"] == "onnxruntime" and built["build"]["fused"]["kernels"] is None
+    assert "kernel_library" not in built["files"] and not (fallback / kernels.LIBRARY).exists()
+    assert any("kept ONNX Runtime's GroupQueryAttention: cabinlm's kernels cannot be had (no C++ compiler" in line
+               for line in logs)  # fmt: skip
     with pytest.raises(BuildError, match="no C.. compiler"):
         build_artifact(art, load_profile("cpu"), tmp_path / "refused", attention_kernel="cabinlm")
     fp32 = export_to(load(str(tiny_llama_dir)), kv="fp32", **LAYOUT)
@@ -248,7 +244,7 @@ def _q4_case(K: int, N: int, seed: int = 0):
     return q, d, m
 
 
-def _matmul_session(blob: np.ndarray, library=None, width: int | str | None = None, swiglu: bool = False) -> ort.InferenceSession:
+def _matmul_session(blob: np.ndarray, library, width: int | str | None = None, swiglu: bool = False) -> ort.InferenceSession:
     T, nb, _ = blob.shape
     node = helper.make_node(kernels.SWIGLU_MATMUL_OP if swiglu else kernels.MATMUL_OP, ["x", "w"], ["y"], domain=kernels.DOMAIN)
     g = helper.make_graph([node], "matmul", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "n", width or nb * 32 * (2 if swiglu else 1)])],
@@ -259,7 +255,7 @@ def _matmul_session(blob: np.ndarray, library=None, width: int | str | None = No
     so = ort.SessionOptions()
     so.intra_op_num_threads = 2
     so.log_severity_level = 3
-    so.register_custom_ops_library(str(library or kernels.library()))
+    so.register_custom_ops_library(str(library))
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
@@ -303,18 +299,16 @@ def test_the_q4_layout_holds_the_exported_codes_scales_and_minimums():
 
 
 @pytest.mark.parametrize("path", ["native", "generic"])
-def test_block_q4_matmul_computes_the_q4_1_product(path, tmp_path, monkeypatch):
+def test_block_q4_matmul_computes_the_q4_1_product(path, library, tmp_path):
     """Both paths of the kernel (this CPU's, and the plain C++ one other CPUs get) against the numpy
     reference of its arithmetic (float32 rounding apart) and against x @ W in float64 (the int8
     activations' rounding apart); rows of zeros, several tiles, row counts around the blocks of 4."""
     from cabinlm.engines.ort_fused.block_layouts import block_q4_layout
 
     if path == "generic":
-        monkeypatch.setenv("CABINLM_CACHE", str(tmp_path))
-        library = kernels.library(defines=("CABINLM_GENERIC",))
-        assert kernels.matmul_isa(str(library)) == "generic"
-    else:
-        library = kernels.library()
+        compiled = compile_library(tmp_path, defines=("CABINLM_GENERIC",))
+        assert compiled.facts.matmul_isa == "generic"
+        library = compiled.path
     K, N = 160, 64
     q, d, m = _q4_case(K, N, seed=1)
     session = _matmul_session(block_q4_layout(q, d, m), library)
@@ -343,39 +337,40 @@ def test_block_q4_matmul_computes_the_q4_1_product(path, tmp_path, monkeypatch):
     assert np.abs(y - exact).max() <= 0.02 * np.abs(exact).max()
 
 
-def test_block_q4_matmul_rows_are_one_row_runs_bit_for_bit():
+def test_block_q4_matmul_rows_are_one_row_runs_bit_for_bit(library):
     from cabinlm.engines.ort_fused.block_layouts import block_q4_layout
 
     q, d, m = _q4_case(96, 32, seed=3)
-    session = _matmul_session(block_q4_layout(q, d, m))
+    session = _matmul_session(block_q4_layout(q, d, m), library)
     x = np.random.default_rng(4).standard_normal((1, 7, 96)).astype(np.float32)
     chunk = session.run(None, {"x": x})[0]
     steps = np.concatenate([session.run(None, {"x": x[:, i : i + 1]})[0] for i in range(7)], axis=1)
     assert np.array_equal(chunk, steps)
-    swiglu = _matmul_session(block_q4_layout(q, d, m), swiglu=True)
+    swiglu = _matmul_session(block_q4_layout(q, d, m), library, swiglu=True)
     gu = np.random.default_rng(5).standard_normal((1, 7, 192)).astype(np.float32)
     chunk = swiglu.run(None, {"x": gu})[0]
     steps = np.concatenate([swiglu.run(None, {"x": gu[:, i : i + 1]})[0] for i in range(7)], axis=1)
     assert np.array_equal(chunk, steps)
 
 
-def test_block_q4_matmul_refuses_weights_of_another_shape():
+def test_block_q4_matmul_refuses_weights_of_another_shape(library):
     from cabinlm.engines.ort_fused.block_layouts import block_q4_layout
 
     q, d, m = _q4_case(64, 16)
-    session = _matmul_session(block_q4_layout(q, d, m), width="k")
+    session = _matmul_session(block_q4_layout(q, d, m), library, width="k")
     with pytest.raises(Exception, match=r"BlockQ4MatMul: x \(1, 2, 96\) and weights \(1, 2, 320\) are not \(\.\.\., K\)"):
         session.run(None, {"x": np.zeros((1, 2, 96), np.float32)})
-    swiglu = _matmul_session(block_q4_layout(q, d, m), width="k", swiglu=True)
+    swiglu = _matmul_session(block_q4_layout(q, d, m), library, width="k", swiglu=True)
     with pytest.raises(Exception, match=r"BlockQ4SwiGLUMatMul: x \(1, 2, 64\) .* are not \(\.\.\., 2 K\)"):
         swiglu.run(None, {"x": np.zeros((1, 2, 64), np.float32)})
 
 
-def test_smollm2_q4_1_builds_take_the_matmul_kernel(smollm2, export_to, long_text, tmp_path, monkeypatch):
+def test_smollm2_q4_1_builds_take_the_matmul_kernel(smollm2, export_to, long_text, tmp_path):
     """The GGUF's Q4_1 matrices on BlockQ4MatMul by default (int8 activations), fewer weight bytes;
     against float activations (MatMulNBits, exact minimums, accuracy level 0: which keeps MatMulNBits)
-    its logits are as close as MatMulNBits' own int8 activations get; a CPU without AVX-512 VNNI
-    keeps MatMulNBits; asking for the kernel with float activations is refused."""
+    its logits are as close as MatMulNBits' own int8 activations get; a profile whose CPU has no
+    AVX-512 VNNI (cpu_march x86-64-v3) keeps MatMulNBits; asking for the kernel with float activations
+    is refused."""
     from cabinlm.runtime import Tokenizer
 
     art = export_to(smollm2, sink=4, pinned=60, window=124, chunk=32, weights="int4")
@@ -402,8 +397,20 @@ def test_smollm2_q4_1_builds_take_the_matmul_kernel(smollm2, export_to, long_tex
 
     with pytest.raises(BuildError, match="int8 activations"):
         build_artifact(art, load_profile("cpu"), tmp_path / "refused", accuracy_level=0, matmul_kernel="cabinlm")
-    monkeypatch.setattr(kernels, "matmul_isa", lambda path=None: "generic")
+    if kernels.host_machine() != "x86_64":
+        return
     logs.clear()
-    plain = build_artifact(art, load_profile("cpu"), tmp_path / "plain", log=logs.append)
-    assert json.loads((plain / "manifest.json").read_text())["build"]["fused"]["matmul_kernel"] == "onnxruntime"
-    assert any("no AVX-512 VNNI" in line for line in logs)
+    plain = build_artifact(art, avx2_profile(), tmp_path / "plain", log=logs.append)
+    fused = json.loads((plain / "manifest.json").read_text())["build"]["fused"]
+    assert fused["matmul_kernel"] == "onnxruntime" and fused["kernels"] is None  # fp32 KV: no attention kernel either
+    assert not (plain / kernels.LIBRARY).exists()  # compiled for the profile's CPU, then not taken
+    assert any("compiled for -march=x86-64-v3" in line for line in logs)
+    assert any("-march=x86-64-v3 has no AVX-512 VNNI" in line for line in logs)
+
+
+def avx2_profile():
+    """The cpu profile for a car whose CPU stops at AVX2 (x86-64-v3): the kernels compiled for it."""
+    text = (Path(load_profile.__code__.co_filename).parent / "builtin" / "cpu.toml").read_text()
+    assert 'cpu_march = "native"' in text
+    return parse_profile(text.replace('cpu_march = "native"', 'cpu_march = "x86-64-v3"').replace('name = "cpu"', 'name = "cpu-v3"'),
+                         "cpu-v3.toml")  # fmt: skip

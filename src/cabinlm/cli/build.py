@@ -31,14 +31,15 @@ def build(
         "block sums (two more kernels per matrix). docs/benchmarks.md measures both."),
     attention_kernel: AttentionKernel = typer.Option(
         AttentionKernel.AUTO, help="Fused cpu builds: 'cabinlm' computes the attention over int8 KV with cabinlm's own "
-        "kernel (C++, compiled on this machine: needs g++ or clang++; prefill chunks about twice as fast as "
+        "kernel (C++, compiled here for the profile's cpu_march and carried by the build: needs g++ or clang++ on "
+        "the build machine, none where the build runs; prefill chunks about twice as fast as "
         "ONNX Runtime's quantized-cache path, decode steps faster at a full cache); 'onnxruntime' keeps ONNX Runtime's "
         "GroupQueryAttention; 'auto' takes cabinlm's for int8 KV where a compiler is found."),
     matmul_kernel: MatmulKernel = typer.Option(
         MatmulKernel.AUTO, help="Fused cpu builds of a GGUF's Q4_1 matrices: 'cabinlm' multiplies them with cabinlm's own "
         "kernel, reading the 4-bit codes and minimums as exported (half the bytes of --minimums int8, none of the "
-        "rounding; compiled here like the attention kernel, fast where the CPU has AVX-512 VNNI); 'onnxruntime' "
-        "keeps MatMulNBits (as --minimums says); 'auto' takes cabinlm's where the CPU has AVX-512 VNNI."),
+        "rounding; compiled here like the attention kernel, fast where the profile's CPU has AVX-512 VNNI); "
+        "'onnxruntime' keeps MatMulNBits (as --minimums says); 'auto' takes cabinlm's where that CPU has AVX-512 VNNI."),
 ) -> None:
     """Build an exported artifact for a device: the cpu profile gets the decoder fused and optimized
     offline; Snapdragon targets (sa8295p, sa8775p) get the prefill and decode graphs compiled by

@@ -48,6 +48,7 @@ _UNITS = {
 }  # fmt: skip
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]+)\s*$")
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+_MARCH = re.compile(r"[a-z0-9][a-z0-9_.+-]{0,63}")  # a compiler -march: native, x86-64-v3, armv8.2-a+dotprod
 
 
 def _fail(source: str, name: str, value: Any, why: str, fix: str) -> ProfileError:
@@ -89,6 +90,11 @@ class DeviceProfile:
     # TensorRT (tensorrt profiles): the builder's MemoryPoolType.WORKSPACE limit in MiB (scratch for
     # tactics at build and run time); None: 1 GiB. Checked by builders/trt_api.workspace_bytes.
     tensorrt_workspace_mib: int | None = None
+    # CPUExecutionProvider profiles: the CPU cabinlm's own kernels are compiled for by `cabinlm build`,
+    # as the compiler's -march names it: "native" (the build machine's own CPU), or e.g. "x86-64-v3",
+    # "icelake-server", "armv8.2-a+dotprod". None: "native". The build runs what it compiled, so it
+    # must be a CPU the build machine can run (engines/ort_fused/kernels/compiler.py).
+    cpu_march: str | None = None
     source: str = "<memory>"  # the file it was read from, for messages
 
     def __post_init__(self) -> None:
@@ -186,6 +192,12 @@ class DeviceProfile:
                 raise bad(name, "only QNNExecutionProvider profiles have one", "remove the key")
             elif isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1000:
                 raise bad(name, "expected a positive integer", f"e.g. {name} = {73 if name == 'htp_arch' else 52}")
+        if self.cpu_march is not None:
+            if self.execution_provider != "CPUExecutionProvider":
+                raise bad("cpu_march", "only CPUExecutionProvider profiles compile cabinlm's kernels", "remove the key")
+            if not isinstance(self.cpu_march, str) or not _MARCH.fullmatch(self.cpu_march):
+                raise bad("cpu_march", "expected a compiler -march value (lowercase letters, digits, '.', '_', '+', '-')",
+                          'e.g. cpu_march = "native" or "x86-64-v3"')  # fmt: skip
         for name in ("precision_notes", "source"):
             if not isinstance(getattr(self, name), str):
                 raise bad(name, "expected a string", f'write {name} = "..."')
@@ -196,6 +208,11 @@ class DeviceProfile:
             object.__setattr__(self, name, kind(value))
         except ValueError as e:
             raise _fail(self.source, name, value, "unknown value", f"use one of {[k.value for k in kind]}") from e
+
+    @property
+    def kernels_march(self) -> str:
+        """The -march cabinlm's kernels are compiled with for this profile (cpu_march, default "native")."""
+        return self.cpu_march or "native"
 
     @property
     def tensorrt(self) -> bool:

@@ -105,10 +105,15 @@ def _elem_type(model: onnx.ModelProto, name: str) -> int:
 
 def optimize_offline(src: Path | bytes, out: Path, library: Path | None = None) -> None:
     """ORT's extended (provider-independent fusions) optimizations, saved with external weights.
-    library: the kernel library of a graph that uses cabinlm's own kernels, registered for the pass."""
+    library: the kernel library of a graph that uses cabinlm's own kernels (the one the build compiled
+    into its folder), registered for the pass."""
     so = ort.SessionOptions()
     if library is not None:
-        so.register_custom_ops_library(str(library))
+        try:
+            so.register_custom_ops_library(str(library))
+        except Exception as e:  # onnxruntime's own exception types; register.cc's version refusal is one
+            raise BuildError(f"{library}: this onnxruntime ({ort.__version__}) cannot register cabinlm's kernels "
+                             f"({str(e).strip().splitlines()[0]})") from e
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     so.optimized_model_filepath = str(out / OPT_GRAPH)
     so.add_session_config_entry("session.optimized_model_external_initializers_file_name", OPT_DATA)

@@ -47,20 +47,32 @@ def session_options(spec: BuildSpec, threads: int | None = None, extra: dict[str
         so.add_session_config_entry(key, str(value))
     so.inter_op_num_threads = 1
     so.log_severity_level = 3
-    fused = spec.facts_as(FusedSettings)
-    if fused is not None and fused.own_kernels:
-        from cabinlm.engines.ort_fused import kernels
-
-        try:
-            so.register_custom_ops_library(str(kernels.library()))
-        except kernels.KernelError as e:
-            raise BackendError(f"this build runs cabinlm's own kernels, which cannot be had here: {e}; or build the export "
-                               "again with --attention-kernel onnxruntime --matmul-kernel onnxruntime") from e
     return so
 
 
+def register_kernels(options: ort.SessionOptions, folder: Path, spec: BuildSpec) -> None:
+    """Register the build's own kernel library (a fused build with cabinlm's kernels) in `options`:
+    the file in `folder` the manifest lists, verified first (ort_fused/kernel_library.py: onnxruntime's C API
+    version, this CPU, the sha256), so that a missing, damaged or mismatched library is a BackendError
+    before ONNX Runtime opens it. Nothing is compiled and no cache is read."""
+    fused = spec.facts_as(FusedSettings)
+    if fused is None or not fused.own_kernels:
+        return
+    from cabinlm.engines.ort_fused.kernel_library import checked_library
+
+    library = checked_library(folder, fused, ort.__version__)
+    try:
+        options.register_custom_ops_library(str(library))
+    except Exception as e:  # onnxruntime raises its own exception types; register.cc's refusal is one
+        raise BackendError(f"{library}: onnxruntime cannot register cabinlm's kernels ({str(e).strip().splitlines()[0]}); "
+                           "run `cabinlm build` again") from e
+
+
 def open_session(graph: Path, options: ort.SessionOptions, spec: BuildSpec) -> ort.InferenceSession:
-    """A session on the build's execution provider, refused if ONNX Runtime would run it elsewhere."""
+    """A session on the build's execution provider, refused if ONNX Runtime would run it elsewhere.
+    A build with cabinlm's own kernels gets its library (in the graph's folder) registered in `options`
+    first (register_kernels)."""
+    register_kernels(options, graph.parent, spec)
     provider = spec.provider
     offered = ort.get_available_providers()
     if provider.name not in offered:

@@ -5,7 +5,7 @@ Runtime's fusions done offline, then the build checked against the exported grap
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 import numpy as np
 
@@ -14,30 +14,17 @@ from cabinlm.buildspec import BuildSpec, OptimizationLevel
 from cabinlm.engines.builder import Builder, BuildError, BuildRequest
 from cabinlm.engines.onnxruntime.offline import OPT_DATA, OPT_GRAPH, log_weights, optimize_offline, read_graph
 from cabinlm.engines.ort_fused import graph as fused_graph
-from cabinlm.engines.ort_fused.spec import FusedSettings
+from cabinlm.engines.ort_fused.kernels import LIBRARY, MATMUL_OP, SWIGLU_MATMUL_OP
+from cabinlm.engines.ort_fused.spec import FusedSettings, KernelLibrary
 from cabinlm.engines.ort_graph.builder import spec_for, targets_cpu
 from cabinlm.engines.output import BuildOutput
 from cabinlm.engines.registry import BackendKind
 from cabinlm.manifest import MANIFEST_NAME, Manifest
 
 
-def _own_library(asked: str, kept: str, log: Callable[[str], None]) -> Path | None:
-    """cabinlm's compiled kernel library, or None (logged: ONNX Runtime's `kept` stays) where it
-    cannot be had and the kernel was not insisted on (`asked` "cabinlm": a BuildError instead)."""
-    from cabinlm.engines.ort_fused import kernels
-
-    try:
-        return kernels.library()
-    except kernels.KernelError as e:
-        if asked == "cabinlm":
-            raise BuildError(str(e)) from e
-        log(f"kept ONNX Runtime's {kept}: {str(e).splitlines()[0]}")
-        return None
-
-
-def _attention_kernel(manifest: Manifest, asked: str, log: Callable[[str], None]) -> str:
-    """The fused build's attention kernel (FusedSettings.attention_kernel) for builders.AttentionKernel
-    `asked`: cabinlm's own for int8 KV unless asked otherwise or no compiler here."""
+def _attention_wanted(manifest: Manifest, asked: str) -> str:
+    """"cabinlm" where the build should take cabinlm's attention kernel if its library can be had
+    (builders.AttentionKernel `asked`: int8 KV unless asked otherwise), else "onnxruntime"."""
     from cabinlm.layout import KVDType
 
     spec = manifest.model
@@ -51,20 +38,13 @@ def _attention_kernel(manifest: Manifest, asked: str, log: Callable[[str], None]
         return "onnxruntime"
     if why:
         raise BuildError(f"--attention-kernel cabinlm does not apply: {why}; use --attention-kernel onnxruntime")
-    path = _own_library(asked, "GroupQueryAttention", log)
-    if path is None:
-        return "onnxruntime"
-    log(f"attention over the int8 cache: cabinlm's kernel, compiled for this CPU ({path.name})")
     return "cabinlm"
 
 
-def _matmul_kernel(q4_1: int, asked: str, accuracy_level: int, log: Callable[[str], None]) -> str:
-    """The fused build's matmul kernel for its `q4_1` Q4_1 matrices (FusedSettings.matmul_kernel) for
-    builders.MatmulKernel `asked`: cabinlm's own where this machine compiles its fast path (AVX-512
-    VNNI) and the activations are int8 (accuracy level 4, the kernel's only arithmetic), unless
-    asked otherwise; its plain C++ path is correct but slower than MatMulNBits."""
-    from cabinlm.engines.ort_fused import kernels
-
+def _matmul_wanted(q4_1: int, asked: str, accuracy_level: int) -> str:
+    """"cabinlm" where the build should take cabinlm's Q4_1 matmul for its `q4_1` Q4_1 matrices if its
+    library can be had (builders.MatmulKernel `asked`; the kernel computes with int8 activations,
+    accuracy level 4, only), else "onnxruntime"."""
     why = None
     if not q4_1:
         why = "the export holds no Q4_1 matrices (it takes a GGUF's Q4_1 blocks)"
@@ -74,17 +54,33 @@ def _matmul_kernel(q4_1: int, asked: str, accuracy_level: int, log: Callable[[st
         return "onnxruntime"
     if why:
         raise BuildError(f"--matmul-kernel cabinlm does not apply: {why}; use --matmul-kernel onnxruntime")
-    path = _own_library(asked, "MatMulNBits", log)
-    if path is None:
-        return "onnxruntime"
-    isa = kernels.matmul_isa(str(path))
-    if asked == "auto" and isa != "avx512-vnni":
-        log("kept ONNX Runtime's MatMulNBits: this CPU has no AVX-512 VNNI, and cabinlm's Q4_1 matmul has no faster "
-            "path here (--matmul-kernel cabinlm runs its plain C++ path)")
-        return "onnxruntime"
-    log(f"{q4_1} Q4_1 matrices: cabinlm's BlockQ4MatMul ({isa}), 4-bit codes and minimums as exported")
     return "cabinlm"
 
+
+def _kernel_library(request: BuildRequest, folder: Path, insisted: bool, kept: str) -> KernelLibrary | None:
+    """cabinlm's kernel library compiled for the profile's CPU (cpu_march) into the build folder, or
+    None where it cannot be had (logged; ONNX Runtime's kernels stay), or a BuildError where a kernel
+    of it was insisted on."""
+    from cabinlm.engines.ort_fused import kernels
+    from cabinlm.engines.ort_fused.kernels.compiler import KernelError, compile_library
+
+    profile, march = request.profile, request.profile.kernels_march
+    try:
+        oldest = profile.engine_version  # the oldest onnxruntime the profile's target runs
+        if oldest is not None and oldest.split(".")[1].isdigit() and int(oldest.split(".")[1]) < kernels.api_version():
+            raise KernelError(f"they need onnxruntime >= 1.{kernels.api_version()} and profile {profile.name} runs "
+                              f"onnxruntime {oldest}")  # fmt: skip
+        compiled = compile_library(folder, march)
+    except KernelError as e:
+        if insisted:
+            raise BuildError(f"cabinlm's kernels cannot be had for profile {profile.name}: {e}") from e
+        request.log(f"kept ONNX Runtime's {kept}: cabinlm's kernels cannot be had ({str(e).splitlines()[0]})")
+        return None
+    lib = compiled.facts
+    request.log(f"cabinlm's kernels: {lib.file} compiled for -march={march} ({lib.machine}, {len(lib.cpu_flags)} CPU features a "
+                f"CPU running it must have), onnxruntime C API {lib.ort_api}, {lib.compiler}"
+                + (" (from this machine's compile cache)" if compiled.cached else ""))  # fmt: skip
+    return lib
 
 
 class FusedBuilder(Builder):
@@ -102,17 +98,34 @@ class FusedBuilder(Builder):
         output.copy("tokenizer")
         graph = read_graph(request.artifact, manifest)
         q4_1 = sum(1 for i in graph.graph.initializer if i.name.endswith(io_spec.QUANT_SUFFIXES[3]))
-        kernel = _attention_kernel(manifest, opts.attention_kernel.value, log)
-        matmul = _matmul_kernel(q4_1, opts.matmul_kernel.value, opts.accuracy_level, log)
+        kernel = _attention_wanted(manifest, opts.attention_kernel.value)
+        matmul = _matmul_wanted(q4_1, opts.matmul_kernel.value, opts.accuracy_level)
+        output.path(LIBRARY).unlink(missing_ok=True)  # an earlier build's, in the same folder
+        library = None
+        if "cabinlm" in (kernel, matmul):
+            insisted = "cabinlm" in (opts.attention_kernel.value, opts.matmul_kernel.value)
+            kept = " and ".join(k for k, w in (("GroupQueryAttention", kernel), ("MatMulNBits", matmul)) if w == "cabinlm")
+            library = _kernel_library(request, output.folder, insisted, kept)
+        if library is None:
+            kernel = matmul = "onnxruntime"
+        elif matmul == "cabinlm" and opts.matmul_kernel.value == "auto" and library.matmul_isa != "avx512-vnni":
+            log(f"kept ONNX Runtime's MatMulNBits: -march={library.march} has no AVX-512 VNNI, and cabinlm's Q4_1 matmul "
+                "has no faster path there (--matmul-kernel cabinlm runs its plain C++ path)")
+            matmul = "onnxruntime"
+        if kernel == "cabinlm":
+            log("attention over the int8 cache: cabinlm's Int8KVAttention")
+        if matmul == "cabinlm" and library is not None:
+            log(f"{q4_1} Q4_1 matrices: cabinlm's BlockQ4MatMul ({library.matmul_isa}), 4-bit codes and minimums as exported")
+        if "cabinlm" not in (kernel, matmul) and library is not None:
+            output.path(library.file).unlink()  # compiled, then not taken: the build does not carry it
+            library = None
         model = fused_graph.fused_model(graph, manifest, opts.accuracy_level, opts.minimums, kernel, matmul)
         facts = FusedSettings(accuracy_level=opts.accuracy_level, minimums=opts.minimums.value,
-                              attention_kernel=kernel, matmul_kernel=matmul)  # fmt: skip
+                              attention_kernel=kernel, matmul_kernel=matmul, kernels=library)  # fmt: skip
         op = "cabinlm's Int8KVAttention" if kernel == "cabinlm" else "GroupQueryAttention"
         mm = "BlockQ4MatMul for the Q4_1 matrices, " if matmul == "cabinlm" else ""
         log(f"fused the decoder: {len(model.graph.node)} nodes (the export has {len(graph.graph.node)}), "
             f"{op} over {manifest.cache.kv_dtype.value} KV, {mm}MatMulNBits accuracy level {opts.accuracy_level}")
-        from cabinlm.engines.ort_fused.kernels import MATMUL_OP, SWIGLU_MATMUL_OP
-
         on_nbits = q4_1 - sum(n.op_type in (MATMUL_OP, SWIGLU_MATMUL_OP) for n in model.graph.node)
         if on_nbits:
             log(f"{on_nbits} Q4_1 matrices on MatMulNBits: " + ("4-bit blocks, minimums added exactly (block sums)"
@@ -123,12 +136,9 @@ class FusedBuilder(Builder):
 
         onnx.save_model(fused_graph.rotation_model(manifest), str(output.path(fused_graph.ROTATE_GRAPH)))
         output.add("rotate_graph", fused_graph.ROTATE_GRAPH)
-        library = None
-        if facts.own_kernels:
-            from cabinlm.engines.ort_fused import kernels
-
-            library = kernels.library()
-        optimize_offline(model.SerializeToString(), output.folder, library)
+        if library is not None:
+            output.add("kernel_library", library.file)  # listed with its sha256, as fused.kernels records it
+        optimize_offline(model.SerializeToString(), output.folder, output.path(library.file) if library else None)
         del model
         output.add("graph", OPT_GRAPH)
         output.add("graph_data", OPT_DATA)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -32,6 +33,56 @@ class Minimums(str, enum.Enum):
     EXACT = "exact"  # 4-bit codes plus blocksum(x) @ minimum (two more kernels per matrix)
 
 
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_MARCH = re.compile(r"[a-z0-9][a-z0-9_.+-]*")  # a compiler -march value: native, x86-64-v3, armv8.2-a+dotprod
+
+
+@dataclass(frozen=True)
+class KernelLibrary:
+    """cabinlm's kernel library as a build holds it (manifest "build.fused.kernels"): compiled by
+    `cabinlm build` for the profile's CPU, written into the build folder and listed in the manifest's
+    files as "kernel_library". The runtime checks every fact here before it registers the file and
+    never compiles anything (engines/ort_fused/kernel_library.py)."""
+
+    file: str  # in the build folder; the manifest's files list it with the same sha256
+    sha256: str  # of the file as compiled: a damaged or replaced library is refused before it is opened
+    ort_api: int  # onnxruntime C API version compiled against (kApiVersion): needs onnxruntime >= 1.{ort_api}
+    machine: str  # the CPU architecture the code is for, as platform.machine() names it (x86_64, aarch64)
+    march: str  # the compiler's -march ("native": the build machine's CPU, resolved below in cpu_flags)
+    # The CPU's features the code may use (/proc/cpuinfo flag names, from the compiler's predefined
+    # macros for `march`): a CPU lacking one would stop the process with SIGILL, so it is refused.
+    cpu_flags: tuple[str, ...]
+    matmul_isa: str  # BlockQ4MatMul's path in this library: "avx512-vnni" (fast) or "generic"
+    compiler: str  # the first line of the compiler's --version
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.file, str) or not re.fullmatch(r"[A-Za-z0-9_.+-]+", self.file):
+            raise ValueError(f"kernels.file must be a file name in the build folder, got {self.file!r}")
+        if not isinstance(self.sha256, str) or not _SHA256.fullmatch(self.sha256):
+            raise ValueError(f"kernels.sha256 must be 64 lowercase hex digits, got {self.sha256!r}")
+        if isinstance(self.ort_api, bool) or not isinstance(self.ort_api, int) or not 1 <= self.ort_api < 1000:
+            raise ValueError(f"kernels.ort_api must be an onnxruntime C API version (1..999), got {self.ort_api!r}")
+        if not isinstance(self.march, str) or not _MARCH.fullmatch(self.march):
+            raise ValueError(f"kernels.march must be a compiler -march value, got {self.march!r}")
+        object.__setattr__(self, "cpu_flags", tuple(self.cpu_flags) if isinstance(self.cpu_flags, list) else self.cpu_flags)
+        if not isinstance(self.cpu_flags, tuple) or not all(isinstance(f, str) and f for f in self.cpu_flags):
+            raise ValueError(f"kernels.cpu_flags must be a list of CPU feature names, got {self.cpu_flags!r}")
+        if self.matmul_isa not in ("avx512-vnni", "generic"):
+            raise ValueError(f"kernels.matmul_isa must be avx512-vnni or generic, got {self.matmul_isa!r}")
+        for name in ("machine", "compiler"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"kernels.{name} must be a non-empty string, got {getattr(self, name)!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "cpu_flags": list(self.cpu_flags)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KernelLibrary:
+        if not isinstance(d, dict):
+            raise TypeError(f"build.fused.kernels: expected an object, got {type(d).__name__}")
+        return cls(**d)
+
+
 @dataclass(frozen=True)
 class FusedSettings:
     """The fused cpu decoder's choices (engines/ort_fused/graph.py)."""
@@ -47,6 +98,10 @@ class FusedSettings:
     # MatmulKernel: "onnxruntime" (MatMulNBits for every quantized matrix) or "cabinlm"
     # (kernels/block_q4_matmul.cc for the Q4_1 matrices, from the same library). Builds before it: "onnxruntime".
     matmul_kernel: str = "onnxruntime"
+    # The compiled library the graph's ai.cabinlm operators run from, where own_kernels; None for
+    # builds without them, and for builds made before the library came with the build (the runtime
+    # refuses those with "run `cabinlm build` again").
+    kernels: KernelLibrary | None = None
 
     @property
     def own_kernels(self) -> bool:
@@ -62,12 +117,17 @@ class FusedSettings:
             raise ValueError(f"attention_kernel must be onnxruntime or cabinlm, got {self.attention_kernel!r}")
         if self.matmul_kernel not in ("onnxruntime", "cabinlm"):
             raise ValueError(f"matmul_kernel must be onnxruntime or cabinlm, got {self.matmul_kernel!r}")
+        if self.kernels is not None and not self.own_kernels:
+            raise ValueError("kernels: a build without cabinlm's kernels lists no kernel library")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["kernels"] = self.kernels.to_dict() if self.kernels is not None else None
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> FusedSettings:
         if not isinstance(d, dict):
             raise TypeError(f"build.fused: expected an object, got {type(d).__name__}")
-        return cls(**d)
+        kernels = d.get("kernels")  # absent: a build made before the library came with the build
+        return cls(**{**d, "kernels": KernelLibrary.from_dict(kernels) if kernels is not None else None})

@@ -32,9 +32,9 @@
 // share each weight tile's unpacking, never to change a row's arithmetic): row i of a chunk is bit
 // for bit the one-token step (speculative verification depends on it).
 //
-// Built with the machine's own instructions: the AVX-512 VNNI path where the CPU has it, otherwise
-// a plain C++ path (correct, not fast; the build only chooses this kernel where kernel_isa() says
-// "avx512-vnni", builders/ort.py).
+// Built for the profile's CPU (cpu_march): the AVX-512 VNNI path where that CPU has it, otherwise a
+// plain C++ path (correct, not fast; the build only chooses this kernel where cabinlm_block_q4_isa()
+// says "avx512-vnni", engines/ort_fused/builder.py).
 
 #include <algorithm>
 #include <cmath>
@@ -270,7 +270,8 @@ const cabinlm_ort::CustomOp* cabinlm_ort::block_q4_swiglu_matmul_op() {
   return &op;
 }
 
-// Which path this library was compiled with (the build asks, through ctypes, before choosing it).
+// Which path this library was compiled with: `cabinlm build` asks it (kernels/compiler.py, in a child
+// process) and records the answer in the manifest (fused.kernels.matmul_isa) before choosing the kernel.
 extern "C" __attribute__((visibility("default"))) const char* cabinlm_block_q4_isa() {
 #if CABINLM_VNNI
   return "avx512-vnni";

@@ -30,8 +30,8 @@
 //    the work, never a row's arithmetic;
 //  * a key whose biased score is below the row's maximum by more than 87 weighs exactly 0.
 //
-// Built by cabinlm/kernels/__init__.py with the machine's compiler, into one library with the other
-// kernels; the ONNX Runtime C API entries it calls are declared in ort_api.h.
+// Compiled by `cabinlm build` for the profile's CPU (kernels/compiler.py) into one library with the other
+// kernels; it reaches the ONNX Runtime C API through ort_api.h.
 
 #include <algorithm>
 #include <cmath>

@@ -1,9 +1,12 @@
-// The part of ONNX Runtime's C API that cabinlm's kernels use, declared by place in the API's table.
+// The part of ONNX Runtime's C API that cabinlm's kernels use, reached through the API's table.
 //
 // The kernels need no ONNX Runtime headers: OrtApi (onnxruntime_c_api.h) is a table of function
 // pointers that ONNX Runtime only ever appends to, so an entry's index names it in every release
-// from the version asked for on. Every entry declared here is called by a kernel, and every kernel
-// runs in the tests (tests/test_kernels.py).
+// from the version asked for on. What each entry is -- its index, its signature, the API version
+// asked for, the enums' values -- comes from ort_api_entries.h, generated from a real
+// onnxruntime_c_api.h by tools/gen_ort_api.py (tests/test_kernel_library.py checks it is current);
+// nothing here types an index or a signature by hand. Every entry is called by a kernel, and every
+// kernel runs in the tests (tests/test_kernels.py).
 
 #pragma once
 
@@ -12,53 +15,49 @@
 #include <string>
 #include <vector>
 
+#include "ort_api_entries.h"
+
 extern "C" {
-struct OrtStatus;
-struct OrtValue;
 struct OrtKernelInfo;
-struct OrtKernelContext;
-struct OrtSessionOptions;
-struct OrtCustomOpDomain;
-struct OrtTensorTypeAndShapeInfo;
 struct OrtShapeInferContext;
 }
 
 namespace cabinlm_ort {
 
-constexpr uint32_t kApiVersion = 18;  // KernelContext_ParallelFor is in every table from 16 on
+// The version RegisterCustomOps asks for. Tests compile the library with a later one
+// (-DCABINLM_REQUIRE_API_VERSION=N) to see the refusal an older onnxruntime gets.
+#ifdef CABINLM_REQUIRE_API_VERSION
+constexpr uint32_t kRequiredApiVersion = CABINLM_REQUIRE_API_VERSION;
+#else
+constexpr uint32_t kRequiredApiVersion = kApiVersion;
+#endif
 
-enum Entry : size_t {
-  kCreateStatus = 0,
-  kCreateCustomOpDomain = 26,
-  kCustomOpDomainAdd = 27,
-  kAddCustomOpDomain = 28,
-  kGetTensorMutableData = 51,
-  kGetDimensionsCount = 61,
-  kGetDimensions = 62,
-  kGetTensorTypeAndShape = 65,
-  kKernelContextGetInput = 90,
-  kKernelContextGetOutput = 91,
-  kReleaseTensorTypeAndShapeInfo = 99,
-  kKernelContextParallelFor = 274,
+enum ErrorCode : int { kFail = ORT_FAIL, kInvalidArgument = ORT_INVALID_ARGUMENT };
+enum ElementType : int {
+  kFloat = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT,
+  kUint8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8,
+  kInt8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8,
+  kInt32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32,
+  kInt64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64,
 };
 
-enum ErrorCode : int { kFail = 1, kInvalidArgument = 2 };
-enum ElementType : int { kFloat = 1, kUint8 = 2, kInt8 = 3, kInt32 = 6, kInt64 = 7 };
-
-struct ApiBase {
+struct ApiBase {  // OrtApiBase
   const void* const* (*GetApi)(uint32_t version);
   const char* (*GetVersionString)();
 };
 
-inline const void* const* g_api = nullptr;  // set once by RegisterCustomOps (register.cc)
+// The table of version kRequiredApiVersion, set once by RegisterCustomOps (register.cc) before any
+// kernel can run: a session only runs the kernels of a library whose registration succeeded.
+inline const void* const* g_api = nullptr;
 
-template <typename F>
-F entry(Entry e) {
-  return reinterpret_cast<F>(const_cast<void*>(g_api[e]));
+// Entry E of `table`, typed as struct OrtApi declares it.
+template <Entry E>
+typename Signature<E>::type api(const void* const* table = g_api) {
+  return reinterpret_cast<typename Signature<E>::type>(const_cast<void*>(table[E]));
 }
 
 inline OrtStatus* error(ErrorCode code, const std::string& msg) {
-  return entry<OrtStatus* (*)(int, const char*)>(kCreateStatus)(code, msg.c_str());
+  return api<kCreateStatus>()(static_cast<OrtErrorCode>(code), msg.c_str());
 }
 
 // OrtStatus* -> early return
@@ -69,38 +68,36 @@ inline OrtStatus* error(ErrorCode code, const std::string& msg) {
 
 inline OrtStatus* dims_of(const OrtValue* v, std::vector<int64_t>* out) {
   OrtTensorTypeAndShapeInfo* info = nullptr;
-  CABIN_TRY(entry<OrtStatus* (*)(const OrtValue*, OrtTensorTypeAndShapeInfo**)>(kGetTensorTypeAndShape)(v, &info));
+  CABIN_TRY(api<kGetTensorTypeAndShape>()(v, &info));
   size_t n = 0;
-  OrtStatus* s = entry<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, size_t*)>(kGetDimensionsCount)(info, &n);
+  OrtStatus* s = api<kGetDimensionsCount>()(info, &n);
   if (!s) {
     out->assign(n, 0);
-    s = entry<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, int64_t*, size_t)>(kGetDimensions)(info, out->data(), n);
+    s = api<kGetDimensions>()(info, out->data(), n);
   }
-  entry<void (*)(OrtTensorTypeAndShapeInfo*)>(kReleaseTensorTypeAndShapeInfo)(info);
+  api<kReleaseTensorTypeAndShapeInfo>()(info);
   return s;
 }
 
 inline OrtStatus* input(OrtKernelContext* ctx, size_t i, const OrtValue** v) {
-  return entry<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContextGetInput)(ctx, i, v);
+  return api<kKernelContextGetInput>()(ctx, i, v);
 }
 
 inline OrtStatus* output(OrtKernelContext* ctx, size_t i, const std::vector<int64_t>& dims, OrtValue** v) {
-  return entry<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(kKernelContextGetOutput)(
-      ctx, i, dims.data(), dims.size(), v);
+  return api<kKernelContextGetOutput>()(ctx, i, dims.data(), dims.size(), v);
 }
 
 template <typename T>
 OrtStatus* data_of(const OrtValue* v, T** out) {
   void* p = nullptr;
-  CABIN_TRY(entry<OrtStatus* (*)(OrtValue*, void**)>(kGetTensorMutableData)(const_cast<OrtValue*>(v), &p));
+  CABIN_TRY(api<kGetTensorMutableData>()(const_cast<OrtValue*>(v), &p));
   *out = static_cast<T*>(p);
   return nullptr;
 }
 
 // fn(data, unit) for unit in 0 .. units-1, in the session's intra-op pool.
 inline OrtStatus* parallel_for(OrtKernelContext* ctx, void (*fn)(void*, size_t), size_t units, void* data) {
-  return entry<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(
-      kKernelContextParallelFor)(ctx, fn, units, units, data);
+  return api<kKernelContextParallelFor>()(ctx, fn, units, units, data);
 }
 
 inline std::string shape_str(const std::vector<int64_t>& d) {
