@@ -1,7 +1,7 @@
 """Resident memory after loading an artifact or build, and after a 1,400-token chunked perplexity
 run through it (for the static prefill/decode pair: weights held once or twice).
 
-    python benchmarks/build_rss.py out/smol out/smol/build-cpu out/smol/build-sa8295p
+    python benchmarks/build_rss.py out/smol out/smol-build-cpu out/smol-build-sa8295p
 """
 
 import subprocess

@@ -6,13 +6,13 @@ shows as such).
         [--peers hf,llama.cpp,ort-genai] [--threads 2] [--model GGUF] [--speed JSON ...] [--json OUT]
 
     # perplexity and speed of the demo build and every peer configuration:
-    cabinlm bench out/smollm2-135m/build-cpu --tokens 3000 --threads 2 --baseline llama.cpp --json > speed_llamacpp.json
-    cabinlm bench out/smollm2-135m/build-cpu --tokens 3000 --threads 2 --baseline ort-genai --json > speed_ortgenai.json
-    python benchmarks/equal_quality.py out/smollm2-135m/build-cpu --speed speed_llamacpp.json speed_ortgenai.json \
+    cabinlm bench out/smollm2-135m-build-cpu --tokens 3000 --threads 2 --baseline llama.cpp --json > speed_llamacpp.json
+    cabinlm bench out/smollm2-135m-build-cpu --tokens 3000 --threads 2 --baseline ort-genai --json > speed_ortgenai.json
+    python benchmarks/equal_quality.py out/smollm2-135m-build-cpu --speed speed_llamacpp.json speed_ortgenai.json \
         --json out/bench/equal_quality.json
 
     # the small check (2 busy cores, about 30 s): perplexity only, every peer configuration
-    python benchmarks/equal_quality.py /work/bench_after/smol/build-cpu --tokens 256 --threads 2
+    python benchmarks/equal_quality.py /work/bench_after/smol-build-cpu --tokens 256 --threads 2
 
 The text is tokenized once, with the first artifact's tokenizer (every other artifact's tokenizer, and
 the peers' own, the float32 save's tokenizer.json, must give the same ids, or the script stops), and

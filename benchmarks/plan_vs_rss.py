@@ -1,7 +1,7 @@
 """The planner's total for the cpu profile against the peak resident memory of a real dialogue
 run from the build output (docs/benchmarks.md).
 
-    python benchmarks/plan_vs_rss.py out/smollm2-135m/build-cpu
+    python benchmarks/plan_vs_rss.py out/smollm2-135m-build-cpu
 """
 
 import json

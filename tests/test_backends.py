@@ -1,24 +1,34 @@
-"""Backend conformance: every backend of the runtime (runtime/backends/) against the independent
-streaming reference (tests/reference.py), on one stream that exercises what each backend does
-differently: sink and pinned spans (the fused cache re-rotates them), a pinned span younger than
-window tokens, chunked prefill with partial chunks and chunks that wrap the ring top (static graphs
-pad them), single-token decode (bound once in the fused and static backends), and hundreds of
-evictions. A new backend adds its artifact to BACKENDS and must pass the same test.
+"""Engine conformance: every engine in the registry (cabinlm.engines.registry.ENGINES) that can run on
+this machine, against the independent streaming reference (tests/reference.py), on one stream that
+exercises what each engine does differently: sink and pinned spans (the fused cache re-rotates them),
+a pinned span younger than window tokens, chunked prefill with partial chunks and chunks that wrap the
+ring top (static graphs pad them), single-token decode (bound once in the fused and static
+backends), and hundreds of evictions.
 
-The fused backend is here twice: with fp32 KV it runs ONNX Runtime's GroupQueryAttention; with int8
+CASES holds at least one artifact per registered engine (a test checks that a new engine adds its
+case); a case whose engine cannot run here is skipped with the engine's own reason (TensorRT: no
+TensorRT on this project's machines), except in CI, where the Qualcomm simulator (the `qnn` extra)
+must run.
+
+The fused engine is here twice: with fp32 KV it runs ONNX Runtime's GroupQueryAttention; with int8
 KV (the default fused build for it) cabinlm's own kernel, ai.cabinlm::Int8KVAttention
-(kernels/int8_kv_attention.cc), whose logits follow the reference within int8 rounding (TOLERANCE).
+(engines/ort_fused/kernels/int8_kv_attention.cc), whose logits follow the reference within int8
+rounding (TOLERANCE). The HTP computes in fp16: its case is judged as tests/test_qnn.py judges it.
 """
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import onnx
 import pytest
 from cabinlm.engines.ort_fused import kernels
 from cabinlm.engines.build import build_artifact
+from cabinlm.engines.registry import ENGINES, BackendKind
 from cabinlm.layout import KVDType
 from cabinlm.manifest import load_manifest
 from cabinlm.profiles import load_profile
@@ -46,6 +56,31 @@ STREAM = [(6, True), (11, False)] + [(1, False)] * 30 + [(2, True), (7, False)] 
 TOLERANCE = {KVDType.FP32: (2e-3, 2e-3), KVDType.INT8: (1.2, 0.4)}
 
 
+@dataclass(frozen=True)
+class Case:
+    """One conformance artifact: the engine it must load on, and how it is made from the tiny model."""
+
+    kind: BackendKind
+    kv: str  # the export's KV dtype
+    profile: str | None = None  # None: the export itself, unbuilt
+    options: tuple[tuple[str, object], ...] = ()  # build_artifact's cpu options
+    fp16_compute: bool = False  # the engine computes in fp16: judged relatively (tests/test_qnn.py)
+
+
+FUSED_INT8 = "onnxruntime-fused (int8 KV, cabinlm's kernel)"
+HOST_STATIC = "host-static"  # static_profile(): a user's static-shape profile on the CPU provider
+CASES = {
+    "onnxruntime-graph (export)": Case(BackendKind.EXPORTED_GRAPH, "fp32"),
+    "onnxruntime-graph (cpu build)": Case(BackendKind.EXPORTED_GRAPH, "fp32", "cpu", (("attention", "graph"),)),
+    "onnxruntime-fused": Case(BackendKind.FUSED, "fp32", "cpu", (("attention", "fused"), ("accuracy_level", 0))),
+    FUSED_INT8: Case(BackendKind.FUSED, "int8", "cpu", (("attention", "fused"), ("accuracy_level", 0))),
+    "onnxruntime-static": Case(BackendKind.STATIC_PAIR, "fp32", HOST_STATIC),
+    "qnn-htp (sa8295p, Qualcomm's simulator)": Case(BackendKind.QNN_HTP, "fp16", "sa8295p", fp16_compute=True),
+    "tensorrt (orin-x)": Case(BackendKind.TENSORRT, "fp16", "orin-x", fp16_compute=True),
+}
+BACKENDS = list(CASES)
+
+
 def static_profile(folder: Path) -> Path:
     """A user's own profile file: the sa8295p profile's static shapes, on the host's CPU provider
     with fp32 KV (so the comparison with the float reference is exact)."""
@@ -54,7 +89,7 @@ def static_profile(folder: Path) -> Path:
     for line in text.splitlines():
         key = line.split("=")[0].strip()
         line = {
-            "name": 'name = "host-static"',
+            "name": f'name = "{HOST_STATIC}"',
             "execution_provider": 'execution_provider = "CPUExecutionProvider"',
             "kv_dtypes": 'kv_dtypes = ["fp32", "fp16"]',
             "default_kv": 'default_kv = "fp32"',
@@ -64,42 +99,49 @@ def static_profile(folder: Path) -> Path:
             "htp_process_limit_bytes": "",
         }.get(key, line)
         lines.append(line)
-    path = folder / "host-static.toml"
+    path = folder / f"{HOST_STATIC}.toml"
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
+def why_not_here(case: Case) -> str | None:
+    """Why this case cannot run on this machine (None: it can). The engine's own reason first."""
+    why = ENGINES[case.kind].unavailable()
+    if why is None and case.kind is BackendKind.FUSED and case.kv == "int8" and kernels.unavailable() is not None:
+        why = f"cabinlm's attention kernel cannot be compiled here: {kernels.unavailable()}"
+    return why
+
+
 @pytest.fixture(scope="module")
-def artifacts(load, tiny_llama_dir, export_to, tmp_path_factory) -> dict[str, Path]:
-    """One artifact per backend kind, all from the same fp32-KV export; and the fused build of the
-    int8-KV export (the kernel chosen as `--attention-kernel auto` chooses it), where this machine
-    compiles cabinlm's kernels."""
+def artifacts(load, tiny_llama_dir, export_to, tmp_path_factory) -> Callable[[str], Path]:
+    """artifacts(label) -> the case's artifact, made on first use (an engine that cannot run here
+    builds nothing), from exports of the same tiny model with the same layout."""
     loaded = load(str(tiny_llama_dir))
-    art = export_to(loaded, kv="fp32", **LAYOUT)
     tmp = tmp_path_factory.mktemp("backends")
-    built = {
-        "onnxruntime-graph (export)": art,
-        "onnxruntime-graph (cpu build)": build_artifact(art, load_profile("cpu"), tmp / "graph", attention="graph"),
-        "onnxruntime-fused": build_artifact(art, load_profile("cpu"), tmp / "fused", attention="fused", accuracy_level=0),
-        "onnxruntime-static": build_artifact(art, load_profile(static_profile(tmp)), tmp / "static"),
-    }
-    if kernels.unavailable() is None:  # otherwise "auto" keeps GroupQueryAttention (FUSED_INT8 skips)
-        art8 = export_to(loaded, kv="int8", **LAYOUT)
-        built[FUSED_INT8] = build_artifact(art8, load_profile("cpu"), tmp / "fused-int8", attention="fused",
-                                           accuracy_level=0)  # fmt: skip
-    return built
+    made: dict[str, Path] = {}
+
+    def get(label: str) -> Path:
+        case = CASES[label]
+        why = why_not_here(case)
+        if why is not None:
+            if os.environ.get("CI") and case.kind is BackendKind.QNN_HTP:
+                pytest.fail(f"{label}: {why} (`make test` installs the qnn extra; in CI its absence is a failure)")
+            pytest.skip(f"{label}: the {case.kind.value} engine cannot run here: {why}")
+        if label not in made:
+            art = export_to(loaded, kv=case.kv, **LAYOUT)
+            if case.profile is None:
+                made[label] = art
+            else:
+                profile = load_profile(static_profile(tmp) if case.profile == HOST_STATIC else case.profile)
+                made[label] = build_artifact(art, profile, tmp / label.split(" ")[0], **dict(case.options))
+        return made[label]
+
+    return get
 
 
-FUSED_INT8 = "onnxruntime-fused (int8 KV, cabinlm's kernel)"
-BACKENDS = ["onnxruntime-graph (export)", "onnxruntime-graph (cpu build)", "onnxruntime-fused", "onnxruntime-static",
-            FUSED_INT8]  # fmt: skip
-
-
-def artifact(artifacts: dict[str, Path], backend: str) -> Path:
-    """The backend's artifact, or a skip that says why this machine has none."""
-    if backend not in artifacts:
-        pytest.skip(f"cabinlm's attention kernel cannot be compiled here: {kernels.unavailable()}")
-    return artifacts[backend]
+def test_every_registered_engine_has_a_conformance_case():
+    """A new engine (a registry line) must bring its case here, or this fails."""
+    assert {c.kind for c in CASES.values()} == set(ENGINES)
 
 
 def reference_logits(model, ids: np.ndarray) -> list[np.ndarray]:
@@ -127,28 +169,48 @@ def expected(stream):
     return reference_logits(loaded.model, ids)
 
 
-def stream_errors(dec: Decoder, ids: np.ndarray, expected: list[np.ndarray]) -> np.ndarray:
-    """STREAM through `dec`: each feed's largest |logit difference| from the reference's."""
-    errors, pos = [], 0
+def stream_logits(dec: Decoder, ids: np.ndarray) -> list[np.ndarray]:
+    """STREAM through `dec`: each feed's logits."""
+    got, pos = [], 0
     for n, pin in STREAM:
         for start in range(pos, pos + n, LAYOUT["chunk"]):
-            stop = min(start + LAYOUT["chunk"], pos + n)
-            errors.append(float(np.abs(dec.step(ids[start:stop], pin=pin) - expected[len(errors)]).max()))
+            got.append(dec.step(ids[start : min(start + LAYOUT["chunk"], pos + n)], pin=pin).copy())
         pos += n
     assert dec.cache.evicted > 8 * LAYOUT["window"] and dec.cache.pinned_fill == 6
-    return np.array(errors)
+    return got
+
+
+def stream_errors(dec: Decoder, ids: np.ndarray, expected: list[np.ndarray]) -> np.ndarray:
+    """STREAM through `dec`: each feed's largest |logit difference| from the reference's."""
+    return np.array([float(np.abs(g - e).max()) for g, e in zip(stream_logits(dec, ids), expected)])
+
+
+def relative_errors(got: list[np.ndarray], ref: list[np.ndarray]) -> tuple[float, float, float]:
+    """(worst, median) of each feed's max |logit error| / max |logit|, and the top-1 agreement."""
+    rel = [float(np.abs(g - r).max() / np.abs(r).max()) for g, r in zip(got, ref)]
+    top1 = float(np.mean([g[-1].argmax() == r[-1].argmax() for g, r in zip(got, ref)]))
+    return max(rel), float(np.median(rel)), top1
+
+
+FP16_COMPUTE = (0.06, 0.02, 0.97)  # worst, median relative error; top-1 agreement (tests/test_qnn.py)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_every_backend_follows_the_streaming_reference(backend, artifacts, stream, expected):
+def test_every_engine_follows_the_streaming_reference(backend, artifacts, stream, expected):
     _, ids = stream
-    folder = artifact(artifacts, backend)
-    kind = backend.split(" ")[0]
-    assert load_manifest(folder).runtime_spec.backend.value == kind  # the artifact names its backend
+    case = CASES[backend]
+    folder = artifacts(backend)
+    assert load_manifest(folder).runtime_spec.backend is case.kind  # the artifact names its engine
     dec = Decoder(folder)
-    assert type(dec.backend).kind.value == kind and dec.device == "onnxruntime-cpu"
+    assert type(dec.backend).kind is case.kind
     if backend == FUSED_INT8:  # never GroupQueryAttention in its place (the graph: the next test)
         assert dec.manifest.build.facts.attention_kernel == "cabinlm"
+    if case.fp16_compute:
+        got = stream_logits(dec, ids)
+        worst, median, top1 = relative_errors(got, expected)
+        assert worst <= FP16_COMPUTE[0] and median <= FP16_COMPUTE[1] and top1 >= FP16_COMPUTE[2], (backend, worst, median, top1)
+        return
+    assert dec.device == "onnxruntime-cpu"
     errors = stream_errors(dec, ids, expected)
     every, mean = TOLERANCE[dec.manifest.cache.kv_dtype]
     assert errors.max() < every and errors.mean() < mean, (backend, errors.max(), errors.mean())
@@ -157,7 +219,7 @@ def test_every_backend_follows_the_streaming_reference(backend, artifacts, strea
 def test_the_int8_kv_fused_build_runs_cabinlms_attention_kernel(artifacts):
     """The int8 entry is what a fused build of int8 KV gets by default: every layer's attention is
     cabinlm's Int8KVAttention, and no GroupQueryAttention is left (that one the fp32 entry covers)."""
-    folder = artifact(artifacts, FUSED_INT8)
+    folder = artifacts(FUSED_INT8)
     m = load_manifest(folder)
     assert m.cache.kv_dtype == KVDType.INT8 and m.build.facts.attention_kernel == "cabinlm"
     graph = onnx.load(str(folder / m.files["graph"].path), load_external_data=False).graph
@@ -172,7 +234,7 @@ def test_the_int8_tolerance_fails_a_fused_cache_one_position_off(artifacts, stre
     and pinned keys' off by one) is far outside it."""
     from cabinlm.engines.ort_fused.rotated import RotatedKeys
 
-    folder = artifact(artifacts, FUSED_INT8)
+    folder = artifacts(FUSED_INT8)
     right = RotatedKeys.chunk_tables
 
     def one_late(self, plan):
@@ -210,7 +272,7 @@ def test_a_build_for_a_provider_this_onnxruntime_lacks_is_refused_not_run_on_the
     from cabinlm.buildspec import ExecutionProvider
     from cabinlm.runtime import BackendError
 
-    folder = artifacts["onnxruntime-static"]
+    folder = artifacts("onnxruntime-static")
     m = load_manifest(folder)
     missing = next(p for p in ("QNNExecutionProvider", "TensorrtExecutionProvider", "CoreMLExecutionProvider")
                    if p not in ort.get_available_providers())  # fmt: skip

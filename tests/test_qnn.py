@@ -229,3 +229,18 @@ def test_a_context_model_with_anything_but_htp_nodes_is_refused(builds, int4_art
     m.save(folder)
     with pytest.raises(BackendError, match="is not compiled for the HTP"):
         Decoder(folder)
+
+
+def test_the_runtime_reads_context_models_as_onnx_does_without_onnx(builds, int4_artifact):
+    """The runtime checks a context model's nodes with its own protobuf reader (a car carries no
+    onnx package): it names the same nodes, op types and sources as onnx does, on a compiled model
+    and on a plain graph; a truncated file is a clear error, not a crash."""
+    from cabinlm.engines.qnn_htp.plugin import context_nodes
+
+    for path in (builds["sa8775p"] / "decoder.decode.ctx.onnx", int4_artifact / "decoder.onnx"):
+        model = onnx.load(str(path), load_external_data=False)
+        want = [(n.name, n.op_type, next((a.s.decode() for a in n.attribute if a.name == "source"), "")) for n in model.graph.node]
+        assert context_nodes(path.read_bytes()) == want
+    data = (builds["sa8775p"] / "decoder.decode.ctx.onnx").read_bytes()
+    with pytest.raises(ValueError, match="truncated"):
+        context_nodes(data[: len(data) // 2])

@@ -48,6 +48,7 @@ INPUT_IDS = "input_ids"
 POSITION_IDS = "position_ids"
 CACHE_POSITION_IDS = "cache_position_ids"
 ATTENTION_MASK = "attention_mask"
+MASK_VALUE = -1e30  # the attention mask's additive value for a slot a token must not see (0.0: it may see it)
 LOGIT_ROWS = "logit_rows"
 LOGITS = "logits"
 
@@ -80,7 +81,7 @@ IMAGE_EMBEDS = "image_embeds"
 IMAGE_MASK = "image_mask"
 
 
-# Tensors inside the exported graph that builds rely on (builders/), named here and used by the
+# Tensors inside the exported graph that builds rely on (engines/), named here and used by the
 # exporter (export/decoder.py), so that no build finds them by matching patterns.
 #
 #   weight_name(None, "embed_tokens")        the token table (float32), or its blocks (below)
@@ -157,7 +158,7 @@ def decoder_io(layout: CacheLayout, vocab_size: int, index_dtype: str = "int64",
     return DecoderIO(tuple(inputs), tuple(outputs))
 
 
-# The fused-attention contract of cpu builds (builders/ort_fused.py): ONNX Runtime's GroupQueryAttention
+# The fused-attention contract of cpu builds (engines/ort_fused/graph.py): ONNX Runtime's GroupQueryAttention
 # reads the cache and writes the chunk's rotated, quantized K/V into the cache's scratch rows itself.
 ROPE_COS = "rope_cos"
 ROPE_SIN = "rope_sin"

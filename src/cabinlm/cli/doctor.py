@@ -1,5 +1,5 @@
 """`cabinlm doctor`: on a new board, check TensorRT, CUDA, the GPU and a TensorRT bundle, build its
-engine, and compare the engine's logits with ONNX Runtime on the CPU (builders/trt_doctor.py)."""
+engine, and compare the engine's logits with ONNX Runtime on the CPU (engines/tensorrt/doctor.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def doctor(
     file's sha256), builds the engine if needed, then runs the engine and ONNX Runtime (CPU) over the
     same graph on a short text and compares the logits. One line per check; exit 1 if any fails.
 
-      cabinlm doctor build-orin-x            # on the board, after copying the bundle there
+      cabinlm doctor smol-build-orin-x       # on the board, after copying the bundle there
     """
     from cabinlm.engines.tensorrt.doctor import diagnose
 

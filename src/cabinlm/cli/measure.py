@@ -116,7 +116,7 @@ def bench(
     tokens evicted. --baseline runs a peer engine on the same dialogue, model and threads, each in its
     own process; a peer whose context fills stops there, and says so.
 
-    Example: cabinlm bench out/smollm2/build-cpu --tokens 20000 --baseline llama.cpp --plot bench.png
+    Example: cabinlm bench out/smollm2-build-cpu --tokens 20000 --baseline llama.cpp --plot bench.png
     """
     from cabinlm.bench import baselines as bl
     from cabinlm.bench.runner import model_for_baselines, report, run_cabinlm, summaries

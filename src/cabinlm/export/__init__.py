@@ -81,7 +81,7 @@ def export_loaded(
         stats = kvquant.calibrate_kv_amax(loaded.model, loaded.text_model.layers, calib_ids, layout.kv_heads, layout.head_dim)
         weights.key_scales = kvquant.key_scales_from_amax(stats["keys"], layout.kv_dtype)
         # Static scales for engines that cache rotated keys and quantize values per channel
-        # (ONNX Runtime's fused attention in cpu builds, builders/ort_fused.py).
+        # (ONNX Runtime's fused attention in cpu builds, engines/ort_fused/graph.py).
         kv_scales = KVScales(
             keys=weights.key_scales.tolist(),
             rotated_keys=kvquant.key_scales_from_amax(stats["rotated_keys"] * kvquant.ROTATED_KEY_HEADROOM, layout.kv_dtype).tolist(),

@@ -25,9 +25,9 @@ from cabinlm.layout import CacheLayout
 from cabinlm.manifest import ModelSpec
 from cabinlm.precision import KVDType, WeightFormat
 from cabinlm.profiles.schema import DeviceProfile
+from cabinlm.engines.qnn_htp.spec import shares_weights
 
 MIB = 1 << 20
-HTP_WEIGHT_SHARING_ARCH = 73  # QNN shares weights between the graphs of one context from HTP v73 on
 
 
 class PlanError(CabinlmError):
@@ -55,7 +55,7 @@ def weight_bytes(params: int, fmt: WeightFormat) -> int:
 
 
 def htp_graph_weight_bytes(spec: ModelSpec, params: int, fmt: WeightFormat) -> int:
-    """The weights one HTP context binary holds, as builders/qnn.py builds them: the token table as
+    """The weights one HTP context binary holds, as engines/qnn_htp/builder.py builds them: the token table as
     fp16 (the HTP gathers float tables), the output projection as 8-bit blocks (the export's default
     head), every other matrix at `fmt` (fp16 for float formats), and each block of 32 codes with its
     float32 scale (one more bit per weight)."""
@@ -195,7 +195,7 @@ def plan(
     htp = profile.htp_arch is not None
     binaries = binary_bytes = 0
     if htp:
-        binaries = 1 if profile.htp_arch >= HTP_WEIGHT_SHARING_ARCH else 2
+        binaries = 1 if shares_weights(profile.htp_arch) else 2
         binary_bytes = htp_graph_weight_bytes(spec, params, profile.weight_dtype) * binaries
         fixed += binary_bytes - weights  # the binaries replace the plain weights term
     room = spec.max_positions - sink - pinned - image_tokens - chunk  # positions left for the window

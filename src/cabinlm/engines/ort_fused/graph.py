@@ -30,7 +30,7 @@ bytes per token and layer). Int8 KV uses static per-channel scales calibrated at
 rotation pair (a rotation moves magnitude only inside a pair), values per channel.
 
 Eligible: a text-only model, int8 or fp32 KV, dynamic shapes (the cpu profile). Anything else keeps
-the exported graph (builders/ort.py says which and why).
+the exported graph (engines/ort_fused/builder.py says which and why).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Qualcomm HTP builds: the decoder compiled by Qualcomm's own compiler (the QNN SDK inside the
 `onnxruntime-qnn` plugin) into context binaries, the form a Snapdragon cockpit loads.
 
-    artifact graph ─ qnn_graph.htp_ready ─┬─ fix tokens = chunk ─ compile ─ decoder.prefill.ctx.onnx ┐
+    artifact graph ─ graph.htp_ready ─┬─ fix tokens = chunk ─ compile ─ decoder.prefill.ctx.onnx ┐
                                           └─ fix tokens = 1     ─ compile ─ decoder.decode.ctx.onnx  ┴─ *_qnn.bin
 
 Each `.ctx.onnx` holds one EPContext node that points at the binary. CPU fallback is disabled while
@@ -32,14 +32,13 @@ from cabinlm.engines.onnxruntime.offline import fix_tokens, read_graph
 from cabinlm.engines.output import BuildOutput
 from cabinlm.engines.qnn_htp import plugin as qnn_plugin
 from cabinlm.engines.qnn_htp.graph import htp_ready
-from cabinlm.engines.qnn_htp.spec import QNN_PROVIDER, SIMULATOR, QnnSettings
+from cabinlm.engines.qnn_htp.spec import QNN_PROVIDER, SIMULATOR, QnnSettings, shares_weights
 from cabinlm.engines.registry import BackendKind
 from cabinlm.manifest import Manifest
 
 PREFILL_CTX, DECODE_CTX = "decoder.prefill.ctx.onnx", "decoder.decode.ctx.onnx"
 # The unshared twin of a weight-sharing build's (prefill, decode) context models, for the x86 simulator.
 SIM_PAIR = ("decoder.prefill.sim.ctx.onnx", "decoder.decode.sim.ctx.onnx")
-WEIGHT_SHARING_MIN_ARCH = 73  # QNN shares weights between graphs of one context from HTP v73 on
 
 
 class HTPRejected(BuildError):
@@ -168,7 +167,7 @@ class QnnBuilder(Builder):
         log(f"made the graph HTP-ready: {rewrites['rms_norms']} RMSNorms fused (fp16-safe), "
             f"{rewrites['matmul_4bit']} 4-bit and {rewrites['matmul_8bit']} 8-bit weight matrices as MatMulNBits"
             + (", the token table as a float gather" if rewrites["float_embedding"] else ""))  # fmt: skip
-        share = profile.htp_arch >= WEIGHT_SHARING_MIN_ARCH
+        share = shares_weights(profile.htp_arch)
         with tempfile.TemporaryDirectory(prefix="cabinlm-htp-") as tmp:
             sources = []
             for role, tokens in (("prefill", lay.chunk), ("decode", 1)):
@@ -228,13 +227,12 @@ def _check_decode(src: Path, ctx: Path, manifest: Manifest, profile, min_correla
     import onnxruntime as ort
 
     from cabinlm import io_spec as io
-    from cabinlm.runtime.slots import MASK_VALUE
 
     lay = manifest.cache
     index = np.dtype(manifest.index_dtype)
     feed: dict[str, np.ndarray] = {io.INPUT_IDS: np.array([1], index), io.POSITION_IDS: np.array([0], index),
                                    io.CACHE_POSITION_IDS: np.zeros(lay.slots, index), io.LOGIT_ROWS: np.array([0], index)}  # fmt: skip
-    mask = np.full((1, lay.slots + 1), MASK_VALUE, np.float32)
+    mask = np.full((1, lay.slots + 1), io.MASK_VALUE, np.float32)
     mask[0, -1] = 0
     feed[io.ATTENTION_MASK] = mask
     kv = np.dtype(lay.kv_dtype.numpy_name)

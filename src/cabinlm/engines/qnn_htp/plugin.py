@@ -70,18 +70,78 @@ def session_options(provider: ExecutionProvider):
     return so
 
 
+def _fields(buf: bytes):
+    """(field number, value) of one protobuf message: varints as int, length-delimited as bytes.
+    Enough of the wire format to read an EPContext model's nodes without the onnx package (which a
+    car does not carry); a malformed message raises ValueError."""
+    i, n = 0, len(buf)
+
+    def varint() -> int:
+        nonlocal i
+        shift = value = 0
+        while True:
+            if i >= n or shift > 63:
+                raise ValueError("truncated varint")
+            b = buf[i]
+            i += 1
+            value |= (b & 0x7F) << shift
+            if b < 0x80:
+                return value
+            shift += 7
+
+    while i < n:
+        key = varint()
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            yield number, varint()
+        elif wire == 2:
+            size = varint()
+            if i + size > n:
+                raise ValueError("truncated field")
+            yield number, buf[i : i + size]
+            i += size
+        elif wire in (1, 5):
+            i += 8 if wire == 1 else 4
+        else:
+            raise ValueError(f"unsupported wire type {wire}")
+
+
+def context_nodes(data: bytes) -> list[tuple[str, str, str]]:
+    """(name, op_type, "source" attribute) of every node of a serialized ONNX model
+    (ModelProto.graph = 7, GraphProto.node = 1; NodeProto name = 3, op_type = 4, attribute = 5;
+    AttributeProto name = 1, s = 4)."""
+    nodes = []
+    for number, graph in _fields(data):
+        if number != 7 or not isinstance(graph, bytes):
+            continue
+        for gnum, node in _fields(graph):
+            if gnum != 1 or not isinstance(node, bytes):
+                continue
+            name = op = source = ""
+            for nnum, value in _fields(node):
+                if nnum == 3 and isinstance(value, bytes):
+                    name = value.decode(errors="replace")
+                elif nnum == 4 and isinstance(value, bytes):
+                    op = value.decode(errors="replace")
+                elif nnum == 5 and isinstance(value, bytes):
+                    attr = dict((k, v) for k, v in _fields(value) if k in (1, 4))
+                    if attr.get(1) == b"source" and isinstance(attr.get(4), bytes):
+                        source = attr[4].decode(errors="replace")
+            nodes.append((name, op, source))
+    return nodes
+
+
 def check_context_model(path: Path) -> None:
     """A compiled model must be QNN EPContext nodes only: then no node can run anywhere but the HTP."""
-    import onnx
-
     try:
-        m = onnx.load(str(path), load_external_data=False)
-    except Exception as e:  # noqa: BLE001 - onnx raises its own decode errors
-        raise BackendError(f"{path}: not a readable context model ({str(e).splitlines()[0]}); run `cabinlm build` again") from e
-    for n in m.graph.node:
-        source = next((a.s.decode() for a in n.attribute if a.name == "source"), "")
-        if n.op_type != "EPContext" or source != "QNNExecutionProvider":
-            raise BackendError(f"{path}: node {n.name or n.op_type} ({n.op_type}) is not compiled for the HTP; the build "
+        nodes = context_nodes(path.read_bytes())
+    except (OSError, ValueError) as e:
+        raise BackendError(f"{path}: not a readable context model ({e}); run `cabinlm build` again") from e
+    if not nodes:
+        raise BackendError(f"{path}: not a readable context model (no nodes); run `cabinlm build` again")
+    for name, op, source in nodes:
+        if op != "EPContext" or source != "QNNExecutionProvider":
+            raise BackendError(f"{path}: node {name or op} ({op}) is not compiled for the HTP; the build "
                                "is not an HTP build or was edited: run `cabinlm build` again")  # fmt: skip
 
 

@@ -1,6 +1,6 @@
 """What a Qualcomm HTP build is, as typed data (manifest "build.qnn"): the chip and compiler the
 context binaries were made for and by, their precision, and what the build measured. Standard library
-only; written by builders/qnn.py, read by runtime/backends/qnn.py and `cabinlm plan`.
+only; written by engines/qnn_htp/builder.py, read by engines/qnn_htp/backend.py and `cabinlm plan`.
 
     "qnn": {
       "qairt_version": "2.51.0.260929181845",   the QNN SDK that compiled the binaries
@@ -24,6 +24,14 @@ QNN_PROVIDER = "QNNExecutionProvider"
 # unshared twin a weight-sharing build carries for Qualcomm's x86 simulator.
 SIMULATOR = "_simulator"
 PRECISIONS = ("fp16", "int8", "int4")
+WEIGHT_SHARING_MIN_ARCH = 73  # QNN shares weights between the graphs of one context from HTP v73 on
+
+
+def shares_weights(htp_arch: int) -> bool:
+    """Whether an HTP of this architecture holds the prefill and decode graphs over one weights copy
+    (one context binary), or needs a binary, and a weights copy, per graph (v68). The builder and the
+    planner both ask here."""
+    return htp_arch >= WEIGHT_SHARING_MIN_ARCH
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The TensorRT API differences that matter to cabinlm, as pure functions of a version: what the
-engine builder (trt_engine.py) and the runtime backend (runtime/backends/tensorrt.py) do differently
+engine builder (engine.py) and the runtime backend (engines/tensorrt/backend.py) do differently
 on TensorRT 8.6 (DRIVE OS 6), 10.0-10.14 (JetPack 6, DRIVE OS 7) and 10.15+ / 11. No TensorRT
 import: every switch here is unit-tested on any machine.
 
@@ -13,7 +13,7 @@ import: every switch here is unit-tested on any machine.
                                               types are obeyed, so fp32 regions stay fp32
 
 Sources: /work/shared/research/tensorrt-here.md (eras), NVIDIA's API as typed in tensorrt-stubs
-10.13 (names checked by mypy in tests/test_tensorrt_types.py), onnx-tensorrt's changelog (trt_compat.py).
+10.13 (names checked by mypy in tests/test_tensorrt_types.py), onnx-tensorrt's changelog (compat.py).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def network_flag_names(era: ApiEra) -> tuple[str, ...]:
 
 
 def precision_flags(era: ApiEra, kv: KVDType, fp16: bool = True) -> tuple[str, ...]:
-    """Builder precision flags (tensorrt_spec.PRECISIONS names). Weakly typed networks: FP16 lets
+    """Builder precision flags (tensorrt/spec.PRECISIONS names). Weakly typed networks: FP16 lets
     TensorRT pick fp16 kernels anywhere (the bundle's graph is fp16-safe for that); explicit Q/DQ of
     int8 / fp8 KV needs the INT8 / FP8 flag. Strongly typed networks take no flags."""
     if era is ApiEra.STRONGLY_TYPED:

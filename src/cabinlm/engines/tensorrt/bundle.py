@@ -1,15 +1,16 @@
 """The target bundle: everything a board with TensorRT needs to build the engine, made on any machine.
 
-    build-orin-x/
+    smol-build-orin-x/
       manifest.json          build.backend "tensorrt", build.tensorrt.state "bundle": the exact engine
-                             settings (tensorrt_spec.TensorRTSettings)
-      decoder.trt.onnx       the TensorRT-ready graph (builders/trt_graph.py: fp16-safe RMSNorm; for
+                             settings (spec.TensorRTSettings)
+      decoder.trt.onnx       the TensorRT-ready graph (graph.py: fp16-safe RMSNorm; for
       decoder.trt.onnx.data  strongly typed targets, fp16 weight products) and its weights
       tokenizer.json         [vision.onnx, ...]: as exported
       README.txt             how to finish on the target, and the settings in words
 
-On the target, `cabinlm build build-orin-x` builds decoder.engine in place and turns the manifest's
-state into "engine" (builders/trt_engine.py); `cabinlm doctor build-orin-x` checks the board first.
+On the target, `cabinlm build smol-build-orin-x` builds decoder.engine in place (a bundle is an
+unfinished build: completing it is what it is for) and turns the manifest's state into "engine"
+(engine.py); `cabinlm doctor smol-build-orin-x` checks the board first.
 """
 
 from __future__ import annotations

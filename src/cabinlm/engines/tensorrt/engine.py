@@ -2,7 +2,7 @@
 
 NOT RUN UNDER TENSORRT: no machine of this project has TensorRT. Every TensorRT call below is
 type-checked against NVIDIA's tensorrt-stubs 10.13 (tests/test_tensorrt_types.py); the version
-switches are the pure functions of builders/trt_api.py, unit-tested. docs/tensorrt.md says what ran.
+switches are the pure functions of engines/tensorrt/api.py, unit-tested. docs/tensorrt.md says what ran.
 
     builder  = Builder(logger)
     network  = builder.create_network(flags)         8.x: 1 << EXPLICIT_BATCH; 10.x: 0; 10.15+: 1 << STRONGLY_TYPED

@@ -1,6 +1,6 @@
 """What a TensorRT build is, as typed data (manifest "build.tensorrt"): the target bundle or the
 engine, its exact build settings, and the TensorRT and GPU that made it. Standard library only;
-written by builders/trt_bundle.py and builders/trt_engine.py, read by runtime/backends/tensorrt.py.
+written by engines/tensorrt/bundle.py and engines/tensorrt/engine.py, read by engines/tensorrt/backend.py.
 
     "tensorrt": {
       "state": "bundle" | "engine"      bundle: the TensorRT-ready graph and these settings, no engine yet
@@ -42,7 +42,7 @@ class EngineState(str, enum.Enum):
 
 
 class ApiEra(str, enum.Enum):
-    """The TensorRT Python API generations whose differences the builder handles (trt_api.py)."""
+    """The TensorRT Python API generations whose differences the builder handles (api.py)."""
 
     TRT8 = "trt8"  # 8.5 / 8.6 (DRIVE OS 6): EXPLICIT_BATCH network flag, weakly typed, precision flags
     TRT10 = "trt10"  # 10.0 .. 10.14 (JetPack 6, DRIVE OS 7): create_network(0), weakly typed, precision flags
@@ -72,7 +72,7 @@ def _file(owner: str, name: str, value: Any) -> None:
 @dataclass(frozen=True)
 class TokenProfile:
     """One TensorRT optimization profile over the chunk length ("tokens"); every dynamic input's
-    min / opt / max shape follows from it (builders/trt_api.profile_shapes)."""
+    min / opt / max shape follows from it (engines/tensorrt/api.profile_shapes)."""
 
     name: str
     min_tokens: int
@@ -115,7 +115,7 @@ class TensorRTSettings:
     precision: tuple[str, ...]  # subset of PRECISIONS, in that order
     profiles: tuple[TokenProfile, ...]  # decode first (tokens = 1), then prefill, if the chunk is > 1
     workspace_bytes: int
-    fp16_safe_norms: int  # RMSNorm blocks rewritten in the bundle's graph (builders/trt_graph.py)
+    fp16_safe_norms: int  # RMSNorm blocks rewritten in the bundle's graph (engines/tensorrt/graph.py)
     engine_file: str = ENGINE_FILE
     timing_cache: str = TIMING_CACHE_FILE
     built_with: str = ""  # engine state: the TensorRT version that built it
