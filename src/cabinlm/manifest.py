@@ -328,6 +328,11 @@ class Manifest:
         return m
 
 
+def _again(m: Manifest) -> str:
+    """How to remake an artifact's files: a build's come from `cabinlm build`, an export's from `cabinlm export`."""
+    return "run `cabinlm build` again" if m.build is not None else "re-export"
+
+
 def load_manifest(folder: str | Path, check_files: bool = True) -> Manifest:
     """Read and validate DIR/manifest.json; with check_files, also that the files it lists are there."""
     folder = Path(folder)
@@ -351,17 +356,18 @@ def load_manifest(folder: str | Path, check_files: bool = True) -> Manifest:
         raise ManifestError(f"{path}: corrupt manifest ({str(e)[:200]}); re-export the model") from e
     m = Manifest.from_dict(d, where=str(path))
     if check_files:
+        again = _again(m)
         for role, entry in m.files.items():
             p = folder / entry.path
             if not p.exists():
-                raise ManifestError(f"{path}: {role} file {entry.path!r} is missing; re-export or copy the whole folder")
+                raise ManifestError(f"{path}: {role} file {entry.path!r} is missing; {again} or copy the whole folder")
             if not p.is_file():
-                raise ManifestError(f"{path}: {role} file {entry.path!r} is not a regular file; re-export")
+                raise ManifestError(f"{path}: {role} file {entry.path!r} is not a regular file; {again}")
             size = p.stat().st_size
             if size != entry.bytes:
                 raise ManifestError(
                     f"{path}: {role} file {entry.path!r} is {size} bytes but the manifest says {entry.bytes}; "
-                    "the files do not belong to this manifest, re-export"
+                    f"the files do not belong to this manifest, {again}"
                 )
     return m
 
@@ -371,4 +377,4 @@ def verify_checksums(folder: str | Path, m: Manifest) -> None:
     for role, entry in m.files.items():
         actual = FileEntry.of(Path(folder), entry.path).sha256
         if actual != entry.sha256:
-            raise ManifestError(f"{folder}: {role} file {entry.path!r} fails its sha256 check; re-export")
+            raise ManifestError(f"{folder}: {role} file {entry.path!r} fails its sha256 check; {_again(m)}")
