@@ -38,8 +38,8 @@ model: setup
 
 demo: model
 	$(CABIN) export smollm2-135m -o $(DEMO) --profile cpu --sink 4 --window 1020
-	$(CABIN) build $(DEMO) --profile cpu -o $(DEMO)/build-cpu
-	$(CABIN) chat $(DEMO)/build-cpu --max-new-tokens 96 < demo/dialogue.txt
+	$(CABIN) build $(DEMO) --profile cpu -o $(DEMO)-build-cpu
+	$(CABIN) chat $(DEMO)-build-cpu --max-new-tokens 96 < demo/dialogue.txt
 
 test: model ort-lowest
 	$(PY) -m pytest -q
