@@ -199,3 +199,30 @@ def test_a_tampered_state_is_refused_before_it_is_used(stream, field, delta):
     for _ in range(lay.window + 3):
         fresh.advance(fresh.plan(1))
     check_state(fresh.state(), lay)
+
+
+@settings(max_examples=200, deadline=None)
+@given(sink=st.integers(0, 3), pinned=st.integers(0, 6), window=st.integers(8, 12), stream=ops,
+       image=st.integers(0, 4), frame_every=st.integers(1, 5))
+def test_a_plan_carries_the_table_as_it_stood_and_keeps_it_after_the_table_moves(sink, pinned, window, stream, image,
+                                                                                 frame_every):  # fmt: skip
+    """What a backend reads of a step (StepPlan: L, F, E, the fills, the frames, the slot table) is
+    the table's when the plan was made, for decode steps and chunks alike, and stays so after the
+    table advances (a backend never reads the table itself)."""
+    lay = CacheLayout(sink=sink, pinned=pinned, image=image, window=window, chunk=8, layers=1, kv_heads=1, head_dim=2)
+    table = SlotTable(lay)
+    facts = ("evicted", "sink_fill", "pinned_fill", "image_fill", "frames")
+    for i, (n, pin) in enumerate(stream):
+        if image and i % frame_every == 0:
+            table.begin_frame()
+            table.advance(table.plan(min(image, 8), pin="image"))
+        if pin and n - max(0, sink - table.sink_fill) > table.pinned_free:
+            continue
+        before = ({k: getattr(table, k) for k in facts}, table.length, table.extent, table.slot_token.copy())
+        for size in (1, n):
+            plan = table.plan(size, pin=pin)
+            assert {k: getattr(plan, k) for k in facts} == before[0]
+            assert (plan.cached, plan.extent) == before[1:3] and (plan.slot_token == before[3]).all()
+            assert plan.slot_token is not table.slot_token
+        table.advance(plan)
+        assert {k: getattr(plan, k) for k in facts} == before[0] and (plan.slot_token == before[3]).all()

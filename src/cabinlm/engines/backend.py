@@ -9,9 +9,19 @@ Runtime on the CPU), allocated once over the artifact's CacheLayout; the slot bo
     backend.commit(plan, out)           the chunk's K/V into their slots, in place        (backend)
     table.advance(plan)                 the bookkeeping follows the data                  (Decoder)
 
+`run` and `commit` read the plan, never the table: a plan carries every fact of the table a step
+needs (runtime/slots.StepPlan: positions, destination slots, the fills, E, F, the slot table as it
+stood), so what a backend computes is a function of (plan, ids, its buffers) alone.
 `run` may write only into rows no cached token occupies (scratch rows or empty slots): until
 `commit`, the cache still describes the table's state, so an interrupted step loses nothing.
 Backends that share loaded weights between dialogues (seats) do it through `seat()`.
+
+What the reply loop needs to know about a backend are properties, never its kind:
+
+    fixed_chunk        a chunk of 2+ tokens costs a whole `chunk`-token run (static graphs)
+    verifies_drafts    a chunk's rows see the chunk's own K/V as the cache will hold them, so a
+                       verified draft is exact; False: the reply loop never drafts
+    rows_match_steps   and bit for bit: drafting is on by default
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import numpy as np
 
 from cabinlm.engines.registry import BackendKind
 from cabinlm.errors import CabinlmError
+from cabinlm.layout import CacheLayout, KVDType
 from cabinlm.manifest import Manifest
 
 if TYPE_CHECKING:  # the runtime's bookkeeping: annotations only (cabinlm.runtime imports this module)
@@ -49,9 +60,11 @@ class Backend(abc.ABC):
     kind: ClassVar[BackendKind]
 
     def __init__(self, manifest: Manifest, table: SlotTable):
+        """table: the Decoder's bookkeeping, advanced only by the Decoder. A backend does not keep
+        or read it (every step's facts come with the plan); engines.registry.open_backend and seat()
+        still hand it over."""
         self.manifest = manifest
         self.layout = manifest.cache
-        self.table = table  # the Decoder's bookkeeping: read here, advanced only by the Decoder
 
     @property
     def device(self) -> str:
@@ -64,6 +77,14 @@ class Backend(abc.ABC):
         """Every chunk of 2+ tokens runs a graph of exactly `chunk` tokens (padded): a short chunk,
         e.g. a speculative draft check, costs as much as a full one."""
         return False
+
+    @property
+    def verifies_drafts(self) -> bool:
+        """Row i of a chunk attends to the chunk's tokens before it as the cache will hold them
+        (quantized as stored), so verifying drafts in one chunk is plain decoding to rounding. False
+        where a chunk attends to its own K/V at a precision the cache does not keep: the reply loop
+        then never drafts (Decoder.draft_room is 0), even when asked to."""
+        return True
 
     @property
     def rows_match_steps(self) -> bool:
@@ -103,3 +124,10 @@ class Backend(abc.ABC):
     def nbytes(self) -> int:
         """Bytes held by the cache buffers, read from the arrays themselves."""
         return int(sum(b.nbytes for b in self.buffers().values()))
+
+
+def exported_graph_verifies_drafts(layout: CacheLayout) -> bool:
+    """Backend.verifies_drafts of the exported graph's contract (io_spec.decoder_io), whatever engine
+    runs it: with fp8 KV a chunk's tokens attend to each other's K/V unquantized (the graph quantizes
+    only what it returns for the cache), so a verified draft would see keys its step does not."""
+    return layout.kv_dtype is not KVDType.FP8

@@ -1,8 +1,8 @@
 """The decoder: one dialogue's slot bookkeeping and one backend, chunks in, logits out.
 
     Decoder.step(ids)
-      plan = slots.plan(n, pin)       runtime/slots.py: destination slots, positions, mask
-      out  = backend.run(plan, ...)   runtime/backends/: the graph over the cache (nothing committed)
+      plan = slots.plan(n, pin)       runtime/slots.py: destination slots, positions, mask, the fills
+      out  = backend.run(plan, ...)   engines/<engine>/backend.py: the graph over the cache (nothing committed)
       with Ctrl-C held:
         backend.commit(plan, out)     the chunk's K/V into their slots, in place
         slots.advance(plan)           the bookkeeping follows the data
@@ -29,7 +29,7 @@ class Decoder:
 
     def __init__(self, folder: str | Path, manifest: Manifest | None = None, threads: int | None = None,
                  session_config: dict[str, str] | None = None, *, _backend: Backend | None = None, _vision=None):
-        """session_config: extra ONNX Runtime session entries (see backends.open_backend)."""
+        """session_config: extra ONNX Runtime session entries (see engines.registry.open_backend)."""
         self.folder = Path(folder)
         self.manifest = manifest if manifest is not None else load_manifest(self.folder)
         self.layout = self.manifest.cache
@@ -83,11 +83,24 @@ class Decoder:
             self.cache.advance(plan)
         return out.logits
 
+    def draft_room(self) -> int:
+        """How many drafts one verify() may carry after the stream's last token (0 or less: none).
+        The chunk holds the token and its drafts, and must evict nothing: a chunk's tokens all see
+        the cache as it was before the chunk (DESIGN.md's semantics), so once the window is full,
+        token i of a chunk would still see the i oldest window tokens that i one-token steps evict,
+        and sit i positions further from the sink and pinned tokens than it would after them: no
+        single graph run can give each row its own ranks. Drafting therefore runs while the window
+        fills, and never where the backend's chunk rows are not its steps (Backend.verifies_drafts),
+        so a reply is token for token what plain decoding gives (greedy) or distributed as it."""
+        if not self.backend.verifies_drafts:
+            return 0
+        return min(self.layout.chunk - 1, self.layout.window - self.cache.window_fill - 1)
+
     def verify(self, ids: np.ndarray, accept) -> tuple[np.ndarray, int]:
         """Speculative decoding's check: run ids (1..chunk window tokens: the last token and the
         drafts after it) as one chunk with every token's logits, ask accept(logits) how many of the
         first tokens join the stream (1..len(ids)), and commit only those. The graph returns the new
-        K/V without writing the cache's slots (runtime/backends/base.py), so rejected drafts need no
+        K/V without writing the cache's slots (engines/backend.py), so rejected drafts need no
         rollback: the cache is what feeding the accepted tokens alone would have made it.
         Returns (logits (tokens, vocab), accepted)."""
         plan = self.cache.plan(len(ids))

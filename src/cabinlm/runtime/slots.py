@@ -2,7 +2,8 @@
 
 Every backend shares this: the graph is a pure function of (cache, chunk, positions, mask) that
 returns the chunk's K/V; this table decides where those K/V go and what every slot's position is.
-The buffers themselves belong to the backend (runtime/backends/), in whatever memory its engine reads.
+The buffers themselves belong to the backend (engines/<engine>/backend.py), in whatever memory its
+engine reads; a backend reads a step's facts from its StepPlan, never from the table.
 
 Invariants (tested property-wise in tests/test_cache.py):
   * sink slots hold the first S tokens of the stream and are never overwritten;
@@ -27,17 +28,29 @@ MASK_VALUE = np.float32(-1e30)  # additive mask for slots a token must not see
 
 
 class StepPlan:
-    """Everything one graph call needs besides the token ids, and where its K/V go afterwards.
+    """Everything one graph call needs besides the token ids, and where its K/V go afterwards: the
+    slot table as it stood when the plan was made, so a backend reads the plan and never the table.
 
-    The cached slots' positions and the mask are worked out on first use (a fused decode step needs
-    neither most of the time), from the slot table as it stood when the plan was made."""
+    The table does not move between a plan and its commit (the Decoder advances it after), so every
+    fact below is also the table's at commit time; a prefix plan of the same chunk (speculative
+    decoding keeps the accepted tokens only) carries the same facts. The cached slots' positions and
+    the mask are worked out on first use (a fused decode step needs neither most of the time)."""
 
-    def __init__(self, position_ids: np.ndarray, slots: np.ndarray, evicts: int, pin: bool | str, slot_token: np.ndarray):
+    def __init__(self, position_ids: np.ndarray, slots: np.ndarray, evicts: int, pin: bool | str,
+                 slot_token: np.ndarray, table: SlotTable, cached: int):  # fmt: skip
         self.position_ids = position_ids  # (tokens,) int64
         self.slots = slots  # (tokens,) int64: destination slot of each chunk token
         self.evicts = evicts  # how many cached window tokens this chunk overwrites
         self.pin = pin  # False: window; True: pinned region; "image": the camera-frame region
-        self._slot_token = slot_token  # a copy: the table moves on after the commit
+        self.slot_token = slot_token  # (slots,) int64, a copy: the table moves on after the commit
+        # The table's counters before this chunk (SlotTable's meanings):
+        self.cached = cached  # L = table.length: tokens in the cache (the chunk's first rank)
+        self.extent = table.extent  # F: 1 + the highest slot in use (every slot from F on is empty)
+        self.evicted = table.evicted  # E: window tokens evicted so far
+        self.sink_fill = table.sink_fill
+        self.pinned_fill = table.pinned_fill
+        self.image_fill = table.image_fill
+        self.frames = table.frames
 
     @property
     def tokens(self) -> int:
@@ -47,7 +60,7 @@ class StepPlan:
     def cache_position_ids(self) -> np.ndarray:
         """(slots,) int64: each cached slot's rank in stream order (0 for empty slots). Stream indices
         are unique and increasing, so a slot's rank is the number of cached tokens older than it."""
-        st = self._slot_token
+        st = self.slot_token
         valid = st >= 0
         cached = int(valid.sum())
         cache_pos = np.zeros(len(st), dtype=np.int64)
@@ -58,9 +71,9 @@ class StepPlan:
     @functools.cached_property
     def attention_mask(self) -> np.ndarray:
         """(tokens, slots + tokens) float32, additive: every cached slot, then the chunk causally."""
-        n, N = len(self.slots), len(self._slot_token)
+        n, N = len(self.slots), len(self.slot_token)
         mask = np.empty((n, N + n), dtype=np.float32)
-        mask[:, :N] = np.where(self._slot_token >= 0, np.float32(0), MASK_VALUE)
+        mask[:, :N] = np.where(self.slot_token >= 0, np.float32(0), MASK_VALUE)
         mask[:, N:] = np.where(np.tri(n, dtype=bool), np.float32(0), MASK_VALUE)
         return mask
 
@@ -165,7 +178,7 @@ class SlotTable:
             cached = self.length
             slots = np.array([lay.window_start + self.ring_next], dtype=np.int64)
             evicts = 1 if self.window_fill == lay.window else 0
-            return StepPlan(np.array([cached], dtype=np.int64), slots, evicts, pin, self.slot_token.copy())
+            return StepPlan(np.array([cached], dtype=np.int64), slots, evicts, pin, self.slot_token.copy(), self, cached)
         sink_take = min(n, lay.sink - self.sink_fill)
         rest = n - sink_take
         slots = np.empty(n, dtype=np.int64)
@@ -194,7 +207,7 @@ class SlotTable:
 
         cached = self.length
         position_ids = np.arange(cached, cached + n, dtype=np.int64)
-        return StepPlan(position_ids, slots, evicts, pin, self.slot_token.copy())
+        return StepPlan(position_ids, slots, evicts, pin, self.slot_token.copy(), self, cached)
 
     def advance(self, plan: StepPlan) -> None:
         """The chunk's K/V are in their slots: record it. Call only after the data is written."""

@@ -1,6 +1,7 @@
-"""The cpu build's fused decoder (builders/ort_fused.py) on ONNX Runtime: GroupQueryAttention reads
-the cache in place and writes the chunk's rotated K/V after the slots in use; the sink / pinned keys
-follow the evictions (backends/rotated.py). The contract is io_spec.fused_decoder_io.
+"""The cpu build's fused decoder (engines/ort_fused/builder.py) on ONNX Runtime: GroupQueryAttention
+(or cabinlm's kernel) reads the cache in place and writes the chunk's rotated K/V after the slots in
+use; the sink / pinned keys follow the evictions (rotated.py). The contract is io_spec.fused_decoder_io.
+A step reads its plan only: F (plan.extent), E (plan.evicted), the fills and the slot table as it stood.
 
 Buffers (allocated once per dialogue):
 
@@ -154,7 +155,7 @@ class FusedBackend(Backend):
         n, N = plan.tokens, self.layout.slots
         self.rotated.refresh(plan)
         self.rotated.chunk_tables(plan)
-        F = self.table.extent
+        F = plan.extent
         if n == 1:
             return self._run_one(ids, plan, F)
         mask = plan.attention_mask
@@ -179,13 +180,12 @@ class FusedBackend(Backend):
         self._ids1[0] = ids[0]
         self._seqlens1[0] = F
         self._total1[()] = F + 1
-        t = self.table
         bias = {}
         # The bias changes only with the set of slots in use: F, and the sink / pinned / camera-frame
         # fills (a window step replaces the oldest window token, a slot that stays in use).
-        held = (F, t.sink_fill, t.pinned_fill, t.image_fill, t.frames)
+        held = (F, plan.sink_fill, plan.pinned_fill, plan.image_fill, plan.frames)
         if held != self._bias_held:
-            if t.length == F:  # every slot below F holds a token: nothing to mask
+            if plan.cached == F:  # every slot below F holds a token: nothing to mask
                 self._bias = self._zero_bias[..., : F + 1]
             else:  # empty slots below F (pinned slots not yet used, for one): the plan's mask
                 mask = plan.attention_mask

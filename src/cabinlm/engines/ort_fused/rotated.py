@@ -1,4 +1,4 @@
-"""Positions for a cache that holds keys already rotated (fused cpu builds, builders/ort_fused.py).
+"""Positions for a cache that holds keys already rotated (fused cpu builds, engines/ort_fused/builder.py).
 
 The normative semantics give every cached token its rank as position. A fused attention kernel
 rotates a key once, when it is written, so each token gets a *virtual* position v instead:
@@ -23,10 +23,14 @@ without bound (hours of dialogue) with no loss of precision in the graph.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from cabinlm.layout import CacheLayout
-from cabinlm.runtime.slots import SlotTable, StepPlan
+
+if TYPE_CHECKING:  # the runtime's bookkeeping: annotations only
+    from cabinlm.runtime.slots import SlotTable, StepPlan
 
 
 class RotatedKeys:
@@ -36,10 +40,14 @@ class RotatedKeys:
 
     def __init__(self, layout: CacheLayout, table: SlotTable, keys: np.ndarray, key_source: np.ndarray, inv_freq,
                  rope_scale: float, key_scales=None, session=None):
-        """keys: the cache's (layers, kv_heads, slots + scratch, head_dim) key buffer, whose sink and
+        """Every fact of the slot table a step needs comes with its plan (StepPlan: E, the fills, the
+        slot table as it stood); `table` is not read here (it stays reachable as `self.table` for
+        tests that probe one step's rotation against the live table).
+
+        keys: the cache's (layers, kv_heads, slots + scratch, head_dim) key buffer, whose sink and
         pinned rows this class writes; key_source: (layers, kv_heads, sink + pinned, head_dim) float32
         un-rotated copies of those keys. session: the build's rotation graph
-        (builders/ort_fused.rotation_model), an ONNX Runtime session; without one the refresh runs
+        (engines/ort_fused/graph.py's rotation model), an ONNX Runtime session; without one the refresh runs
         in numpy (the same arithmetic)."""
         lay = layout
         self.layout = layout
@@ -117,16 +125,16 @@ class RotatedKeys:
         the graph's position_ids name)."""
         n = len(plan.slots)
         if n == 1:
-            cos, sin = self._run(0, int(plan.position_ids[0]) + self.table.evicted, 1)
+            cos, sin = self._run(0, int(plan.position_ids[0]) + plan.evicted, 1)
         else:
-            cos, sin = self._tables(plan.position_ids + self.table.evicted)
+            cos, sin = self._tables(plan.position_ids + plan.evicted)
         self.cos[:n] = cos
         self.sin[:n] = sin
 
     def keep_sources(self, plan: StepPlan, qkv: list[np.ndarray], num_heads: int) -> None:
         """Keep the un-rotated keys of the chunk's tokens that go to sink or pinned slots."""
         lay = self.layout
-        if not plan.pin and self.table.sink_fill >= lay.sink:  # a window chunk: nothing to keep
+        if not plan.pin and plan.sink_fill >= lay.sink:  # a window chunk: nothing to keep
             return
         pinned = plan.slots < lay.sink + lay.pinned
         if not pinned.any():
@@ -143,7 +151,7 @@ class RotatedKeys:
         tokens are the stream's first; pinned ones fill their slots in stream order; so unless a
         camera-frame or window token is older than a pinned one, the ranks are 0, 1, 2, ..."""
         lay = self.layout
-        st = self.table.slot_token
+        st = plan.slot_token
         later = st[lay.sink + lay.pinned :]
         later = later[later >= 0]
         self._oldest = not len(later) or later.min() > st[slots].max()
@@ -154,7 +162,7 @@ class RotatedKeys:
     def refresh(self, plan: StepPlan) -> None:
         """Before a step: write the sink and pinned keys rotated at rank + E (only when E or the set
         of pinned tokens changed since the last refresh)."""
-        c, lay = self.table, self.layout
+        c, lay = plan, self.layout  # the table's counters as the plan carries them
         state = (c.evicted, c.sink_fill, c.pinned_fill)
         if state == self._refreshed:
             return
@@ -194,7 +202,7 @@ class RotatedKeys:
         sink / pinned tokens the oldest (their ranks stay 0..n-1), fill the side tables for rank +
         E_next, so the step's graph run leaves the next step's keys in `ahead_out`. Otherwise the
         side output is left unused. Call `ahead_done()` after the run."""
-        c, lay = self.table, self.layout
+        c, lay = plan, self.layout
         self._pending = None
         if (plan.pin or not plan.evicts or c.sink_fill < lay.sink or not self._oldest or self._slots is None
                 or self._refreshed != (c.evicted, c.sink_fill, c.pinned_fill)):  # fmt: skip

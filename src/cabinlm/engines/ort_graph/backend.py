@@ -23,7 +23,7 @@ import onnxruntime as ort
 from cabinlm import io_spec as io
 from cabinlm.engines.registry import BackendKind
 from cabinlm.manifest import Manifest
-from cabinlm.engines.backend import Backend, StepOutput
+from cabinlm.engines.backend import Backend, StepOutput, exported_graph_verifies_drafts
 from cabinlm.engines.onnxruntime.binding import Binding, ortvalue
 from cabinlm.engines.onnxruntime.session import check_io, open_session, session_options
 from cabinlm.runtime.slots import MASK_VALUE, SlotTable, StepPlan
@@ -122,6 +122,10 @@ class ExportedGraphBackend(Backend):
     @property
     def fixed_chunk(self) -> bool:
         return self.graphs.static
+
+    @property
+    def verifies_drafts(self) -> bool:
+        return exported_graph_verifies_drafts(self.layout)
 
     def buffers(self) -> dict[str, np.ndarray]:
         out = {"keys": self.keys, "values": self.values}

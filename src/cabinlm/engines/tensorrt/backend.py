@@ -1,5 +1,5 @@
 """A TensorRT engine on an NVIDIA GPU, behind the backend interface (the graph contract of
-io_spec.decoder_io, as runtime/backends/exported.py runs it on ONNX Runtime).
+io_spec.decoder_io, as engines/ort_graph/backend.py runs it on ONNX Runtime).
 
 NOT RUN UNDER TENSORRT: no machine of this project has TensorRT (docs/tensorrt.md). The TensorRT
 calls are type-checked against NVIDIA's stubs (tests/test_tensorrt_types.py) and the host-side logic
@@ -7,7 +7,7 @@ ran on the CPU against a fake engine and a fake device (tests/test_tensorrt_back
 
 Load (once): deserialize the engine; one execution context per optimization profile (decode:
 1 token, prefill: 2..chunk tokens; builders/trt_api.token_profiles); per dialogue, the device buffers
-of runtime/backends/trt_plan.py (the cache, the inputs, the outputs), allocated once.
+of engines/tensorrt/device_plan.py (the cache, the inputs, the outputs), allocated once.
 
 One step, all on one CUDA stream, no allocation:
 
@@ -37,7 +37,7 @@ import numpy as np
 from cabinlm import io_spec as io
 from cabinlm.engines.registry import BackendKind
 from cabinlm.manifest import Manifest
-from cabinlm.engines.backend import Backend, BackendError, StepOutput
+from cabinlm.engines.backend import Backend, BackendError, StepOutput, exported_graph_verifies_drafts
 from cabinlm.engines.tensorrt.cuda_mem import Cuda, open_cuda
 from cabinlm.engines.tensorrt.device_plan import DevicePlan
 from cabinlm.runtime.slots import SlotTable, StepPlan
@@ -158,7 +158,7 @@ class TensorRTBackend(Backend):
         m, cuda = self.manifest, loaded.cuda
         self.plan = plan = DevicePlan(self.layout, m.io, m.model.vocab_size)
         self.cuda = cuda
-        # device buffers, allocated once (trt_plan.py's table)
+        # device buffers, allocated once (device_plan.py's table)
         sizes = plan.cache_bytes()
         self.dev = {name: cuda.alloc(n) for name, n in sizes.items()}
         for name, n in sizes.items():
@@ -186,6 +186,10 @@ class TensorRTBackend(Backend):
     @property
     def device(self) -> str:
         return "tensorrt-cuda"
+
+    @property
+    def verifies_drafts(self) -> bool:
+        return exported_graph_verifies_drafts(self.layout)  # the exported graph's contract, as on ONNX Runtime
 
     def seat(self, table: SlotTable) -> TensorRTBackend:
         return type(self)(self.loaded, table)

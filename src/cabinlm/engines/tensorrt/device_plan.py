@@ -1,6 +1,6 @@
 """Where the TensorRT backend's tensors live in device memory, and which copies a commit makes: pure
 arithmetic over the cache layout and the graph contract (numpy and the standard library only),
-unit-tested without CUDA. runtime/backends/tensorrt.py allocates what this plans, once, at load.
+unit-tested without CUDA. engines/tensorrt/backend.py allocates what this plans, once, at load.
 
 Device memory of one dialogue (es = bytes per KV element, L layers, H KV heads, N slots, D head_dim,
 C chunk, V vocab):
