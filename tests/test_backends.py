@@ -240,7 +240,7 @@ def test_the_int8_tolerance_fails_a_fused_cache_one_position_off(artifacts, stre
     def one_late(self, plan):
         right(self, plan)
         n = len(plan.slots)
-        self.cos[:n], self.sin[:n] = self._tables(plan.position_ids + self.table.evicted + 1)
+        self.cos[:n], self.sin[:n] = self._tables(plan.position_ids + plan.evicted + 1)
 
     monkeypatch.setattr(RotatedKeys, "chunk_tables", one_late)
     errors = stream_errors(Decoder(folder), stream[1], expected)
