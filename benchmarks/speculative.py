@@ -22,7 +22,7 @@ import statistics
 import time
 
 from cabinlm.runtime import Dialogue, open_artifact
-from cabinlm.runtime.speculative import Speculation
+from cabinlm.runtime.speculative import PromptLookupDrafting
 
 ap = argparse.ArgumentParser()
 ap.add_argument("build")
@@ -71,7 +71,7 @@ dec, tok = open_artifact(a.build, threads=a.threads)
 
 
 def run(spec: bool):
-    d = Dialogue(dec, tok, max_new_tokens=a.max_new, speculation=Speculation() if spec else None)
+    d = Dialogue(dec, tok, max_new_tokens=a.max_new, drafting=PromptLookupDrafting() if spec else None)
     t0, out = time.perf_counter(), []
     for text in turns:
         out.append(d.ask(text))

@@ -250,6 +250,8 @@ def test_serve_refuses_more_seats_than_the_memory_holds_as_chat_does(small_pins,
 
     with weights_never_load():
         one_error_line(*run_cli("serve", small_pins, "--seats", "2"), "--seats 2", "1 seat fit", "MiB")
-        monkeypatch.setattr(cabinlm.runtime, "open_artifact", opened)
+        # a plain assignment: weights_never_load puts the real loader back on exit (monkeypatch would
+        # put back _no_weights after it, and every later test in this process would find it)
+        cabinlm.runtime.open_artifact = opened
         with pytest.raises(Opened):  # one seat fits: the artifact is opened next
             run_cli("serve", small_pins, "--seats", "1")

@@ -1,6 +1,6 @@
-"""Speculative decoding by prompt lookup (runtime/speculative.py): greedy output token for token the
-same as plain decoding, on every backend with a chunk path, through eviction, pins, seats and
-session save / restore; a rejected draft leaves the cache as if it was never drafted; sampling
+"""Speculative decoding by prompt lookup (runtime/speculative.py; the reply loop, runtime/reply.py):
+greedy output token for token the same as plain decoding, on every backend with a chunk path,
+through eviction, pins, seats and session save / restore; a rejected draft leaves the cache as if it was never drafted; sampling
 keeps the model's distribution (the acceptance rule, checked against the exact distribution)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from cabinlm.profiles import load_profile
 from cabinlm.runtime import Decoder, Dialogue, open_artifact
 from cabinlm.runtime.persist import load_session, save_session
 from cabinlm.runtime.sampler import Sampler
-from cabinlm.runtime.speculative import DraftLength, PromptLookup, Speculation
+from cabinlm.runtime.speculative import DraftLength, PromptLookup, PromptLookupDrafting
 
 LAYOUT = dict(sink=4, pinned=28, window=48, chunk=8)
 TURNS = ["check the route and the weather", "check the route and the weather again", "play some music",
@@ -74,7 +74,7 @@ def test_the_acceptance_rule_keeps_the_distribution(temperature, top_p, draft):
 def dialogues(folder, spec: bool, seats: int = 1):
     dec, tok = open_artifact(folder, verify=False)
     decs = [dec] + [dec.seat() for _ in range(seats - 1)]
-    return [Dialogue(d, tok, system="Answer briefly.", max_new_tokens=24, speculation=Speculation() if spec else None)
+    return [Dialogue(d, tok, system="Answer briefly.", max_new_tokens=24, drafting=PromptLookupDrafting() if spec else None)
             for d in decs]  # fmt: skip
 
 
@@ -179,3 +179,84 @@ def test_chat_replies_are_the_same_with_and_without_speculation(artifacts):
     assert [r["reply"] for r in runs["--speculative"]] == [r["reply"] for r in runs["--no-speculative"]]
     assert sum(r["drafted_tokens"] for r in runs["--speculative"]) > 0
     assert sum(r["drafted_tokens"] for r in runs["--no-speculative"]) == 0
+
+
+class WrongDrafts(PromptLookupDrafting):
+    """A strategy the reply loop has never seen: drafts as many tokens as it may, all made up (every
+    verification rejects most of them)."""
+
+    def propose(self, dec):
+        k = min(3, dec.draft_room())
+        return [int(t) for t in np.random.default_rng(len(self.lookup.tokens)).integers(3, 300, k)] if k > 0 else []
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime-graph", "onnxruntime-fused"])
+def test_the_reply_loop_gives_the_plain_replies_with_any_drafting_strategy(backend, artifacts):
+    """The loop is given its strategy: plain decoding (PlainDecoding, drafts nothing), prompt lookup,
+    or one that drafts nonsense give the same greedy replies, the rejected drafts leaving no trace."""
+    from cabinlm.runtime.speculative import PlainDecoding
+
+    dec, tok = open_artifact(artifacts[backend], verify=False)
+    replies = {}
+    for name, drafting in (("plain", PlainDecoding()), ("wrong", WrongDrafts()), ("lookup", PromptLookupDrafting())):
+        d = Dialogue(dec, tok, system="Answer briefly.", max_new_tokens=24, drafting=drafting)
+        replies[name] = [d.ask(t).reply for t in TURNS * 2]
+        assert (drafting.drafted > 0) == (name != "plain"), name
+    assert replies["wrong"] == replies["plain"] == replies["lookup"]
+
+
+def test_a_paused_strategy_drafts_nothing_but_still_learns_the_stream(artifacts):
+    dec = Decoder(artifacts["onnxruntime-fused"])
+    dec.feed(np.arange(3, 20))
+    drafting = PromptLookupDrafting()
+    drafting.observe([5, 6, 7, 8, 5, 6])
+    assert list(drafting.propose(dec)) == [7, 8, 5, 6]
+    with drafting.paused():
+        assert not drafting.propose(dec)
+        drafting.observe([9, 5, 6])
+    assert drafting.lookup.tokens[-3:] == [9, 5, 6] and list(drafting.propose(dec))[:1] == [9]
+
+
+def test_a_build_whose_chunks_are_not_its_steps_never_drafts(load, tiny_qwen2_dir, export_to):
+    """Exactness is the backend's property, not its kind: the exported graph with fp8 KV attends to
+    a chunk's own K/V unquantized (Backend.verifies_drafts is False), so no draft is ever verified
+    there, even when drafting is asked for, and it is off by default with that reason."""
+    from cabinlm.runtime.speculative import drafting_by_default
+
+    art = export_to(load(str(tiny_qwen2_dir)), kv="fp8", **LAYOUT)
+    dec, tok = open_artifact(art, verify=False)
+    assert not dec.backend.verifies_drafts and dec.draft_room() == 0
+    on, why = drafting_by_default(dec.backend)
+    assert not on and "precision the cache does not keep" in why
+    d = Dialogue(dec, tok, max_new_tokens=24, drafting=PromptLookupDrafting())
+    assert sum(d.ask(t).drafted_tokens for t in TURNS) == 0
+    int8 = Decoder(export_to(load(str(tiny_qwen2_dir)), kv="int8", **LAYOUT))
+    assert int8.backend.verifies_drafts and int8.draft_room() == LAYOUT["chunk"] - 1
+
+
+def test_the_fused_backend_reads_the_plan_never_the_slot_table(artifacts):
+    """Every fact of the table a fused step needs comes with its plan: with the table out of the
+    backend's reach (reading it raises), a stream of pins, chunks, verifications and hundreds of
+    evictions gives the logits of an untouched decoder, bit for bit."""
+
+    class Unreachable:
+        def __getattr__(self, name):
+            raise AssertionError(f"the backend read the slot table's {name}")
+
+    folder = artifacts["onnxruntime-fused"]
+    ref, dec = Decoder(folder), Decoder(folder)
+    dec.backend.rotated.table = Unreachable()
+    rng = np.random.default_rng(5)
+    for d in (ref, dec):
+        d.feed(np.arange(3, 13), pin=True)
+    for step in range(150):
+        if step == 40:
+            ids = rng.integers(3, 300, 5)
+            np.testing.assert_array_equal(ref.feed(ids, pin=True), dec.feed(ids, pin=True))
+        ids = rng.integers(3, 300, int(rng.integers(1, LAYOUT["chunk"] + 1)))
+        np.testing.assert_array_equal(ref.step(ids), dec.step(ids))
+        rows_a, kept_a = ref.verify(ids[:3], lambda logits: 1)
+        rows_b, kept_b = dec.verify(ids[:3], lambda logits: 1)
+        assert kept_a == kept_b == 1
+        np.testing.assert_array_equal(rows_a, rows_b)
+    assert dec.cache.evicted > 5 * LAYOUT["window"]

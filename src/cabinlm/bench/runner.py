@@ -8,7 +8,7 @@ import dataclasses
 import os
 import time
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
 
@@ -18,33 +18,31 @@ from cabinlm.bench.trace import Trace, summarize, truncate
 from cabinlm.errors import CabinlmError
 from cabinlm.engines.ort_fused.spec import FusedSettings
 
+if TYPE_CHECKING:
+    from cabinlm.runtime.assembly import Runtime
+
 
 class CabinlmEngine(protocol.Engine):
-    """The runtime's Decoder behind the baselines' engine interface: greedy, the system prompt pinned
-    (as `cabinlm chat` pins it), logits for the last token only during prefill."""
+    """The runtime's first seat behind the baselines' engine interface: greedy, the system prompt
+    pinned (as `cabinlm chat` pins it), logits for the last token only during prefill, drafting as
+    the runtime decided (runtime/assembly.py: the caller's choice, or the backend's default)."""
 
     name = "cabinlm"
 
-    def __init__(self, folder: Path, threads: int, system: list[int], speculative: bool | None = None,
-                 stop_ids: Iterable[int] = ()):  # fmt: skip
-        """speculative: verify prompt-lookup drafts as `cabinlm chat` does (None: as chat decides,
-        runtime/speculative.drafting_by_default)."""
-        from cabinlm.runtime import Decoder
+    def __init__(self, runtime: Runtime, system: list[int], stop_ids: Iterable[int] = ()):
+        """system: the rendered system prompt, pinned when the first prompt starts with it."""
         from cabinlm.runtime.sampler import Sampler
-        from cabinlm.runtime.speculative import Speculation, drafting_by_default
 
-        self.dec = Decoder(folder, threads=threads)
+        self.dec = runtime.decoders[0]
         self.system = list(system)
-        if speculative is None:
-            speculative = drafting_by_default(self.dec.backend)[0]
-        self.spec = Speculation() if speculative else None
+        self.drafting = runtime.new_drafting()
         self.sampler = Sampler(temperature=0.0)
         self.stop_ids = set(stop_ids)
-        lay, m = self.dec.layout, self.dec.manifest
+        lay, m = self.dec.layout, runtime.manifest
         fused = m.runtime_spec.facts_as(FusedSettings)
         self.config = {
             "name": "cabinlm",
-            "artifact": str(folder),
+            "artifact": str(runtime.config.artifact),
             "weights": m.weights,
             "backend": m.runtime_spec.backend.value,
             "attention_kernel": fused.attention_kernel if fused else None,
@@ -56,7 +54,7 @@ class CabinlmEngine(protocol.Engine):
             "window": lay.window,
             "slots": lay.slots,
             "chunk": lay.chunk,
-            "speculative": speculative,
+            "speculative": runtime.drafts,
             "onnxruntime": __import__("onnxruntime").__version__,
         }
 
@@ -66,8 +64,7 @@ class CabinlmEngine(protocol.Engine):
 
     def feed(self, ids: list[int]) -> int:
         ids = list(ids)
-        if self.spec is not None:
-            self.spec.lookup.observe(ids)
+        self.drafting.observe(ids)
         if self.dec.cache.seen == 0 and self.system and ids[: len(self.system)] == self.system:
             logits = self.dec.feed(np.asarray(self.system), pin=True)  # the system prompt stays, as in chat
             ids = ids[len(self.system) :]
@@ -79,24 +76,31 @@ class CabinlmEngine(protocol.Engine):
         return int(np.argmax(self.dec.step(np.array([token]))[0]))
 
     def advance(self, token: int, budget: int) -> list[int]:
-        if self.spec is None:
-            return [self.step(token)]
-        from cabinlm.runtime.speculative import advance
+        from cabinlm.runtime.reply import advance
 
-        return advance(self.dec, self.sampler, token, budget, self.stop_ids, self.spec)
+        return advance(self.dec, self.sampler, token, budget, self.stop_ids, self.drafting)
 
 
-def script_for(folder: Path) -> protocol.Script:
-    """The dialogue script rendered with the artifact's own tokenizer and chat-template pieces."""
-    from cabinlm.manifest import load_manifest
-    from cabinlm.runtime.tokenizer import Tokenizer
+def open_bench_runtime(folder: Path, threads: int, *, system: str, speculative: bool | None) -> Runtime:
+    """The artifact opened for one bench engine, as chat opens it (runtime/assembly.py: the same
+    checks, the system prompt against the pinned slots included), one seat, no checksums (the load
+    is timed)."""
+    from cabinlm.runtime.assembly import RuntimeConfig, open_runtime
 
-    m = load_manifest(folder)
-    tok = Tokenizer(folder / m.files["tokenizer"].path)
-    chat = dataclasses.asdict(m.chat)
-    system = tok.encode(chat["system_prefix"]) + tok.encode_text(SYSTEM) + tok.encode(chat["system_suffix"])
-    return protocol.Script(system=system, assistant_suffix=tok.encode(chat["assistant_suffix"]), stop_ids=set(m.stop_ids),
-                     max_positions=m.model.max_positions, _tok=tok, _chat=chat)  # fmt: skip
+    return open_runtime(RuntimeConfig(folder, threads=threads, system=system, system_option=None,
+                                      speculative=speculative, verify=False))  # fmt: skip
+
+
+def script_for(runtime: Runtime) -> protocol.Script:
+    """The dialogue script rendered with the artifact's own tokenizer and chat-template pieces (the
+    Dialogue's renderer, runtime/template.py)."""
+    from cabinlm.runtime.template import Template
+
+    m, tok = runtime.manifest, runtime.tokenizer
+    template = Template(tok, m.chat)
+    return protocol.Script(system=template.system(SYSTEM), assistant_suffix=template.closing(),
+                           stop_ids=set(m.stop_ids), max_positions=m.model.max_positions, _tok=tok,
+                           _chat=dataclasses.asdict(m.chat))  # fmt: skip
 
 
 def run_cabinlm(
@@ -112,27 +116,27 @@ def run_cabinlm(
     on_reply: Callable[[int, str], None] | None = None,
 ) -> Trace:
     """The scripted dialogue of `tokens` tokens through the runtime, in this process (speculative:
-    see CabinlmEngine)."""
-    folder = Path(folder)
-    script = script_for(folder)
+    drafting on or off; None: as chat decides, runtime/speculative.drafting_by_default)."""
     t = time.perf_counter()
-    engine = CabinlmEngine(folder, threads, script.system, speculative, script.stop_ids)
+    runtime = open_bench_runtime(Path(folder), threads, system=SYSTEM, speculative=speculative)
     load_s = time.perf_counter() - t
+    script = script_for(runtime)
+    engine = CabinlmEngine(runtime, script.system, script.stop_ids)
     trace = protocol.dialogue(engine, script, tokens=tokens, max_new=max_new, seed=seed, time_limit_s=time_limit_s,
                         log=log, on_reply=on_reply)  # fmt: skip
     trace.load_s = round(load_s, 3)
     trace.evicted_tokens = int(engine.dec.cache.evicted)
     trace.config.update(threads=threads, loadavg_1m=round(os.getloadavg()[0], 2))
-    if engine.spec is not None:
-        trace.config.update(drafted=engine.spec.drafted, accepted=engine.spec.accepted)
+    if engine.drafting.drafts:
+        trace.config.update(drafted=engine.drafting.drafted, accepted=engine.drafting.accepted)
     return trace
 
 
 def fixed_context_cabinlm(folder: str | Path, *, threads: int, decode: int = 128, context: int | None = None) -> Trace:
     """Fill the cache (`context` tokens; default: every slot) and decode `decode` tokens, each timed."""
-    folder = Path(folder)
-    script = script_for(folder)
-    engine = CabinlmEngine(folder, threads, [], speculative=False)  # one token per timed step
+    runtime = open_bench_runtime(Path(folder), threads, system="", speculative=False)  # one token per timed step
+    script = script_for(runtime)
+    engine = CabinlmEngine(runtime, [])
     context = engine.dec.layout.slots if context is None else context
     trace = protocol.fixed_context(engine, script, context=context, decode=decode)
     trace.evicted_tokens = int(engine.dec.cache.evicted)

@@ -16,7 +16,6 @@ import typer
 from cabinlm.cli.common import err, info
 from cabinlm.errors import CabinlmError, InputError
 from cabinlm.runtime.dialogue import Dialogue, LongMessages
-from cabinlm.runtime.speculative import Speculation, drafting_by_default
 from cabinlm.runtime.inputs import parse_input_line
 from cabinlm.runtime.persist import load_session, save_session
 
@@ -56,33 +55,21 @@ def chat(
     /stats shows the cache, /quit leaves. Ctrl-C stops a reply (the dialogue goes on); Ctrl-C or
     Ctrl-D at the prompt leaves.
     """
-    from cabinlm.runtime import Sampler, Tokenizer, load_manifest, open_artifact
-    from cabinlm.runtime.limits import check_count, check_seat_count, check_seats, check_system_prompt, check_threads
+    from cabinlm.runtime.assembly import RuntimeConfig, open_runtime
 
-    # Every option is checked before the model loads (each refusal an OptionError: one line, exit 2);
-    # the seats against this machine's memory and the system prompt against the pinned slots, which
-    # need the manifest and the tokenizer only.
-    check_count("max-new-tokens", max_new_tokens, 1)
-    check_seat_count(seats)
-    check_threads(threads)
-    Sampler(temperature=temperature, top_p=top_p, seed=seed)
-    manifest = load_manifest(artifact)
-    check_seats(seats, manifest)
-    check_system_prompt(system, manifest, Tokenizer(artifact / manifest.files["tokenizer"].path))
+    # Every option is checked before the model loads (each refusal an OptionError: one line, exit 2):
+    # the values by RuntimeConfig; the seats against this machine's memory, --image against the
+    # model and the system prompt against the pinned slots by open_runtime, from the manifest and
+    # the tokenizer, before it loads the weights.
+    config = RuntimeConfig(artifact, seats=seats, threads=threads, system=system, temperature=temperature, top_p=top_p,
+                           seed=seed, max_new_tokens=max_new_tokens, long_messages=long_messages,
+                           speculative=speculative, images=image is not None)  # fmt: skip
+    runtime = open_runtime(config)
     # Input a program cannot decode (invalid UTF-8) becomes U+FFFD instead of ending the session.
     sys.stdin.reconfigure(errors="replace")
-    dec, tok = open_artifact(artifact, threads=threads)
-    decoders = [dec] + [dec.seat() for _ in range(seats - 1)]  # the weights are held once
-    if speculative is None:
-        speculative, why = drafting_by_default(dec.backend)
-        if dec.backend.fixed_chunk:  # a target build: say why the lever is off (an unbuilt export: --help says)
-            info(f"speculative decoding off: {why} (--speculative turns it on)")
-    dialogues = [
-        Dialogue(d, tok, system=system, sampler=Sampler(temperature=temperature, top_p=top_p, seed=seed),
-                 max_new_tokens=max_new_tokens, long_messages=long_messages,
-                 speculation=Speculation() if speculative else None)
-        for d in decoders
-    ]  # fmt: skip
+    if runtime.drafting_notice:
+        info(runtime.drafting_notice)
+    dialogues = runtime.dialogues()
     loop = ChatLoop(dialogues, session_files(session, seats), interactive=sys.stdin.isatty() and not json_out,
                     json_out=json_out, image=image)  # fmt: skip
     loop.resume()

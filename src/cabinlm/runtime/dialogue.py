@@ -17,9 +17,11 @@ import numpy as np
 from cabinlm.errors import InputError
 from cabinlm.runtime.interrupts import defer_sigint
 from cabinlm.runtime.memory import rss_mb
-from cabinlm.runtime.sampler import Sampler
-from cabinlm.runtime.speculative import Reply, Speculation, decode_reply
 from cabinlm.runtime.decoder import Decoder
+from cabinlm.runtime.reply import Reply, decode_reply
+from cabinlm.runtime.sampler import Sampler
+from cabinlm.runtime.speculative import Drafting, PlainDecoding
+from cabinlm.runtime.template import Template, system_overflow
 from cabinlm.runtime.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -60,48 +62,41 @@ class Dialogue:
         sampler: Sampler | None = None,
         max_new_tokens: int = 256,
         long_messages: LongMessages = LongMessages.REFUSE,
-        speculation: Speculation | None = None,
+        drafting: Drafting | None = None,
     ):
-        """speculation: draft reply tokens by prompt lookup and verify them in chunks
-        (runtime/speculative.py): the same tokens as without it, greedy or sampled in distribution."""
+        """drafting: what the reply loop verifies after each token (runtime/speculative.py); None:
+        plain decoding. PromptLookupDrafting gives the same tokens as plain decoding, greedy or
+        sampled in distribution, in fewer steps. runtime/assembly.py makes dialogues with the
+        artifact's default."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         self.long_messages = LongMessages(long_messages)
         self.decoder = decoder
         self.tok = tokenizer
         self.chat = decoder.manifest.chat
+        self.template = Template(tokenizer, self.chat)
         self.stop_ids = set(decoder.manifest.stop_ids)
         self.system = system if system is not None else self.chat.default_system
         self.sampler = sampler or Sampler()
         self.max_new_tokens = max_new_tokens
-        self.speculation = speculation
+        self.drafting = drafting if drafting is not None else PlainDecoding()
         self.reset()
 
     def reset(self) -> None:
         """Start over: empty cache, system prompt pinned again."""
         self.decoder.reset()
-        if self.speculation is not None:
-            self.speculation.reset()
+        self.drafting.reset()
         self.turns = 0
         self._pending: list[int] = []  # tokens that close the previous turn, fed with the next prompt
         if self.system:
-            ids = self._render(self.chat.system_prefix, self.system, self.chat.system_suffix)
-            lay = self.decoder.layout
-            if len(ids) > lay.sink + lay.pinned:
-                raise InputError(
-                    f"the system prompt is {len(ids)} tokens but the artifact pins at most "
-                    f"{lay.sink + lay.pinned} (sink {lay.sink} + pinned {lay.pinned}); shorten it or re-export "
-                    f"with --pinned {len(ids) - lay.sink} or more"
-                )
+            ids = self.template.system(self.system)
+            why = system_overflow(len(ids), self.decoder.layout, "shorten it")
+            if why is not None:
+                raise InputError(f"the system prompt is {why}")
             self.decoder.feed(ids, pin=True)
 
-    def _render(self, prefix: str, text: str, suffix: str) -> list[int]:
-        """Template pieces as control tokens; the text between them as plain text, always."""
-        return self.tok.encode(prefix) + self.tok.encode_text(text) + self.tok.encode(suffix)
-
     def render_user(self, text: str) -> list[int]:
-        chat = self.chat
-        return self._render(chat.user_prefix, text, chat.user_suffix + chat.assistant_prefix)
+        return self.template.user(text)
 
     def state(self) -> dict:
         """The dialogue's own state beyond the cache (for session files): JSON-able."""
@@ -130,14 +125,14 @@ class Dialogue:
         every token chosen so far); True ends the reply there as Ctrl-C does (finish "interrupted"), the
         turn closed as usual. A server stops the reply of a client that went away with it.
         """
-        chat, dec = self.chat, self.decoder
+        dec = self.decoder
         frame = None
         if image is not None:
             if dec.vision is None:
                 raise InputError("this model has no vision input; export a vision-language model to send images")
             embeds = dec.vision.encode(image)  # an unreadable image is refused here, before anything is fed
-            head = self._pending + self.tok.encode(chat.user_prefix)
-            tail = self.tok.encode_text(text) + self.tok.encode(chat.user_suffix + chat.assistant_prefix)
+            head = self._pending + self.template.user_head()
+            tail = self.template.user_tail(text)
             frame = (head, embeds, tail)
             prompt = head + [dec.manifest.vision.image_token_id] * len(embeds) + tail
             text_tokens = len(head) + len(tail)
@@ -178,10 +173,9 @@ class Dialogue:
                     logits = dec.feed(tail)
                 prefilled = True
                 self._pending = []
-                if self.speculation is not None:
-                    self.speculation.lookup.observe(prompt)
+                self.drafting.observe(prompt)
             t_decode = time.perf_counter()
-            reply = decode_reply(dec, self.sampler, logits, self.max_new_tokens, self.stop_ids, emit, self.speculation,
+            reply = decode_reply(dec, self.sampler, logits, self.max_new_tokens, self.stop_ids, emit, self.drafting,
                                  should_stop)  # fmt: skip
         except KeyboardInterrupt:
             reply.finish = "interrupted"
@@ -192,7 +186,7 @@ class Dialogue:
             on_text(tail)
         if prefilled:
             # Close the assistant turn in the cache as the template would have rendered it.
-            self._pending = reply.unfed + self.tok.encode(chat.assistant_suffix)
+            self._pending = reply.unfed + self.template.closing()
         decode_s = t_end - t_decode
         return TurnResult(
             turn=self.turns,
@@ -216,8 +210,7 @@ class Dialogue:
         turn exactly as ask() feeds it, then `reply` as the assistant's answer (its text encoded as
         plain text, fed in chunks), the turn closed as a generated reply's is."""
         self.ask(text, image=image, should_stop=lambda: True)  # the prompt only; no token chosen
-        ids = self.tok.encode_text(reply)
+        ids = self.template.text(reply)
         if ids:
             self.decoder.feed(ids)
-            if self.speculation is not None:
-                self.speculation.lookup.observe(ids)  # the reply is text later turns may repeat
+            self.drafting.observe(ids)  # the reply is text later turns may repeat

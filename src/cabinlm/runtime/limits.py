@@ -7,6 +7,7 @@
     check_seats(seats, manifest)       refuses more than seat_limit
     check_output_file(name, path)      a file that can be written later: its folder exists (--nll-out)
     check_system_prompt(system, manifest, tokenizer)   the system prompt fits the pinned region (--system)
+    check_images(images, manifest)     images are sent only to a vision-language model (--image)
 
 Every refusal is an OptionError naming the option as the command line spells it, and the value, so
 a message reads the same from the library and from the CLI.
@@ -21,6 +22,7 @@ from pathlib import Path
 from cabinlm.errors import OptionError
 from cabinlm.manifest import Manifest
 from cabinlm.runtime.memory import available_bytes
+from cabinlm.runtime.template import Template, system_overflow
 from cabinlm.runtime.tokenizer import Tokenizer
 
 THREADS_PER_CORE = 4  # beyond this, intra-op threads only wait for each other (and a typo like 800 is caught)
@@ -115,21 +117,28 @@ def check_output_file(name: str, path: Path | None) -> None:
         raise OptionError(f"--{name} {path}: the folder {folder} is not writable")
 
 
-def check_system_prompt(system: str | None, manifest: Manifest, tokenizer: Tokenizer) -> None:
+def check_images(images: bool, manifest: Manifest, option: str = "--image") -> None:
+    """A caller that will send camera frames (`cabinlm chat --image`) needs a model with vision input."""
+    if images and manifest.vision is None:
+        raise OptionError(f"{option}: this model has no vision input; export a vision-language model to send images")
+
+
+def check_system_prompt(system: str | None, manifest: Manifest, tokenizer: Tokenizer,
+                        option: str | None = "--system") -> None:  # fmt: skip
     """The system prompt (None: the model's default) fits where a Dialogue pins it: the sink and
-    pinned slots. Counted with the tokenizer alone, rendered as Dialogue.reset renders it (the
-    template's pieces as control tokens, the text as plain text), so a prompt that does not fit is
-    refused before the model loads rather than after."""
-    chat, lay = manifest.chat, manifest.cache
-    text = chat.default_system if system is None else system
+    pinned slots. Rendered by the Dialogue's own renderer (runtime/template.py) with the tokenizer
+    alone, so a prompt that does not fit is refused before the model loads rather than after.
+    option: the option that gave `system`, as the message names it (None: no option gives it, e.g.
+    `cabinlm serve`'s default or the bench's script; the message then suggests re-exporting only)."""
+    text = manifest.chat.default_system if system is None else system
     if not text:
         return
-    n = len(tokenizer.encode(chat.system_prefix) + tokenizer.encode_text(text) + tokenizer.encode(chat.system_suffix))
-    room = lay.sink + lay.pinned
-    if n <= room:
+    n = len(Template(tokenizer, manifest.chat).system(text))
+    why = system_overflow(n, manifest.cache, None if option is None else f"give a shorter {option}")
+    if why is None:
         return
-    whose = "--system is" if system is not None else "the model's default system prompt is"
-    raise OptionError(
-        f"{whose} {n} tokens but the artifact pins at most {room} (sink {lay.sink} + pinned {lay.pinned}); "
-        f"give a shorter --system, or re-export with --pinned {n - lay.sink} or more"
-    )
+    if system is None:
+        whose = "the model's default system prompt is"
+    else:
+        whose = f"{option} is" if option is not None else "the system prompt is"
+    raise OptionError(f"{whose} {why}")

@@ -1,31 +1,29 @@
-"""Lossless speculative decoding by prompt lookup: drafts from the dialogue's own tokens, verified in
-one chunk step, only the accepted tokens committed.
+"""Drafting strategies for the reply loop (runtime/reply.py): what to verify after the stream's last
+token. Plain decoding is the strategy that drafts nothing; lossless speculative decoding by prompt
+lookup drafts from the dialogue's own tokens.
 
     the stream so far:  ... the tire pressure is 2.4 bar ... what is the tire pressure | [token]
                                                     ^ the last n tokens, seen before: draft what followed
-    Decoder.verify([token, d1 .. dk])  one chunk, logits of every row
-        row 0 decides d1, row i decides d(i+1) (Sampler.accept_draft: greedy = argmax; sampling =
-        the standard rule, so the output keeps the model's distribution); the first rejection
-        gives the corrected token, full acceptance a bonus token from row k
-    commit [token, d1 .. d(a)]  the graph returned the chunk's K/V without writing the cache's
-                                slots, so a rejected draft needs no rollback
+    Decoder.verify([token, d1 .. dk])  one chunk, logits of every row (the reply loop)
 
 A draft costs one chunk step instead of a decode step; DraftLength adapts k to the acceptance and
 stops drafting for a while after drafts keep failing, so turns where drafts fail are not slower.
-Drafting is exact only while a verified chunk evicts nothing (see _room): it runs while the window
-fills, and a dialogue whose window has turned over decodes one token per step.
+How many drafts a verification may carry is the Decoder's to say (Decoder.draft_room: the chunk,
+no eviction, and a backend whose chunk rows are its steps); whether drafting is on unless told is
+the backend's (drafting_by_default: its properties, never its kind).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import abc
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import numpy as np
-
-from cabinlm.engines.backend import Backend
-from cabinlm.runtime.decoder import Decoder
-from cabinlm.runtime.sampler import Sampler
+if TYPE_CHECKING:
+    from cabinlm.engines.backend import Backend
+    from cabinlm.runtime.decoder import Decoder
 
 
 class PromptLookup:
@@ -112,158 +110,99 @@ class DraftLength:
             self._pause_len = min(self.longest_pause, 2 * self._pause_len)
 
 
-@dataclass
-class Speculation:
-    """Prompt lookup and its draft length for one dialogue, with counts for reports."""
+class Drafting(abc.ABC):
+    """A reply loop's drafting strategy. The loop tells it every token that joins the stream (the
+    prompt as fed, each reply token as chosen, a client's reply fed by template), asks it for drafts
+    after each chosen token, and reports each verification. Counts accumulate for reports."""
 
-    lookup: PromptLookup = field(default_factory=PromptLookup)
-    length: DraftLength = field(default_factory=DraftLength)
-    drafted: int = 0
-    accepted: int = 0
-    paused: bool = False  # no drafts while set; the lookup still observes the stream
+    drafts: bool  # False: the strategy never drafts (plain decoding)
+
+    def __init__(self) -> None:
+        self.drafted = 0  # tokens drafted, over the strategy's life
+        self.accepted = 0  # and how many the model accepted
+        self._paused = False
+
+    def reset(self) -> None:
+        """The stream starts over (a dialogue's reset)."""
+
+    def observe(self, ids: Iterable[int]) -> None:
+        """Tokens that joined the stream, in order."""
+
+    def push(self, token: int) -> None:
+        """One token that joined the stream (a reply token as chosen): observe([token]) without the list."""
+
+    @abc.abstractmethod
+    def propose(self, dec: Decoder) -> Sequence[int]:
+        """The drafts to verify after the stream's last token on `dec` (at most dec.draft_room()):
+        empty for a plain one-token step."""
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        """A verification of `drafted` drafts accepted the first `accepted` of them."""
+        self.drafted += drafted
+        self.accepted += accepted
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No drafts inside (a replayed exchange, whose recorded choices a verified draft could run
+        past); the strategy still observes the stream."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
+
+
+class PlainDecoding(Drafting):
+    """Drafts nothing: every reply token is one decode step."""
+
+    drafts = False
+
+    def propose(self, dec: Decoder) -> Sequence[int]:
+        return ()
+
+
+class PromptLookupDrafting(Drafting):
+    """Lossless speculative decoding by prompt lookup: drafts from the stream's own tokens, as many
+    as the draft length and the decoder's room allow (none while paused, or where no n-gram matches)."""
+
+    drafts = True
+
+    def __init__(self, lookup: PromptLookup | None = None, length: DraftLength | None = None) -> None:
+        super().__init__()
+        self.lookup = lookup if lookup is not None else PromptLookup()
+        self.length = length if length is not None else DraftLength()
 
     def reset(self) -> None:
         self.lookup.reset()
 
+    def observe(self, ids: Iterable[int]) -> None:
+        self.lookup.observe(ids)
 
-@dataclass
-class Reply:
-    ids: list[int] = field(default_factory=list)
-    finish: str = "length"  # "stop", "length" or "interrupted"
-    unfed: list[int] = field(default_factory=list)  # chosen but not yet in the cache: fed with the next prompt
-    drafted: int = 0
-    accepted: int = 0
+    def push(self, token: int) -> None:
+        self.lookup.observe((token,))
 
+    def propose(self, dec: Decoder) -> Sequence[int]:
+        if self._paused:
+            return ()
+        k = min(self.length.next(), dec.draft_room())
+        return self.lookup.draft(k) if k > 0 else ()
 
-def decode_reply(dec: Decoder, sampler: Sampler, logits: np.ndarray, max_new: int, stop_ids: set[int],
-                 on_token: Callable[[int], None], spec: Speculation | None = None,
-                 should_stop: Callable[[], bool] | None = None) -> Reply:
-    """Choose reply tokens from `logits` (the prompt's last) until a stop id or max_new tokens; each
-    token but the last is fed; with `spec`, drafts are verified in chunks. Ctrl-C, or should_stop()
-    (asked before each token is chosen or drafts are verified), ends the reply with finish
-    "interrupted", the cache holding exactly the tokens the reply says were fed."""
-    r = Reply()
-
-    def stopped() -> bool:
-        if should_stop is not None and should_stop():
-            r.finish = "interrupted"
-            return True
-        return False
-
-    try:
-        if stopped():
-            return r
-        token = sampler(logits)
-        while True:
-            if token in stop_ids:
-                r.finish = "stop"
-                break
-            r.ids.append(token)
-            on_token(token)
-            r.unfed = [token]
-            if spec is not None:
-                spec.lookup.observe([token])
-            if len(r.ids) == max_new:
-                break  # the last token is fed with the next prompt
-            if stopped():
-                break
-            drafts = next_drafts(dec, spec) if spec is not None else []
-            if drafts:
-                token = _verify(dec, sampler, token, drafts, max_new - len(r.ids), stop_ids, on_token, spec, r)
-                continue
-            seen = dec.cache.seen
-            try:
-                logits = dec.step(np.array([token], dtype=np.int64))[0]
-            finally:
-                if dec.cache.seen > seen:
-                    r.unfed = []
-            token = sampler(logits)
-    except KeyboardInterrupt:
-        r.finish = "interrupted"
-    return r
+    def verified(self, drafted: int, accepted: int) -> None:
+        self.length.update(drafted, accepted)
+        super().verified(drafted, accepted)
 
 
 def drafting_by_default(backend: Backend) -> tuple[bool, str]:
     """Whether `cabinlm chat`, `bench` and `serve` draft unless told, and why not (for the notice):
-    only where a draft check is cheap and its rows are bit for bit the plain steps' (Backend)."""
+    only where a draft check is cheap and its rows are bit for bit the plain steps' (Backend's
+    properties: fixed_chunk, verifies_drafts, rows_match_steps)."""
     if backend.fixed_chunk:
         return False, (f"this build's prefill graph always runs {backend.layout.chunk} tokens, so checking a draft "
                        "costs a whole chunk")  # fmt: skip
+    if not backend.verifies_drafts:
+        return False, ("this build's chunks attend to their own keys and values at a precision the cache does not "
+                       "keep, so a checked draft is not a plain step")  # fmt: skip
     if not backend.rows_match_steps:
         return False, ("this build's chunk rows match its one-token steps only to rounding, so a checked draft could "
                        "break a greedy near-tie differently from plain decoding (the fused cpu build drafts by default)")
     return True, ""
-
-
-def next_drafts(dec: Decoder, spec: Speculation) -> list[int]:
-    """The drafts to verify after the stream's last token: as many as the draft length, the chunk and
-    the room before eviction allow (none while drafting pauses, or where no n-gram matches)."""
-    if spec.paused:
-        return []
-    k = min(spec.length.next(), dec.layout.chunk - 1, _room(dec))
-    return spec.lookup.draft(k) if k > 0 else []
-
-
-def advance(dec: Decoder, sampler: Sampler, token: int, budget: int, stop_ids: set[int],
-            spec: Speculation) -> list[int]:
-    """Feed `token` (chosen, not yet fed) and return what the stream chooses after it, at most
-    `budget` tokens: with drafts, the accepted drafts (now fed) and then the next token (chosen, not
-    fed); without, the one token a plain step chooses. A stop id is never fed. The lookup observes
-    `token` and the accepted drafts. (The step decode_reply takes, for callers that own the reply
-    loop and its output, such as `cabinlm bench`.)"""
-    spec.lookup.observe([token])
-    drafts = next_drafts(dec, spec) if budget > 1 else []
-    if not drafts:
-        return [sampler(dec.step(np.array([token], dtype=np.int64))[0])]
-    r = Reply()
-    nxt = _verify(dec, sampler, token, drafts, budget, stop_ids, lambda t: None, spec, r)
-    return [*r.ids, nxt]
-
-
-def _room(dec: Decoder) -> int:
-    """How many drafts a verification may carry so that its chunk evicts nothing. A chunk's tokens
-    all see the cache as it was before the chunk (DESIGN.md's semantics), so once the window is
-    full, token i of a chunk would still see the i oldest window tokens that i one-token steps
-    evict, and sit i positions further from the sink and pinned tokens than it would after them:
-    no single graph run can give each row its own ranks. Drafting stops there, so a reply is token
-    for token what plain decoding gives (greedy) or distributed as it (sampled)."""
-    if dec.layout.kv_dtype.value == "fp8" and dec.manifest.runtime_spec.backend.value != "onnxruntime-fused":
-        return 0  # the exported fp8-KV graph's chunk attends to its own K/V unquantized: not exact
-    return dec.layout.window - dec.cache.window_fill - 1
-
-
-def _verify(dec: Decoder, sampler: Sampler, token: int, drafts: list[int], budget: int, stop_ids: set[int],
-            on_token: Callable[[int], None], spec: Speculation, r: Reply) -> int:
-    """One verification: [token, drafts] as a chunk; returns the next token (a correction, a bonus,
-    a stop id or the draft that reaches max_new), chosen but not fed."""
-    chosen: list[int] = []  # the token each row decided, in order
-
-    def accept(rows: np.ndarray) -> int:
-        for i, d in enumerate(drafts):
-            ok, t = sampler.accept_draft(rows[i], d)
-            chosen.append(t)
-            # a rejection, a stop id (never fed) or the reply's last token (fed with the next
-            # prompt) ends the accepted run before this draft
-            if not ok or t in stop_ids or len(chosen) >= budget:
-                return 1 + i
-        chosen.append(sampler(rows[len(drafts)]))
-        return 1 + len(drafts)
-
-    seen = dec.cache.seen
-    try:
-        dec.verify(np.array([token, *drafts], dtype=np.int64), accept)
-    finally:
-        fed = dec.cache.seen - seen  # 0, or 1 + the accepted drafts (committed together)
-        if fed:
-            r.unfed = []
-            for t in chosen[: fed - 1]:
-                r.ids.append(t)
-                on_token(t)
-                spec.lookup.observe([t])
-    accepted = fed - 1
-    spec.length.update(len(drafts), accepted)
-    spec.drafted += len(drafts)
-    spec.accepted += accepted
-    r.drafted += len(drafts)
-    r.accepted += accepted
-    return chosen[fed - 1]

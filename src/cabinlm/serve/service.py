@@ -23,14 +23,14 @@ import dataclasses
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from cabinlm.errors import CabinlmError, InputError
+from cabinlm.runtime.assembly import RuntimeConfig, open_runtime
 from cabinlm.runtime.dialogue import Dialogue, LongMessages
-from cabinlm.runtime.limits import check_count, check_seat_count, check_seats, check_threads
-from cabinlm.runtime.speculative import Speculation, drafting_by_default
+from cabinlm.runtime.limits import check_count
 from cabinlm.serve.history import plan_turn
 from cabinlm.serve.scheduler import ModelTurns
 from cabinlm.serve.schema import MAX_TOKENS_LIMIT, ChatRequest, RequestError
@@ -54,14 +54,19 @@ class ServeConfig:
     long_messages: LongMessages = LongMessages.REFUSE
     model_id: str | None = None  # the name clients send as "model"; None: the exported model's name
     verify: bool = True  # check the artifact's files against the manifest's sha256 at start
-    speculative: bool | None = None  # prompt-lookup drafts; None: as chat (runtime/speculative.drafting_by_default)
+    speculative: bool | None = None  # prompt-lookup drafts; None: the backend's default, as chat
+    runtime: RuntimeConfig = field(init=False)  # what chat and bench are checked and opened by too
 
     def __post_init__(self) -> None:
-        # the checks `cabinlm chat` makes of the same options (runtime.limits); the seats against this
-        # machine's memory need the manifest: ChatService.open checks them before the model loads
-        check_seat_count(self.seats)
+        # A request's max_tokens has the same bound (schema.py); the rest are `cabinlm chat`'s checks
+        # (runtime/assembly.py). The seats against this machine's memory and the model's default
+        # system prompt against the pinned slots need the manifest: ChatService.open checks them
+        # (open_runtime) before the model loads.
         check_count("max-new-tokens", self.max_new_tokens, 1, MAX_TOKENS_LIMIT)
-        check_threads(self.threads)
+        runtime = RuntimeConfig(self.artifact, seats=self.seats, threads=self.threads, system=None, system_option=None,
+                                max_new_tokens=self.max_new_tokens, long_messages=self.long_messages,
+                                speculative=self.speculative, verify=self.verify)  # fmt: skip
+        object.__setattr__(self, "runtime", runtime)
         if self.model_id is not None and not self.model_id.strip():
             raise CabinlmError("--model-name must not be empty")
 
@@ -131,21 +136,12 @@ class ChatService:
 
     @classmethod
     def open(cls, config: ServeConfig) -> ChatService:
-        """Load the artifact once and make config.seats dialogues on it (weights held once)."""
-        from cabinlm.runtime import load_manifest, open_artifact
-
-        check_seats(config.seats, load_manifest(config.artifact))  # before the weights load, as chat does
-        dec, tok = open_artifact(config.artifact, threads=config.threads, verify=config.verify)
-        decoders = [dec] + [dec.seat() for _ in range(config.seats - 1)]
-        speculative = config.speculative
-        if speculative is None:
-            speculative = drafting_by_default(dec.backend)[0]
-        dialogues = [Dialogue(d, tok, max_new_tokens=config.max_new_tokens, long_messages=config.long_messages,
-                              speculation=Speculation() if speculative else None)
-                     for d in decoders]  # fmt: skip
+        """Load the artifact once and make config.seats dialogues on it (weights held once), as
+        `cabinlm chat` does (runtime/assembly.open_runtime: every check before the weights load)."""
+        runtime = open_runtime(config.runtime)
         store = SeatStore(config.sessions) if config.sessions is not None else None
-        name = config.model_id or model_name(dec.manifest.model.source)
-        return cls(dialogues, name, store=store, max_new_tokens=config.max_new_tokens)
+        name = config.model_id or model_name(runtime.manifest.model.source)
+        return cls(runtime.dialogues(), name, store=store, max_new_tokens=config.max_new_tokens)
 
     @property
     def vision(self) -> bool:

@@ -116,15 +116,9 @@ def _replay(d: Dialogue, ex: Exchange, image, model: ModelTurns) -> None:
 
     # One token per step: the recorded choices end where a cancelled reply ended, which a verified
     # draft could run past. (Where drafting is on, a chunk's rows are its steps bit for bit, so the
-    # cache is the one the exchange left either way.)
-    spec = d.speculation
-    if spec is not None:
-        spec.paused = True  # the lookup still learns the exchange's text
-    try:
+    # cache is the one the exchange left either way.) The drafting still learns the exchange's text.
+    with d.drafting.paused():
         d.ask(ex.user, image=image, should_stop=between_tokens)
-    finally:
-        if spec is not None:
-            spec.paused = False
 
 
 def answer(seat, conversation: Conversation, plan: TurnPlan, frames: Frames, sampling: Sampling, model: ModelTurns,

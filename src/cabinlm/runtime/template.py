@@ -1,0 +1,61 @@
+"""The chat template's pieces (manifest.chat, resolved at export) rendered as token ids: the one
+renderer of a dialogue's turns, used by the Dialogue, by the checks made before a model loads
+(runtime/limits.py, runtime/assembly.py) and by `cabinlm bench`'s script.
+
+    system     system_prefix + TEXT + system_suffix                          pinned (sink + pinned slots)
+    user       user_prefix + TEXT + user_suffix + assistant_prefix           the window
+    closing    assistant_suffix                                              fed with the next prompt
+
+The pieces are encoded as control tokens (they hold strings like "<|im_start|>"); the text between
+them always as plain text, so a message cannot forge a turn.
+"""
+
+from __future__ import annotations
+
+from cabinlm.layout import CacheLayout
+from cabinlm.manifest import ChatTemplate
+from cabinlm.runtime.tokenizer import Tokenizer
+
+
+class Template:
+    def __init__(self, tokenizer: Tokenizer, chat: ChatTemplate):
+        self.tok = tokenizer
+        self.chat = chat
+
+    def system(self, text: str) -> list[int]:
+        c = self.chat
+        return self.tok.encode(c.system_prefix) + self.tok.encode_text(text) + self.tok.encode(c.system_suffix)
+
+    def user(self, text: str) -> list[int]:
+        """A user turn up to the reply: user_head() + user_tail(text)."""
+        return self.user_head() + self.user_tail(text)
+
+    def user_head(self) -> list[int]:
+        """What precedes a user turn's text (a camera frame's tokens go between the two)."""
+        return self.tok.encode(self.chat.user_prefix)
+
+    def user_tail(self, text: str) -> list[int]:
+        c = self.chat
+        return self.tok.encode_text(text) + self.tok.encode(c.user_suffix + c.assistant_prefix)
+
+    def closing(self) -> list[int]:
+        """What closes an assistant turn."""
+        return self.tok.encode(self.chat.assistant_suffix)
+
+    def text(self, text: str) -> list[int]:
+        """Plain text (a reply a client sends), never control tokens."""
+        return self.tok.encode_text(text)
+
+
+def system_overflow(tokens: int, layout: CacheLayout, shorter: str | None) -> str | None:
+    """None when a system prompt of `tokens` rendered tokens fits where a Dialogue pins it (the sink
+    and pinned slots); otherwise what is wrong and the fix, to follow "<the prompt> is":
+    "N tokens but the artifact pins at most R (sink S + pinned P); <shorter>, or re-export with
+    --pinned X or more" (shorter: how to shorten it, e.g. "give a shorter --system"; None: only the
+    re-export)."""
+    room = layout.sink + layout.pinned
+    if tokens <= room:
+        return None
+    fix = f"re-export with --pinned {tokens - layout.sink} or more"
+    return (f"{tokens} tokens but the artifact pins at most {room} (sink {layout.sink} + pinned {layout.pinned}); "
+            f"{fix if shorter is None else f'{shorter}, or {fix}'}")  # fmt: skip
