@@ -234,29 +234,22 @@ def test_a_build_whose_chunks_are_not_its_steps_never_drafts(load, tiny_qwen2_di
     assert int8.backend.verifies_drafts and int8.draft_room() == LAYOUT["chunk"] - 1
 
 
-def test_the_fused_backend_reads_the_plan_never_the_slot_table(artifacts):
-    """Every fact of the table a fused step needs comes with its plan: with the table out of the
-    backend's reach (reading it raises), a stream of pins, chunks, verifications and hundreds of
-    evictions gives the logits of an untouched decoder, bit for bit."""
+@pytest.mark.parametrize("backend", ["onnxruntime-graph", "onnxruntime-fused"])
+def test_a_backend_reads_the_plan_never_the_slot_table(backend, artifacts):
+    """Every fact of the table a step needs comes with its plan: after a stream of pins, chunks,
+    verifications and hundreds of evictions, nothing of the backend (its rotated keys included)
+    holds the Decoder's slot table; only the Decoder does."""
+    import gc
 
-    class Unreachable:
-        def __getattr__(self, name):
-            raise AssertionError(f"the backend read the slot table's {name}")
-
-    folder = artifacts["onnxruntime-fused"]
-    ref, dec = Decoder(folder), Decoder(folder)
-    dec.backend.rotated.table = Unreachable()
+    dec = Decoder(artifacts[backend])
     rng = np.random.default_rng(5)
-    for d in (ref, dec):
-        d.feed(np.arange(3, 13), pin=True)
+    dec.feed(np.arange(3, 13), pin=True)
     for step in range(150):
         if step == 40:
-            ids = rng.integers(3, 300, 5)
-            np.testing.assert_array_equal(ref.feed(ids, pin=True), dec.feed(ids, pin=True))
+            dec.feed(rng.integers(3, 300, 5), pin=True)
         ids = rng.integers(3, 300, int(rng.integers(1, LAYOUT["chunk"] + 1)))
-        np.testing.assert_array_equal(ref.step(ids), dec.step(ids))
-        rows_a, kept_a = ref.verify(ids[:3], lambda logits: 1)
-        rows_b, kept_b = dec.verify(ids[:3], lambda logits: 1)
-        assert kept_a == kept_b == 1
-        np.testing.assert_array_equal(rows_a, rows_b)
+        dec.step(ids)
+        dec.verify(ids[:3], lambda logits: 1)
     assert dec.cache.evicted > 5 * LAYOUT["window"]
+    holders = [r for r in gc.get_referrers(dec.cache) if r is not dec and r is not dec.__dict__]
+    assert holders == [], [type(h).__name__ for h in holders]

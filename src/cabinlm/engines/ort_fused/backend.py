@@ -64,8 +64,7 @@ class FusedBackend(Backend):
         self.values = np.zeros((L, H, N + lay.chunk, D), dtype=dtype)
         self.key_source = np.zeros((L, H, lay.sink + lay.pinned, D), dtype=np.float32)
         scales = m.kv_scales.array("rotated_keys") if lay.quantized else None
-        self.rotated = RotatedKeys(lay, table, self.keys, self.key_source, m.rotary.inv_freq, m.rotary.scale, scales,
-                                   graphs.rotate)  # fmt: skip
+        self.rotated = RotatedKeys(lay, self.keys, self.key_source, m.rotary.inv_freq, m.rotary.scale, scales, graphs.rotate)
         self._heads = m.model.num_heads
         self._rows = np.arange(lay.chunk, dtype=np.int64)
         self._bind()

@@ -30,7 +30,7 @@ import numpy as np
 from cabinlm.layout import CacheLayout
 
 if TYPE_CHECKING:  # the runtime's bookkeeping: annotations only
-    from cabinlm.runtime.slots import SlotTable, StepPlan
+    from cabinlm.runtime.slots import StepPlan
 
 
 class RotatedKeys:
@@ -38,11 +38,10 @@ class RotatedKeys:
 
     AHEAD = 256  # positions of cos / sin computed at once for decode steps (see _run)
 
-    def __init__(self, layout: CacheLayout, table: SlotTable, keys: np.ndarray, key_source: np.ndarray, inv_freq,
-                 rope_scale: float, key_scales=None, session=None):
+    def __init__(self, layout: CacheLayout, keys: np.ndarray, key_source: np.ndarray, inv_freq, rope_scale: float,
+                 key_scales=None, session=None):
         """Every fact of the slot table a step needs comes with its plan (StepPlan: E, the fills, the
-        slot table as it stood); `table` is not read here (it stays reachable as `self.table` for
-        tests that probe one step's rotation against the live table).
+        slot table as it stood): this class holds no table.
 
         keys: the cache's (layers, kv_heads, slots + scratch, head_dim) key buffer, whose sink and
         pinned rows this class writes; key_source: (layers, kv_heads, sink + pinned, head_dim) float32
@@ -51,7 +50,6 @@ class RotatedKeys:
         in numpy (the same arithmetic)."""
         lay = layout
         self.layout = layout
-        self.table = table
         self.keys = keys
         self.key_source = key_source
         self.inv_freq = np.asarray(inv_freq, dtype=np.float64)
