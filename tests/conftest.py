@@ -12,6 +12,16 @@ CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# The Phi-3 and Mistral turn layouts (their models' templates, minus the branches a tiny test never takes).
+PHI3_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + '<|end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+MISTRAL_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] + '\n\n' }}"
+    "{% elif m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+    "{% else %}{{ m['content'] + eos_token }}{% endif %}{% endfor %}"
+)
 TEXT = (
     "The driver asked the assistant about the weather, the route and the charging stations on the way. "
     "Keep a safe distance, check the mirrors, and take a break every two hours on a long drive. "
@@ -66,6 +76,26 @@ def make_tiny_model(folder: Path, arch: str, seed: int = 0, **overrides) -> Path
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
         tok = _tokenizer(CHATML)
+    elif arch == "qwen3":  # q / k RMSNorm per head; head_dim 32 is not hidden / heads (16), as in Qwen3
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        model = Qwen3ForCausalLM(Qwen3Config(tie_word_embeddings=True, rope_theta=10000.0, **{"head_dim": 32, **common}))
+        with torch.no_grad():  # norm weights away from 1, so that a missing or misplaced norm shows
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 2.0)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 2.0)
+        tok = _tokenizer(CHATML)
+    elif arch == "mistral":  # sliding_window (4096 unless overridden) longer than any test cache: full attention
+        from transformers import MistralConfig, MistralForCausalLM
+
+        model = MistralForCausalLM(MistralConfig(tie_word_embeddings=False, rope_theta=10000.0, **{"head_dim": 16, **common}))
+        tok = _tokenizer(MISTRAL_TEMPLATE)
+    elif arch == "phi3":  # fused qkv_proj and gate_up_proj
+        from transformers import Phi3Config, Phi3ForCausalLM
+
+        model = Phi3ForCausalLM(Phi3Config(tie_word_embeddings=False, rope_theta=10000.0, pad_token_id=0, bos_token_id=1,
+                                           eos_token_id=2, original_max_position_embeddings=512, **common))  # fmt: skip
+        tok = _tokenizer(PHI3_TEMPLATE)
     else:
         raise ValueError(arch)
     folder.mkdir(parents=True, exist_ok=True)

@@ -48,9 +48,16 @@ class StreamingReference:
         for li, layer in enumerate(m.layers):
             a = layer.self_attn
             h = layer.input_layernorm(x)
-            q = a.q_proj(h).view(n, self.H, self.D).transpose(0, 1)
-            k = a.k_proj(h).view(n, self.Hkv, self.D).transpose(0, 1)
-            v = a.v_proj(h).view(n, self.Hkv, self.D).transpose(0, 1)
+            if hasattr(a, "qkv_proj"):  # Phi-3: q|k|v in one projection
+                q, k, v = a.qkv_proj(h).split([self.H * self.D, self.Hkv * self.D, self.Hkv * self.D], dim=-1)
+            else:
+                q, k, v = a.q_proj(h), a.k_proj(h), a.v_proj(h)
+            q = q.view(n, self.H, self.D)
+            k = k.view(n, self.Hkv, self.D)
+            if getattr(a, "q_norm", None) is not None:  # Qwen3: RMSNorm of each head before RoPE
+                q, k = a.q_norm(q), a.k_norm(k)
+            q, k = q.transpose(0, 1), k.transpose(0, 1)
+            v = v.view(n, self.Hkv, self.D).transpose(0, 1)
             for t in range(n):
                 new_kv[t].append((k[:, t], v[:, t]))
             ks = [e[2][li][0] for e in self.entries] + [k[:, t] for t in range(n)]

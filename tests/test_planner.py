@@ -202,8 +202,8 @@ def test_a_llava_config_gives_its_text_model_and_a_vision_estimate():
 
 
 def test_unsupported_configs_are_refused(tmp_path):
-    (tmp_path / "config.json").write_text('{"architectures": ["MistralForCausalLM"], "model_type": "mistral"}')
-    with pytest.raises(ModelError, match="MistralForCausalLM is not supported"):
+    (tmp_path / "config.json").write_text('{"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"}')
+    with pytest.raises(ModelError, match="Gemma2ForCausalLM is not supported"):
         spec_from_config(tmp_path)
     (tmp_path / "config.json").write_text('{"model_type": "llama", "rope_scaling": {"rope_type": "dynamic"}}')
     with pytest.raises(ModelError, match="'dynamic'"):

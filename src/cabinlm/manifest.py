@@ -73,8 +73,10 @@ MAX_MANIFEST_BYTES = 64 << 20  # a manifest is a few hundred kB (KV scales inclu
 # RoPE variants whose inverse frequencies do not depend on the sequence length, so that a
 # fixed-shape graph can hold them as constants (the exporter and the planner both check this).
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
-# transformers class -> model_type. Both are "Llama-like": RMSNorm, RoPE, GQA, SwiGLU; Qwen2 adds q/k/v biases.
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+# transformers class -> model_type. All are "Llama-like": RMSNorm, RoPE, GQA, SwiGLU; Qwen2 adds q/k/v
+# biases, Qwen3 RMSNorms of q and k per head, Phi-3 fuses q|k|v and gate|up (as the graph does anyway).
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                           "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3"}  # fmt: skip
 # Vision-language: a CLIP or SigLIP tower + projector in front of one of the text models above.
 SUPPORTED_VLM_ARCHITECTURES = {"LlavaForConditionalGeneration": "llava"}
 

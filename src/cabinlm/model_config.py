@@ -27,6 +27,15 @@ _TEXT_DEFAULTS = {
     "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
                   num_attention_heads=32, max_position_embeddings=32768, rms_norm_eps=1e-6,
                   tie_word_embeddings=False, hidden_act="silu"),
+    "qwen3": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                  num_attention_heads=32, max_position_embeddings=32768, rms_norm_eps=1e-6, head_dim=128,
+                  tie_word_embeddings=False, hidden_act="silu"),
+    "mistral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, max_position_embeddings=131072, rms_norm_eps=1e-6, head_dim=128,
+                    tie_word_embeddings=False, hidden_act="silu", sliding_window=4096),
+    "phi3": dict(vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                 num_attention_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                 tie_word_embeddings=False, hidden_act="silu"),
 }  # fmt: skip
 # CLIPVisionConfig() defaults, for vision_config blocks that leave keys out.
 _VISION_DEFAULTS = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, image_size=224,
@@ -56,7 +65,7 @@ def is_vlm(d: dict[str, Any]) -> bool:
 
 
 def spec_from_config(path: str | Path) -> ModelSpec:
-    """ModelSpec from a bare config.json (or its folder): Llama and Qwen2, or a VLM's text_config."""
+    """ModelSpec from a bare config.json (or its folder): a SUPPORTED_ARCHITECTURES text model, or a VLM's text_config."""
     d, where = read_config(path)
     return spec_from_dict(d, where)
 
@@ -70,7 +79,8 @@ def _architecture(c: dict[str, Any], where: str) -> str:
         found = ", ".join(archs) or model_type or "unknown"
         raise ModelError(
             f"{where}: architecture {found} is not supported; supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama family: SmolLM2, TinyLlama, Llama 3.x; Qwen2/Qwen2.5), "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama family: SmolLM2, TinyLlama, Llama 3.x; Qwen2/Qwen2.5; Qwen3; "
+            "Mistral; Phi-3 without long-context RoPE), "
             f"and {', '.join(SUPPORTED_VLM_ARCHITECTURES)} over one of them"
         )
     return arch
@@ -97,10 +107,11 @@ def spec_from_dict(d: dict[str, Any], where: str) -> ModelSpec:
 
     if c["hidden_act"] != "silu":
         raise ModelError(f"{where}: hidden_act {c['hidden_act']!r} is not supported (the SwiGLU decoder needs 'silu')")
-    if c.get("mlp_bias") or (arch == "LlamaForCausalLM" and c.get("attention_bias")):
+    family = SUPPORTED_ARCHITECTURES[arch]
+    if c.get("mlp_bias") or (arch != "Qwen2ForCausalLM" and c.get("attention_bias")):
         # The decoder carries q/k/v biases (Qwen2) but no output-projection or MLP biases.
         raise ModelError(
-            f"{where}: Llama variants with attention_bias / mlp_bias (o_proj or MLP biases) are not supported"
+            f"{where}: {family} variants with attention_bias / mlp_bias (o_proj or MLP biases) are not supported"
         )
     heads = num("num_attention_heads")
     kv_heads = num("num_key_value_heads") if c.get("num_key_value_heads") is not None else heads
@@ -109,10 +120,15 @@ def spec_from_dict(d: dict[str, Any], where: str) -> ModelSpec:
     rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     if rope_type not in STATIC_ROPE_TYPES:
+        # Phi-3's long-context checkpoints ("longrope", formerly "su") switch their frequency tables at
+        # original_max_position_embeddings: a fixed-shape graph holds one table.
         raise ModelError(
             f"{where}: RoPE type {rope_type!r} depends on the sequence length and cannot be baked into a "
             f"fixed-shape graph; supported: {', '.join(sorted(STATIC_ROPE_TYPES))}"
         )
+    for partial in (rope.get("partial_rotary_factor"), c.get("partial_rotary_factor")):  # either place counts
+        if partial is not None and float(partial) != 1.0:
+            raise ModelError(f"{where}: partial_rotary_factor {partial} (RoPE over part of each head) is not supported")
     return ModelSpec(
         architecture=arch,
         hidden_size=num("hidden_size"),
@@ -124,10 +140,46 @@ def spec_from_dict(d: dict[str, Any], where: str) -> ModelSpec:
         vocab_size=num("vocab_size"),
         max_positions=num("max_position_embeddings"),
         rms_norm_eps=float(c["rms_norm_eps"]),
-        qkv_bias=arch == "Qwen2ForCausalLM",  # Qwen2 always has q/k/v biases; Llama's are refused above
+        qkv_bias=arch == "Qwen2ForCausalLM",  # Qwen2 always has q/k/v biases; the others' are refused above
         tie_embeddings=bool(tied),
         source=source,
     )
+
+
+def attention_window(d: dict[str, Any]) -> int | None:
+    """The model's own sliding attention window (how many keys, itself included, a query sees), or None
+    for full attention. Mistral and Phi-3 slide every layer when `sliding_window` is set (None: full
+    attention); Qwen2 and Qwen3 only the layers `layer_types` (or use_sliding_window + max_window_layers)
+    mark "sliding_attention", so their usual configs are full attention whatever `sliding_window` says."""
+    c = d.get("text_config") if is_vlm(d) else d
+    if not isinstance(c, dict):
+        return None
+    window = c.get("sliding_window", _TEXT_DEFAULTS["mistral"]["sliding_window"] if c.get("model_type") == "mistral" else None)
+    if window is None:
+        return None
+    if c.get("model_type") in ("qwen2", "qwen3") or any(a.startswith("Qwen") for a in c.get("architectures") or []):
+        types = c.get("layer_types")
+        if types is None:  # older configs: layers max_window_layers.. slide when use_sliding_window
+            n, first = int(c.get("num_hidden_layers", 0)), int(c.get("max_window_layers", 0))
+            types = ["sliding_attention" if c.get("use_sliding_window") and i >= first else "full_attention"
+                     for i in range(n)]  # fmt: skip
+        if "sliding_attention" not in types:
+            return None
+    return int(window)
+
+
+def check_attention_window(d: dict[str, Any], where: str, keys: int) -> None:
+    """Refuse a model whose own sliding window is shorter than the keys one query of the exported graph
+    attends to (slots + chunk: the whole cache and the chunk). Such a model attends to fewer tokens
+    than the graph would even while the stream fits the cache, so the export would not be the model.
+    A window at least that long (or None) is full attention for every query the graph can run: the
+    graph's own sink + rolling window is then the only limit, as for Llama."""
+    window = attention_window(d)
+    if window is not None and window < keys:
+        raise ModelError(
+            f"{where}: the model's sliding_window {window} is shorter than the {keys} tokens one query attends "
+            f"to in this cache (slots + chunk); export a cache of at most {window} (sink + pinned + window + chunk)"
+        )
 
 
 def vision_params_from_config(path: str | Path) -> int:

@@ -26,6 +26,7 @@ from cabinlm.export.options import ExportOptions, ExportRequest, make_layout, op
 from cabinlm.export.vision import build_vision
 from cabinlm.export.template import PLAIN, resolve_chat_template
 from cabinlm.manifest import MANIFEST_NAME, FileEntry, KVDType, KVScales, Manifest, RotaryTables, VisionSpec
+from cabinlm.model_config import check_attention_window
 
 GRAPH_FILE = "decoder.onnx"
 VISION_FILE, VISION_DATA_FILE = "vision.onnx", "vision.onnx.data"
@@ -62,6 +63,8 @@ def export_loaded(
     if loaded.vlm:
         vision_graph, geometry = build_vision(loaded.model, opset=17)
     layout = make_layout(loaded.spec, opts, image=geometry.image_tokens if loaded.vlm else 0)
+    # Mistral / Phi-3 / Qwen sliding windows: refused when shorter than what one query attends to
+    check_attention_window(loaded.model.config.to_dict(), loaded.source, layout.slots + layout.chunk)
     opset = opts.resolved_opset  # ExportOptions refused an opset too old for its KV and weights
     # The manifest goes last: a folder without one is never mistaken for a finished export.
     (out / MANIFEST_NAME).unlink(missing_ok=True)
@@ -154,12 +157,15 @@ def export_model(
     weights load, so a window the model cannot hold is refused in a second, not after the load."""
     from cabinlm.export.models import resolve_source, spec_for
     from cabinlm.export.options import check_positions
-    from cabinlm.model_config import image_tokens_from_config
+    from cabinlm.model_config import image_tokens_from_config, read_config
 
     folder, gguf = resolve_source(source, log)
     image = image_tokens_from_config(folder) if gguf is None else 0
     check_positions(spec_for(source, log), sink=opts.sink, pinned=opts.pinned, chunk=opts.chunk, window=opts.window,
                     image=image)  # fmt: skip
+    if gguf is None:  # a model's own sliding window, before the weights load
+        config, where = read_config(folder)
+        check_attention_window(config, where, opts.sink + opts.pinned + image + opts.window + opts.chunk)
     loaded = load_model(source, log)
     return export_loaded(loaded, out, opts, log)
 

@@ -1,10 +1,12 @@
-"""The fixed-shape decoder: a compact Llama/Qwen2 decoder (RMSNorm, RoPE, grouped-query attention,
-SwiGLU) written as an ONNX graph over weights taken from a `transformers` model.
+"""The fixed-shape decoder: a compact Llama-like decoder (RMSNorm, RoPE, grouped-query attention,
+SwiGLU) written as an ONNX graph over weights taken from a `transformers` model. One graph serves
+Llama, Mistral, Qwen2 (q/k/v biases), Qwen3 (RMSNorm of each q / k head over head_dim, the
+parenthesized steps below) and Phi-3 (its fused q|k|v and gate|up are the graph's own layout).
 
 One decoder layer, T = chunk tokens, N = cache slots, H = heads, Hkv = KV heads, G = H / Hkv:
 
-    x (T, D) ─ RMSNorm ─ MatMul W_qkv (+bias) ─ Split ─┬─ q (T, H*Dh) ─ (H, T, Dh) ─ RoPE(pos, x 1/sqrt(Dh))
-                                                       ├─ k (T, Hkv*Dh) ─ (Hkv, T, Dh) ──────────────> new_key.l
+    x (T, D) ─ RMSNorm ─ MatMul W_qkv (+bias) ─ Split ─┬─ q (T, H*Dh) ─ (H, T, Dh) (─ RMSNorm) ─ RoPE(pos, x 1/sqrt(Dh))
+                                                       ├─ k (T, Hkv*Dh) ─ (Hkv, T, Dh) (─ RMSNorm) ───> new_key.l
                                                        └─ v ─────────── (Hkv, T, Dh) ──────────────> new_value.l
     key_cache.l (Hkv, N, Dh) ─ RoPE(cache_pos) ─ Kc      k ─ RoPE(pos) ─ Kn
     q^T (Hkv, Dh, G*T) ─ scores = [Kc q^T ; Kn q^T] (Hkv, N+T, G*T) + mask^T ─ Softmax over keys
@@ -45,6 +47,8 @@ class LayerWeights:
     post_norm: np.ndarray  # (D,)
     gate_up: Matrix  # (D, 2 I), gate|up columns
     down: Matrix  # (I, D)
+    q_norm: np.ndarray | None = None  # (Dh,) Qwen3: RMSNorm of each query head, before RoPE
+    k_norm: np.ndarray | None = None  # (Dh,) Qwen3: RMSNorm of each key head, before RoPE (keys are cached normed)
 
 
 @dataclass
@@ -184,6 +188,9 @@ def build_decoder(
         q = g.op("Transpose", g.op("Reshape", q, g.ints([-1, H, Dh])), perm=[1, 0, 2], name=f"{p}/q")  # (H,T,Dh)
         k = g.op("Transpose", g.op("Reshape", k, g.ints([-1, Hkv, Dh])), perm=[1, 0, 2], name=f"{p}/k")
         v = g.op("Transpose", g.op("Reshape", v, g.ints([-1, Hkv, Dh])), perm=[1, 0, 2], name=f"{p}/v")
+        if lw.q_norm is not None:  # Qwen3: RMSNorm over head_dim (the innermost axis) of q and k
+            q = rms_norm(q, lw.q_norm, mf.weight_name(i, "q_norm"))
+            k = rms_norm(k, lw.k_norm, mf.weight_name(i, "k_norm"))
 
         # The new tokens' un-rotated K/V leave the graph; the runtime writes them into its buffers.
         # Quantized once here, when written.

@@ -68,7 +68,8 @@ def key_scales_from_amax(amax: np.ndarray, kv: KVDType) -> np.ndarray:
 def calibrate_kv_amax(model, layers, ids: list[int], num_kv_heads: int, head_dim: int, chunk: int = 512) -> dict[str, np.ndarray]:
     """Absmax statistics of `layers` (the decoder layers of `model`) over `ids`, each (layers, Hkv, Dh):
 
-      keys          per channel of the un-rotated keys (k_proj outputs, bias included): the scales of
+      keys          per channel of the un-rotated keys (k_proj outputs, bias included; k_norm's for
+                    Qwen3; the k columns of qkv_proj for Phi-3): the scales of
                     the exported graph, which caches keys un-rotated;
       rotated_keys  per rotation pair: max over tokens of sqrt(k[j]^2 + k[j + Dh/2]^2), written to both
                     channels of the pair. A rotation moves magnitude only inside a pair, so this bounds
@@ -97,8 +98,25 @@ def calibrate_kv_amax(model, layers, ids: list[int], num_kv_heads: int, head_dim
 
         return fn
 
-    handles = [layer.self_attn.k_proj.register_forward_hook(key_hook(i)) for i, layer in enumerate(layers)]
-    handles += [layer.self_attn.v_proj.register_forward_hook(value_hook(i)) for i, layer in enumerate(layers)]
+    kv = num_kv_heads * head_dim
+
+    def fused(hook, start: int):  # Phi-3's qkv_proj: (..., (H + 2 Hkv) Dh), q|k|v; k starts at -2 kv, v at -kv
+        def fn(module, inputs, out):
+            n = out.shape[-1]
+            return hook(module, inputs, out[..., n + start : n + start + kv])
+
+        return fn
+
+    handles = []
+    for i, layer in enumerate(layers):
+        a = layer.self_attn
+        if hasattr(a, "qkv_proj"):
+            handles += [a.qkv_proj.register_forward_hook(fused(key_hook(i), -2 * kv)),
+                        a.qkv_proj.register_forward_hook(fused(value_hook(i), -kv))]  # fmt: skip
+            continue
+        # Qwen3: the cached keys are k_norm's outputs (the graph caches keys after the norm)
+        keys = a.k_norm if getattr(a, "k_norm", None) is not None else a.k_proj
+        handles += [keys.register_forward_hook(key_hook(i)), a.v_proj.register_forward_hook(value_hook(i))]
     try:
         with torch.no_grad():
             for start in range(0, len(ids), chunk):

@@ -113,7 +113,7 @@ class LoadedModel:
 
     @property
     def text_model(self) -> Any:
-        """The decoder's transformer (LlamaModel / Qwen2Model), for text models and VLMs alike."""
+        """The decoder's transformer (LlamaModel, Qwen2Model, ...), for text models and VLMs alike."""
         inner = self.model.model
         return getattr(inner, "language_model", inner)
 
@@ -264,15 +264,28 @@ def decoder_weights(loaded: LoadedModel, fmt: WeightFormat | str = WeightFormat.
     def cat(parts):
         return np.concatenate(parts, axis=1) if isinstance(parts[0], np.ndarray) else wquant.concat(parts)
 
+    # llama.cpp interleaves the RoPE halves of q and k of its "llama" architecture (Mistral checkpoints
+    # included), which transformers' GGUF loader reverses for that architecture only; other files
+    # (Qwen2, Qwen3) keep transformers' order, so their blocks are imported as they are.
+    permuted = spec.architecture == "LlamaForCausalLM"
+    q_heads, k_heads = (spec.num_heads, spec.num_kv_heads) if permuted else (None, None)
     layers = []
     for i, layer in enumerate(text.layers):
         a, mlp = layer.self_attn, layer.mlp
         name = lambda n: f"blk.{i}.{n}.weight"  # noqa: E731
-        qkv = cat([mat(a.q_proj, name("attn_q"), spec.num_heads), mat(a.k_proj, name("attn_k"), spec.num_kv_heads),
-                   mat(a.v_proj, name("attn_v"))])  # fmt: skip
         bias = None
-        if a.q_proj.bias is not None:
-            bias = np.concatenate([t(a.q_proj.bias), t(a.k_proj.bias), t(a.v_proj.bias)])
+        if hasattr(a, "qkv_proj"):  # Phi-3: q|k|v in one matrix already (its GGUF blocks are not imported)
+            qkv = mat(a.qkv_proj, None)
+        else:
+            qkv = cat([mat(a.q_proj, name("attn_q"), q_heads), mat(a.k_proj, name("attn_k"), k_heads),
+                       mat(a.v_proj, name("attn_v"))])  # fmt: skip
+            if a.q_proj.bias is not None:
+                bias = np.concatenate([t(a.q_proj.bias), t(a.k_proj.bias), t(a.v_proj.bias)])
+        if hasattr(mlp, "gate_up_proj"):  # Phi-3: gate|up in one matrix, gate first (Phi3MLP's chunk(2))
+            gate_up = mat(mlp.gate_up_proj, None)
+        else:
+            gate_up = cat([mat(mlp.gate_proj, name("ffn_gate")), mat(mlp.up_proj, name("ffn_up"))])
+        qk_norm = getattr(a, "q_norm", None) is not None  # Qwen3: RMSNorm over head_dim of q and k, before RoPE
         layers.append(
             LayerWeights(
                 input_norm=t(layer.input_layernorm.weight),
@@ -280,8 +293,10 @@ def decoder_weights(loaded: LoadedModel, fmt: WeightFormat | str = WeightFormat.
                 qkv_bias=bias,
                 o=mat(a.o_proj, name("attn_output")),
                 post_norm=t(layer.post_attention_layernorm.weight),
-                gate_up=cat([mat(mlp.gate_proj, name("ffn_gate")), mat(mlp.up_proj, name("ffn_up"))]),
+                gate_up=gate_up,
                 down=mat(mlp.down_proj, name("ffn_down")),
+                q_norm=t(a.q_norm.weight) if qk_norm else None,
+                k_norm=t(a.k_norm.weight) if qk_norm else None,
             )
         )
     head = m.lm_head.weight

@@ -1,7 +1,7 @@
 """The cpu build's fused decoder: the exported graph's weights re-emitted around ONNX Runtime's own
 kernels, so that a decode step runs about 12 kernels per layer instead of about 80.
 
-    x ─ SkipSimplifiedLayerNorm ─ MatMulNBits q|k|v ─ GroupQueryAttention ─ MatMulNBits o
+    x ─ SkipSimplifiedLayerNorm ─ MatMulNBits q|k|v (─ q / k norms) ─ GroupQueryAttention ─ MatMulNBits o
       ─ SkipSimplifiedLayerNorm ─ MatMulNBits gate|up ─ SiLU(gate) * up ─ MatMulNBits down
 
 An engine-specific build, like a TensorRT engine: the exported graph stays plain ONNX, and this file
@@ -29,8 +29,12 @@ The new K/V are written by the kernel into rows N..N+tokens-1 of the (N + chunk)
 bytes per token and layer). Int8 KV uses static per-channel scales calibrated at export: keys per
 rotation pair (a rotation moves magnitude only inside a pair), values per channel.
 
-Eligible: a text-only model, int8 or fp32 KV, dynamic shapes (the cpu profile). Anything else keeps
-the exported graph (engines/ort_fused/builder.py says which and why).
+Qwen3's RMSNorm of each q / k head runs between the q|k|v projection and the attention kernel
+(qk_norm in fused_model), so the kernel rotates and caches normed keys, as transformers does.
+
+Eligible: a text-only model (Llama, Mistral, Qwen2, Qwen3, Phi-3), int8 or fp32 KV, dynamic shapes
+(the cpu profile). Anything else keeps the exported graph (engines/ort_fused/builder.py says which
+and why).
 """
 
 from __future__ import annotations
@@ -240,6 +244,26 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
     def float_weight(name: str) -> str:
         return b.weight(name, W.get(name).astype(np.float32))
 
+    def qk_norm(qkv: str, i: int) -> str:
+        """Qwen3: RMSNorm over head_dim of each q and k head, before GroupQueryAttention rotates them;
+        the normed q|k|v is the qkv output, so the sink / pinned keys' refresh source is normed too.
+
+            qkv (1, T, (H + 2 Hkv) Dh) ─ Split ─┬─ q ─ (1, T, H, Dh) ─ SimplifiedLayerNorm ─ (1, T, H Dh) ─┐
+                                                ├─ k ─ (1, T, Hkv, Dh) ─ SimplifiedLayerNorm ─ (1, T, Hkv Dh) ─ Concat ─> qkv.{l}
+                                                └─ v ──────────────────────────────────────────────────┘
+        """
+        p = f"layers.{i}"
+        q, k, v = b.op("Split", qkv, b.const(np.array([H * Dh, Hkv * Dh, Hkv * Dh], np.int64)), outputs=3, axis=-1,
+                       hint=f"{p}/split_qkv")  # fmt: skip
+
+        def norm(x: str, heads: int, part: str) -> str:
+            x = b.op("Reshape", x, b.const(np.array([0, 0, heads, Dh], np.int64)), hint=f"{p}/{part}_heads")
+            x = b.op("SimplifiedLayerNormalization", x, float_weight(mf.weight_name(i, f"{part}.weight")), axis=-1,
+                     epsilon=eps, stash_type=1, hint=f"{p}/{part}")  # fmt: skip
+            return b.op("Reshape", x, b.const(np.array([0, 0, heads * Dh], np.int64)), hint=f"{p}/{part}_flat")
+
+        return b.op("Concat", norm(q, H, "q_norm"), norm(k, Hkv, "k_norm"), v, axis=-1, out=mf.qkv_name(i))
+
     for i in range(lay.layers):  # float32 linears (fp32 exports) are used by name
         for part in ("qkv", "o", "gate_up", "down"):
             if W.has(mf.weight_name(i, part)):
@@ -263,7 +287,10 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
             h, _, _, residual = b.op("SkipSimplifiedLayerNormalization", x, residual, norm, outputs=4, domain=MS,
                                      epsilon=eps, hint=f"{p}/input_norm")  # fmt: skip
         bias = float_weight(mf.weight_name(i, "qkv_bias")) if W.has(mf.weight_name(i, "qkv_bias")) else None
-        qkv = linear(h, mf.weight_name(i, "qkv"), out=mf.qkv_name(i), bias=bias)
+        if W.has(mf.weight_name(i, "q_norm.weight")):
+            qkv = qk_norm(linear(h, mf.weight_name(i, "qkv"), bias=bias), i)
+        else:
+            qkv = linear(h, mf.weight_name(i, "qkv"), out=mf.qkv_name(i), bias=bias)
         if own_kernel:  # kernels/int8_kv_attention.cc: the inputs GroupQueryAttention takes, in its order
             ins = [qkv, mf.key_cache_name(i), mf.value_cache_name(i), mf.SEQLENS_K, mf.TOTAL_SEQUENCE_LENGTH, mf.ROPE_COS,
                    mf.ROPE_SIN, mf.POSITION_IDS, mf.ATTENTION_BIAS,
