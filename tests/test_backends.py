@@ -65,6 +65,7 @@ class Case:
     profile: str | None = None  # None: the export itself, unbuilt
     options: tuple[tuple[str, object], ...] = ()  # build_artifact's cpu options
     fp16_compute: bool = False  # the engine computes in fp16: judged relatively (tests/test_qnn.py)
+    device: str = "onnxruntime-cpu"  # what must have run the graphs (a provider that fell back to the CPU fails)
 
 
 FUSED_INT8 = "onnxruntime-fused (int8 KV, cabinlm's kernel)"
@@ -75,8 +76,9 @@ CASES = {
     "onnxruntime-fused": Case(BackendKind.FUSED, "fp32", "cpu", (("attention", "fused"), ("accuracy_level", 0))),
     FUSED_INT8: Case(BackendKind.FUSED, "int8", "cpu", (("attention", "fused"), ("accuracy_level", 0))),
     "onnxruntime-static": Case(BackendKind.STATIC_PAIR, "fp32", HOST_STATIC),
-    "qnn-htp (sa8295p, Qualcomm's simulator)": Case(BackendKind.QNN_HTP, "fp16", "sa8295p", fp16_compute=True),
-    "tensorrt (orin-x)": Case(BackendKind.TENSORRT, "fp16", "orin-x", fp16_compute=True),
+    "qnn-htp (sa8295p, Qualcomm's simulator)": Case(BackendKind.QNN_HTP, "fp16", "sa8295p", fp16_compute=True,
+                                                      device="qnn-htp"),
+    "tensorrt (orin-x)": Case(BackendKind.TENSORRT, "fp16", "orin-x", fp16_compute=True, device="tensorrt-cuda"),
 }
 BACKENDS = list(CASES)
 
@@ -202,7 +204,11 @@ def test_every_engine_follows_the_streaming_reference(backend, artifacts, stream
     folder = artifacts(backend)
     assert load_manifest(folder).runtime_spec.backend is case.kind  # the artifact names its engine
     dec = Decoder(folder)
-    assert type(dec.backend).kind is case.kind
+    assert type(dec.backend).kind is case.kind and dec.device == case.device
+    if case.kind is BackendKind.QNN_HTP:  # `device` is the backend's word; the sessions say what really runs
+        for session in (dec.backend.graphs.prefill, dec.backend.graphs.decode):
+            assert session.get_providers()[0] == "QNNExecutionProvider", session.get_providers()
+            assert session.get_session_options().get_session_config_entry("session.disable_cpu_ep_fallback") == "1"
     if backend == FUSED_INT8:  # never GroupQueryAttention in its place (the graph: the next test)
         assert dec.manifest.build.facts.attention_kernel == "cabinlm"
     if case.fp16_compute:
@@ -210,7 +216,6 @@ def test_every_engine_follows_the_streaming_reference(backend, artifacts, stream
         worst, median, top1 = relative_errors(got, expected)
         assert worst <= FP16_COMPUTE[0] and median <= FP16_COMPUTE[1] and top1 >= FP16_COMPUTE[2], (backend, worst, median, top1)
         return
-    assert dec.device == "onnxruntime-cpu"
     errors = stream_errors(dec, ids, expected)
     every, mean = TOLERANCE[dec.manifest.cache.kv_dtype]
     assert errors.max() < every and errors.mean() < mean, (backend, errors.max(), errors.mean())

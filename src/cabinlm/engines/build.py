@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable
 
 from cabinlm.engines.builder import Attention, BuildError, Builder, BuildRequest, CpuBuildOptions
 from cabinlm.engines.ort_fused.spec import AttentionKernel, MatmulKernel, Minimums
-from cabinlm.engines.output import BuildOutput
+from cabinlm.engines.output import BuildOutput, check_output
 from cabinlm.engines.registry import ENGINES, BackendKind
 
 if TYPE_CHECKING:
@@ -98,9 +98,7 @@ def build_artifact(artifact: str | Path, profile: DeviceProfile | None, out: str
     if manifest.opset > profile.max_opset:
         raise BuildError(f"{artifact}: graph opset {manifest.opset} is above {profile.name}'s {profile.max_opset}")
     out = Path(out) if out is not None else default_output(artifact, profile.name)
-    from cabinlm.engines.output import check_output
-
-    check_output(artifact, out)  # before any engine's checks, which may be slow
+    check_output(artifact, out)  # before any engine's checks; BuildOutput.prepare checks again as it creates the folder
     request = BuildRequest(artifact, manifest, profile, options, log)
     builder = choose_builder(request)
     t0 = time.perf_counter()
