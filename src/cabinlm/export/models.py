@@ -15,7 +15,7 @@ from typing import Any, Callable
 import numpy as np
 
 from cabinlm.errors import ModelError
-from cabinlm.export import wquant
+from cabinlm.export import gguf_quants, wquant
 from cabinlm.export.aliases import ALIASES, DEFAULT_MODEL, cache_dir, fetch_alias  # noqa: F401 - re-exported
 from cabinlm.export.decoder import DecoderWeights, LayerWeights
 from cabinlm.export.image_processor import image_processor_config
@@ -121,24 +121,26 @@ _GGUF_LINEARS = {
 
 
 def gguf_blocks(path: Path, spec: ModelSpec) -> dict[str, tuple[str, np.ndarray]]:
-    """The GGUF tensors stored in an importable block type: name -> (ggml type, raw block rows)."""
+    """The GGUF tensors stored in a block type: name -> (ggml type, raw block rows). Types outside
+    gguf_quants.SUPPORTED are listed too (decoder_weights logs them and quantizes from float32)."""
     from gguf import GGUFReader
 
     out = {}
     for t in GGUFReader(str(path)).tensors:
         kind = t.tensor_type.name
-        if kind in wquant.GGUF_TYPES:
+        if kind not in ("F32", "F16", "BF16", "F64"):
             out[t.name] = (kind, np.asarray(t.data))
     return out
 
 
-def _gguf_matrix(blocks: dict, name: str, k: int, heads: int | None, head_dim: int) -> QuantMatrix | None:
+def _gguf_matrix(blocks: dict, name: str, k: int, heads: int | None, head_dim: int, bits: int | None = None) -> QuantMatrix | None:
     """One GGUF linear as QuantMatrix (K inputs, N outputs), rows un-permuted for q / k (llama.cpp's
-    converter interleaves the RoPE halves of q and k; transformers reverses it the same way)."""
+    converter interleaves the RoPE halves of q and k; transformers reverses it the same way). bits:
+    None = the type's own width (gguf_quants.NATIVE_BITS), 8 = widened; an unsupported type: ModelError."""
     if name not in blocks:
         return None
     kind, raw = blocks[name]
-    m = wquant.from_gguf_rows(raw, kind, k)
+    m = gguf_quants.to_quant_matrix(raw, kind, k, bits, name)
     if heads is not None:
         n = m.shape[1]
         order = np.arange(n).reshape(heads, n // heads // 2, 2).swapaxes(2, 1).reshape(-1)
@@ -182,14 +184,17 @@ def decoder_weights(loaded: LoadedModel, fmt: WeightFormat | str = WeightFormat.
         k = module.weight.shape[1]
         if gguf_name is not None and gguf_name in blocks:
             kind = blocks[gguf_name][0]
-            if fmt == WeightFormat.INT4 or kind == "Q8_0":  # int8 asked: only Q8_0 is imported as is
+            # int4: each tensor at its own width (Q4_K / Q4_0 / Q4_1 int4; Q5_0 / Q5_K / Q6_K / Q8_0 int8);
+            # int8: every type at 8 bits (exact; Q6_K re-rounded per block of 32, gguf_quants)
+            if kind in gguf_quants.SUPPORTED:
                 counts["imported"] += 1
-                return _gguf_matrix(blocks, gguf_name, k, heads, spec.head_dim)
+                return _gguf_matrix(blocks, gguf_name, k, heads, spec.head_dim, 8 if fmt == WeightFormat.INT8 else None)
+            log(f"{gguf_name}: GGUF type {kind} is not imported as blocks; quantized from float32")
         counts["quantized"] += 1
         return wquant.quantize(np.ascontiguousarray(t(module.weight).T), fmt)
 
     def cat(parts):
-        return np.concatenate(parts, axis=1) if isinstance(parts[0], np.ndarray) else wquant.concat(parts)
+        return np.concatenate(parts, axis=1) if isinstance(parts[0], np.ndarray) else gguf_quants.join(parts, log)
 
     # llama.cpp interleaves the RoPE halves of q and k of its "llama" architecture (Mistral checkpoints
     # included), which transformers' GGUF loader reverses for that architecture only; other files
@@ -234,18 +239,17 @@ def decoder_weights(loaded: LoadedModel, fmt: WeightFormat | str = WeightFormat.
         # The token table and output projection stay at 8 bits (as llama.cpp's Q4 files keep them)
         # unless the file itself holds them at 4, or `head` asks for a width.
         table_fmt = head_fmt or WeightFormat.INT8
-        width = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}
+        width = gguf_quants.NATIVE_BITS  # any supported type widens to 8 bits exactly; int4 only from a 4-bit type
+        table_bits = head_fmt.bits if head_fmt is not None else (8 if fmt == WeightFormat.INT8 else None)
 
         def importable(src) -> bool:
-            if src is None:
+            if src is None or src[0] not in width:
                 return False
-            if head_fmt is not None:
-                return width.get(src[0]) == head_fmt.bits
-            return src[0] == "Q8_0" or fmt == WeightFormat.INT4
+            return table_bits != 4 or width[src[0]] == 4
 
         embed_src = blocks.get("token_embd.weight")
         if importable(embed_src):
-            embed = _gguf_matrix(blocks, "token_embd.weight", spec.hidden_size, None, spec.head_dim)
+            embed = _gguf_matrix(blocks, "token_embd.weight", spec.hidden_size, None, spec.head_dim, table_bits)
             counts["imported"] += 1
         else:
             embed = wquant.quantize(np.ascontiguousarray(t(text.embed_tokens.weight).T), table_fmt)
@@ -254,7 +258,7 @@ def decoder_weights(loaded: LoadedModel, fmt: WeightFormat | str = WeightFormat.
         if not tied:
             out_src = blocks.get("output.weight")
             if importable(out_src):
-                lm_head = _gguf_matrix(blocks, "output.weight", spec.hidden_size, None, spec.head_dim)
+                lm_head = _gguf_matrix(blocks, "output.weight", spec.hidden_size, None, spec.head_dim, table_bits)
                 counts["imported"] += 1
             else:
                 lm_head = wquant.quantize(np.ascontiguousarray(t(head).T), table_fmt)
