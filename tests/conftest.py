@@ -22,6 +22,11 @@ MISTRAL_TEMPLATE = (
     "{% elif m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
     "{% else %}{{ m['content'] + eos_token }}{% endif %}{% endfor %}"
 )
+# Gemma's turn layout (its instruction-tuned models' template, minus the branches a tiny test never takes).
+GEMMA_TEMPLATE = (
+    "{% for m in messages %}{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' "
+    "+ m['content'] + '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
 TEXT = (
     "The driver asked the assistant about the weather, the route and the charging stations on the way. "
     "Keep a safe distance, check the mirrors, and take a break every two hours on a long drive. "
@@ -96,6 +101,22 @@ def make_tiny_model(folder: Path, arch: str, seed: int = 0, **overrides) -> Path
         model = Phi3ForCausalLM(Phi3Config(tie_word_embeddings=False, rope_theta=10000.0, pad_token_id=0, bos_token_id=1,
                                            eos_token_id=2, original_max_position_embeddings=512, **common))  # fmt: skip
         tok = _tokenizer(PHI3_TEMPLATE)
+    elif arch == "gemma3":  # local sliding-window layers (window 20 unless overridden) around one global layer
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        layers = common.pop("num_hidden_layers")
+        config = {"head_dim": 32, "sliding_window": 20, "query_pre_attn_scalar": 24, "num_hidden_layers": max(layers, 3),
+                  "layer_types": ["sliding_attention", "full_attention", "sliding_attention"][: max(layers, 3)], **common}
+        config["rope_parameters"] = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                     "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}
+        model = Gemma3ForCausalLM(Gemma3TextConfig(tie_word_embeddings=True, pad_token_id=0, bos_token_id=1,
+                                                   eos_token_id=2, **config))  # fmt: skip
+        with torch.no_grad():  # norm weights away from 0 (Gemma scales by 1 + weight), so a misplaced norm shows
+            for layer in model.model.layers:
+                for norm in (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+                             layer.post_feedforward_layernorm, layer.self_attn.q_norm, layer.self_attn.k_norm):
+                    norm.weight.uniform_(-0.5, 1.0)
+        tok = _tokenizer(GEMMA_TEMPLATE)
     else:
         raise ValueError(arch)
     folder.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,9 @@ sub-modules: nothing is shared with the ONNX graph builder or the numpy ring boo
   * positions are ranks: cached tokens 0..L-1 (stream order), the chunk L..L+c-1;
   * then the chunk joins the cache; the first S stream tokens and pinned tokens are never evicted;
     the oldest unpinned tokens beyond W are dropped.
+  * a layer with its own sliding window of w tokens (Gemma 3's local layers, when `local` is set)
+    attends instead to the stream's tokens within w of each query (itself included), at their ranks
+    among the last w - 1 tokens of the stream, whatever the other layers evicted or pinned.
 """
 
 from __future__ import annotations
@@ -15,22 +18,32 @@ import torch
 
 
 class StreamingReference:
-    def __init__(self, model, sink: int, window: int):
+    def __init__(self, model, sink: int, window: int, local: bool = False):
+        """local: the model's sliding-window layers (config.layer_types) keep only their window."""
         self.m = model
         self.sink, self.window = sink, window
         cfg = model.config
         self.H = cfg.num_attention_heads
         self.Hkv = cfg.num_key_value_heads
         self.D = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.H
-        theta = cfg.rope_parameters["rope_theta"]
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.D, 2, dtype=torch.float64) / self.D))
+        kinds = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+        self.local = [local and k == "sliding_attention" for k in kinds]
+        self.w = cfg.sliding_window if any(self.local) else 0
+
+        def inv_freq(kind: str) -> torch.Tensor:
+            params = cfg.rope_parameters.get(kind, cfg.rope_parameters)  # Gemma 3: one block per layer kind
+            return 1.0 / (params["rope_theta"] ** (torch.arange(0, self.D, 2, dtype=torch.float64) / self.D))
+
+        self.inv_freq = [inv_freq(k) for k in kinds]
         # One entry per cached token, in stream order: (stream index, pinned, [per-layer (k, v)]).
         self.entries: list[tuple[int, bool, list[tuple[torch.Tensor, torch.Tensor]]]] = []
+        # The last w - 1 tokens of the stream, for the local layers: (stream index, [per-layer (k, v)]).
+        self.recent: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]] = []
         self.seen = 0
 
-    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
         # x (heads, n, D), pos (n,); "rotate half" convention, computed in float64 then cast.
-        f = pos.double()[:, None] * self.inv_freq[None, :]
+        f = pos.double()[:, None] * inv_freq[None, :]
         emb = torch.cat([f, f], dim=-1)
         cos, sin = emb.cos().float(), emb.sin().float()
         x1, x2 = x[..., : self.D // 2], x[..., self.D // 2 :]
@@ -60,24 +73,40 @@ class StreamingReference:
             v = v.view(n, self.Hkv, self.D).transpose(0, 1)
             for t in range(n):
                 new_kv[t].append((k[:, t], v[:, t]))
-            ks = [e[2][li][0] for e in self.entries] + [k[:, t] for t in range(n)]
-            vs = [e[2][li][1] for e in self.entries] + [v[:, t] for t in range(n)]
-            K = self._rope(torch.stack(ks, dim=1), k_pos)  # (Hkv, cached + n, D)
+            if self.local[li]:  # the last w - 1 stream tokens, each query seeing those within w of it
+                held = [e[1][li] for e in self.recent]
+                r = len(held)
+                allowed = torch.tensor([[e[0] > self.seen + i - self.w for e in self.recent] for i in range(n)],
+                                       dtype=torch.bool).reshape(n, r)  # fmt: skip
+                allowed = torch.cat([allowed, causal], dim=1)
+                kp, qp = torch.arange(r + n), torch.arange(r, r + n)
+            else:
+                held = [e[2][li] for e in self.entries]
+                allowed = torch.cat([torch.ones(n, cached, dtype=torch.bool), causal], dim=1)
+                kp, qp = k_pos, q_pos
+            ks = [kv[0] for kv in held] + [k[:, t] for t in range(n)]
+            vs = [kv[1] for kv in held] + [v[:, t] for t in range(n)]
+            K = self._rope(torch.stack(ks, dim=1), kp, self.inv_freq[li])  # (Hkv, held + n, D)
             V = torch.stack(vs, dim=1)
-            Q = self._rope(q, q_pos)
+            Q = self._rope(q, qp, self.inv_freq[li])
             G = self.H // self.Hkv
             K, V = K.repeat_interleave(G, dim=0), V.repeat_interleave(G, dim=0)
-            scores = Q @ K.transpose(1, 2) / self.D**0.5  # (H, n, cached + n)
-            allowed = torch.cat([torch.ones(n, cached, dtype=torch.bool), causal], dim=1)
+            scores = Q @ K.transpose(1, 2) * a.scaling  # (H, n, held + n); 1/sqrt(D) but for Gemma 3
             scores = scores.masked_fill(~allowed, float("-inf"))
             out = (scores.softmax(-1) @ V).transpose(0, 1).reshape(n, self.H * self.D)
-            x = x + a.o_proj(out)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3: attention and MLP outputs normed too
+                x = x + layer.post_attention_layernorm(a.o_proj(out))
+                x = x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
+            else:
+                x = x + a.o_proj(out)
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
         logits = self.m.lm_head(m.norm(x))
         for t in range(n):
             idx = self.seen + t
             self.entries.append((idx, pin or idx < self.sink, new_kv[t]))
+            self.recent.append((idx, new_kv[t]))
         self.seen += n
+        self.recent = self.recent[-(self.w - 1) :] if self.w else []
         unpinned = [i for i, e in enumerate(self.entries) if not e[1]]
         drop = set(unpinned[: max(0, len(unpinned) - self.window)])
         self.entries = [e for i, e in enumerate(self.entries) if i not in drop]

@@ -39,8 +39,9 @@ def graph_nll(folder, ids: list[int], chunked: bool) -> np.ndarray:
     return nll_of(logits, ids)
 
 
-def reference_nll(loaded, ids: list[int], sink: int, window: int, chunk: int) -> np.ndarray:
-    ref = StreamingReference(loaded.model, sink=sink, window=window)
+def reference_nll(loaded, ids: list[int], sink: int, window: int, chunk: int, local: bool = False) -> np.ndarray:
+    """local: the model's sliding-window layers keep their own window (per-layer cache geometry)."""
+    ref = StreamingReference(loaded.model, sink=sink, window=window, local=local)
     rows = [ref.feed(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
     return nll_of(torch.cat(rows).numpy(), ids)
 

@@ -1,5 +1,7 @@
 """The model families beyond Llama / Qwen2 (issue 31): Qwen3 (RMSNorm of each q / k head before
-RoPE), Mistral (Llama-like, with a `sliding_window`) and Phi-3 (fused qkv_proj and gate_up_proj),
+RoPE), Mistral (Llama-like, with a `sliding_window`), Phi-3 (fused qkv_proj and gate_up_proj) and
+Gemma 3 (sandwich norms, GELU-tanh, scaled embeddings, local sliding-window layers of window 20
+around a global one, so its local rings wrap in every test: tests/test_local_layers.py has the rest),
 each a tiny random-weight transformers model built here (conftest.make_tiny_model), held to the same
 two facts as tests/test_equivalence.py: dense attention while the stream fits the cache, the
 streaming reference past it. Then the cpu build of each, and what a family variant is refused for.
@@ -18,7 +20,8 @@ from test_equivalence import TOL, graph_nll, hf_dense_nll, nll_of, reference_nll
 from cabinlm.errors import ModelError
 from cabinlm.runtime import Decoder
 
-FAMILIES = ["qwen3", "mistral", "phi3"]
+FAMILIES = ["qwen3", "mistral", "phi3", "gemma3"]
+LOCAL = {"gemma3"}  # families whose tiny model has local sliding-window layers (per-layer cache geometry)
 
 
 @pytest.fixture(scope="session")
@@ -53,8 +56,9 @@ def test_each_family_follows_the_streaming_semantics_past_the_window(arch, chunk
     loaded = load(str(family_dir(arch)))
     folder = export_to(loaded, sink=4, pinned=0, window=24, chunk=8)
     ids = tokens(loaded, long_text, 150)  # five times the cache
-    ref = reference_nll(loaded, ids, sink=4, window=24, chunk=chunk)
+    ref = reference_nll(loaded, ids, sink=4, window=24, chunk=chunk, local=arch in LOCAL)
     dec = Decoder(folder)
+    assert bool(dec.layout.local_layers) == (arch in LOCAL)
     rows = [dec.step(np.array(ids[i : i + chunk])).copy() for i in range(0, len(ids), chunk)]
     ours = nll_of(np.concatenate(rows), ids)
     np.testing.assert_allclose(ours, ref, atol=TOL)
@@ -63,11 +67,12 @@ def test_each_family_follows_the_streaming_semantics_past_the_window(arch, chunk
 
 
 def test_the_reference_is_dense_for_each_family(family_dir, load, long_text):
-    """The reference's own Qwen3 norms and Phi-3 split, checked where it must equal transformers."""
+    """The reference's own Qwen3 norms, Phi-3 split and Gemma 3 local windows, checked where it must
+    equal transformers."""
     for arch in FAMILIES:
         loaded = load(str(family_dir(arch)))
         ids = tokens(loaded, long_text, 60)
-        np.testing.assert_allclose(reference_nll(loaded, ids, 4, 100, 7), hf_dense_nll(loaded, ids), atol=TOL)
+        np.testing.assert_allclose(reference_nll(loaded, ids, 4, 100, 7, local=True), hf_dense_nll(loaded, ids), atol=TOL)
 
 
 def test_qwen3_norms_are_in_the_graph_and_its_head_dim_is_its_own(family_dir, load, export_to):
@@ -83,7 +88,7 @@ def test_qwen3_norms_are_in_the_graph_and_its_head_dim_is_its_own(family_dir, lo
         assert {f"layers.{i}.q_norm.weight", f"layers.{i}.k_norm.weight"} <= names
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen3", "phi3", "gemma3"])
 def test_int8_kv_calibrates_the_keys_the_graph_caches(arch, family_dir, load, export_to, long_text):
     """Qwen3 caches k_norm's outputs and Phi-3's keys are columns of qkv_proj: the key / value scales
     come from those (a scale taken from k_proj alone would clip Qwen3's normed keys)."""
@@ -103,6 +108,7 @@ def test_int8_kv_calibrates_the_keys_the_graph_caches(arch, family_dir, load, ex
         ("qwen3", ("<|im_start|>user\n", "<|im_end|>\n", "<|im_start|>assistant\n", "<|im_end|>\n")),
         ("mistral", ("[INST] ", " [/INST]", "", "<|im_end|>")),
         ("phi3", ("<|user|>\n", "<|end|>\n", "<|assistant|>\n", "<|end|>\n")),
+        ("gemma3", ("<start_of_turn>user\n", "<end_of_turn>\n", "<start_of_turn>model\n", "<end_of_turn>\n")),
     ],
 )
 def test_each_familys_chat_template_exports_as_pieces(arch, pieces, family_dir, load, export_to):
@@ -131,8 +137,9 @@ def test_the_cpu_build_of_each_family_runs_and_matches_the_export(arch, family_d
     out = build_artifact(art, load_profile("cpu"), tmp_path / "build-cpu", accuracy_level=0)
     assert json.loads((out / "manifest.json").read_text())["build"]["backend"] == "onnxruntime-fused"
     ops = [n.op_type for n in onnx.load(str(out / "decoder.opt.onnx"), load_external_data=False).graph.node]
-    # the first input norm and the final one, plus Qwen3's q and k norms in each of the 2 layers
-    assert ops.count("SimplifiedLayerNormalization") == (6 if arch == "qwen3" else 2)
+    # the first input norm and the final one, plus Qwen3's q and k norms in each of the 2 layers, or
+    # Gemma 3's q and k norms and its attention / MLP output norms in each of its 3
+    assert ops.count("SimplifiedLayerNormalization") == {"qwen3": 6, "gemma3": 14}.get(arch, 2)
     ref, built = Decoder(art, session_config={"session.qdq_matmulnbits_accuracy_level": "0"}), Decoder(out)
     rng = np.random.default_rng(0)
     worst = 0.0
@@ -150,7 +157,7 @@ def test_the_cpu_build_of_each_family_runs_and_matches_the_export(arch, family_d
     assert worst < 1e-4
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen3", "phi3", "gemma3"])
 def test_the_int8_kv_cpu_build_stays_close_to_fp32(arch, family_dir, load, export_to, tmp_path, long_text):
     """The fused int8 cache holds rotated keys, scaled by the calibrated rotated_keys scales: for
     Qwen3 those of the normed keys, for Phi-3 of qkv_proj's k columns."""
@@ -233,7 +240,7 @@ def test_a_sliding_window_as_long_as_the_cache_is_exported_dense_exact(family_di
 def test_which_configs_slide():
     """Mistral and Phi-3 slide when sliding_window is set; Qwen2 / Qwen3 only on layers marked
     sliding (their configs carry a sliding_window they do not use)."""
-    from cabinlm.model_config import attention_window
+    from cabinlm.model_config import attention_window, local_layers
 
     assert attention_window({"model_type": "mistral", "sliding_window": 4096}) == 4096
     assert attention_window({"model_type": "mistral"}) == 4096  # transformers' default for a bare config
@@ -241,9 +248,14 @@ def test_which_configs_slide():
     assert attention_window({"model_type": "phi3", "sliding_window": 2047}) == 2047
     full = ["full_attention"] * 4
     assert attention_window({"model_type": "qwen3", "sliding_window": 4096, "layer_types": full}) is None
-    assert attention_window({"model_type": "qwen3", "sliding_window": 512,
-                             "layer_types": full[:2] + ["sliding_attention"] * 2}) == 512  # fmt: skip
-    assert attention_window({"model_type": "qwen2", "sliding_window": 512, "use_sliding_window": True,
-                             "max_window_layers": 2, "num_hidden_layers": 4}) == 512  # fmt: skip
+    # some layers slide, some do not: per-layer cache geometry (local_layers), not one window for all
+    mixed = {"model_type": "qwen3", "sliding_window": 512, "layer_types": full[:2] + ["sliding_attention"] * 2}
+    assert attention_window(mixed) is None and local_layers(mixed) == (2, 3)
+    assert attention_window({"model_type": "qwen3", "sliding_window": 512, "layer_types": ["sliding_attention"] * 4}) == 512
+    older = {"model_type": "qwen2", "sliding_window": 512, "use_sliding_window": True, "max_window_layers": 2,
+             "num_hidden_layers": 4}  # fmt: skip
+    assert attention_window(older) is None and local_layers(older) == (2, 3)
+    gemma = {"model_type": "gemma3_text", "sliding_window": 512, "num_hidden_layers": 12, "sliding_window_pattern": 6}
+    assert local_layers(gemma) == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)  # every sixth layer global
     assert attention_window({"model_type": "qwen2", "sliding_window": 512, "use_sliding_window": False,
                              "max_window_layers": 2, "num_hidden_layers": 4}) is None  # fmt: skip

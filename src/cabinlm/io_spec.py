@@ -11,8 +11,8 @@ from cabinlm.layout import CacheLayout
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One graph input or output. Symbolic dims: "tokens" (1..chunk), "total" (slots + tokens) and
-    "rows" (1..tokens, the tokens that get logits)."""
+    """One graph input or output. Symbolic dims: "tokens" (1..chunk), "total" (slots + tokens),
+    "local_total" (a local layer's ring slots + tokens) and "rows" (1..tokens, the tokens that get logits)."""
 
     name: str
     dtype: str  # ONNX element type name, e.g. "float", "int64", "float16"
@@ -32,11 +32,12 @@ class DecoderIO:
     def to_dict(self) -> dict[str, Any]:
         return {"inputs": [t.to_dict() for t in self.inputs], "outputs": [t.to_dict() for t in self.outputs]}
 
-    def with_tokens(self, tokens: int, slots: int) -> DecoderIO:
+    def with_tokens(self, tokens: int, layout: CacheLayout) -> DecoderIO:
         """The same I/O with the token range fixed (static-shape builds: a prefill and a decode graph)."""
 
         def fix(t: TensorSpec) -> TensorSpec:
-            dims = {"tokens": tokens, "total": slots + tokens, "rows": tokens}
+            dims = {"tokens": tokens, "total": layout.slots + tokens, "local_total": layout.local_slots + tokens,
+                    "rows": tokens}  # fmt: skip
             return TensorSpec(t.name, t.dtype, tuple(dims.get(d, d) if isinstance(d, str) else d for d in t.shape))
 
         return DecoderIO(tuple(map(fix, self.inputs)), tuple(map(fix, self.outputs)))
@@ -51,6 +52,10 @@ ATTENTION_MASK = "attention_mask"
 MASK_VALUE = -1e30  # the attention mask's additive value for a slot a token must not see (0.0: it may see it)
 LOGIT_ROWS = "logit_rows"
 LOGITS = "logits"
+# The local layers' own ring (CacheLayout.local_layers): ranks and mask over their w slots.
+LOCAL_POSITION_IDS = "local_position_ids"
+LOCAL_CACHE_POSITION_IDS = "local_cache_position_ids"
+LOCAL_ATTENTION_MASK = "local_attention_mask"
 
 
 def key_cache_name(layer: int) -> str:
@@ -89,7 +94,11 @@ IMAGE_MASK = "image_mask"
 #   weight_name(l, part), part in LAYER_WEIGHTS: a layer's matrices, norms and q|k|v bias
 #   + QUANT_SUFFIXES for block-quantized matrices: codes, scales, and the optional int4 zero points
 #     or GGUF Q4_1 block minimums (export/wquant.py)
-LAYER_WEIGHTS = ("input_norm.weight", "qkv", "qkv_bias", "o", "post_norm.weight", "gate_up", "down")
+LAYER_WEIGHTS = ("input_norm.weight", "qkv", "qkv_bias", "q_norm.weight", "k_norm.weight", "o", "attn_out_norm.weight",
+                 "post_norm.weight", "gate_up", "down", "mlp_out_norm.weight")  # fmt: skip
+# The parts only some families have (Qwen2's bias, Qwen3's and Gemma 3's q / k norms, Gemma 3's output norms).
+OPTIONAL_LAYER_WEIGHTS = frozenset({"qkv_bias", "q_norm.weight", "k_norm.weight", "attn_out_norm.weight",
+                                    "mlp_out_norm.weight"})  # fmt: skip
 QUANT_SUFFIXES = (".q", ".scale", ".zero_point", ".offset")
 
 
@@ -118,6 +127,11 @@ def decoder_io(layout: CacheLayout, vocab_size: int, index_dtype: str = "int64",
       logit_rows          index  (rows,)                      which of the chunk's tokens get logits
       key_cache.{l}       kv     (kv_heads, slots, head_dim)  un-rotated keys
       value_cache.{l}     kv     (kv_heads, slots, head_dim)
+    and, for a layout with local layers (their key_cache / value_cache / value_scale hold R = w
+    slots, the ring, instead of `slots`):
+      local_position_ids        index (tokens,)               the chunk's ranks in the local rings
+      local_cache_position_ids  index (R,)                    each ring slot's rank
+      local_attention_mask      float (tokens, R + tokens)   additive, as attention_mask
     outputs
       logits              float  (rows, vocab)               (prefill: the last token; scoring: all)
       new_key.{l}         kv     (kv_heads, tokens, head_dim) the chunk's un-rotated keys
@@ -132,25 +146,30 @@ def decoder_io(layout: CacheLayout, vocab_size: int, index_dtype: str = "int64",
       image_mask          bool   (tokens, 1)                  true: the token is an image token
     """
     kv = layout.kv_dtype.onnx_name
-    h, n, d = layout.kv_heads, layout.slots, layout.head_dim
+    h, d = layout.kv_heads, layout.head_dim
     if index_dtype not in ("int64", "int32"):
         raise ValueError(f"index_dtype must be int64 or int32, got {index_dtype!r}")
     inputs = [
         TensorSpec(INPUT_IDS, index_dtype, ("tokens",)),
         TensorSpec(POSITION_IDS, index_dtype, ("tokens",)),
-        TensorSpec(CACHE_POSITION_IDS, index_dtype, (n,)),
+        TensorSpec(CACHE_POSITION_IDS, index_dtype, (layout.slots,)),
         TensorSpec(ATTENTION_MASK, "float", ("tokens", "total")),
         TensorSpec(LOGIT_ROWS, index_dtype, ("rows",)),
     ]
+    if layout.local_layers:
+        inputs += [TensorSpec(LOCAL_POSITION_IDS, index_dtype, ("tokens",)),
+                   TensorSpec(LOCAL_CACHE_POSITION_IDS, index_dtype, (layout.local_slots,)),
+                   TensorSpec(LOCAL_ATTENTION_MASK, "float", ("tokens", "local_total"))]  # fmt: skip
     outputs = [TensorSpec(LOGITS, "float", ("rows", vocab_size))]
     for layer in range(layout.layers):
+        n = layout.layer_slots(layer)
         inputs.append(TensorSpec(key_cache_name(layer), kv, (h, n, d)))
         inputs.append(TensorSpec(value_cache_name(layer), kv, (h, n, d)))
         outputs.append(TensorSpec(new_key_name(layer), kv, (h, "tokens", d)))
         outputs.append(TensorSpec(new_value_name(layer), kv, (h, "tokens", d)))
     if layout.quantized:
         for layer in range(layout.layers):
-            inputs.append(TensorSpec(value_scale_name(layer), "float16", (h, n, 1)))
+            inputs.append(TensorSpec(value_scale_name(layer), "float16", (h, layout.layer_slots(layer), 1)))
             outputs.append(TensorSpec(new_value_scale_name(layer), "float16", (h, "tokens", 1)))
     if embed_dim:
         inputs.append(TensorSpec(IMAGE_EMBEDS, "float", ("tokens", embed_dim)))
@@ -172,6 +191,12 @@ REFRESH_POSITION_IDS = "refresh_position_ids"
 REFRESH_COS = "refresh_cos"
 REFRESH_SIN = "refresh_sin"
 REFRESH_KEYS = "refresh_keys"
+# The local layers' own (CacheLayout.local_layers): their rotation, bias and lengths over their ring.
+LOCAL_ROPE_COS = "local_rope_cos"
+LOCAL_ROPE_SIN = "local_rope_sin"
+LOCAL_ATTENTION_BIAS = "local_attention_bias"
+LOCAL_SEQLENS_K = "local_seqlens_k"
+LOCAL_TOTAL_SEQUENCE_LENGTH = "local_total_sequence_length"
 
 
 def present_key_name(layer: int) -> str:
@@ -214,10 +239,18 @@ def fused_decoder_io(layout: CacheLayout, num_heads: int, vocab_size: int, prese
       refresh_cos, refresh_sin float (P, head_dim / 2)
       refresh_keys           kv     (1, layers * kv_heads, P, head_dim)  rotated (int8: rounded, +-127)
     int8 KV: static per-channel scales (keys per rotation pair), held by the graph.
+    and, for a layout with local layers (whose key_cache / value_cache hold R + C rows, R = w the
+    ring; layers * kv_heads above counts the global layers only: local layers have no sink or pinned keys):
+      local_rope_cos, local_rope_sin  float (R + C, head_dim / 2)  the chunk's rotation in the rings
+                                                                   (rows 0..tokens-1: at its stream indices)
+      local_attention_bias   float  (1, 1, tokens, local_total)    the first F_l ring slots, then the chunk
+      local_seqlens_k        int32  (1,)                           F_l + tokens - 1
+      local_total_sequence_length int32 ()                         F_l + tokens
     """
     kv = layout.kv_dtype.onnx_name
     h, d = layout.kv_heads, layout.head_dim
     rows = layout.slots + layout.chunk
+    refreshed = len(layout.global_layers) * h
     inputs = [
         TensorSpec(INPUT_IDS, "int64", ("tokens",)),
         TensorSpec(POSITION_IDS, "int64", (1, "tokens")),
@@ -227,18 +260,26 @@ def fused_decoder_io(layout: CacheLayout, num_heads: int, vocab_size: int, prese
         TensorSpec(SEQLENS_K, "int32", (1,)),
         TensorSpec(TOTAL_SEQUENCE_LENGTH, "int32", ()),
         TensorSpec(LOGIT_ROWS, "int64", ("rows",)),
-        TensorSpec(REFRESH_SOURCE, "float", (1, layout.layers * h, "pinned_rows", d)),
+        TensorSpec(REFRESH_SOURCE, "float", (1, refreshed, "pinned_rows", d)),
         TensorSpec(REFRESH_POSITION_IDS, "int64", (1, "pinned_rows")),
         TensorSpec(REFRESH_COS, "float", ("pinned_rows", d // 2)),
         TensorSpec(REFRESH_SIN, "float", ("pinned_rows", d // 2)),
     ]
+    if layout.local_layers:
+        ring_rows = layout.local_slots + layout.chunk
+        inputs += [TensorSpec(LOCAL_ROPE_COS, "float", (ring_rows, d // 2)),
+                   TensorSpec(LOCAL_ROPE_SIN, "float", (ring_rows, d // 2)),
+                   TensorSpec(LOCAL_ATTENTION_BIAS, "float", (1, 1, "tokens", "local_total")),
+                   TensorSpec(LOCAL_SEQLENS_K, "int32", (1,)),
+                   TensorSpec(LOCAL_TOTAL_SEQUENCE_LENGTH, "int32", ())]  # fmt: skip
     outputs = [TensorSpec(LOGITS, "float", ("rows", vocab_size)),
-               TensorSpec(REFRESH_KEYS, kv, (1, layout.layers * h, "pinned_rows", d))]  # fmt: skip
+               TensorSpec(REFRESH_KEYS, kv, (1, refreshed, "pinned_rows", d))]  # fmt: skip
     for layer in range(layout.layers):
-        inputs.append(TensorSpec(key_cache_name(layer), kv, (1, h, rows, d)))
-        inputs.append(TensorSpec(value_cache_name(layer), kv, (1, h, rows, d)))
+        n = layout.layer_slots(layer) + layout.chunk
+        inputs.append(TensorSpec(key_cache_name(layer), kv, (1, h, n, d)))
+        inputs.append(TensorSpec(value_cache_name(layer), kv, (1, h, n, d)))
         if present:
-            outputs.append(TensorSpec(present_key_name(layer), kv, (1, h, rows, d)))
-            outputs.append(TensorSpec(present_value_name(layer), kv, (1, h, rows, d)))
+            outputs.append(TensorSpec(present_key_name(layer), kv, (1, h, n, d)))
+            outputs.append(TensorSpec(present_value_name(layer), kv, (1, h, n, d)))
         outputs.append(TensorSpec(qkv_name(layer), "float", (1, "tokens", (num_heads + 2 * h) * d)))
     return DecoderIO(tuple(inputs), tuple(outputs))

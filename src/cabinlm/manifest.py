@@ -30,6 +30,14 @@ from cabinlm.io_spec import (  # noqa: F401 - re-exported: the manifest is where
     IMAGE_EMBEDS,
     IMAGE_MASK,
     INPUT_IDS,
+    LOCAL_ATTENTION_BIAS,
+    LOCAL_ATTENTION_MASK,
+    LOCAL_CACHE_POSITION_IDS,
+    LOCAL_POSITION_IDS,
+    LOCAL_ROPE_COS,
+    LOCAL_ROPE_SIN,
+    LOCAL_SEQLENS_K,
+    LOCAL_TOTAL_SEQUENCE_LENGTH,
     LOGIT_ROWS,
     LOGITS,
     POSITION_IDS,
@@ -73,10 +81,12 @@ MAX_MANIFEST_BYTES = 64 << 20  # a manifest is a few hundred kB (KV scales inclu
 # RoPE variants whose inverse frequencies do not depend on the sequence length, so that a
 # fixed-shape graph can hold them as constants (the exporter and the planner both check this).
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
-# transformers class -> model_type. All are "Llama-like": RMSNorm, RoPE, GQA, SwiGLU; Qwen2 adds q/k/v
-# biases, Qwen3 RMSNorms of q and k per head, Phi-3 fuses q|k|v and gate|up (as the graph does anyway).
+# transformers class -> model_type. All are "Llama-like": RMSNorm, RoPE, GQA, gated MLP; Qwen2 adds q/k/v
+# biases, Qwen3 RMSNorms of q and k per head, Phi-3 fuses q|k|v and gate|up (as the graph does anyway),
+# Gemma 3 adds sandwich norms, GELU-tanh, scaled embeddings and local sliding-window layers.
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                           "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3"}  # fmt: skip
+                           "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3",
+                           "Gemma3ForCausalLM": "gemma3_text"}  # fmt: skip
 # Vision-language: a CLIP or SigLIP tower + projector in front of one of the text models above.
 SUPPORTED_VLM_ARCHITECTURES = {"LlavaForConditionalGeneration": "llava"}
 
@@ -98,8 +108,33 @@ class ModelSpec:
     qkv_bias: bool
     tie_embeddings: bool
     source: str = ""
+    # Layers whose model attends within a sliding window of `sliding_window` tokens (itself included)
+    # while the others attend to everything (Gemma 3's local layers); () when every layer is alike.
+    local_layers: tuple[int, ...] = ()
+    sliding_window: int = 0
+    # Family facts the graph bakes in and a build re-emitting the decoder needs (Gemma 3's differ):
+    activation: str = "silu"  # the gated MLP's: "silu" or "gelu_tanh"
+    embed_scale: float = 1.0  # the token table's rows are multiplied by this (Gemma 3: sqrt(hidden), in float32)
+    attention_scale: float = 0.0  # the softmax scale on q.k (0: 1 / sqrt(head_dim))
+    sandwich_norms: bool = False  # the attention and MLP outputs are RMS-normed before their residual adds
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.attention_scale or self.head_dim**-0.5
 
     def __post_init__(self) -> None:
+        if self.activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"model.activation must be silu or gelu_tanh, got {self.activation!r}")
+        for name in ("embed_scale", "attention_scale"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1e6:
+                raise ValueError(f"model.{name} must be a non-negative number, got {v!r}")
+        if isinstance(self.local_layers, list):  # from JSON
+            object.__setattr__(self, "local_layers", tuple(self.local_layers))
+        if any(type(i) is not int or not 0 <= i < self.num_layers for i in self.local_layers) or (
+                type(self.sliding_window) is not int or self.sliding_window < 0 or bool(self.local_layers) != bool(self.sliding_window)):  # fmt: skip
+            raise ValueError(f"model.local_layers {list(self.local_layers)!r} / sliding_window {self.sliding_window!r}: "
+                             "layer indices below num_layers with a positive window, or neither")  # fmt: skip
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
                      "vocab_size", "max_positions"):  # fmt: skip
             value = getattr(self, name)
@@ -111,6 +146,15 @@ class ModelSpec:
             raise ValueError(f"model.rms_norm_eps must be a small positive number, got {self.rms_norm_eps!r}")
         if not isinstance(self.qkv_bias, bool) or not isinstance(self.tie_embeddings, bool):
             raise ValueError("model.qkv_bias and model.tie_embeddings must be true or false")
+
+    def local_geometry(self, keys: int) -> dict[str, Any]:
+        """CacheLayout's local_window / local_layers for a cache whose queries attend to `keys` tokens
+        (slots + chunk): the local layers get their own ring when their window is shorter than that
+        (else every query of the graph already sees only tokens the model lets it see, and one slot
+        map serves all layers)."""
+        if self.local_layers and self.sliding_window < keys:
+            return {"local_window": self.sliding_window, "local_layers": self.local_layers}
+        return {"local_window": 0, "local_layers": ()}
 
 
 @dataclass(frozen=True)
@@ -139,10 +183,23 @@ class RotaryTables:
 
     inv_freq: tuple[float, ...]  # (head_dim / 2,)
     scale: float = 1.0
+    # the local layers' own RoPE (Gemma 3: base 10k where the global layers use 1M); () = inv_freq
+    local_inv_freq: tuple[float, ...] = ()
+    local_scale: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inv_freq", tuple(float(f) for f in self.inv_freq))
         object.__setattr__(self, "scale", float(self.scale))
+        object.__setattr__(self, "local_inv_freq", tuple(float(f) for f in self.local_inv_freq))
+        object.__setattr__(self, "local_scale", float(self.local_scale))
+        if self.local_inv_freq and len(self.local_inv_freq) != len(self.inv_freq):
+            raise ValueError("rotary.local_inv_freq must have as many frequencies as inv_freq")
+
+    def for_layer(self, local: bool) -> tuple[tuple[float, ...], float]:
+        """(inverse frequencies, cos/sin factor) of a local or a global layer."""
+        if local and self.local_inv_freq:
+            return self.local_inv_freq, self.local_scale
+        return self.inv_freq, self.scale
 
 
 def _per_channel(name: str, table, layout: CacheLayout) -> tuple:

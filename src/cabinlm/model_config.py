@@ -12,6 +12,7 @@ transformers' defaults (LLaVA's text_config does); those defaults are filled in 
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,13 @@ _TEXT_DEFAULTS = {
     "phi3": dict(vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
                  num_attention_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5,
                  tie_word_embeddings=False, hidden_act="silu"),
+    "gemma3_text": dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
+                        rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
+                        query_pre_attn_scalar=256, sliding_window=4096, sliding_window_pattern=6),
 }  # fmt: skip
+# The MLP activation each family's decoder graph implements (config key hidden_act, or Gemma's hidden_activation).
+_ACTIVATIONS = {"gemma3_text": "gelu_pytorch_tanh"}
 # CLIPVisionConfig() defaults, for vision_config blocks that leave keys out.
 _VISION_DEFAULTS = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, image_size=224,
                         patch_size=32, num_channels=3)  # fmt: skip
@@ -80,7 +87,7 @@ def _architecture(c: dict[str, Any], where: str) -> str:
         raise ModelError(
             f"{where}: architecture {found} is not supported; supported: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama family: SmolLM2, TinyLlama, Llama 3.x; Qwen2/Qwen2.5; Qwen3; "
-            "Mistral; Phi-3 without long-context RoPE), "
+            "Mistral; Phi-3 without long-context RoPE; Gemma 3 text), "
             f"and {', '.join(SUPPORTED_VLM_ARCHITECTURES)} over one of them"
         )
     return arch
@@ -105,9 +112,13 @@ def spec_from_dict(d: dict[str, Any], where: str) -> ModelSpec:
             raise ModelError(f"{where}: {key} = {v!r} is not a positive integer")
         return v
 
-    if c["hidden_act"] != "silu":
-        raise ModelError(f"{where}: hidden_act {c['hidden_act']!r} is not supported (the SwiGLU decoder needs 'silu')")
     family = SUPPORTED_ARCHITECTURES[arch]
+    act, wanted = c.get("hidden_activation") or c.get("hidden_act"), _ACTIVATIONS.get(family, "silu")
+    if act != wanted:
+        raise ModelError(f"{where}: hidden activation {act!r} is not supported ({family}'s decoder graph implements {wanted!r})")
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if c.get(key) is not None:  # Gemma 2 has them; Gemma 3 does not
+            raise ModelError(f"{where}: {key} = {c[key]} (logit soft-capping) is not supported")
     if c.get("mlp_bias") or (arch != "Qwen2ForCausalLM" and c.get("attention_bias")):
         # The decoder carries q/k/v biases (Qwen2) but no output-projection or MLP biases.
         raise ModelError(
@@ -118,17 +129,20 @@ def spec_from_dict(d: dict[str, Any], where: str) -> ModelSpec:
     if heads % kv_heads:
         raise ModelError(f"{where}: {heads} attention heads are not a multiple of {kv_heads} KV heads")
     rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type") or rope.get("type") or "default"
-    if rope_type not in STATIC_ROPE_TYPES:
-        # Phi-3's long-context checkpoints ("longrope", formerly "su") switch their frequency tables at
-        # original_max_position_embeddings: a fixed-shape graph holds one table.
-        raise ModelError(
-            f"{where}: RoPE type {rope_type!r} depends on the sequence length and cannot be baked into a "
-            f"fixed-shape graph; supported: {', '.join(sorted(STATIC_ROPE_TYPES))}"
-        )
-    for partial in (rope.get("partial_rotary_factor"), c.get("partial_rotary_factor")):  # either place counts
-        if partial is not None and float(partial) != 1.0:
-            raise ModelError(f"{where}: partial_rotary_factor {partial} (RoPE over part of each head) is not supported")
+    # Gemma 3 keeps one RoPE block per kind of layer ({"sliding_attention": {...}, "full_attention": {...}})
+    for params in [v for v in rope.values() if isinstance(v, dict)] or [rope]:
+        rope_type = params.get("rope_type") or params.get("type") or "default"
+        if rope_type not in STATIC_ROPE_TYPES:
+            # Phi-3's long-context checkpoints ("longrope", formerly "su") switch their frequency tables at
+            # original_max_position_embeddings: a fixed-shape graph holds one table.
+            raise ModelError(
+                f"{where}: RoPE type {rope_type!r} depends on the sequence length and cannot be baked into a "
+                f"fixed-shape graph; supported: {', '.join(sorted(STATIC_ROPE_TYPES))}"
+            )
+        for partial in (params.get("partial_rotary_factor"), c.get("partial_rotary_factor")):  # either place counts
+            if partial is not None and float(partial) != 1.0:
+                raise ModelError(f"{where}: partial_rotary_factor {partial} (RoPE over part of each head) is not supported")
+    local = local_layers(c)
     return ModelSpec(
         architecture=arch,
         hidden_size=num("hidden_size"),
@@ -143,28 +157,66 @@ def spec_from_dict(d: dict[str, Any], where: str) -> ModelSpec:
         qkv_bias=arch == "Qwen2ForCausalLM",  # Qwen2 always has q/k/v biases; the others' are refused above
         tie_embeddings=bool(tied),
         source=source,
+        local_layers=local,
+        sliding_window=int(c["sliding_window"]) if local else 0,
+        **_family_facts(family, c),
     )
 
 
+def _family_facts(family: str, c: dict[str, Any]) -> dict[str, Any]:
+    """ModelSpec's activation / embed_scale / attention_scale / sandwich_norms for a family."""
+    if family != "gemma3_text":
+        return {}
+    # transformers multiplies the rows by hidden_size ** 0.5 held as a float32 tensor
+    embed_scale = struct.unpack("f", struct.pack("f", float(c["hidden_size"]) ** 0.5))[0]
+    return {"activation": "gelu_tanh", "embed_scale": embed_scale, "sandwich_norms": True,
+            "attention_scale": float(c["query_pre_attn_scalar"]) ** -0.5}  # fmt: skip
+
+
+def layer_types(c: dict[str, Any]) -> list[str]:
+    """Each layer's attention kind ("sliding_attention" / "full_attention") from a text config: its
+    `layer_types`, or what older configs say instead (Qwen's use_sliding_window + max_window_layers,
+    Gemma 3's sliding_window_pattern: every n-th layer global), or full attention everywhere."""
+    types = c.get("layer_types")
+    n = int(c.get("num_hidden_layers", len(types) if isinstance(types, list) else 0))
+    if isinstance(types, list) and len(types) == n:
+        return [str(t) for t in types]
+    if c.get("model_type") == "gemma3_text":
+        pattern = int(c.get("sliding_window_pattern", c.get("_sliding_window_pattern", 6)))
+        return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+    if c.get("model_type") in ("qwen2", "qwen3"):  # older configs: layers max_window_layers.. slide when use_sliding_window
+        first = int(c.get("max_window_layers", 0))
+        return ["sliding_attention" if c.get("use_sliding_window") and i >= first else "full_attention" for i in range(n)]
+    return ["full_attention"] * n
+
+
+def local_layers(c: dict[str, Any]) -> tuple[int, ...]:
+    """The layers with their own sliding window when the model mixes them with full-attention layers
+    (Gemma 3, Qwen with max_window_layers): those get per-layer cache geometry. A model whose every
+    layer slides (Mistral, Phi-3) is one attention window for the whole graph (check_attention_window)."""
+    if c.get("sliding_window") is None:
+        return ()
+    types = layer_types(c)
+    local = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    return local if len(local) < len(types) else ()
+
+
 def attention_window(d: dict[str, Any]) -> int | None:
-    """The model's own sliding attention window (how many keys, itself included, a query sees), or None
-    for full attention. Mistral and Phi-3 slide every layer when `sliding_window` is set (None: full
-    attention); Qwen2 and Qwen3 only the layers `layer_types` (or use_sliding_window + max_window_layers)
-    mark "sliding_attention", so their usual configs are full attention whatever `sliding_window` says."""
+    """The whole model's own sliding attention window (how many keys, itself included, a query sees), or
+    None. Mistral and Phi-3 slide every layer when `sliding_window` is set (None: full attention);
+    Qwen2, Qwen3 and Gemma 3 only the layers `layer_types` (or what older configs say) mark
+    "sliding_attention": None when none or only some of them slide (the latter get per-layer cache
+    geometry, local_layers), the window when all of them do."""
     c = d.get("text_config") if is_vlm(d) else d
     if not isinstance(c, dict):
         return None
     window = c.get("sliding_window", _TEXT_DEFAULTS["mistral"]["sliding_window"] if c.get("model_type") == "mistral" else None)
     if window is None:
         return None
-    if c.get("model_type") in ("qwen2", "qwen3") or any(a.startswith("Qwen") for a in c.get("architectures") or []):
-        types = c.get("layer_types")
-        if types is None:  # older configs: layers max_window_layers.. slide when use_sliding_window
-            n, first = int(c.get("num_hidden_layers", 0)), int(c.get("max_window_layers", 0))
-            types = ["sliding_attention" if c.get("use_sliding_window") and i >= first else "full_attention"
-                     for i in range(n)]  # fmt: skip
-        if "sliding_attention" not in types:
-            return None
+    if c.get("model_type") in ("qwen2", "qwen3", "gemma3_text") or any(a.startswith("Qwen") for a in c.get("architectures") or []):
+        types = layer_types(c)
+        if "sliding_attention" not in types or "full_attention" in types:
+            return None  # full attention, or a mix: per-layer cache geometry (local_layers) follows the model
     return int(window)
 
 

@@ -69,6 +69,9 @@ def chat(
     sys.stdin.reconfigure(errors="replace")
     if runtime.drafting_notice:
         info(runtime.drafting_notice)
+    if runtime.manifest.chat.source == "plain":  # a base model (Gemma 3 270M's GGUF, for one)
+        info("this model has no chat template (a base model): turns are plain text, 'User: ...' then 'Assistant:', "
+             "and replies are completions of that; an instruction-tuned model answers better")  # fmt: skip
     dialogues = runtime.dialogues()
     loop = ChatLoop(dialogues, session_files(session, seats), interactive=sys.stdin.isatty() and not json_out,
                     json_out=json_out, image=image)  # fmt: skip

@@ -126,7 +126,9 @@ def export_loaded(
         index_dtype=opts.index_dtype,
         target={"profile": opts.profile, "plan": opts.plan} if opts.profile else None,
         vision=vision,
-        rotary=RotaryTables(tuple(weights.inv_freq.tolist()), float(weights.rope_scaling)),
+        rotary=RotaryTables(tuple(weights.inv_freq.tolist()), float(weights.rope_scaling),
+                            tuple(weights.local_inv_freq.tolist()) if weights.local_inv_freq is not None else (),
+                            float(weights.local_rope_scaling)),  # fmt: skip
         kv_scales=kv_scales,
         cabinlm_version=__version__,
     )

@@ -1,7 +1,10 @@
 """The fixed-shape decoder: a compact Llama-like decoder (RMSNorm, RoPE, grouped-query attention,
 SwiGLU) written as an ONNX graph over weights taken from a `transformers` model. One graph serves
 Llama, Mistral, Qwen2 (q/k/v biases), Qwen3 (RMSNorm of each q / k head over head_dim, the
-parenthesized steps below) and Phi-3 (its fused q|k|v and gate|up are the graph's own layout).
+parenthesized steps below), Phi-3 (its fused q|k|v and gate|up are the graph's own layout) and
+Gemma 3 (embeddings scaled by sqrt(D), q / k norms, the attention output and the MLP output normed
+again before their residual adds ("sandwich" norms, [bracketed] below), GELU-tanh for SiLU, its
+own softmax scale, and local layers: see "Local layers" below).
 
 One decoder layer, T = chunk tokens, N = cache slots, H = heads, Hkv = KV heads, G = H / Hkv:
 
@@ -11,7 +14,13 @@ One decoder layer, T = chunk tokens, N = cache slots, H = heads, Hkv = KV heads,
     key_cache.l (Hkv, N, Dh) ─ RoPE(cache_pos) ─ Kc      k ─ RoPE(pos) ─ Kn
     q^T (Hkv, Dh, G*T) ─ scores = [Kc q^T ; Kn q^T] (Hkv, N+T, G*T) + mask^T ─ Softmax over keys
     ─ probs^T (Hkv, G*T, N+T) ─ [p_cache | p_chunk] ─ p_cache @ value_cache.l + p_chunk @ v
-    ─ (T, H*Dh) ─ W_o ─ + x ─ RMSNorm ─ MatMul W_gate|up ─ Split ─ SiLU(gate) * up ─ W_down ─ + x
+    ─ (T, H*Dh) ─ W_o [─ RMSNorm] ─ + x ─ RMSNorm ─ MatMul W_gate|up ─ Split ─ act(gate) * up ─ W_down [─ RMSNorm] ─ + x
+
+Local layers (CacheLayout.local_layers: the model attends within its last w tokens there) read the
+same graph with their own inputs: a ring of w slots per layer (key_cache.l of (Hkv, w, Dh)),
+local_cache_position_ids / local_position_ids (ranks inside the ring and the chunk), the
+local_attention_mask (which also hides ring tokens w or more tokens before each chunk token),
+and their own RoPE frequencies (Gemma 3: base 10k where global layers use 1M).
 
 Keys are cached un-rotated and rotated inside the graph with the positions of this step, which is
 what lets positions be cache ranks (StreamingLLM) without ever re-rotating stored data. The cache
@@ -47,8 +56,10 @@ class LayerWeights:
     post_norm: np.ndarray  # (D,)
     gate_up: Matrix  # (D, 2 I), gate|up columns
     down: Matrix  # (I, D)
-    q_norm: np.ndarray | None = None  # (Dh,) Qwen3: RMSNorm of each query head, before RoPE
-    k_norm: np.ndarray | None = None  # (Dh,) Qwen3: RMSNorm of each key head, before RoPE (keys are cached normed)
+    q_norm: np.ndarray | None = None  # (Dh,) Qwen3, Gemma 3: RMSNorm of each query head, before RoPE
+    k_norm: np.ndarray | None = None  # (Dh,) Qwen3, Gemma 3: RMSNorm of each key head, before RoPE (keys are cached normed)
+    attn_out_norm: np.ndarray | None = None  # (D,) Gemma 3: RMSNorm of the attention output, before its residual add
+    mlp_out_norm: np.ndarray | None = None  # (D,) Gemma 3: RMSNorm of the MLP output, before its residual add
 
 
 @dataclass
@@ -62,6 +73,11 @@ class DecoderWeights:
     key_scales: np.ndarray | None = None  # (layers, Hkv, Dh) per-channel key scales, int8 / fp8 KV only
     weight_format: str = "fp32"  # fp32, int8 or int4 (what the matrices hold; the manifest records it)
     weight_source: dict | None = None  # quantized formats: how many matrices were imported / quantized
+    embed_scale: float = 1.0  # Gemma 3: the token table's rows times sqrt(D) (the tied output projection unscaled)
+    activation: str = "silu"  # the gated MLP's activation: "silu" or "gelu_tanh" (Gemma 3)
+    query_scale: float | None = None  # the softmax scale on q.k (None: 1 / sqrt(Dh); Gemma 3: query_pre_attn_scalar^-1/2)
+    local_inv_freq: np.ndarray | None = None  # local layers' own RoPE frequencies (None: inv_freq)
+    local_rope_scaling: float = 1.0
 
     @property
     def quantized(self) -> bool:
@@ -79,6 +95,8 @@ def build_decoder(
     """embed_dim > 0: a vision-language decoder, whose image tokens take rows of image_embeds."""
     g = GraphBuilder("cabinlm_decoder", opset=opset)
     io = mf.decoder_io(layout, spec.vocab_size, index_dtype, embed_dim)
+    if w.activation not in ("silu", "gelu_tanh"):
+        raise ValueError(f"activation {w.activation!r}: the graph implements silu and gelu_tanh")
     for t in io.inputs:
         g.input(t.name, ELEM[t.dtype], t.shape)
     kv_elem = ELEM[layout.kv_dtype.onnx_name]
@@ -141,15 +159,26 @@ def build_decoder(
             x = g.op("Add", x, g.op("Unsqueeze", rows("embed_tokens.offset", m.offset), g.ints([2])), name="embed/offset")
         return g.op("Reshape", x, g.ints([-1, D]), name="embed")
 
+    def activation(gate: str, name: str) -> str:
+        if w.activation == "silu":
+            return g.op("Mul", gate, g.op("Sigmoid", gate), name=f"{name}/silu")
+        # GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), standard ops only
+        # (the Gelu op's approximate="tanh" needs opset 20, older than DRIVE OS's TensorRT parses)
+        cube = g.op("Mul", g.op("Mul", gate, gate), gate, name=f"{name}/x3")
+        inner = g.op("Mul", g.op("Add", gate, g.op("Mul", cube, g.const(0.044715))), g.const(float(np.sqrt(2 / np.pi))),
+                     name=f"{name}/inner")  # fmt: skip
+        t = g.op("Add", g.op("Tanh", inner), g.const(1.0), name=f"{name}/tanh1")
+        return g.op("Mul", g.op("Mul", gate, t), g.const(0.5), name=f"{name}/gelu")
+
     half = Dh // 2
     # rotate_half(x) = [-x2, x1] = [x2, x1] * [-1 | +1]: the sign lives in the sin table. (Split and
     # Concat, not a Gather over the last axis: ONNX Runtime's Gather there is several times slower.)
     sign = np.concatenate([-np.ones(half), np.ones(half)]).astype(np.float32).reshape(1, -1)
 
-    def rotary_tables(pos: str, scale: float, name: str) -> tuple[str, str]:
+    def rotary_tables(pos: str, scale: float, name: str, inv_freq: np.ndarray = w.inv_freq) -> tuple[str, str]:
         # pos (n,) -> cos (n, Dh), signed sin (n, Dh), HF's "rotate_half" convention.
         p = g.op("Unsqueeze", g.op("Cast", pos, to=TensorProto.FLOAT), g.ints([1]), name=f"{name}/pos")
-        freqs = g.op("Mul", p, g.const(w.inv_freq.reshape(1, -1).astype(np.float32)), name=f"{name}/freqs")
+        freqs = g.op("Mul", p, g.const(inv_freq.reshape(1, -1).astype(np.float32)), name=f"{name}/freqs")
         emb = g.op("Concat", freqs, freqs, axis=1, name=f"{name}/emb")
         cos = g.op("Cos", emb, name=f"{name}/cos")
         sin = g.op("Mul", g.op("Sin", emb, name=f"{name}/sin"), g.const(sign * scale), name=f"{name}/sin_signed")
@@ -164,18 +193,44 @@ def build_decoder(
         rot = g.op("Concat", x2, x1, axis=-1, name=f"{name}/rot")
         return g.op("Add", g.op("Mul", x, cos, name=f"{name}/xcos"), g.op("Mul", rot, sin, name=f"{name}/rsin"), name=name)
 
-    # Shared by all layers: RoPE tables for the cached keys, the chunk's keys, and the chunk's
-    # queries (with the softmax scale 1/sqrt(Dh) folded in); the mask laid out for K.q^T scores.
-    c_cos, c_sin = rotary_tables(mf.CACHE_POSITION_IDS, w.rope_scaling, "rope_cache")
-    n_cos, n_sin = rotary_tables(mf.POSITION_IDS, w.rope_scaling, "rope_chunk")
-    q_cos, q_sin = rotary_tables(mf.POSITION_IDS, w.rope_scaling / np.sqrt(Dh), "rope_q")
-    N = layout.slots
-    # Score shapes, from the mask's key count N+T (computed once for all layers).
-    total = g.op("Shape", mf.ATTENTION_MASK, start=1, name="keys_total")
-    shape_grouped = g.op("Concat", g.ints([Hkv, G, -1]), total, axis=0, name="scores_grouped_shape")
-    shape_flat = g.op("Concat", g.ints([Hkv, -1]), total, axis=0, name="scores_flat_shape")
+    # Shared by all layers of a kind (global, local): RoPE tables for the cached keys, the chunk's
+    # keys, and the chunk's queries (with the softmax scale folded in); the mask's score shapes.
+    q_scale = w.query_scale if w.query_scale is not None else 1 / np.sqrt(Dh)
+
+    @dataclass
+    class Attending:
+        """What a kind of layer attends with: its slots, mask and RoPE tables."""
+
+        slots: int
+        mask: str
+        cache_rope: tuple[str, str]
+        chunk_rope: tuple[str, str]
+        query_rope: tuple[str, str]
+        shape_grouped: str
+        shape_flat: str
+
+    def attending(slots: int, mask: str, cache_pos: str, pos: str, inv_freq: np.ndarray, scaling: float, kind: str) -> Attending:
+        total = g.op("Shape", mask, start=1, name=f"{kind}keys_total")  # the key count N+T, once for all layers
+        return Attending(
+            slots, mask,
+            rotary_tables(cache_pos, scaling, f"{kind}rope_cache", inv_freq),
+            rotary_tables(pos, scaling, f"{kind}rope_chunk", inv_freq),
+            rotary_tables(pos, scaling * q_scale, f"{kind}rope_q", inv_freq),
+            g.op("Concat", g.ints([Hkv, G, -1]), total, axis=0, name=f"{kind}scores_grouped_shape"),
+            g.op("Concat", g.ints([Hkv, -1]), total, axis=0, name=f"{kind}scores_flat_shape"),
+        )  # fmt: skip
+
+    kinds = {False: attending(layout.slots, mf.ATTENTION_MASK, mf.CACHE_POSITION_IDS, mf.POSITION_IDS, w.inv_freq,
+                              w.rope_scaling, "")}  # fmt: skip
+    if layout.local_layers:
+        local_freq = w.local_inv_freq if w.local_inv_freq is not None else w.inv_freq
+        local_scaling = w.local_rope_scaling if w.local_inv_freq is not None else w.rope_scaling
+        kinds[True] = attending(layout.local_slots, mf.LOCAL_ATTENTION_MASK, mf.LOCAL_CACHE_POSITION_IDS,
+                                mf.LOCAL_POSITION_IDS, local_freq, local_scaling, "local_")  # fmt: skip
 
     x = embedding(mf.INPUT_IDS)  # (T, D)
+    if w.embed_scale != 1.0:  # Gemma 3: rows times sqrt(D), rounded to float32 as the model does
+        x = g.op("Mul", x, g.const(np.float32(w.embed_scale)), name="embed_scaled")
     if embed_dim:  # image tokens: the vision graph's embeddings instead of the table's row
         x = g.op("Where", mf.IMAGE_MASK, mf.IMAGE_EMBEDS, x, name="embed_with_image")
     for i, lw in enumerate(w.layers):
@@ -228,16 +283,18 @@ def build_decoder(
         # Attention over the cache and over the chunk, joined only at the (small) scores, so the
         # cache is never concatenated: scores = q . K^T (a transposed-B MatMul, no copy of K), laid
         # out (Hkv, G*T, keys) so the softmax runs over the innermost axis.
-        kc = rope(k_cache, c_cos, c_sin, mf.cached_key_rope(i).removeprefix("n/"))  # (Hkv, N, Dh)
-        kn = rope(k, n_cos, n_sin, f"{p}/rope_kn")  # (Hkv, T, Dh)
-        q = rope(q, q_cos, q_sin, f"{p}/rope_q")  # (H, T, Dh), scaled
+        at = kinds[i in layout.local_layers]
+        N = at.slots
+        kc = rope(k_cache, *at.cache_rope, mf.cached_key_rope(i).removeprefix("n/"))  # (Hkv, N, Dh)
+        kn = rope(k, *at.chunk_rope, f"{p}/rope_kn")  # (Hkv, T, Dh)
+        q = rope(q, *at.query_rope, f"{p}/rope_q")  # (H, T, Dh), scaled
         q_g = g.op("Reshape", q, g.ints([Hkv, -1, Dh]), name=f"{p}/q_groups")  # (Hkv, G*T, Dh): head h uses KV head h // G
         s_cache = g.op("MatMul", q_g, g.op("Transpose", kc, perm=[0, 2, 1], name=f"{p}/kc_t"), name=f"{p}/s_cache")
         s_chunk = g.op("MatMul", q_g, g.op("Transpose", kn, perm=[0, 2, 1], name=f"{p}/kn_t"), name=f"{p}/s_chunk")
         scores = g.op("Concat", s_cache, s_chunk, axis=2, name=f"{p}/scores")  # (Hkv, G*T, N+T)
-        scores = g.op("Reshape", scores, shape_grouped, name=f"{p}/scores_g")  # (Hkv, G, T, N+T)
-        scores = g.op("Add", scores, mf.ATTENTION_MASK, name=f"{p}/masked")  # mask (T, N+T) broadcasts
-        probs = g.op("Reshape", g.op("Softmax", scores, axis=-1, name=f"{p}/probs"), shape_flat, name=f"{p}/probs_flat")
+        scores = g.op("Reshape", scores, at.shape_grouped, name=f"{p}/scores_g")  # (Hkv, G, T, N+T)
+        scores = g.op("Add", scores, at.mask, name=f"{p}/masked")  # mask (T, N+T) broadcasts
+        probs = g.op("Reshape", g.op("Softmax", scores, axis=-1, name=f"{p}/probs"), at.shape_flat, name=f"{p}/probs_flat")
         p_cache = g.op("Slice", probs, g.ints([0]), g.ints([N]), g.ints([2]), name=f"{p}/p_cache")
         p_chunk = g.op("Slice", probs, g.ints([N]), g.ints([2**62]), g.ints([2]), name=f"{p}/p_chunk")
         if v_scales is not None:
@@ -245,7 +302,10 @@ def build_decoder(
         ctx = g.op("Add", g.op("MatMul", p_cache, v_cache), g.op("MatMul", p_chunk, v), name=f"{p}/ctx")  # (Hkv,G*T,Dh)
         ctx = g.op("Reshape", ctx, g.ints([H, -1, Dh]), name=f"{p}/ctx_heads")
         ctx = g.op("Reshape", g.op("Transpose", ctx, perm=[1, 0, 2]), g.ints([-1, H * Dh]), name=f"{p}/ctx_flat")
-        x = g.op("Add", x, linear(ctx, lw.o, mf.weight_name(i, "o")), name=f"{p}/attn_res")
+        o = linear(ctx, lw.o, mf.weight_name(i, "o"))
+        if lw.attn_out_norm is not None:
+            o = rms_norm(o, lw.attn_out_norm, mf.weight_name(i, "attn_out_norm"))
+        x = g.op("Add", x, o, name=f"{p}/attn_res")
 
         h = rms_norm(x, lw.post_norm, mf.weight_name(i, "post_norm"))
         gate, up = g.split(
@@ -254,8 +314,11 @@ def build_decoder(
             axis=1,
             name=f"{p}/split_gate_up",
         )
-        act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up, name=f"{p}/swiglu")
-        x = g.op("Add", x, linear(act, lw.down, mf.weight_name(i, "down")), name=f"{p}/mlp_res")
+        act = g.op("Mul", activation(gate, p), up, name=f"{p}/swiglu")
+        mlp = linear(act, lw.down, mf.weight_name(i, "down"))
+        if lw.mlp_out_norm is not None:
+            mlp = rms_norm(mlp, lw.mlp_out_norm, mf.weight_name(i, "mlp_out_norm"))
+        x = g.op("Add", x, mlp, name=f"{p}/mlp_res")
 
     # Logits only for the rows asked for (prefill: the last token; perplexity: all of them).
     x = g.op("Gather", x, mf.LOGIT_ROWS, axis=0, name="logit_rows")

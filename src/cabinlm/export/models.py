@@ -103,8 +103,10 @@ def load_model(source: str, log: Callable[[str], None] = lambda s: None) -> Load
         raise ModelError(f"{where}: cannot load the weights ({e})") from e
     model.eval()
     text_model = getattr(model.model, "language_model", model.model)
-    rope_type = text_model.rotary_emb.rope_type
-    if rope_type not in STATIC_ROPE_TYPES:
+    rope_types = text_model.rotary_emb.rope_type  # Gemma 3: {layer kind: type}
+    bad = [r for r in (rope_types.values() if isinstance(rope_types, dict) else [rope_types]) if r not in STATIC_ROPE_TYPES]
+    if bad:
+        rope_type = bad[0]
         raise ModelError(
             f"{where}: RoPE type {rope_type!r} depends on the sequence length and cannot be baked into a "
             f"fixed-shape graph; supported: {', '.join(sorted(STATIC_ROPE_TYPES))}"
@@ -171,6 +173,12 @@ def decoder_weights(loaded: LoadedModel, fmt: WeightFormat | str = WeightFormat.
     def t(x) -> np.ndarray:
         return x.detach().to("cpu").float().numpy()
 
+    gemma = spec.architecture == "Gemma3ForCausalLM"
+
+    def norm(module) -> np.ndarray:
+        """An RMSNorm's weight as the graph multiplies by it: Gemma's norms scale by (1 + weight)."""
+        return t(module.weight) + np.float32(1.0) if gemma else t(module.weight)
+
     blocks = {}
     if fmt != WeightFormat.FP32 and loaded.gguf is not None:
         blocks = gguf_blocks(loaded.gguf, spec)
@@ -217,18 +225,21 @@ def decoder_weights(loaded: LoadedModel, fmt: WeightFormat | str = WeightFormat.
             gate_up = mat(mlp.gate_up_proj, None)
         else:
             gate_up = cat([mat(mlp.gate_proj, name("ffn_gate")), mat(mlp.up_proj, name("ffn_up"))])
-        qk_norm = getattr(a, "q_norm", None) is not None  # Qwen3: RMSNorm over head_dim of q and k, before RoPE
+        qk_norm = getattr(a, "q_norm", None) is not None  # Qwen3, Gemma 3: RMSNorm over head_dim of q and k, before RoPE
+        sandwich = hasattr(layer, "pre_feedforward_layernorm")  # Gemma 3: the attention and MLP outputs normed too
         layers.append(
             LayerWeights(
-                input_norm=t(layer.input_layernorm.weight),
+                input_norm=norm(layer.input_layernorm),
                 qkv=qkv,
                 qkv_bias=bias,
                 o=mat(a.o_proj, name("attn_output")),
-                post_norm=t(layer.post_attention_layernorm.weight),
+                post_norm=norm(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm),
                 gate_up=gate_up,
                 down=mat(mlp.down_proj, name("ffn_down")),
-                q_norm=t(a.q_norm.weight) if qk_norm else None,
-                k_norm=t(a.k_norm.weight) if qk_norm else None,
+                q_norm=norm(a.q_norm) if qk_norm else None,
+                k_norm=norm(a.k_norm) if qk_norm else None,
+                attn_out_norm=norm(layer.post_attention_layernorm) if sandwich else None,
+                mlp_out_norm=norm(layer.post_feedforward_layernorm) if sandwich else None,
             )
         )
     head = m.lm_head.weight
@@ -266,15 +277,25 @@ def decoder_weights(loaded: LoadedModel, fmt: WeightFormat | str = WeightFormat.
         log(f"{fmt.value} weights: {counts['imported']} matrices imported from the GGUF blocks, "
             f"{counts['quantized']} quantized from float32; token table {embed.bits}-bit")  # fmt: skip
     rotary = text.rotary_emb
+    if gemma:  # one RoPE per kind of layer: the global ("full_attention") layers' and the local ones'
+        inv_freq, scaling = rotary.full_attention_inv_freq, rotary.full_attention_attention_scaling
+        local_freq, local_scaling = t(rotary.sliding_attention_inv_freq).astype(np.float32), rotary.sliding_attention_attention_scaling
+    else:
+        inv_freq, scaling, local_freq, local_scaling = rotary.inv_freq, rotary.attention_scaling, None, 1.0
     return DecoderWeights(
         embed=embed,
         layers=layers,
-        final_norm=t(text.norm.weight),
+        final_norm=norm(text.norm),
         lm_head=lm_head,
-        inv_freq=t(rotary.inv_freq).astype(np.float32),
-        rope_scaling=float(rotary.attention_scaling),
+        inv_freq=t(inv_freq).astype(np.float32),
+        rope_scaling=float(scaling),
         weight_format=fmt.value,
         weight_source={**counts, **({} if fmt == WeightFormat.FP32 else {"head": f"int{embed.bits}"})},
+        embed_scale=spec.embed_scale,
+        activation=spec.activation,
+        query_scale=spec.attention_scale or None,
+        local_inv_freq=local_freq,
+        local_rope_scaling=float(local_scaling),
     )
 
 

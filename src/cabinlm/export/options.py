@@ -278,7 +278,9 @@ def make_layout(spec: ModelSpec, opts: ExportOptions, image: int = 0) -> CacheLa
     against the model's positions first (check_positions). Needs only the ModelSpec: `cabinlm export`
     calls it before the weights load."""
     check_positions(spec, sink=opts.sink, pinned=opts.pinned, chunk=opts.chunk, window=opts.window, image=image)
+    keys = opts.sink + opts.pinned + image + opts.window + opts.chunk  # what one query of the graph attends to
     return CacheLayout(
+        **spec.local_geometry(keys),  # local layers get their own ring when their window is shorter than that
         image=image,
         sink=opts.sink,
         pinned=opts.pinned,

@@ -12,6 +12,12 @@ Invariants (tested property-wise in tests/test_cache.py):
   * the window ring holds exactly the most recent min(W, unpinned seen) unpinned tokens;
   * positions are ranks in stream order: cached tokens 0..L-1, the chunk L..L+c-1;
   * the counters below are a function of slot_token and the stream so far: restore() checks them.
+
+Local layers (CacheLayout.local_layers) keep a ring of R = w slots that every token of the
+stream passes through, pinned or not: stream token t sits in ring slot t mod R until token t + R
+overwrites it. The ring is therefore a function of `seen` alone and needs no state of its own
+(StepPlan derives its slots, ranks and mask): it holds tokens seen - min(seen, R) .. seen - 1, and
+chunk token i (stream index seen + i) may see those after seen + i - w, as the model's window says.
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ class StepPlan:
         self.pinned_fill = table.pinned_fill
         self.image_fill = table.image_fill
         self.frames = table.frames
+        self.seen = table.seen  # the chunk's first stream index
+        self.local_window = table.layout.local_window  # w (0: no local layers)
 
     @property
     def tokens(self) -> int:
@@ -67,6 +75,52 @@ class StepPlan:
         order = np.argsort(np.where(valid, st, np.iinfo(np.int64).max), kind="stable")
         cache_pos[order[:cached]] = np.arange(cached)
         return cache_pos
+
+    # -- the local layers' ring (module docstring) -------------------------------------------------
+
+    @property
+    def _ring(self) -> int:
+        return self.local_window
+
+    @functools.cached_property
+    def local_slots(self) -> np.ndarray:
+        """(tokens,) int64: each chunk token's slot in the local rings."""
+        return (self.seen + np.arange(self.tokens, dtype=np.int64)) % self._ring
+
+    @functools.cached_property
+    def local_ring_token(self) -> np.ndarray:
+        """(R,) int64: the stream index each ring slot holds before this chunk (-1: empty)."""
+        R = self._ring
+        slot = np.arange(R, dtype=np.int64)
+        newest = self.seen - 1 - ((self.seen - 1 - slot) % R)  # the largest t < seen with t = slot (mod R)
+        return np.where(newest >= 0, newest, -1)
+
+    @property
+    def local_cached(self) -> int:
+        """Tokens the rings hold before this chunk (the chunk's first local rank)."""
+        return min(self.seen, self._ring)
+
+    @functools.cached_property
+    def local_position_ids(self) -> np.ndarray:
+        return np.arange(self.local_cached, self.local_cached + self.tokens, dtype=np.int64)
+
+    @functools.cached_property
+    def local_cache_position_ids(self) -> np.ndarray:
+        """(R,) int64: each ring slot's rank (its tokens are consecutive in the stream; 0 when empty)."""
+        t = self.local_ring_token
+        return np.where(t >= 0, t - (self.seen - self.local_cached), 0)
+
+    @functools.cached_property
+    def local_attention_mask(self) -> np.ndarray:
+        """(tokens, R + tokens) float32: ring slots within each token's window of w (itself included),
+        then the chunk causally (a chunk of at most w tokens is always inside the window)."""
+        n, R = self.tokens, self._ring
+        t = self.local_ring_token
+        first = self.seen + np.arange(n)[:, None] - self.local_window + 1  # oldest stream index token i sees
+        mask = np.empty((n, R + n), dtype=np.float32)
+        mask[:, :R] = np.where((t[None, :] >= 0) & (t[None, :] >= first), np.float32(0), MASK_VALUE)
+        mask[:, R:] = np.where(np.tri(n, dtype=bool), np.float32(0), MASK_VALUE)
+        return mask
 
     @functools.cached_property
     def attention_mask(self) -> np.ndarray:

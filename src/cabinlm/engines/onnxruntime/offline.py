@@ -18,6 +18,7 @@ import onnxruntime as ort
 from cabinlm import io_spec
 from cabinlm.buildspec import OptimizationLevel, SessionSettings
 from cabinlm.engines.builder import BuildError
+from cabinlm.layout import CacheLayout
 from cabinlm.manifest import Manifest
 
 if TYPE_CHECKING:
@@ -53,22 +54,29 @@ def fuse_rotary(model: onnx.ModelProto, manifest: Manifest) -> int:
     from onnx import helper, numpy_helper
 
     nodes = {n.name: n for n in model.graph.node}
-    inv_freq = np.asarray(manifest.rotary.inv_freq, dtype=np.float64)
-    scale = manifest.rotary.scale
-    max_position = manifest.cache.slots + manifest.cache.chunk
-    angles = np.arange(max_position, dtype=np.float64)[:, None] * inv_freq[None, :]
-    model.graph.initializer.extend([
-        numpy_helper.from_array((np.cos(angles) * scale).astype(np.float32), "rotary/cos_cache"),
-        numpy_helper.from_array((np.sin(angles) * scale).astype(np.float32), "rotary/sin_cache"),
-        numpy_helper.from_array(np.array([0], dtype=np.int64), "rotary/axis0"),
-    ])  # fmt: skip
-    ids = io_spec.CACHE_POSITION_IDS
-    new = [helper.make_node("Unsqueeze", [ids], ["rotary/positions_i"], name="n/rotary/positions")]
-    if _elem_type(model, ids) != onnx.TensorProto.INT64:
-        new[0].output[0] = "rotary/positions_raw"
-        new.append(helper.make_node("Cast", ["rotary/positions_raw"], ["rotary/positions_i"], to=onnx.TensorProto.INT64,
-                                    name="n/rotary/positions_int64"))  # fmt: skip
-    new[0].input.append("rotary/axis0")
+    lay = manifest.cache
+    model.graph.initializer.append(numpy_helper.from_array(np.array([0], dtype=np.int64), "rotary/axis0"))
+    new: list[onnx.NodeProto] = []
+
+    def tables(kind: str, ids: str, local: bool, max_position: int) -> str:
+        """cos / sin caches of one kind of layer (global, or local with its own RoPE) and its positions."""
+        inv_freq, scale = manifest.rotary.for_layer(local)
+        angles = np.arange(max_position, dtype=np.float64)[:, None] * np.asarray(inv_freq, dtype=np.float64)[None, :]
+        model.graph.initializer.extend([
+            numpy_helper.from_array((np.cos(angles) * scale).astype(np.float32), f"rotary/{kind}cos_cache"),
+            numpy_helper.from_array((np.sin(angles) * scale).astype(np.float32), f"rotary/{kind}sin_cache"),
+        ])  # fmt: skip
+        positions = f"rotary/{kind}positions_i"
+        if _elem_type(model, ids) != onnx.TensorProto.INT64:
+            new.append(helper.make_node("Cast", [ids], [f"rotary/{kind}positions_int64"], to=onnx.TensorProto.INT64,
+                                        name=f"n/rotary/{kind}positions_int64"))  # fmt: skip
+            ids = f"rotary/{kind}positions_int64"
+        new.append(helper.make_node("Unsqueeze", [ids, "rotary/axis0"], [positions], name=f"n/rotary/{kind}positions"))
+        return kind
+
+    kinds = {False: tables("", io_spec.CACHE_POSITION_IDS, False, lay.slots + lay.chunk)}
+    if lay.local_layers:
+        kinds[True] = tables("local_", io_spec.LOCAL_CACHE_POSITION_IDS, True, lay.local_slots + lay.chunk)
     drop, layers = set(), 0
     for layer in range(manifest.cache.layers):
         base = io_spec.cached_key_rope(layer)
@@ -78,9 +86,11 @@ def fuse_rotary(model: onnx.ModelProto, manifest: Manifest) -> int:
             raise BuildError(f"the exported graph has no {base} subgraph (io_spec.cached_key_rope); export again")
         x = parts[0].input[0]
         tag = base[2:]
+        kind = kinds[layer in lay.local_layers]
         new += [
             helper.make_node("Unsqueeze", [x, "rotary/axis0"], [f"{tag}/x4"], name=f"{base}/x4"),
-            helper.make_node("RotaryEmbedding", [f"{tag}/x4", "rotary/positions_i", "rotary/cos_cache", "rotary/sin_cache"],
+            helper.make_node("RotaryEmbedding", [f"{tag}/x4", f"rotary/{kind}positions_i", f"rotary/{kind}cos_cache",
+                                                 f"rotary/{kind}sin_cache"],
                              [f"{tag}/y4"], name=f"{base}/rotary", domain="com.microsoft", interleaved=0),
             helper.make_node("Squeeze", [f"{tag}/y4", "rotary/axis0"], [add.output[0]], name=f"{base}/y"),
         ]  # fmt: skip
@@ -122,9 +132,9 @@ def optimize_offline(src: Path | bytes, out: Path, library: Path | None = None) 
     ort.InferenceSession(src if isinstance(src, bytes) else str(src), so, providers=["CPUExecutionProvider"])
 
 
-def fix_tokens(model: onnx.ModelProto, tokens: int, slots: int) -> None:
+def fix_tokens(model: onnx.ModelProto, tokens: int, layout: CacheLayout) -> None:
     """Replace the symbolic token range of every graph input and output by a fixed size."""
-    dims = {"tokens": tokens, "total": slots + tokens, "rows": tokens}
+    dims = {"tokens": tokens, "total": layout.slots + tokens, "local_total": layout.local_slots + tokens, "rows": tokens}
     for vi in (*model.graph.input, *model.graph.output):
         for d in vi.type.tensor_type.shape.dim:
             if d.HasField("dim_param"):

@@ -9,6 +9,9 @@ Buffers (allocated once per dialogue):
                   rows N.. scratch where the kernel writes a chunk that lands beyond the slots in use
     key_source    (layers, kv_heads, sink + pinned, head_dim)  float32: the sink / pinned tokens' keys,
                   un-rotated, from which their rotated rows are re-written as evictions move them
+    local_keys, local_values  (local layers, kv_heads, R + chunk, head_dim)  the local layers' rings
+                  (CacheLayout.local_layers; `layers` above are then the global ones): rows 0..R-1
+                  the ring, keys rotated at their stream index, never re-written
 
 Int8 KV has static per-channel scales (the manifest's kv_scales), held by the graph: no scale buffers.
 """
@@ -27,7 +30,7 @@ from cabinlm.manifest import Manifest
 from cabinlm.engines.backend import Backend, StepOutput
 from cabinlm.engines.onnxruntime.binding import Binding, ortvalue
 from cabinlm.engines.onnxruntime.session import check_io, open_session, session_options
-from cabinlm.engines.ort_fused.rotated import RotatedKeys
+from cabinlm.engines.ort_fused.rotated import RingTables, RotatedKeys
 from cabinlm.runtime.slots import SlotTable, StepPlan
 
 
@@ -63,8 +66,14 @@ class FusedBackend(Backend):
         self.keys = np.zeros((L, H, N + lay.chunk, D), dtype=dtype)
         self.values = np.zeros((L, H, N + lay.chunk, D), dtype=dtype)
         self.key_source = np.zeros((L, H, lay.sink + lay.pinned, D), dtype=np.float32)
-        scales = m.kv_scales.array("rotated_keys") if lay.quantized else None
+        scales = m.kv_scales.array("rotated_keys")[list(lay.global_layers)] if lay.quantized else None
         self.rotated = RotatedKeys(lay, self.keys, self.key_source, m.rotary.inv_freq, m.rotary.scale, scales, graphs.rotate)
+        self.local_keys = self.local_values = self.ring = None
+        if lay.local_layers:
+            Ll, _, R, _ = lay.local_buffer_shape
+            self.local_keys = np.zeros((Ll, H, R + lay.chunk, D), dtype=dtype)
+            self.local_values = np.zeros((Ll, H, R + lay.chunk, D), dtype=dtype)
+            self.ring = RingTables(lay, *m.rotary.for_layer(True))
         self._heads = m.model.num_heads
         self._rows = np.arange(lay.chunk, dtype=np.int64)
         self._bind()
@@ -75,10 +84,19 @@ class FusedBackend(Backend):
         # order as its step, the unused slots adding exact zeros (tests/test_speculative.py). cabinlm's
         # attention kernel computes every row by one fixed sequence whatever the chunk (its header);
         # GroupQueryAttention's rows were measured to match.
-        return True
+        # A local ring's rows are the model's window of each token, which a chunk reads in another
+        # order than steps do once the ring has turned over.
+        return not self.layout.local_layers
 
     def buffers(self) -> dict[str, np.ndarray]:
-        return {"keys": self.keys, "values": self.values, "key_source": self.key_source}
+        out = {"keys": self.keys, "values": self.values, "key_source": self.key_source}
+        if self.local_keys is not None:
+            out.update(local_keys=self.local_keys, local_values=self.local_values)
+        return out
+
+    def _layer_buffers(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        local, j = self.layout.buffer_index(layer)
+        return (self.local_keys[j], self.local_values[j]) if local else (self.keys[j], self.values[j])
 
     def seat(self, table: SlotTable) -> FusedBackend:
         return FusedBackend(self.graphs, table)
@@ -97,7 +115,8 @@ class FusedBackend(Backend):
         in_place = not any(t.name == io.present_key_name(0) for t in self.manifest.io.outputs)
         cache, aliases = [], []
         for i in range(lay.layers):
-            k, v = ortvalue(self.keys[i][None], kv_onnx), ortvalue(self.values[i][None], kv_onnx)
+            keys, values = self._layer_buffers(i)
+            k, v = ortvalue(keys[None], kv_onnx), ortvalue(values[None], kv_onnx)
             cache += [(io.key_cache_name(i), k), (io.value_cache_name(i), v)]
             if not in_place:
                 aliases += [(io.present_key_name(i), k), (io.present_value_name(i), v)]
@@ -125,6 +144,15 @@ class FusedBackend(Backend):
         fixed = {io.INPUT_IDS: self._ids1, io.POSITION_IDS: np.zeros((1, 1), dtype=np.int64),
                  io.ROPE_COS: self.rotated.cos, io.ROPE_SIN: self.rotated.sin, io.SEQLENS_K: self._seqlens1,
                  io.TOTAL_SEQUENCE_LENGTH: self._total1, io.LOGIT_ROWS: np.zeros(1, dtype=np.int64)}  # fmt: skip
+        if lay.local_layers:  # the rings' lengths and rotation, written in place too; their bias is all zeros
+            self._local_seqlens1 = np.zeros(1, dtype=np.int32)
+            self._local_total1 = np.zeros((), dtype=np.int32)
+            self._local_zero_bias = np.zeros((1, 1, 1, lay.local_slots + 1), dtype=np.float32)
+            self._local_full_bias = np.zeros((1, 1, 1, lay.local_slots + 1), dtype=np.float32)
+            self._local_masked = 0  # the ring slot the full-ring bias masks now
+            self._local_held: int | None = None
+            fixed.update({io.LOCAL_SEQLENS_K: self._local_seqlens1, io.LOCAL_TOTAL_SEQUENCE_LENGTH: self._local_total1,
+                          io.LOCAL_ROPE_COS: self.ring.cos, io.LOCAL_ROPE_SIN: self.ring.sin})  # fmt: skip
         self._decode_inputs = [(name, ortvalue(arr, "")) for name, arr in fixed.items()]
         for name, ov in self._decode_inputs:
             self._decode.binding.bind_ortvalue_input(name, ov)
@@ -170,6 +198,15 @@ class FusedBackend(Backend):
             io.TOTAL_SEQUENCE_LENGTH: np.array(F + n, dtype=np.int32),
             io.LOGIT_ROWS: rows,
         }
+        if self.ring is not None:
+            self.ring.fill(plan)
+            Fl, R = plan.local_cached, self.layout.local_slots
+            lmask = plan.local_attention_mask
+            lbias = lmask if Fl == R else np.concatenate([lmask[:, :Fl], lmask[:, R:]], axis=1)
+            inputs.update({io.LOCAL_ROPE_COS: self.ring.cos, io.LOCAL_ROPE_SIN: self.ring.sin,
+                           io.LOCAL_ATTENTION_BIAS: lbias[None, None],
+                           io.LOCAL_SEQLENS_K: np.array([Fl + n - 1], dtype=np.int32),
+                           io.LOCAL_TOTAL_SEQUENCE_LENGTH: np.array(Fl + n, dtype=np.int32)})  # fmt: skip
         self._bind_ahead()
         outs = self._prefill.run(inputs)
         return StepOutput(outs[0], (F, outs[1:]))
@@ -191,6 +228,25 @@ class FusedBackend(Backend):
                 self._bias = np.concatenate([mask[:, :F], mask[:, self.layout.slots :]], axis=1)[None, None]
             bias[io.ATTENTION_BIAS] = self._bias
             self._bias_held = held
+        if self.ring is not None:
+            # One token sees every ring token while the ring fills (they are the stream's first), and all
+            # but the oldest once it is full (the one w tokens back, in slot seen mod R): that bias is
+            # bound once and its one masked slot moved in place.
+            self.ring.fill(plan)
+            Fl, R = plan.local_cached, self.layout.local_slots
+            self._local_seqlens1[0] = Fl
+            self._local_total1[()] = Fl + 1
+            if Fl < R:
+                if Fl != self._local_held:
+                    bias[io.LOCAL_ATTENTION_BIAS] = self._local_zero_bias[..., : Fl + 1]
+            else:
+                full = self._local_full_bias
+                full[0, 0, 0, self._local_masked] = 0.0
+                self._local_masked = plan.seen % R
+                full[0, 0, 0, self._local_masked] = io.MASK_VALUE
+                if Fl != self._local_held:
+                    bias[io.LOCAL_ATTENTION_BIAS] = full
+            self._local_held = Fl
         self._bind_ahead()
         self.rotated.plan_ahead(plan)
         outs = self._decode.run(bias)
@@ -202,19 +258,27 @@ class FusedBackend(Backend):
         slots (often the same rows: then nothing moves). A prefix plan moves its tokens only; the
         kernel's rows of the others stay in empty slots or scratch rows, masked and never read."""
         start, qkv = out.new
-        self.rotated.keep_sources(plan, qkv, self._heads)
-        slots = plan.slots
-        n = len(slots)
-        lo, hi = int(slots[0]), int(slots[-1]) + 1
-        if n == 1:  # a decode step: one row per layer and head
-            if lo != start:
-                self.keys[:, :, lo] = self.keys[:, :, start]
-                self.values[:, :, lo] = self.values[:, :, start]
-        elif not (lo == start and hi - lo == n):
-            where = slice(lo, hi) if hi - lo == n else slots
-            for buf in (self.keys, self.values):
-                # through a small copy: the rows never overlap, but numpy would prove it the slow way
-                buf[:, :, where] = buf[:, :, start : start + n].copy()
+        lay = self.layout
+        self.rotated.keep_sources(plan, [qkv[i] for i in lay.global_layers] if lay.local_layers else qkv, self._heads)
+        if self.local_keys is not None:  # the ring's rows F_l.. into slots seen mod R
+            _move(self.local_keys, self.local_values, plan.local_cached, plan.local_slots)
+        _move(self.keys, self.values, start, plan.slots)
+
+
+def _move(keys: np.ndarray, values: np.ndarray, start: int, slots: np.ndarray) -> None:
+    """Move a chunk's rows start.. of (layers, kv_heads, rows, head_dim) buffers into `slots` (often
+    the same rows: then nothing moves)."""
+    n = len(slots)
+    lo, hi = int(slots[0]), int(slots[-1]) + 1
+    if n == 1:  # a decode step: one row per layer and head
+        if lo != start:
+            keys[:, :, lo] = keys[:, :, start]
+            values[:, :, lo] = values[:, :, start]
+    elif not (lo == start and hi - lo == n):
+        where = slice(lo, hi) if hi - lo == n else slots
+        for buf in (keys, values):
+            # through a small copy: the rows never overlap, but numpy would prove it the slow way
+            buf[:, :, where] = buf[:, :, start : start + n].copy()
 
 
 def unavailable() -> str | None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
+import onnx
 
 from cabinlm import io_spec
 from cabinlm.buildspec import BuildSpec, OptimizationLevel
@@ -97,7 +98,10 @@ class FusedBuilder(Builder):
         manifest, opts, log = request.manifest, request.options, request.log
         output.copy("tokenizer")
         graph = read_graph(request.artifact, manifest)
-        q4_1 = sum(1 for i in graph.graph.initializer if i.name.endswith(io_spec.QUANT_SUFFIXES[3]))
+        # 4-bit matrices with block minimums (GGUF Q4_1 / Q4_K): what cabinlm's BlockQ4MatMul runs
+        codes = {i.name: i.data_type for i in graph.graph.initializer if i.name.endswith(io_spec.QUANT_SUFFIXES[0])}
+        q4_1 = sum(1 for i in graph.graph.initializer if i.name.endswith(io_spec.QUANT_SUFFIXES[3])
+                   and codes.get(i.name.removesuffix(io_spec.QUANT_SUFFIXES[3]) + io_spec.QUANT_SUFFIXES[0]) == onnx.TensorProto.UINT4)
         kernel = _attention_wanted(manifest, opts.attention_kernel.value)
         matmul = _matmul_wanted(q4_1, opts.matmul_kernel.value, opts.accuracy_level)
         output.path(LIBRARY).unlink(missing_ok=True)  # an earlier build's, in the same folder
@@ -132,7 +136,6 @@ class FusedBuilder(Builder):
                 if opts.minimums.value == "exact"
                 else "8-bit blocks with integer zero points (each minimum rounded to 1/34 of its block's step)"))  # fmt: skip
         del graph
-        import onnx
 
         onnx.save_model(fused_graph.rotation_model(manifest), str(output.path(fused_graph.ROTATE_GRAPH)))
         output.add("rotate_graph", fused_graph.ROTATE_GRAPH)

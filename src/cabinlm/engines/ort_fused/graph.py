@@ -31,8 +31,18 @@ rotation pair (a rotation moves magnitude only inside a pair), values per channe
 
 Qwen3's RMSNorm of each q / k head runs between the q|k|v projection and the attention kernel
 (qk_norm in fused_model), so the kernel rotates and caches normed keys, as transformers does.
+Gemma 3 adds its scaled embedding, its softmax scale (the kernel's `scale`), an RMSNorm on the
+attention output and on the MLP output before each residual add, and FastGelu (its tanh
+approximation) for SiLU.
 
-Eligible: a text-only model (Llama, Mistral, Qwen2, Qwen3, Phi-3), int8 or fp32 KV, dynamic shapes
+Local layers (CacheLayout.local_layers) run the same kernel over their ring of R = w slots (+ C
+scratch rows), with inputs of their own. Every stream token passes through a ring, so its tokens are
+consecutive in the stream: they are rotated once, at their stream index, with the local RoPE table,
+and a query at its stream index sees each at the model's own distance, for ever; nothing is
+re-written. F_l = min(seen, R) slots are in use; a chunk lands in rows F_l.. (empty slots while the
+ring fills, scratch rows after) and the runtime moves it into ring slots seen mod R.
+
+Eligible: a text-only model (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3), int8 or fp32 KV, dynamic shapes
 (the cpu profile). Anything else keeps the exported graph (engines/ort_fused/builder.py says which
 and why).
 """
@@ -51,6 +61,8 @@ from cabinlm.manifest import Manifest
 
 MS = "com.microsoft"
 FUSED_KV = (KVDType.INT8, KVDType.FP32)
+FUSED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
+                       "Gemma3ForCausalLM")
 
 
 def ineligible(manifest: Manifest) -> str | None:
@@ -62,6 +74,8 @@ def ineligible(manifest: Manifest) -> str | None:
         return f"{lay.kv_dtype.value} KV (the fused kernel takes int8 or fp32 KV)"
     if manifest.index_dtype != "int64":
         return "int32 indices"
+    if manifest.model.architecture not in FUSED_ARCHITECTURES:
+        return f"{manifest.model.architecture} (the fused decoder implements {', '.join(FUSED_ARCHITECTURES)})"
     return None
 
 
@@ -153,8 +167,8 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
         """A Q4_1 matrix laid out for cabinlm's BlockQ4MatMul (its initializer), or None where the
         build runs it on MatMulNBits (matmul_kernel "onnxruntime", another format, not float16)."""
         nonlocal own_ops
-        if matmul_kernel != MatmulKernel.CABINLM or not W.has(f"{name}.offset"):
-            return None
+        if matmul_kernel != MatmulKernel.CABINLM or not W.has(f"{name}.offset") or W.get(f"{name}.q").dtype == np.int8:
+            return None  # (8-bit codes with minimums, e.g. GGUF Q5_K / Q5_1: MatMulNBits)
         blob = block_q4_layout(W.get(f"{name}.q"), W.get(f"{name}.scale").astype(np.float32),
                                W.get(f"{name}.offset").astype(np.float32))  # fmt: skip
         if blob is None:
@@ -217,6 +231,7 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
         shift = b.op("MatMul", sums, b.weight(f"{name}.nbits_offset", offset), hint=f"{name}/offset")
         return b.op("Add", y, shift, out=out, hint=f"{name}/offset")
 
+    own_ops_allowed = spec.activation == "silu"  # BlockQ4SwiGLUMatMul computes SiLU(gate) * up inside
     # Embedding: as exported (a float table, or int8 / int4 rows scaled per block).
     ids = mf.INPUT_IDS
     if W.has("embed_tokens"):
@@ -241,8 +256,19 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
             xq = b.op("Add", xq, b.op("Unsqueeze", off, b.const(np.array([2], np.int64))))
         x = b.op("Reshape", xq, b.const(np.array([1, -1, D], np.int64)), hint="embed")
 
+    if spec.embed_scale != 1.0:  # Gemma 3: the rows times sqrt(D), in float32 as the model computes it
+        x = b.op("Mul", x, b.const(np.array(spec.embed_scale, np.float32)), hint="embed_scaled")
+
     def float_weight(name: str) -> str:
         return b.weight(name, W.get(name).astype(np.float32))
+
+    def out_norm(y: str, i: int, part: str) -> str:
+        """Gemma 3: RMSNorm of the attention / MLP output before its residual add (none for the others)."""
+        name = mf.weight_name(i, f"{part}.weight")
+        if not W.has(name):
+            return y
+        return b.op("SimplifiedLayerNormalization", y, float_weight(name), axis=-1, epsilon=eps, stash_type=1,
+                    hint=f"layers.{i}/{part}")  # fmt: skip
 
     def qk_norm(qkv: str, i: int) -> str:
         """Qwen3: RMSNorm over head_dim of each q and k head, before GroupQueryAttention rotates them;
@@ -291,16 +317,26 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
             qkv = qk_norm(linear(h, mf.weight_name(i, "qkv"), bias=bias), i)
         else:
             qkv = linear(h, mf.weight_name(i, "qkv"), out=mf.qkv_name(i), bias=bias)
+        if i in lay.local_layers:  # the ring's own lengths, rotation and bias (module docstring)
+            lengths = [mf.LOCAL_SEQLENS_K, mf.LOCAL_TOTAL_SEQUENCE_LENGTH, mf.LOCAL_ROPE_COS, mf.LOCAL_ROPE_SIN,
+                       mf.POSITION_IDS, mf.LOCAL_ATTENTION_BIAS]  # fmt: skip
+        else:
+            lengths = [mf.SEQLENS_K, mf.TOTAL_SEQUENCE_LENGTH, mf.ROPE_COS, mf.ROPE_SIN, mf.POSITION_IDS, mf.ATTENTION_BIAS]
         if own_kernel:  # kernels/int8_kv_attention.cc: the inputs GroupQueryAttention takes, in its order
-            ins = [qkv, mf.key_cache_name(i), mf.value_cache_name(i), mf.SEQLENS_K, mf.TOTAL_SEQUENCE_LENGTH, mf.ROPE_COS,
-                   mf.ROPE_SIN, mf.POSITION_IDS, mf.ATTENTION_BIAS,
+            # the kernel's softmax scale is 1 / sqrt(Dh); another (Gemma 3's query_pre_attn_scalar) is
+            # folded into the queries (RoPE is linear), leaving the qkv output the runtime reads untouched
+            ratio = float(spec.softmax_scale * np.sqrt(Dh))
+            q_in = qkv
+            if abs(ratio - 1.0) > 1e-7:
+                cols = np.concatenate([np.full(H * Dh, ratio), np.ones(2 * Hkv * Dh)]).astype(np.float32)
+                q_in = b.op("Mul", qkv, b.const(cols), hint=f"{p}/query_scale")
+            ins = [q_in, mf.key_cache_name(i), mf.value_cache_name(i), *lengths,
                    b.weight(f"{p}.k_scale", kv_scales["rotated_keys"][i].reshape(Hkv * Dh).astype(np.float32)),
                    b.weight(f"{p}.v_scale", kv_scales["values"][i].reshape(Hkv * Dh).astype(np.float32))]  # fmt: skip
             att = b.op(kernels.ATTENTION_OP, *ins, domain=kernels.DOMAIN, hint=f"{p}/attention")
         else:
-            gqa_in = [qkv, "", "", mf.key_cache_name(i), mf.value_cache_name(i), mf.SEQLENS_K,
-                      mf.TOTAL_SEQUENCE_LENGTH, mf.ROPE_COS, mf.ROPE_SIN, mf.POSITION_IDS, mf.ATTENTION_BIAS, ""]  # fmt: skip
-            attrs = dict(num_heads=H, kv_num_heads=Hkv, scale=float(1 / np.sqrt(Dh)), do_rotary=1, rotary_interleaved=0,
+            gqa_in = [qkv, "", "", mf.key_cache_name(i), mf.value_cache_name(i), *lengths, ""]
+            attrs = dict(num_heads=H, kv_num_heads=Hkv, scale=float(spec.softmax_scale), do_rotary=1, rotary_interleaved=0,
                          local_window_size=-1)  # fmt: skip
             if quantized_kv:
                 gqa_in += [b.weight(f"{p}.k_scale", kv_scales["rotated_keys"][i].reshape(1, Hkv, 1, Dh)),
@@ -309,17 +345,21 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
             att, _, _ = b.op("GroupQueryAttention", *gqa_in, domain=MS, outputs=3, hint=f"{p}/attention", **attrs)
             b.nodes[-1].output[1] = mf.present_key_name(i)
             b.nodes[-1].output[2] = mf.present_value_name(i)
-        o = linear(att, mf.weight_name(i, "o"))
+        o = out_norm(linear(att, mf.weight_name(i, "o")), i, "attn_out_norm")
         h, _, _, residual = b.op("SkipSimplifiedLayerNormalization", o, residual, float_weight(mf.weight_name(i, "post_norm.weight")),
                                  outputs=4, domain=MS, epsilon=eps, hint=f"{p}/post_norm")  # fmt: skip
         gate_up = linear(h, mf.weight_name(i, "gate_up"))
-        down = own_blocks(mf.weight_name(i, "down"))
+        down = own_blocks(mf.weight_name(i, "down")) if own_ops_allowed else None
         if down is not None:  # silu(gate) * up inside the down projection's kernel
             x = b.op(kernels.SWIGLU_MATMUL_OP, gate_up, down, domain=kernels.DOMAIN, hint=f"{p}.down")
         else:
             gate, up = b.op("Split", gate_up, b.const(np.array([I, I], np.int64)), outputs=2, axis=-1)
-            act = b.op("Mul", b.op("Mul", gate, b.op("Sigmoid", gate)), up, hint=f"{p}/swiglu")
+            if spec.activation == "gelu_tanh":  # FastGelu: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+                act = b.op("Mul", b.op("FastGelu", gate, domain=MS), up, hint=f"{p}/geglu")
+            else:
+                act = b.op("Mul", b.op("Mul", gate, b.op("Sigmoid", gate)), up, hint=f"{p}/swiglu")
             x = linear(act, mf.weight_name(i, "down"))
+        x = out_norm(x, i, "mlp_out_norm")
     x = b.op("Squeeze", b.op("Add", x, residual), b.const(np.array([0], np.int64)))
     x = b.op("Gather", x, mf.LOGIT_ROWS, axis=0, hint="logit_rows")
     h = b.op("SimplifiedLayerNormalization", x, float_weight("final_norm.weight"), axis=-1, epsilon=eps, stash_type=1)
@@ -369,7 +409,7 @@ def rotation_model(manifest: Manifest) -> onnx.ModelProto:
     b = _Builder()
     _rotation(b, lay, "source", "position_ids", "cos", "sin", "keys")
     out_type = TensorProto.INT8 if lay.kv_dtype == KVDType.INT8 else TensorProto.FLOAT
-    heads, d = lay.layers * lay.kv_heads, lay.head_dim
+    heads, d = len(lay.global_layers) * lay.kv_heads, lay.head_dim
     inputs = [helper.make_tensor_value_info("source", TensorProto.FLOAT, [1, heads, "rows", d]),
               helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, "rows"]),
               helper.make_tensor_value_info("cos", TensorProto.FLOAT, ["rows", d // 2]),

@@ -69,7 +69,7 @@ class RotatedKeys:
         self._pending: tuple | None = None  # the state the decode step in flight rotates them for
         self._runs: list[tuple | None] = [None, None]  # (first position, cos, sin): the query's, the refresh's
         self.ahead_version = 0  # bumped when the `ahead` arrays are replaced (the session rebinds)
-        self._set_source(np.zeros((1, lay.layers * lay.kv_heads, 0, lay.head_dim), np.float32))
+        self._set_source(np.zeros((1, keys.shape[0] * lay.kv_heads, 0, lay.head_dim), np.float32))
 
     def _set_source(self, scaled: np.ndarray) -> None:
         """The working copy and the decode graph's side inputs / output over it (P = its rows)."""
@@ -130,7 +130,8 @@ class RotatedKeys:
         self.sin[:n] = sin
 
     def keep_sources(self, plan: StepPlan, qkv: list[np.ndarray], num_heads: int) -> None:
-        """Keep the un-rotated keys of the chunk's tokens that go to sink or pinned slots."""
+        """Keep the un-rotated keys of the chunk's tokens that go to sink or pinned slots (qkv: the
+        q|k|v outputs of the layers this class refreshes, the global ones)."""
         lay = self.layout
         if not plan.pin and plan.sink_fill >= lay.sink:  # a window chunk: nothing to keep
             return
@@ -193,7 +194,7 @@ class RotatedKeys:
         lay, slots = self.layout, self._slots
         lo, hi = int(slots[0]), int(slots[-1]) + 1
         where = slice(lo, hi) if hi - lo == len(slots) else slots
-        self.keys[:, :, where] = rotated.reshape(lay.layers, lay.kv_heads, len(slots), lay.head_dim)
+        self.keys[:, :, where] = rotated.reshape(self.keys.shape[0], lay.kv_heads, len(slots), lay.head_dim)
 
     def plan_ahead(self, plan: StepPlan) -> None:
         """Before a single-token step: if it is a window token that evicts, with the sink full and the
@@ -214,3 +215,34 @@ class RotatedKeys:
     def ahead_done(self) -> None:
         """The graph run that carried the side tables finished: its keys stand for that state."""
         self._ahead, self._pending = self._pending, None
+
+
+class RingTables:
+    """The local layers' rotation (engines/ort_fused/graph.py, "Local layers"): a chunk's tokens are
+    rotated at their stream indices with the local RoPE table, computed in float64 (positions grow
+    without bound), into rows 0..n-1 of the (R + C, head_dim / 2) cos / sin inputs."""
+
+    AHEAD = 256
+
+    def __init__(self, layout: CacheLayout, inv_freq, rope_scale: float):
+        self.inv_freq = np.asarray(inv_freq, dtype=np.float64)
+        self.rope_scale = float(rope_scale)
+        rows = layout.local_slots + layout.chunk
+        self.cos = np.zeros((rows, layout.head_dim // 2), dtype=np.float32)
+        self.sin = np.zeros_like(self.cos)
+        self._run: tuple | None = None  # (first position, cos, sin) of the next AHEAD decode positions
+
+    def _tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        angles = positions.astype(np.float64)[:, None] * self.inv_freq[None, :]
+        return (np.cos(angles) * self.rope_scale).astype(np.float32), (np.sin(angles) * self.rope_scale).astype(np.float32)
+
+    def fill(self, plan: StepPlan) -> None:
+        n, start = plan.tokens, plan.seen
+        if n == 1:  # decode: cut from a table of the next AHEAD positions (one copy per step)
+            run = self._run
+            if run is None or not run[0] <= start < run[0] + len(run[1]):
+                run = self._run = (start, *self._tables(np.arange(start, start + self.AHEAD)))
+            o = start - run[0]
+            self.cos[0], self.sin[0] = run[1][o], run[2][o]
+            return
+        self.cos[:n], self.sin[:n] = self._tables(np.arange(start, start + n))

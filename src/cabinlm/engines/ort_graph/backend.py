@@ -7,6 +7,10 @@ memory, bound once at load):
 
     keys, values     (layers, kv_heads, slots, head_dim)  kv dtype (fp8: its uint8 bytes)   un-rotated
     value_scales     (layers, kv_heads, slots, 1)         float16, int8 / fp8 KV only
+    local_keys, local_values, local_value_scales         the same over the local layers' rings
+                     (local layers, kv_heads, R, ...)     (CacheLayout.local_layers; absent without)
+
+(`layers` above: the global layers, CacheLayout.buffer_shape; all of them without local layers.)
 
 A step binds ids, positions, mask and logit rows; the chunk's K/V come back as outputs (buffers
 allocated once for single-token decode) and commit writes them into their slots.
@@ -57,7 +61,7 @@ def load_graphs(folder: Path, manifest: Manifest, threads: int | None, extra: di
         path = folder / manifest.files[role].path
         s = open_session(path, so, spec)
         lay = manifest.cache
-        check_io(s, manifest.io if tokens is None else manifest.io.with_tokens(tokens, lay.slots), folder,
+        check_io(s, manifest.io if tokens is None else manifest.io.with_tokens(tokens, lay), folder,
                  built=manifest.build is not None)  # fmt: skip
         return s
 
@@ -69,12 +73,21 @@ def load_graphs(folder: Path, manifest: Manifest, threads: int | None, extra: di
 
 def allocate(layout) -> dict[str, np.ndarray]:
     """This backend's cache buffers for a layout (the module docstring's table)."""
-    L, H, N, D = layout.buffer_shape
     dtype = np.dtype(layout.kv_dtype.numpy_name)
-    bufs = {"keys": np.zeros((L, H, N, D), dtype=dtype), "values": np.zeros((L, H, N, D), dtype=dtype)}
-    if layout.quantized:
-        bufs["value_scales"] = np.zeros((L, H, N, 1), dtype=np.float16)
+    bufs = {}
+    kinds = [("", layout.buffer_shape)] + ([("local_", layout.local_buffer_shape)] if layout.local_layers else [])
+    for prefix, (L, H, N, D) in kinds:
+        bufs[f"{prefix}keys"] = np.zeros((L, H, N, D), dtype=dtype)
+        bufs[f"{prefix}values"] = np.zeros((L, H, N, D), dtype=dtype)
+        if layout.quantized:
+            bufs[f"{prefix}value_scales"] = np.zeros((L, H, N, 1), dtype=np.float16)
     return bufs
+
+
+def layer_view(bufs: dict[str, np.ndarray], name: str, layout, layer: int) -> np.ndarray:
+    """One layer's (kv_heads, slots or R, X) view of buffer `name` ("keys", "values", "value_scales")."""
+    local, j = layout.buffer_index(layer)
+    return bufs[f"local_{name}" if local else name][j]
 
 
 class ExportedGraphBackend(Backend):
@@ -87,9 +100,9 @@ class ExportedGraphBackend(Backend):
         self.graphs = graphs
         m = self.manifest
         lay = self.layout
-        bufs = allocate(lay)
-        self.keys, self.values = bufs["keys"], bufs["values"]
-        self.value_scales = bufs.get("value_scales")
+        self.bufs = allocate(lay)
+        self.keys, self.values = self.bufs["keys"], self.bufs["values"]
+        self.value_scales = self.bufs.get("value_scales")
         self._index = np.dtype(m.index_dtype)
         self._rows = np.arange(lay.chunk, dtype=self._index)
         if m.vision is not None:  # text chunks of a vision-language model: no image rows
@@ -103,10 +116,10 @@ class ExportedGraphBackend(Backend):
         kv = np.dtype(lay.kv_dtype.numpy_name)
         cache = []  # OrtValues over this dialogue's buffers, shared by both bindings
         for i in range(lay.layers):
-            cache += [(io.key_cache_name(i), ortvalue(self.keys[i], kv_onnx)),
-                      (io.value_cache_name(i), ortvalue(self.values[i], kv_onnx))]  # fmt: skip
+            cache += [(io.key_cache_name(i), ortvalue(layer_view(self.bufs, "keys", lay, i), kv_onnx)),
+                      (io.value_cache_name(i), ortvalue(layer_view(self.bufs, "values", lay, i), kv_onnx))]  # fmt: skip
             if self.value_scales is not None:
-                cache.append((io.value_scale_name(i), ortvalue(self.value_scales[i], "float16")))
+                cache.append((io.value_scale_name(i), ortvalue(layer_view(self.bufs, "value_scales", lay, i), "float16")))
         self._cache_values = cache
         H, D, V = lay.kv_heads, lay.head_dim, self.graphs.manifest.model.vocab_size
         outs = [(io.LOGITS, ("rows", V), np.dtype(np.float32), "float")]
@@ -128,10 +141,7 @@ class ExportedGraphBackend(Backend):
         return exported_graph_verifies_drafts(self.layout)
 
     def buffers(self) -> dict[str, np.ndarray]:
-        out = {"keys": self.keys, "values": self.values}
-        if self.value_scales is not None:
-            out["value_scales"] = self.value_scales
-        return out
+        return dict(self.bufs)
 
     def seat(self, table: SlotTable) -> ExportedGraphBackend:
         return type(self)(self.graphs, table)
@@ -152,8 +162,17 @@ class ExportedGraphBackend(Backend):
                 inputs = {io.IMAGE_EMBEDS: rows, io.IMAGE_MASK: self._all_image[:size]}
         elif embeds is not None:
             raise ValueError("this model has no vision input")
+        local = {}
+        if self.layout.local_layers:
+            local = {io.LOCAL_POSITION_IDS: plan.local_position_ids.astype(index, copy=False),
+                     io.LOCAL_CACHE_POSITION_IDS: plan.local_cache_position_ids.astype(index, copy=False),
+                     io.LOCAL_ATTENTION_MASK: plan.local_attention_mask}  # fmt: skip
         if size != n:
+            if local:
+                _, local[io.LOCAL_POSITION_IDS], local[io.LOCAL_ATTENTION_MASK] = _pad(
+                    ids, local[io.LOCAL_POSITION_IDS], local[io.LOCAL_ATTENTION_MASK], size, self.layout.local_slots)
             ids, pos, mask = _pad(ids, pos, mask, size, self.layout.slots)
+        inputs.update(local)
         if binding.tokens is not None and binding.tokens > 1:  # static prefill: every row, then pick
             logit_rows = self._rows[:size]
         else:
@@ -174,11 +193,15 @@ class ExportedGraphBackend(Backend):
     def commit(self, plan: StepPlan, out: StepOutput) -> None:
         """Per layer (kv_heads, tokens, head_dim) K/V and (kv_heads, tokens, 1) value scales into
         their slots; a contiguous run of slots (no wrap of the ring inside the chunk) is one slice."""
-        keys, values, scales = out.new
-        write_slots(self.keys, keys, plan.slots)
-        write_slots(self.values, values, plan.slots)
-        if self.value_scales is not None:
-            write_slots(self.value_scales, scales, plan.slots)
+        lay = self.layout
+        for name, news in zip(("keys", "values", "value_scales"), out.new):
+            if name not in self.bufs:
+                continue
+            if not lay.local_layers:
+                write_slots(self.bufs[name], news, plan.slots)
+                continue
+            write_slots(self.bufs[name], [news[i] for i in lay.global_layers], plan.slots)
+            write_slots(self.bufs[f"local_{name}"], [news[i] for i in lay.local_layers], plan.local_slots)
 
 
 def write_slots(buffer: np.ndarray, news: list[np.ndarray], slots: np.ndarray) -> None:
@@ -199,7 +222,8 @@ def _pad(ids, pos, mask, size: int, slots: int):
     ids_p[:n] = ids
     pos_p = np.arange(pos[0], pos[0] + size, dtype=pos.dtype)
     mask_p = np.empty((size, slots + size), dtype=mask.dtype)
-    mask_p[:, :slots] = mask[0, :slots]
+    mask_p[:n, :slots] = mask[:, :slots]  # rows differ in a local ring's mask (each token's own window)
+    mask_p[n:, :slots] = mask[n - 1, :slots]
     mask_p[:, slots:] = np.where(np.tri(size, dtype=bool), np.float32(0), MASK_VALUE)
     return ids_p, pos_p, mask_p
 

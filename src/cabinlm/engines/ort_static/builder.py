@@ -54,7 +54,7 @@ class StaticBuilder(Builder):
         for name, tokens in ((PREFILL_GRAPH, manifest.cache.chunk), (DECODE_GRAPH, 1)):
             m = onnx.ModelProto()
             m.CopyFrom(src)
-            fix_tokens(m, tokens, manifest.cache.slots)
+            fix_tokens(m, tokens, manifest.cache)
             onnx.save_model(m, str(output.path(name)))  # initializers keep pointing at the shared data file
         output.add("graph", PREFILL_GRAPH)
         output.add("graph_decode", DECODE_GRAPH)

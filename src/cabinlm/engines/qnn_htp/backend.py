@@ -45,7 +45,7 @@ def load_qnn(folder: Path, manifest: Manifest, threads: int | None = None) -> Lo
             raise BackendError(f"{folder}: no {role!r} context model listed; run `cabinlm build` again")
         path = folder / manifest.files[role].path
         s = qnn_plugin.open_context_session(path, spec.provider, share=qnn.weight_sharing and not twin)
-        check_io(s, manifest.io.with_tokens(tokens, manifest.cache.slots), folder, built=True)
+        check_io(s, manifest.io.with_tokens(tokens, manifest.cache), folder, built=True)
         sessions.append(s)
     return LoadedGraphs(manifest, sessions[0], sessions[1], True, [])
 

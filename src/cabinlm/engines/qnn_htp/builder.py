@@ -173,7 +173,7 @@ class QnnBuilder(Builder):
             for role, tokens in (("prefill", lay.chunk), ("decode", 1)):
                 m = onnx.ModelProto()
                 m.CopyFrom(model)
-                fix_tokens(m, tokens, lay.slots)
+                fix_tokens(m, tokens, lay)
                 src = Path(tmp) / f"decoder.{role}.onnx"
                 onnx.save_model(m, str(src), save_as_external_data=True, all_tensors_to_one_file=True,
                                 location=src.name + ".data", size_threshold=1024)  # fmt: skip
@@ -236,12 +236,17 @@ def _check_decode(src: Path, ctx: Path, manifest: Manifest, profile, min_correla
     mask[0, -1] = 0
     feed[io.ATTENTION_MASK] = mask
     kv = np.dtype(lay.kv_dtype.numpy_name)
+    if lay.local_layers:  # the local rings, empty too
+        ring = np.full((1, lay.local_slots + 1), io.MASK_VALUE, np.float32)
+        ring[0, -1] = 0
+        feed.update({io.LOCAL_POSITION_IDS: np.array([0], index), io.LOCAL_CACHE_POSITION_IDS: np.zeros(lay.local_slots, index),
+                     io.LOCAL_ATTENTION_MASK: ring})  # fmt: skip
     for i in range(lay.layers):
-        shape = (lay.kv_heads, lay.slots, lay.head_dim)
+        shape = (lay.kv_heads, lay.layer_slots(i), lay.head_dim)
         feed[io.key_cache_name(i)] = np.zeros(shape, kv)
         feed[io.value_cache_name(i)] = np.zeros(shape, kv)
         if lay.quantized:
-            feed[io.value_scale_name(i)] = np.zeros((lay.kv_heads, lay.slots, 1), np.float16)
+            feed[io.value_scale_name(i)] = np.zeros((lay.kv_heads, lay.layer_slots(i), 1), np.float16)
     if manifest.vision is not None:
         feed[io.IMAGE_EMBEDS] = np.zeros((1, manifest.vision.embed_dim), np.float32)
         feed[io.IMAGE_MASK] = np.zeros((1, 1), bool)

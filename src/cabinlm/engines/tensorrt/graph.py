@@ -67,9 +67,13 @@ def fp16_safe_norms(model: onnx.ModelProto, layers: int, eps: float) -> int:
         g.initializer.append(numpy_helper.from_array(np.array([-1], dtype=np.int64), "trt_safe/axes"))
     replace: dict[int, list[onnx.NodeProto]] = {}  # id of the block's first node -> the new nodes
     drop: set[int] = set()
+    weights = {i.name for i in g.initializer}
+    optional = {p.removesuffix(".weight") for p in io_spec.OPTIONAL_LAYER_WEIGHTS}
     for base in norm_names(layers):
         mul = nodes.get(f"n/{base}")
         parts = [nodes.get(f"n/{base}/{suffix}") for suffix, _ in _PARTS]
+        if f"{base}.weight" not in weights and base.rsplit(".", 1)[-1] in optional:
+            continue  # a norm this family does not have (Qwen3's and Gemma 3's q / k norms, Gemma 3's output norms)
         if mul is None or any(p is None for p in parts):
             raise BuildError(f"the exported graph has no RMSNorm block {base!r} (Pow .. Mul named n/{base}/...); "
                              "export again with this cabinlm")  # fmt: skip
