@@ -16,7 +16,8 @@ from cabinlm.errors import LayoutError, ModelError
 from cabinlm.manifest import CacheLayout, KVDType
 from cabinlm.model_config import image_tokens_from_config, spec_from_config, vision_params_from_config
 from cabinlm.profiles import list_profiles, load_profile
-from cabinlm.profiles.planner import PlanError, activation_bytes, format_plan, parameter_count, plan
+from cabinlm.profiles.planner import (ORT_CPU_RUNTIME_BYTES, PlanError, activation_bytes, default_build, format_plan,
+                                      held_weights, parameter_count, plan)
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 MODELS = ["smollm2-135m", "qwen2.5-1.5b", "llama-3.2-3b"]
@@ -94,12 +95,19 @@ def test_every_model_on_every_profile(specs, model, profile_name):
     assert small.kv_bytes_per_token == KV_PER_TOKEN[model][profile.default_kv.value]
     layout = CacheLayout(4, 124, chunk, chunk, spec.num_layers, spec.num_kv_heads, spec.head_dim, profile.default_kv)
     assert small.kv_bytes == layout.cache_bytes + layout.key_scale_bytes
-    assert small.weights_bytes == PARAMS[model] * profile.weight_dtype.bits // 8
+    ort_cpu = default_build(profile, profile.default_kv) is not None
+    if ort_cpu:  # ONNX Runtime CPU builds: the layout the default build holds, a measured runtime, the tokenizer
+        assert small.build == default_build(profile, profile.default_kv)
+        assert small.weights_bytes == held_weights(profile.weight_dtype, small.build).nbytes(spec)
+        assert small.runtime_overhead_bytes == ORT_CPU_RUNTIME_BYTES and small.tokenizer_bytes > 0
+    else:
+        assert small.weights_bytes == PARAMS[model] * profile.weight_dtype.bits // 8
+        assert small.runtime_overhead_bytes == profile.runtime_overhead_bytes and small.tokenizer_bytes == 0
     # Qualcomm HTP profiles hold the weights in their context binaries (one copy per binary)
     held = small.htp_binary_bytes if profile.htp_arch else small.weights_bytes
     assert (small.htp_binaries > 0) == (profile.htp_arch is not None)
     parts = held + small.kv_bytes + small.activation_bytes + small.vision_bytes
-    assert small.total_bytes == parts + profile.runtime_overhead_bytes
+    assert small.total_bytes == parts + small.runtime_overhead_bytes + small.tokenizer_bytes
     assert small.budget_bytes == profile.budget_bytes
 
     if not small.fits:
@@ -254,3 +262,132 @@ def test_smollm2s_published_config_matches_the_gguf_it_ships_as(smollm2):
     bare, loaded = spec_from_config(CONFIGS / "smollm2-135m.json"), smollm2.spec
     assert loaded.rms_norm_eps == pytest.approx(bare.rms_norm_eps, rel=1e-6)
     assert _without_source(dataclasses.replace(loaded, rms_norm_eps=bare.rms_norm_eps)) == _without_source(bare)
+
+
+# -- the planner's terms against a real export's and build's files -------------------------------
+#
+# The weights term of an ONNX Runtime CPU plan is what the build holds: the attention / MLP matrices
+# in the build's layout (block scales, zero points, minimums included) and the output projection; a
+# quantized build's gather copy of a tied token table is read one row per token and not counted. Here
+# the expected bytes are the sums of the initializers in the graph files on disk (read with onnx), not
+# numbers written out by hand.
+
+WEIGHT_TOLERANCE = 0.01  # 1% of the weights: the planner counts matrices, heads and norms, not constants
+
+
+def _initializer_bytes(graph: Path) -> dict[str, int]:
+    import onnx
+    from onnx.external_data_helper import ExternalDataInfo
+
+    m = onnx.load(str(graph), load_external_data=False)
+    out = {}
+    for t in m.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            out[t.name] = ExternalDataInfo(t).length
+        else:
+            out[t.name] = onnx.numpy_helper.to_array(t).nbytes
+    return out
+
+
+def _held_on_disk(folder: Path, gather_copy_held: bool) -> int:
+    """The weights the artifact's graph holds: every initializer of a matrix, a head, a table or a norm
+    (names from the exporter and the builders), less a quantized tied table's gather copy unless held,
+    and a tied float table twice where held so (ONNX Runtime prepacks it for the head)."""
+    from cabinlm.manifest import load_manifest
+
+    m = load_manifest(folder)
+    sizes = _initializer_bytes(folder / m.files["graph"].path)
+    total = 0
+    for name, n in sizes.items():
+        if not (name.startswith(("embed_tokens", "lm_head", "final_norm", "model.", "layers.")) or ".layers." in name
+                or name.startswith("layer")):
+            continue
+        if name.startswith("embed_tokens.") and not gather_copy_held:  # embed_tokens.q / .scale / ...: the gather copy
+            continue
+        if name == "embed_tokens" and gather_copy_held and "lm_head" not in sizes:
+            total += n  # a tied float table: gathered from, and prepacked again for the head's Gemm at load
+        if name.endswith(("k_scale", "v_scale", "key_scale")):  # KV scales: the KV term's
+            continue
+        total += n
+    return total
+
+
+@pytest.fixture(scope="module")
+def cpu_builds(smollm2, smollm2_fused, export_to, load, tiny_qwen2_dir, tmp_path_factory):
+    """Every cpu build kind: the export run as it is, the exported graph built (--attention graph) and
+    the fused decoder (cpu's default). SmolLM2 from its GGUF's Q4_1 blocks at int4 (the fused build as
+    `make demo` makes it, with cabinlm's Q4 kernel where the CPU has it, and with the blocks as 8-bit
+    MatMulNBits ones); a tiny Qwen2 (tied table, q/k/v biases) quantized here from float32 at int4,
+    int8 and fp32. int8 KV, small caches."""
+    from cabinlm.engines.build import build_artifact
+
+    cpu = load_profile("cpu")
+    out = {}
+
+    def builds(name, art, **kw):
+        out[(name, "export")] = art
+        for attention in ("graph", "fused"):
+            folder = tmp_path_factory.mktemp(f"{name}-{attention}") / "build"
+            out[(name, attention)] = build_artifact(art, cpu, folder, attention=attention, **kw)
+
+    smol = export_to(smollm2, kv="int8", sink=4, pinned=60, window=252, chunk=32, weights="int4")  # smollm2_fused's
+    out[("smollm2-int4", "export")] = smol
+    out[("smollm2-int4", "fused")] = smollm2_fused
+    out[("smollm2-int4", "graph")] = build_artifact(smol, cpu, tmp_path_factory.mktemp("smol-graph") / "b", attention="graph")
+    out[("smollm2-int4", "fused-8bit")] = build_artifact(smol, cpu, tmp_path_factory.mktemp("smol-8bit") / "b",
+                                                         minimums="int8", matmul_kernel="onnxruntime")
+    qwen = load(str(tiny_qwen2_dir))
+    for w in ("int4", "int8", "fp32"):
+        builds(f"qwen2-{w}", export_to(qwen, kv="int8", sink=2, pinned=6, window=40, chunk=8, weights=w))
+    return out
+
+
+CASES = [("smollm2-int4", k) for k in ("export", "graph", "fused", "fused-8bit")] + [
+    (f"qwen2-{w}", k) for w in ("int4", "int8", "fp32") for k in ("export", "graph", "fused")]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+def test_the_weights_term_is_what_the_builds_graph_holds(cpu_builds, case):
+    from cabinlm.manifest import load_manifest
+    from cabinlm.profiles.planner import EXPORT, build_facts, plan_for_manifest
+
+    folder = cpu_builds[case]
+    m = load_manifest(folder)
+    facts = build_facts(m)
+    assert facts["build"] == (EXPORT if case[1] == "export" else m.build.backend.value)
+    assert facts["weights"].value == case[0].split("-")[-1]
+    p = plan_for_manifest(m, load_profile("cpu"))
+    held = _held_on_disk(Path(folder), gather_copy_held=facts["held"].gather_copy)
+    assert p.weights_bytes == pytest.approx(held, rel=WEIGHT_TOLERANCE), (case, facts["held"])
+    # the rest of the plan: KV from CacheLayout, the artifact's own window, a total of the rows
+    lay = m.cache
+    assert (p.window, p.chunk, p.kv) == (lay.window, lay.chunk, lay.kv_dtype.value)
+    assert p.kv_bytes == lay.cache_bytes + lay.key_scale_bytes
+    assert p.total_bytes == (p.weights_bytes + p.kv_bytes + p.activation_bytes + p.vision_bytes
+                             + p.runtime_overhead_bytes + p.tokenizer_bytes)
+
+
+def test_the_tokenizer_term_is_within_reach_of_the_vocabulary(cpu_builds):
+    """The tokenizer row is an estimate from the vocabulary; an artifact's tokenizer.json is the
+    measured one's source (docs/benchmarks.md): the estimate stays within 4x to 16x the file's size
+    (the file holds each entry once as JSON text; the loaded tokenizer holds maps of it)."""
+    from cabinlm.manifest import load_manifest
+    from cabinlm.profiles.planner import tokenizer_estimate
+
+    m = load_manifest(cpu_builds[("smollm2-int4", "export")])
+    est = tokenizer_estimate(m.model)
+    assert 4 * m.files["tokenizer"].bytes <= est <= 16 * m.files["tokenizer"].bytes
+
+
+def test_a_plan_from_a_model_takes_the_profiles_default_build(specs):
+    cpu = load_profile("cpu")
+    p = plan(specs["smollm2-135m"], cpu, window=1020)
+    assert (p.build, p.weight_dtype) == ("onnxruntime-fused", cpu.weight_dtype.value)
+    # weights= and build= plan another of the builds; the unbuilt export holds more than the fused build
+    fp32 = plan(specs["smollm2-135m"], cpu, window=1020, weights="fp32", build="export")
+    assert fp32.weights_bytes > 4 * parameter_count(specs["smollm2-135m"]) * 0.99
+    text = format_plan(p)
+    for row in ("weights", "KV cache", "activations", "vision tower", "runtime overhead", "tokenizer", "total", "budget"):
+        assert row in text
+    with pytest.raises(PlanError, match="build kind"):
+        plan(specs["smollm2-135m"], cpu, build="tensorrt")

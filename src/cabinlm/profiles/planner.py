@@ -11,6 +11,20 @@ graph, one binary holding both with one weights copy where the HTP shares weight
 gather on the HTP (fp16). The HTP runs them in one process on the NPU, whose 32-bit address space
 caps binaries + KV + activations (htp_process_limit_bytes).
 
+ONNX Runtime CPU profiles (the cpu profile) count what the build being planned holds, since their
+builds hold the same weights in different layouts (docs/benchmarks.md, "Planner against peak RSS"):
+
+    total = held weights + KV + activations x ACTIVATION_FACTOR[build] + ORT_CPU_RUNTIME_BYTES + tokenizer
+
+held weights (held_weights): the matrices at the build's bits per weight, block scales, zero points
+and minimums included (a fused build's int4 GGUF blocks in cabinlm's BlockQ4 layout or as 8-bit
+blocks; an export's as exported), the output head, and a quantized tied table's gather copy where
+ONNX Runtime reads it at load. The build kind and layout come from the manifest's build facts when
+planning an artifact (plan_for_manifest), from the profile's default build when planning a model.
+The runtime term (interpreter, numpy, ONNX Runtime, a session) and the tokenizer are measured
+constants there, in place of the profile's runtime_overhead_bytes; other profiles keep precision x
+count and their runtime_overhead_bytes.
+
 KV bytes come from CacheLayout (the one owner of cache geometry); nothing here re-derives them.
 """
 
@@ -64,6 +78,115 @@ def htp_graph_weight_bytes(spec: ModelSpec, params: int, fmt: WeightFormat) -> i
     if not fmt.quantized:
         return 2 * (rest + 2 * table)
     return (rest * (fmt.bits + 1) + table * (8 + 1)) // 8 + 2 * table
+
+
+# -- what an ONNX Runtime CPU build holds -------------------------------------------------------
+#
+# The cpu profile's builds (engines/ort_*/builder.py) hold their weights in different layouts, so one
+# precision x count does not describe them. A build kind here is a BackendKind value, or EXPORT: a plain
+# export run directly (BuildSpec.for_export: the exported graph, ONNX Runtime's optimizations at load).
+
+EXPORT = "export"
+FUSED, GRAPH, STATIC = "onnxruntime-fused", "onnxruntime-graph", "onnxruntime-static"
+ORT_CPU_BUILDS = (EXPORT, GRAPH, FUSED, STATIC)
+BLOCK = 32  # weights per quantization block (export/wquant.py)
+
+
+@dataclass(frozen=True)
+class HeldWeights:
+    """Bits per weight a build holds resident, block scales / zero points / minimums included:
+    `matrix_bits` for the attention and MLP matrices, `head_bits` for the token table (the output
+    projection's copy, which every step reads in full, and the gather copy where held)."""
+
+    build: str
+    matrix_bits: float
+    head_bits: float
+    layout: str  # for the plan's breakdown
+    # a tied table held twice: a quantized export stores a gather copy beside the head, and ONNX Runtime
+    # reads every weight at load where it prepacks them (MatMulNBits, MatMul; a float table gathered from
+    # is prepacked again for the head's Gemm). Not the fused build on cabinlm's BlockQ4 kernel: nothing
+    # prepacked, its mapped weights file is paged in as read, the gather copy one row per token.
+    gather_copy: bool = True
+
+    def nbytes(self, spec: ModelSpec) -> int:
+        d, v = spec.hidden_size, spec.vocab_size
+        table = v * d
+        matrices = parameter_count(spec) - table * (1 if spec.tie_embeddings else 2)
+        small = spec.num_layers * (2 * d + ((spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+                                            if spec.qkv_bias else 0)) + d  # norms (+ biases): float32
+        tables = table * (1 if spec.tie_embeddings and not self.gather_copy else 2)  # untied: the embedding table too
+        return int((matrices - small) * self.matrix_bits / 8 + small * 4 + tables * self.head_bits / 8)
+
+
+def held_weights(fmt: WeightFormat | str, build: str = FUSED, *, block_minimums: bool = False,
+                 minimums: str = "int8", matmul_kernel: str = "cabinlm", head: str = "int8") -> HeldWeights:
+    """The layout `build` holds weights of format `fmt` in (engines/ort_fused/graph.py, block_layouts.py,
+    export/wquant.py). Block scales are float32 (1 bit per weight at blocks of 32); an int4 export's
+    zero points one byte per block (0.25 bit), MatMulNBits' packed 4-bit ones (the builds') 0.125 bit.
+
+    block_minimums: the export's int4/int8 blocks carry GGUF Q4_1's float minimum (a Q4_1 .gguf
+    imported, as the built-in smollm2-135m is): one more float32 per block, unless the fused build
+    re-lays them out: cabinlm's BlockQ4MatMul (matmul_kernel "cabinlm": 4-bit codes, float16 scale and
+    minimum, 5 bits) or 8-bit codes with a zero point (minimums "int8": 9.25 bits) or MatMulNBits plus
+    the minimums through block sums (minimums "exact": 6 bits).
+    head: the output projection of int8/int4 exports (export --head)."""
+    fmt = WeightFormat(fmt)
+    if build not in ORT_CPU_BUILDS:
+        raise PlanError(f"build kind {build!r} is not an ONNX Runtime CPU build; use one of {list(ORT_CPU_BUILDS)}")
+    scale = 32 / BLOCK
+    head_bits = {"int8": 8 + scale, "int4": 4 + scale + 8 / BLOCK}[head]
+    if not fmt.quantized:  # fp32 (fp16: an engine precision only): one table, gathered from and prepacked as the head
+        return HeldWeights(build, float(fmt.bits), float(fmt.bits), f"{fmt.value}, the table twice", gather_copy=True)
+    minimum = 32 / BLOCK if block_minimums else 0.0
+    if fmt is WeightFormat.INT8:
+        bits = 8 + scale + minimum
+        how = "8-bit blocks + float32 scales" + (" and minimums" if block_minimums else "")
+        if build == FUSED and block_minimums:  # 8-bit codes with a zero point (MatMulNBits)
+            bits, how = 8 + scale + 8 / BLOCK, "8-bit blocks + scales, zero points"
+        return HeldWeights(build, bits, head_bits, how)
+    if build != FUSED:  # the exported layout: 4-bit codes, scales, and zero points (a byte each as exported,
+        # packed to 4 bits where the build fuses them into MatMulNBits offline) or minimums
+        bits = 4 + scale + (minimum if block_minimums else (8 if build == EXPORT else 4) / BLOCK)
+        return HeldWeights(build, bits, head_bits, "4-bit blocks + float32 scales, " +
+                           ("minimums" if block_minimums else "zero points"))
+    if not block_minimums:
+        return HeldWeights(build, 4 + scale + 4 / BLOCK, head_bits, "MatMulNBits 4-bit blocks")
+    if matmul_kernel == "cabinlm":  # nothing prepacked at load: the mapped gather copy is read one row per token
+        return HeldWeights(build, 4 + 2 * 16 / BLOCK, head_bits, "cabinlm BlockQ4 (4-bit, fp16 scale + minimum)",
+                           gather_copy=False)
+    if minimums == "int8":
+        return HeldWeights(build, 8 + scale + 8 / BLOCK, head_bits, "Q4_1 as 8-bit blocks + zero points")
+    return HeldWeights(build, 4 + scale + minimum, head_bits, "MatMulNBits 4-bit + block-sum minimums")
+
+
+# Measured (docs/benchmarks.md, "Planner against peak RSS"; SmolLM2-135M, onnxruntime 1.31, x86-64 Linux):
+# the interpreter with numpy, onnxruntime and cabinlm's runtime imported (55 MiB), plus one session's
+# own memory beyond its weights, KV buffers and arena (about 25 MiB).
+ORT_CPU_RUNTIME_BYTES = 80 * MIB
+# The tokenizer (Hugging Face tokenizers, the artifact's tokenizer.json) per vocabulary entry: 30.5 MiB
+# measured for SmolLM2's 49152 entries (a 3.5 MB tokenizer.json).
+TOKENIZER_BYTES_PER_TOKEN = 650
+# What a dialogue adds beyond the weights and KV buffers (ONNX Runtime's arena for the chunk and decode
+# graphs, the steps' numpy buffers), against activation_bytes: the fused decoder's attention kernels keep
+# about its bound; the exported graph's attention over every slot (dequantized keys and values, scores)
+# grows the arena to 2x (run as exported, every optimization at load) or 3x (a built graph, basic
+# optimizations at load). The static pair (a static profile's build) is not measured: taken as a graph build.
+ACTIVATION_FACTOR = {EXPORT: 2.0, GRAPH: 3.0, FUSED: 1.0, STATIC: 3.0}
+
+
+def tokenizer_estimate(spec: ModelSpec) -> int:
+    return spec.vocab_size * TOKENIZER_BYTES_PER_TOKEN
+
+
+def default_build(profile: DeviceProfile, kv: KVDType) -> str | None:
+    """The build kind `cabinlm build EXPORT --profile P` makes on an ONNX Runtime CPU profile (None
+    elsewhere): the fused decoder where it applies (int8 / fp32 KV), else the exported graph; static
+    profiles: the static pair."""
+    if profile.engine.value != "onnxruntime" or profile.execution_provider != "CPUExecutionProvider":
+        return None
+    if profile.static_shapes:
+        return STATIC
+    return FUSED if kv in (KVDType.INT8, KVDType.FP32) else GRAPH
 
 
 def activation_bytes(spec: ModelSpec, layout: CacheLayout) -> int:
@@ -130,6 +253,12 @@ class Plan:
     htp_binary_bytes: int = 0
     htp_process_bytes: int = 0
     htp_process_limit_bytes: int = 0
+    # ONNX Runtime CPU profiles only: the build kind planned for (held_weights; "" elsewhere), the layout
+    # its weights are held in, and the tokenizer's memory (a row of its own; 0 elsewhere, where the
+    # profile's runtime_overhead_bytes covers it).
+    build: str = ""
+    weights_layout: str = ""
+    tokenizer_bytes: int = 0
 
     @property
     def headroom_bytes(self) -> int:
@@ -171,12 +300,25 @@ def plan(
     window: int | None = None,
     vision_params: int = 0,
     image_tokens: int = 0,
+    *,
+    weights: WeightFormat | str | None = None,
+    build: str | None = None,
+    held: HeldWeights | None = None,
+    tokenizer_bytes: int | None = None,
 ) -> Plan:
     """The memory breakdown and the largest window that fits `profile`'s budget.
 
     window=None: search the largest window W that is a multiple of the chunk, >= chunk, with
     sink + pinned + W + chunk <= the model's positions, and total <= budget (PlanError if even
     W = chunk does not fit). window=N: use it and report `fits`.
+
+    ONNX Runtime CPU profiles count what the build holds (plan_for_manifest passes an artifact's facts):
+    weights: the export's format (default: the profile's weight_dtype); build: the build kind
+    (default_build: what `cabinlm build --profile` makes); held: the weights' layout (default:
+    held_weights(weights, build)); tokenizer_bytes (default: tokenizer_estimate). Their runtime term is
+    ORT_CPU_RUNTIME_BYTES, measured, not the profile's runtime_overhead_bytes; activations are scaled
+    by ACTIVATION_FACTOR[build]. Other profiles count weights at precision x count and the profile's
+    runtime_overhead_bytes, as before.
     """
     kv = resolve_kv(profile, kv)
     sink = profile.default_sink if sink is None else sink
@@ -186,17 +328,29 @@ def plan(
     if vision_params < 0:
         raise PlanError(f"vision_params must be >= 0, got {vision_params}")
     params = parameter_count(spec)
-    weights = weight_bytes(params, profile.weight_dtype)
+    fmt = profile.weight_dtype if weights is None else WeightFormat(weights)
+    kind = build or default_build(profile, kv)
+    if kind is not None and kind not in ORT_CPU_BUILDS:
+        raise PlanError(f"build kind {kind!r} is not one profile {profile.name} makes; use one of {list(ORT_CPU_BUILDS)}")
+    if kind is not None:
+        held = held or held_weights(fmt, kind)
+        weights = held.nbytes(spec)
+        tokenizer = tokenizer_estimate(spec) if tokenizer_bytes is None else tokenizer_bytes
+        overhead = ORT_CPU_RUNTIME_BYTES
+        act_factor = ACTIVATION_FACTOR[kind]
+    else:
+        weights = weight_bytes(params, fmt)
+        tokenizer, overhead, act_factor = 0, profile.runtime_overhead_bytes, 1.0
     # The vision tower stays at 16 bits at least: DriveOS LLM SDK keeps the ViT in FP16 even for
     # quantized LLMs (hardware.md section 2); on an fp32 profile it is fp32 like the rest.
-    vision_dtype = WeightFormat.FP32 if profile.weight_dtype is WeightFormat.FP32 else WeightFormat.FP16
+    vision_dtype = WeightFormat.FP32 if fmt is WeightFormat.FP32 else WeightFormat.FP16
     vision = weight_bytes(vision_params, vision_dtype)
-    fixed = weights + vision + profile.runtime_overhead_bytes
+    fixed = weights + vision + overhead + tokenizer
     htp = profile.htp_arch is not None
     binaries = binary_bytes = 0
     if htp:
         binaries = 1 if shares_weights(profile.htp_arch) else 2
-        binary_bytes = htp_graph_weight_bytes(spec, params, profile.weight_dtype) * binaries
+        binary_bytes = htp_graph_weight_bytes(spec, params, fmt) * binaries
         fixed += binary_bytes - weights  # the binaries replace the plain weights term
     room = spec.max_positions - sink - pinned - image_tokens - chunk  # positions left for the window
     max_by_positions = (room // chunk) * chunk
@@ -206,19 +360,20 @@ def plan(
                              kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, kv_dtype=kv,
                              image=image_tokens)  # fmt: skip
         kv_total = layout.cache_bytes + layout.key_scale_bytes
-        act = activation_bytes(spec, layout)
+        act = int(activation_bytes(spec, layout) * act_factor)
         total = fixed + kv_total + act
         process = binary_bytes + kv_total + act if htp else 0
         limit = profile.htp_process_limit_bytes or 0
         return Plan(
             profile=profile.name, model=spec.source or spec.architecture, kv=kv.value,
-            weight_dtype=profile.weight_dtype.value, sink=sink, pinned=pinned, window=w, chunk=chunk,
+            weight_dtype=fmt.value, sink=sink, pinned=pinned, window=w, chunk=chunk,
             parameters=params, weights_bytes=weights, kv_bytes=kv_total,
             kv_bytes_per_token=layout.bytes_per_token, activation_bytes=act, vision_params=vision_params,
-            vision_bytes=vision, image_tokens=image_tokens, runtime_overhead_bytes=profile.runtime_overhead_bytes, total_bytes=total,
+            vision_bytes=vision, image_tokens=image_tokens, runtime_overhead_bytes=overhead, total_bytes=total,
             budget_bytes=profile.budget_bytes, fits=total <= profile.budget_bytes and (not limit or process <= limit),
             max_window_by_positions=max(max_by_positions, 0), htp_binaries=binaries, htp_binary_bytes=binary_bytes,
-            htp_process_bytes=process, htp_process_limit_bytes=limit,
+            htp_process_bytes=process, htp_process_limit_bytes=limit, build=kind or "",
+            weights_layout=held.layout if kind else "", tokenizer_bytes=tokenizer,
         )  # fmt: skip
 
     if window is not None:
@@ -250,7 +405,7 @@ def plan(
             f"window ({chunk} tokens) needs {smallest.total_bytes} bytes ({smallest.total_bytes / MIB:.1f} MiB) "
             f"but the budget is {profile.budget_bytes} bytes ({profile.budget_bytes / MIB:.1f} MiB): "
             f"{short} bytes ({short / MIB:.1f} MiB) missing; weights alone are {weights / MIB:.1f} MiB at "
-            f"{profile.weight_dtype.value}. Use a smaller model, a smaller --kv/--chunk/--pinned, or a "
+            f"{fmt.value}. Use a smaller model, a smaller --kv/--chunk/--pinned, or a "
             "profile with a larger budget_bytes"
         )
     # total(W) grows with W, so binary-search the largest fitting multiple of the chunk.
@@ -274,6 +429,9 @@ def format_plan(p: Plan) -> str:
         how = "prefill + decode, one weights copy" if p.htp_binaries == 1 else "prefill, decode: a weights copy each"
         first = (f"HTP context binaries ({p.htp_binaries}: {how}; {p.parameters / 1e6:.1f}M params at "
                  f"{p.weight_dtype} + block scales, head 8-bit, token table fp16)", p.htp_binary_bytes)  # fmt: skip
+    elif p.build:
+        first = (f"weights ({p.parameters / 1e6:.1f}M params at {p.weight_dtype}, {p.build}: {p.weights_layout})",
+                 p.weights_bytes)
     else:
         first = (f"weights ({p.parameters / 1e6:.1f}M params at {p.weight_dtype})", p.weights_bytes)
     rows = [
@@ -283,7 +441,9 @@ def format_plan(p: Plan) -> str:
          p.kv_bytes),
         (f"activations (chunk of {p.chunk})", p.activation_bytes),
         (f"vision tower ({p.vision_params / 1e6:.1f}M params)", p.vision_bytes),
-        ("runtime overhead", p.runtime_overhead_bytes),
+        ("runtime overhead" + (" (Python, numpy, ONNX Runtime and its session)" if p.build else ""),
+         p.runtime_overhead_bytes),
+        *([("tokenizer", p.tokenizer_bytes)] if p.build else []),
         ("total", p.total_bytes),
         (f"budget of {p.profile}", p.budget_bytes),
     ]
@@ -295,3 +455,31 @@ def format_plan(p: Plan) -> str:
     verdict = "fits" if p.fits else "does NOT fit"
     lines.append(f"{verdict}: window {p.window}, headroom {p.headroom_bytes / MIB:.1f} MiB")
     return "\n".join(lines)
+
+
+
+def build_facts(manifest: Any) -> dict[str, Any]:
+    """What plan() needs to know of an artifact (an export or a build): its weights format, the build
+    kind, and the weights layout held (held_weights), from the manifest alone."""
+    build = manifest.build
+    kind = EXPORT if build is None else build.backend.value
+    fmt = WeightFormat(manifest.weights)
+    quality = (manifest.quality or {}).get("weights") or {}
+    # imported GGUF blocks: cabinlm's built-in GGUFs are Q4_1, whose blocks carry a float minimum
+    block_minimums = bool(quality.get("imported")) and fmt.quantized
+    fused = (build.to_dict().get("fused") or {}) if build is not None else {}
+    if kind not in ORT_CPU_BUILDS:
+        return {"weights": fmt, "build": None, "held": None}
+    held = held_weights(fmt, kind, block_minimums=block_minimums, minimums=fused.get("minimums", "int8"),
+                        matmul_kernel=fused.get("matmul_kernel", "onnxruntime"), head=quality.get("head", "int8"))
+    return {"weights": fmt, "build": kind, "held": held}
+
+
+def plan_for_manifest(manifest: Any, profile: DeviceProfile, *, tokenizer_bytes: int | None = None) -> Plan:
+    """The plan of an artifact as exported or built: its cache layout and its build facts (build_facts)."""
+    lay = manifest.cache
+    facts = build_facts(manifest)
+    if facts["build"] is None:
+        facts = {"weights": facts["weights"]}
+    return plan(manifest.model, profile, kv=lay.kv_dtype, sink=lay.sink, chunk=lay.chunk, pinned=lay.pinned,
+                window=lay.window, image_tokens=lay.image, tokenizer_bytes=tokenizer_bytes, **facts)
