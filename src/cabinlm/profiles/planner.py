@@ -357,8 +357,8 @@ def plan(
 
     def make(w: int) -> Plan:
         layout = CacheLayout(sink=sink, pinned=pinned, window=w, chunk=chunk, layers=spec.num_layers,
-                             kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, kv_dtype=kv,
-                             image=image_tokens)  # fmt: skip
+                             kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, kv_dtype=kv, image=image_tokens,
+                             **spec.local_geometry(sink + pinned + image_tokens + w + chunk))  # as export's make_layout
         kv_total = layout.cache_bytes + layout.key_scale_bytes
         act = int(activation_bytes(spec, layout) * act_factor)
         total = fixed + kv_total + act
@@ -472,6 +472,13 @@ def build_facts(manifest: Any) -> dict[str, Any]:
         return {"weights": fmt, "build": None, "held": None}
     held = held_weights(fmt, kind, block_minimums=block_minimums, minimums=fused.get("minimums", "int8"),
                         matmul_kernel=fused.get("matmul_kernel", "onnxruntime"), head=quality.get("head", "int8"))
+    data = manifest.files.get("graph_data")
+    if kind == FUSED and held.gather_copy and fmt.quantized and manifest.model.tie_embeddings and data is not None:
+        # fused builds may gather the embedding from the head's blocks (no second copy): the weights
+        # file's size (a manifest fact) says which, whichever of the two layouts it is nearer
+        single = dataclasses.replace(held, gather_copy=False)
+        if abs(single.nbytes(manifest.model) - data.bytes) < abs(held.nbytes(manifest.model) - data.bytes):
+            held = single
     return {"weights": fmt, "build": kind, "held": held}
 
 
