@@ -259,3 +259,27 @@ def test_which_configs_slide():
     assert local_layers(gemma) == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)  # every sixth layer global
     assert attention_window({"model_type": "qwen2", "sliding_window": 512, "use_sliding_window": False,
                              "max_window_layers": 2, "num_hidden_layers": 4}) is None  # fmt: skip
+
+
+def test_a_gguf_of_an_unsupported_architecture_is_refused_in_one_line_naming_it(tmp_path):
+    """A real GGUF file (written with gguf-py) whose architecture neither transformers nor cabinlm reads."""
+    import gguf
+
+    from cabinlm.export import ExportOptions, export_model
+
+    path = tmp_path / "neox.gguf"
+    w = gguf.GGUFWriter(str(path), "gptneox")
+    w.add_block_count(2)
+    w.add_context_length(128)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_tensor("token_embd.weight", np.zeros((32, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelError) as e:
+        export_model(str(path), tmp_path / "out", ExportOptions(verify=False, gate=False))
+    assert "\n" not in str(e.value) and "gptneox" in str(e.value)
+    assert not (tmp_path / "out").exists()

@@ -40,3 +40,28 @@ def test_chatml_template_pieces(load, tiny_qwen2_dir):
 
 def test_a_model_without_template_gets_the_plain_one(load, tiny_llama_dir):
     assert resolve_chat_template(load(str(tiny_llama_dir)).tokenizer) == PLAIN
+
+
+def test_a_tokenizer_that_adds_a_bos_the_template_lacks_gets_it_pinned_first(tmp_path):
+    """Gemma's base GGUF: no chat template, a tokenizer that puts <bos> first. The plain template then
+    carries it (ChatTemplate.bos), and Template.start pins it before any system prompt, or alone."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from cabinlm.runtime.template import Template
+    from cabinlm.runtime.tokenizer import Tokenizer as RuntimeTokenizer
+
+    vocab = {"<bos>": 0, "<eos>": 1, "a": 2, "b": 3, " ": 4}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(" ", "isolated")
+    tk.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 0)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>")
+    chat = resolve_chat_template(fast)
+    assert chat.source == "plain" and chat.bos == "<bos>"
+    tk.save(str(tmp_path / "tokenizer.json"))
+    template = Template(RuntimeTokenizer(tmp_path / "tokenizer.json"), chat)
+    assert template.start(None) == [0]
+    assert template.start("a")[0] == 0 and template.start("a")[1:] == template.system("a")
+    # a tokenizer without one keeps the pieces as they were
+    tk.post_processor = None
+    assert resolve_chat_template(PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>")).bos == ""

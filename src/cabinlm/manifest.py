@@ -174,6 +174,7 @@ class ChatTemplate:
     assistant_suffix: str
     default_system: str | None = None
     source: str = "model"  # "model" (rendered from the model's template) or "plain" (fallback)
+    bos: str = ""  # fed once, pinned, before anything else: the tokenizer's BOS the template does not render
 
 
 @dataclass(frozen=True)

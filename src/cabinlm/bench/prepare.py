@@ -29,7 +29,7 @@ from cabinlm.bench.catalog import INSTALL, PACKAGES, PREPARE_MODULES, BaselineUn
 from cabinlm.bench.child import ERROR, check
 from cabinlm.errors import CabinlmError, ModelError
 
-PREPARE_VERSION = 1
+PREPARE_VERSION = 2  # 2: the chat pieces carry the BOS a model needs first (Template.start)
 META = "cabinlm_baseline.json"  # written last: its presence marks a complete save
 
 
@@ -112,7 +112,7 @@ def prepare_here(path: Path) -> Path:
         meta = {
             "version": PREPARE_VERSION,
             "gguf": str(path),
-            "chat": {k: getattr(chat, k) for k in ("system_prefix", "system_suffix", "user_prefix", "user_suffix",
+            "chat": {k: getattr(chat, k) for k in ("bos", "system_prefix", "system_suffix", "user_prefix", "user_suffix",
                                                     "assistant_prefix", "assistant_suffix")},  # fmt: skip
             "stop_ids": stop_ids(loaded, chat),
             "max_positions": int(loaded.spec.max_positions),

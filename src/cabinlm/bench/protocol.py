@@ -43,7 +43,8 @@ class Script:
         meta = json.loads((folder / "cabinlm_baseline.json").read_text())
         tok = Tokenizer(folder / "tokenizer.json")
         chat = meta["chat"]
-        system = tok.encode(chat["system_prefix"]) + tok.encode_text(SYSTEM) + tok.encode(chat["system_suffix"])
+        bos = tok.encode(chat["bos"]) if chat.get("bos") else []  # the BOS a model needs first (Template.start)
+        system = bos + tok.encode(chat["system_prefix"]) + tok.encode_text(SYSTEM) + tok.encode(chat["system_suffix"])
         return cls(system=system, assistant_suffix=tok.encode(chat["assistant_suffix"]),
                    stop_ids=set(meta["stop_ids"]), max_positions=int(meta["max_positions"]), _tok=tok, _chat=chat)  # fmt: skip
 

@@ -98,7 +98,7 @@ def script_for(runtime: Runtime) -> protocol.Script:
 
     m, tok = runtime.manifest, runtime.tokenizer
     template = Template(tok, m.chat)
-    return protocol.Script(system=template.system(SYSTEM), assistant_suffix=template.closing(),
+    return protocol.Script(system=template.start(SYSTEM), assistant_suffix=template.closing(),
                            stop_ids=set(m.stop_ids), max_positions=m.model.max_positions, _tok=tok,
                            _chat=dataclasses.asdict(m.chat))  # fmt: skip
 

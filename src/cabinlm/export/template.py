@@ -6,6 +6,7 @@ does, so that the car runs no template engine.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from cabinlm.manifest import ChatTemplate
@@ -31,8 +32,19 @@ def _render(tok: Any, messages: list[tuple[str, str]], gen: bool) -> str:
 
 
 def resolve_chat_template(tok: Any) -> ChatTemplate:
-    if not getattr(tok, "chat_template", None):
-        return PLAIN
+    """The pieces of the model's template (PLAIN without one), with the tokenizer's BOS when the
+    tokenizer adds one that the rendered turns do not hold (Gemma's base models: without it their
+    first token is not what they were trained on)."""
+    chat = PLAIN if not getattr(tok, "chat_template", None) else _pieces(tok)
+    bos = getattr(tok, "bos_token", None)
+    if bos and not chat.system_prefix.startswith(bos) and not chat.user_prefix.startswith(bos):
+        with_special = tok("a").input_ids
+        if with_special and with_special[0] == tok.bos_token_id and with_special[0] not in tok("a", add_special_tokens=False).input_ids:
+            chat = dataclasses.replace(chat, bos=bos)
+    return chat
+
+
+def _pieces(tok: Any) -> ChatTemplate:
     full = _render(tok, [("system", _S), ("user", _U), ("assistant", _A), ("user", _U2)], True)
     with_gen = _render(tok, [("system", _S), ("user", _U)], True)
     without_gen = _render(tok, [("system", _S), ("user", _U)], False)

@@ -88,8 +88,8 @@ class Dialogue:
         self.drafting.reset()
         self.turns = 0
         self._pending: list[int] = []  # tokens that close the previous turn, fed with the next prompt
-        if self.system:
-            ids = self.template.system(self.system)
+        ids = self.template.start(self.system)  # the BOS a model may need, and the system prompt
+        if ids:
             why = system_overflow(len(ids), self.decoder.layout, "shorten it")
             if why is not None:
                 raise InputError(f"the system prompt is {why}")

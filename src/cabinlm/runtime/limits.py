@@ -133,7 +133,7 @@ def check_system_prompt(system: str | None, manifest: Manifest, tokenizer: Token
     text = manifest.chat.default_system if system is None else system
     if not text:
         return
-    n = len(Template(tokenizer, manifest.chat).system(text))
+    n = len(Template(tokenizer, manifest.chat).start(text))
     why = system_overflow(n, manifest.cache, None if option is None else f"give a shorter {option}")
     if why is None:
         return

@@ -2,7 +2,7 @@
 renderer of a dialogue's turns, used by the Dialogue, by the checks made before a model loads
 (runtime/limits.py, runtime/assembly.py) and by `cabinlm bench`'s script.
 
-    system     system_prefix + TEXT + system_suffix                          pinned (sink + pinned slots)
+    start      bos + system_prefix + TEXT + system_suffix                    pinned (sink + pinned slots)
     user       user_prefix + TEXT + user_suffix + assistant_prefix           the window
     closing    assistant_suffix                                              fed with the next prompt
 
@@ -25,6 +25,12 @@ class Template:
     def system(self, text: str) -> list[int]:
         c = self.chat
         return self.tok.encode(c.system_prefix) + self.tok.encode_text(text) + self.tok.encode(c.system_suffix)
+
+    def start(self, system: str | None) -> list[int]:
+        """What a dialogue pins before its first turn: the BOS the template does not render (if the
+        model needs one), then the system prompt (if any)."""
+        head = self.tok.encode(self.chat.bos) if self.chat.bos else []
+        return head + (self.system(system) if system else [])
 
     def user(self, text: str) -> list[int]:
         """A user turn up to the reply: user_head() + user_tail(text)."""

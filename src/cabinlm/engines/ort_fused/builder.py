@@ -118,8 +118,6 @@ class FusedBuilder(Builder):
             matmul = "onnxruntime"
         if kernel == "cabinlm":
             log("attention over the int8 cache: cabinlm's Int8KVAttention")
-        if matmul == "cabinlm" and library is not None:
-            log(f"{q4_1} Q4_1 matrices: cabinlm's BlockQ4MatMul ({library.matmul_isa}), 4-bit codes and minimums as exported")
         if "cabinlm" not in (kernel, matmul) and library is not None:
             output.path(library.file).unlink()  # compiled, then not taken: the build does not carry it
             library = None
@@ -127,11 +125,17 @@ class FusedBuilder(Builder):
         facts = FusedSettings(accuracy_level=opts.accuracy_level, minimums=opts.minimums.value,
                               attention_kernel=kernel, matmul_kernel=matmul, kernels=library)  # fmt: skip
         op = "cabinlm's Int8KVAttention" if kernel == "cabinlm" else "GroupQueryAttention"
-        mm = "BlockQ4MatMul for the Q4_1 matrices, " if matmul == "cabinlm" else ""
+        mm = "BlockQ4MatMul for the Q4_1 matrices, " if any(n.op_type in (MATMUL_OP, SWIGLU_MATMUL_OP) for n in model.graph.node) else ""
         log(f"fused the decoder: {len(model.graph.node)} nodes (the export has {len(graph.graph.node)}), "
             f"{op} over {manifest.cache.kv_dtype.value} KV, {mm}MatMulNBits accuracy level {opts.accuracy_level}")
-        on_nbits = q4_1 - sum(n.op_type in (MATMUL_OP, SWIGLU_MATMUL_OP) for n in model.graph.node)
+        own = sum(n.op_type in (MATMUL_OP, SWIGLU_MATMUL_OP) for n in model.graph.node)
+        if own:
+            log(f"{own} Q4_1 matrices: cabinlm's BlockQ4MatMul ({library.matmul_isa}), 4-bit codes and minimums as exported")
+        on_nbits = q4_1 - own
         if on_nbits:
+            if matmul == "cabinlm":
+                log(f"{on_nbits} of the {q4_1} matrices with block minimums have scales or minimums that are not float16 "
+                    "(GGUF K-quants: super-block scale x 6-bit sub-scale), which BlockQ4MatMul cannot hold")  # fmt: skip
             log(f"{on_nbits} Q4_1 matrices on MatMulNBits: " + ("4-bit blocks, minimums added exactly (block sums)"
                 if opts.minimums.value == "exact"
                 else "8-bit blocks with integer zero points (each minimum rounded to 1/34 of its block's step)"))  # fmt: skip

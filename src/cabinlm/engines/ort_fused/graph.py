@@ -202,11 +202,14 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
             attrs = dict(K=K, N=N, bits=8, block_size=BLOCK, accuracy_level=accuracy_level)
             return b.op("MatMulNBits", *ins, domain=MS, out=out, hint=name, **attrs)
         bits = 8 if q.dtype == np.int8 else 4
-        if bits == 8:  # symmetric int8 -> MatMulNBits' 8-bit blocks, default zero point 128
-            blob = (q.T.astype(np.int16) + 128).astype(np.uint8).reshape(N, nb, BLOCK)
+        if name in int8_blobs:  # the tied token table's blocks, already held for the embedding
+            ins = [x, *int8_blobs[name]]
         else:
-            blob = pack4(q.T.reshape(N, nb, BLOCK))
-        ins = [x, b.weight(f"{name}.nbits", blob), b.weight(f"{name}.nbits_scale", scale.T)]
+            if bits == 8:  # symmetric int8 -> MatMulNBits' 8-bit blocks, default zero point 128
+                blob = (q.T.astype(np.int16) + 128).astype(np.uint8).reshape(N, nb, BLOCK)
+            else:
+                blob = pack4(q.T.reshape(N, nb, BLOCK))
+            ins = [x, b.weight(f"{name}.nbits", blob), b.weight(f"{name}.nbits_scale", scale.T)]
         if W.has(f"{name}.zero_point"):  # int4 zero points, packed along the blocks
             zp = W.get(f"{name}.zero_point").T  # (N, nb)
             if nb % 2:
@@ -232,9 +235,25 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
         return b.op("Add", y, shift, out=out, hint=f"{name}/offset")
 
     own_ops_allowed = spec.activation == "silu"  # BlockQ4SwiGLUMatMul computes SiLU(gate) * up inside
-    # Embedding: as exported (a float table, or int8 / int4 rows scaled per block).
+    # Embedding: as exported (a float table, or int8 / int4 rows scaled per block). A tied int8 table
+    # (Gemma 3's 262k x 640 is 168 MB) is held once: the output projection's MatMulNBits blocks are
+    # (vocab, D / 32, 32) codes + 128 and (vocab, D / 32) scales, row v being token v's embedding, so
+    # the embedding gathers its rows from them instead of from a second copy.
     ids = mf.INPUT_IDS
-    if W.has("embed_tokens"):
+    int8_blobs: dict[str, tuple[str, str]] = {}
+    tied_int8 = (spec.tie_embeddings and W.has("lm_head.q") and W.get("lm_head.q").dtype == np.int8
+                 and not W.has("lm_head.zero_point") and not W.has("lm_head.offset"))  # fmt: skip
+    if tied_int8:
+        q = W.get("lm_head.q")  # (D, V)
+        nb, V = D // BLOCK, q.shape[1]
+        blob = b.weight("lm_head.nbits", (q.T.astype(np.int16) + 128).astype(np.uint8).reshape(V, nb, BLOCK))
+        scales = b.weight("lm_head.nbits_scale", np.ascontiguousarray(W.get("lm_head.scale").astype(np.float32).T))
+        int8_blobs["lm_head"] = (blob, scales)
+        rows = b.op("Cast", b.op("Gather", blob, ids, axis=0), to=TensorProto.FLOAT)  # (T, nb, 32)
+        rows = b.op("Sub", rows, b.const(np.array(128.0, np.float32)))
+        rows = b.op("Mul", rows, b.op("Unsqueeze", b.op("Gather", scales, ids, axis=0), b.const(np.array([2], np.int64))))
+        x = b.op("Reshape", rows, b.const(np.array([1, -1, D], np.int64)), hint="embed")
+    elif W.has("embed_tokens"):
         b.weight("embed_tokens", W.get("embed_tokens"))
         x = b.op("Unsqueeze", b.op("Gather", "embed_tokens", ids, axis=0), b.const(np.array([0], np.int64)), hint="embed")
     else:
