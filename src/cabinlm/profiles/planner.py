@@ -166,6 +166,9 @@ ORT_CPU_RUNTIME_BYTES = 80 * MIB
 # The tokenizer (Hugging Face tokenizers, the artifact's tokenizer.json) per vocabulary entry: 30.5 MiB
 # measured for SmolLM2's 49152 entries (a 3.5 MB tokenizer.json).
 TOKENIZER_BYTES_PER_TOKEN = 650
+# ... and per byte of tokenizer.json, where the file is at hand (an artifact): 9.1 for SmolLM2's
+# (3.5 MB, 30.5 MiB), 8.7 for Gemma 3 270M's (33.4 MB, 291 MiB: 262k entries and their merges).
+TOKENIZER_BYTES_PER_FILE_BYTE = 9
 # What a dialogue adds beyond the weights and KV buffers (ONNX Runtime's arena for the chunk and decode
 # graphs, the steps' numpy buffers), against activation_bytes: the fused decoder's attention kernels keep
 # about its bound; the exported graph's attention over every slot (dequantized keys and values, scores)
@@ -479,12 +482,27 @@ def build_facts(manifest: Any) -> dict[str, Any]:
         single = dataclasses.replace(held, gather_copy=False)
         if abs(single.nbytes(manifest.model) - data.bytes) < abs(held.nbytes(manifest.model) - data.bytes):
             held = single
+    if (kind == FUSED and fmt.quantized and data is not None and quality.get("head", "int8") == "int8"
+            and abs(held.nbytes(manifest.model) - data.bytes) > 0.15 * data.bytes):  # fmt: skip
+        # A GGUF of several block types (K-quants: Q5_0 / Q6_K / Q8_0 matrices imported as 8-bit blocks
+        # beside Q4_K's 4-bit ones) is not one width: the matrices' bits per weight are read off the
+        # weights file the build wrote (its size is a manifest fact), the tables as held_weights says.
+        spec = manifest.model
+        bare = dataclasses.replace(held, matrix_bits=0.0)
+        matrices = parameter_count(spec) - spec.vocab_size * spec.hidden_size * (1 if spec.tie_embeddings else 2)
+        bits = max(0.0, (data.bytes - bare.nbytes(spec)) * 8 / max(matrices, 1))
+        held = dataclasses.replace(held, matrix_bits=round(bits, 2), layout=f"as built: {bits:.2f} bits per matrix weight "
+                                   "(the weights file's size: GGUF blocks of several widths)")  # fmt: skip
     return {"weights": fmt, "build": kind, "held": held}
 
 
 def plan_for_manifest(manifest: Any, profile: DeviceProfile, *, tokenizer_bytes: int | None = None) -> Plan:
-    """The plan of an artifact as exported or built: its cache layout and its build facts (build_facts)."""
+    """The plan of an artifact as exported or built: its cache layout and its build facts (build_facts).
+    The tokenizer's memory is estimated from its tokenizer.json (TOKENIZER_BYTES_PER_FILE_BYTE)."""
     lay = manifest.cache
+    tok = manifest.files.get("tokenizer")
+    if tokenizer_bytes is None and tok is not None and tok.bytes:
+        tokenizer_bytes = tok.bytes * TOKENIZER_BYTES_PER_FILE_BYTE
     facts = build_facts(manifest)
     if facts["build"] is None:
         facts = {"weights": facts["weights"]}
