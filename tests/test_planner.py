@@ -391,3 +391,25 @@ def test_a_plan_from_a_model_takes_the_profiles_default_build(specs):
         assert row in text
     with pytest.raises(PlanError, match="build kind"):
         plan(specs["smollm2-135m"], cpu, build="tensorrt")
+
+
+def test_the_plan_counts_local_layers_on_their_rings():
+    """Gemma 3's local layers (sliding window 512) hold 512 slots whatever the window: the plan's KV
+    term is the layout with per-layer geometry (what export makes and the runtime allocates), not
+    every layer on the slot map, and the breakdown says so."""
+    from cabinlm.layout import CacheLayout
+    from cabinlm.model_config import spec_from_dict
+    from cabinlm.profiles.planner import format_plan
+
+    spec = spec_from_dict({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262144,
+                           "hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18,
+                           "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+                           "max_position_embeddings": 32768, "sliding_window": 512, "query_pre_attn_scalar": 256},
+                          "gemma-3-270m")  # fmt: skip
+    assert spec.local_layers == tuple(i for i in range(18) if (i + 1) % 6) and spec.sliding_window == 512
+    p = plan(spec, load_profile("cpu"), kv="int8", sink=4, pinned=124, window=4096, chunk=64)
+    lay = CacheLayout(sink=4, pinned=124, window=4096, chunk=64, layers=18, kv_heads=1, head_dim=256, kv_dtype="int8",
+                      local_window=512, local_layers=spec.local_layers)  # fmt: skip
+    assert p.kv_bytes == lay.cache_bytes + lay.key_scale_bytes
+    assert lay.uniform().cache_bytes > 3.5 * lay.cache_bytes  # 15 of 18 layers on 512 slots instead of 4224
+    assert p.local_layers == 15 and "15 local layers on rings of 512" in format_plan(p)

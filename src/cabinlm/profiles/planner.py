@@ -252,6 +252,10 @@ class Plan:
     max_window_by_positions: int  # the largest chunk-multiple window the model's positions allow
     # Qualcomm HTP profiles only (0 elsewhere): context binaries, the bytes they hold, and what the
     # NPU process maps (binaries + KV + activations) against its per-process limit.
+    # Per-layer cache geometry (CacheLayout.local_layers): local layers on rings of local_window slots,
+    # whatever the window; kv_bytes_per_token then counts the global layers only.
+    local_layers: int = 0
+    local_window: int = 0
     htp_binaries: int = 0
     htp_binary_bytes: int = 0
     htp_process_bytes: int = 0
@@ -372,6 +376,7 @@ def plan(
             weight_dtype=fmt.value, sink=sink, pinned=pinned, window=w, chunk=chunk,
             parameters=params, weights_bytes=weights, kv_bytes=kv_total,
             kv_bytes_per_token=layout.bytes_per_token, activation_bytes=act, vision_params=vision_params,
+            local_layers=len(layout.local_layers), local_window=layout.local_window,
             vision_bytes=vision, image_tokens=image_tokens, runtime_overhead_bytes=overhead, total_bytes=total,
             budget_bytes=profile.budget_bytes, fits=total <= profile.budget_bytes and (not limit or process <= limit),
             max_window_by_positions=max(max_by_positions, 0), htp_binaries=binaries, htp_binary_bytes=binary_bytes,
@@ -437,11 +442,12 @@ def format_plan(p: Plan) -> str:
                  p.weights_bytes)
     else:
         first = (f"weights ({p.parameters / 1e6:.1f}M params at {p.weight_dtype})", p.weights_bytes)
+    slots = f"{p.sink}+{p.pinned}+{p.image_tokens}+{p.window}" if p.image_tokens else f"{p.sink}+{p.pinned}+{p.window}"
+    rings = f"; {p.local_layers} local layers on rings of {p.local_window}" if p.local_layers else ""
+    kv_row = f"KV cache ({slots} slots at {p.kv}, {p.kv_bytes_per_token} B/token{rings})"
     rows = [
         first,
-        (f"KV cache ({p.sink}+{p.pinned}+{p.image_tokens}+{p.window} slots at {p.kv}, {p.kv_bytes_per_token} B/token)"
-         if p.image_tokens else f"KV cache ({p.sink}+{p.pinned}+{p.window} slots at {p.kv}, {p.kv_bytes_per_token} B/token)",
-         p.kv_bytes),
+        (kv_row, p.kv_bytes),
         (f"activations (chunk of {p.chunk})", p.activation_bytes),
         (f"vision tower ({p.vision_params / 1e6:.1f}M params)", p.vision_bytes),
         ("runtime overhead" + (" (Python, numpy, ONNX Runtime and its session)" if p.build else ""),
