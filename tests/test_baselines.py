@@ -461,3 +461,19 @@ def test_ort_genai_is_unavailable_without_its_builder_s_imports(monkeypatch):
     reason = catalog.available("ort-genai")
     assert reason is not None and "not installed" in reason and "pip install" in reason
     assert "onnx-ir" in reason.split("not installed")[0]
+
+
+def test_ort_genai_builder_gets_gemma3_rope_in_the_flat_form_it_reads():
+    """onnxruntime-genai 0.18's builder reads rope_parameters["rope_type"], rope_theta and
+    rope_local_base_freq; transformers 5 nests Gemma 3's per layer kind. The shim gives it the same
+    values flat, and leaves any other configuration as it is."""
+    from transformers import Gemma3TextConfig, LlamaConfig
+
+    from cabinlm.bench.ort_genai_builder import flat_rope
+
+    c = flat_rope(Gemma3TextConfig())
+    assert c.rope_parameters["rope_type"] == "default" and c.rope_parameters["rope_theta"] == c.rope_theta == 1e6
+    assert c.rope_local_base_freq == 1e4
+    llama = LlamaConfig()
+    before = dict(llama.rope_parameters)
+    assert flat_rope(llama).rope_parameters == before

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from cabinlm.runtime import Decoder, Tokenizer
+from cabinlm.runtime import Decoder
 from cabinlm.runtime.perplexity import token_nll
 from reference import StreamingReference
 

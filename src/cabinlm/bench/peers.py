@@ -265,7 +265,8 @@ def build_ort_genai(path: Path, hf: Path, config: str, log: Callable[[str], None
             check(cal, f"ort-genai {config}: the KV-cache calibration")
             steps.append(cal[1:])
             extra = ["--extra_options", "kv_cache_quant_scheme=int8_per_channel", f"kv_cache_scale_file={scales}"]
-        cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(tmp), "-p", precision,
+        # the package's builder, given Gemma 3's RoPE in the flat form it reads (bench/ort_genai_builder.py)
+        cmd = [sys.executable, "-m", "cabinlm.bench.ort_genai_builder", "-i", str(hf), "-o", str(tmp), "-p", precision,
                "-e", "cpu", "-c", str(tmp / "hf-cache"), *extra]  # fmt: skip
         log(f"building the ort-genai {config} model (once): {' '.join(cmd[2:])}")
         built = check(cmd, f"ort-genai {config}: the model builder")
