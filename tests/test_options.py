@@ -91,7 +91,8 @@ def test_a_head_width_needs_quantized_weights_from_the_request_or_the_plan():
 
 def test_a_profile_holding_fp16_weights_gets_an_fp32_graph(tmp_path):
     """fp16 is an engine's build-time weight precision: a profile may name it, the graph stays fp32
-    (and the planner counts 2 bytes per parameter)."""
+    (and the planner counts 2 bytes per parameter, the tied token table twice: an ONNX Runtime CPU
+    build gathers from it and prepacks it again as the output projection)."""
     toml = tmp_path / "fp16.toml"
     toml.write_text(
         'name = "fp16-board"\nchip = "c"\ndescription = "d"\nmemory_total_bytes = "8 GiB"\nbudget_bytes = "4 GiB"\n'
@@ -103,7 +104,9 @@ def test_a_profile_holding_fp16_weights_gets_an_fp32_graph(tmp_path):
     assert profile.weight_dtype is WeightFormat.FP16
     o = options_for_profile(SMOLLM2, profile, ExportRequest())
     assert o.weights is WeightFormat.FP32
-    assert o.plan["weights_bytes"] == o.plan["parameters"] * 2
+    table = SMOLLM2.vocab_size * SMOLLM2.hidden_size
+    norms = SMOLLM2.num_layers * 2 * SMOLLM2.hidden_size + SMOLLM2.hidden_size  # float32, 2 more bytes each
+    assert o.plan["weights_bytes"] == (o.plan["parameters"] + table + norms) * 2
 
 
 def test_a_kv_precision_the_profile_cannot_run_is_refused():

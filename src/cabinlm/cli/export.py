@@ -36,8 +36,9 @@ def export(
         None,
         parser=weight_formats(*GRAPH_WEIGHTS),
         metavar=choices(*GRAPH_WEIGHTS),
-        help="Weight storage: fp32, or int8 / int4 in blocks of 32 (a .gguf's Q8_0/Q4_0/Q4_1 blocks are "
-        "imported as they are). [default: fp32, or the profile's for CPU targets]",
+        help="Weight storage: fp32, or int8 / int4 in blocks of 32. A .gguf's blocks are imported: with int4, "
+        "Q4_0/Q4_1/Q4_K as 4-bit and Q5_0/Q5_1/Q5_K/Q8_0 exactly as 8-bit (Q6_K re-rounded to 8-bit blocks); "
+        "with int8, every type as 8-bit. [default: fp32, or the profile's for CPU targets]",
     ),
     head: Optional[WeightFormat] = typer.Option(
         None,

@@ -153,8 +153,10 @@ def _gguf_matrix(blocks: dict, name: str, k: int, heads: int | None, head_dim: i
 def decoder_weights(loaded: LoadedModel, fmt: WeightFormat | str = WeightFormat.FP32, log: Callable[[str], None] = lambda s: None,
                     head: WeightFormat | str | None = None) -> DecoderWeights:  # fmt: skip
     """The loaded model's weights as the graph multiplies with them: float32 (in, out) arrays, or
-    block-quantized matrices. From a .gguf, Q8_0 / Q4_0 / Q4_1 tensors are imported as their own
-    blocks (the same numbers llama.cpp computes with); other tensors are quantized from float32.
+    block-quantized matrices. From a .gguf, block tensors are imported as blocks (export/gguf_quants.py:
+    Q4_0 / Q4_1 / Q4_K as 4-bit, or with int8 weights 8-bit; Q5_0 / Q5_1 / Q5_K / Q8_0 exactly as 8-bit;
+    Q6_K re-rounded to 8-bit blocks of 32), the same numbers llama.cpp computes with but for Q6_K;
+    other tensors are quantized from float32.
 
     head: the format of the token table and output projection of a quantized export. None: 8 bits
     (as llama.cpp's Q4 files keep them), or a .gguf's own blocks for int4 weights. "int4": 4-bit
