@@ -14,13 +14,11 @@ import torch
 
 from cabinlm.export.models import load_model
 from cabinlm.runtime import open_artifact
+from cabinlm.runtime.perplexity import token_nll
 
 
 def nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    logits = logits.astype(np.float64)
-    m = logits.max(axis=1, keepdims=True)
-    logp = logits - m - np.log(np.exp(logits - m).sum(axis=1, keepdims=True))
-    return -logp[np.arange(len(targets)), targets]
+    return np.array([token_nll(row, int(t)) for row, t in zip(logits, targets)])  # float64 log-softmax
 
 
 p = argparse.ArgumentParser()

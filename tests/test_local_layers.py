@@ -143,7 +143,11 @@ def test_every_engine_runs_the_local_rings_as_the_reference(backend, gemma, expo
         profile = load_profile(static_profile(tmp) if case.profile == HOST_STATIC else case.profile)
         folder = build_artifact(art, profile, tmp / "out", **dict(case.options))
     dec = Decoder(folder)
-    assert type(dec.backend).kind is case.kind and dec.layout.local_layers == (0, 2)
+    assert type(dec.backend).kind is case.kind and dec.device == case.device and dec.layout.local_layers == (0, 2)
+    if case.kind is BackendKind.QNN_HTP:  # the sessions say what really runs: the HTP, CPU fallback off
+        for session in (dec.backend.graphs.prefill, dec.backend.graphs.decode):
+            assert session.get_providers()[0] == "QNNExecutionProvider", session.get_providers()
+            assert session.get_session_options().get_session_config_entry("session.disable_cpu_ep_fallback") == "1"
     ids, expected = stream
     got, pos = [], 0
     for n, pin in STREAM:

