@@ -53,6 +53,7 @@ ENTRIES = (
     "GetDimensionsCount",
     "GetDimensions",
     "GetTensorTypeAndShape",
+    "KernelContext_GetInputCount",
     "KernelContext_GetInput",
     "KernelContext_GetOutput",
     "ReleaseTensorTypeAndShapeInfo",

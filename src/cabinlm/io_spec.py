@@ -191,6 +191,12 @@ REFRESH_POSITION_IDS = "refresh_position_ids"
 REFRESH_COS = "refresh_cos"
 REFRESH_SIN = "refresh_sin"
 REFRESH_KEYS = "refresh_keys"
+# cabinlm's attention kernel (builds whose rows can be one-token steps): the sink and pinned keys
+# rotated inside the kernel, per row, from the runtime's un-rotated copy, and each row's slot.
+KEY_SOURCE = "key_source"
+SOURCE_COS = "source_cos"
+SOURCE_SIN = "source_sin"
+ROW_SLOTS = "row_slots"
 # The local layers' own (CacheLayout.local_layers): their rotation, bias and lengths over their ring.
 LOCAL_ROPE_COS = "local_rope_cos"
 LOCAL_ROPE_SIN = "local_rope_sin"
@@ -211,7 +217,8 @@ def qkv_name(layer: int) -> str:
     return f"qkv.{layer}"
 
 
-def fused_decoder_io(layout: CacheLayout, num_heads: int, vocab_size: int, present: bool = True) -> DecoderIO:
+def fused_decoder_io(layout: CacheLayout, num_heads: int, vocab_size: int, present: bool = True,
+                     steps: bool = False) -> DecoderIO:
     """The graph contract of a fused-attention build (slots N, chunk C, F = slots in use, 1 + the
     highest one; rows 0..N-1 of the buffers are the slots, rows N..N+C-1 scratch):
 
@@ -233,12 +240,22 @@ def fused_decoder_io(layout: CacheLayout, num_heads: int, vocab_size: int, prese
                              present=False (cabinlm's own attention kernel): no such outputs, the kernel
                              writes those rows of the key_cache / value_cache inputs in place
       qkv.{l}                float  (1, tokens, (heads + 2 kv_heads) head_dim)  the chunk's un-rotated q|k|v
-    and, apart from the decoder, the sink / pinned keys' rotation for the next step (P = their rows):
+    and, apart from the decoder, the sink / pinned keys' rotation for the next step (P = their rows;
+    not with steps=True):
       refresh_source         float  (1, layers * kv_heads, P, head_dim)  their un-rotated keys ÷ key scales
       refresh_position_ids   int64  (1, P)                  rows of refresh_cos / refresh_sin
       refresh_cos, refresh_sin float (P, head_dim / 2)
       refresh_keys           kv     (1, layers * kv_heads, P, head_dim)  rotated (int8: rounded, +-127)
     int8 KV: static per-channel scales (keys per rotation pair), held by the graph.
+    steps=True (cabinlm's attention kernel, kernels/int8_kv_attention.cc: a chunk's rows can be its
+    one-token steps, after the window has turned over too), instead of the refresh_* side inputs:
+      key_source             float  (1, layers * kv_heads, sink + pinned, head_dim)  the sink / pinned
+                                                             keys, un-rotated (the runtime's copy)
+      source_cos, source_sin float  (versions, K, head_dim / 2)  their rotation at rank + E, for the
+                                                             first K = sink + pinned fill rows: one
+                                                             version for every row, or one per row
+      row_slots              int64  (tokens,)               the slot each row goes to (F, F+1, ... for
+                                                             the chunk semantics)
     and, for a layout with local layers (whose key_cache / value_cache hold R + C rows, R = w the
     ring; layers * kv_heads above counts the global layers only: local layers have no sink or pinned keys):
       local_rope_cos, local_rope_sin  float (R + C, head_dim / 2)  the chunk's rotation in the rings
@@ -260,11 +277,17 @@ def fused_decoder_io(layout: CacheLayout, num_heads: int, vocab_size: int, prese
         TensorSpec(SEQLENS_K, "int32", (1,)),
         TensorSpec(TOTAL_SEQUENCE_LENGTH, "int32", ()),
         TensorSpec(LOGIT_ROWS, "int64", ("rows",)),
-        TensorSpec(REFRESH_SOURCE, "float", (1, refreshed, "pinned_rows", d)),
-        TensorSpec(REFRESH_POSITION_IDS, "int64", (1, "pinned_rows")),
-        TensorSpec(REFRESH_COS, "float", ("pinned_rows", d // 2)),
-        TensorSpec(REFRESH_SIN, "float", ("pinned_rows", d // 2)),
     ]
+    if steps:
+        inputs += [TensorSpec(KEY_SOURCE, "float", (1, refreshed, layout.sink + layout.pinned, d)),
+                   TensorSpec(SOURCE_COS, "float", ("versions", "pinned_rows", d // 2)),
+                   TensorSpec(SOURCE_SIN, "float", ("versions", "pinned_rows", d // 2)),
+                   TensorSpec(ROW_SLOTS, "int64", ("tokens",))]  # fmt: skip
+    else:
+        inputs += [TensorSpec(REFRESH_SOURCE, "float", (1, refreshed, "pinned_rows", d)),
+                   TensorSpec(REFRESH_POSITION_IDS, "int64", (1, "pinned_rows")),
+                   TensorSpec(REFRESH_COS, "float", ("pinned_rows", d // 2)),
+                   TensorSpec(REFRESH_SIN, "float", ("pinned_rows", d // 2))]  # fmt: skip
     if layout.local_layers:
         ring_rows = layout.local_slots + layout.chunk
         inputs += [TensorSpec(LOCAL_ROPE_COS, "float", (ring_rows, d // 2)),
@@ -272,8 +295,9 @@ def fused_decoder_io(layout: CacheLayout, num_heads: int, vocab_size: int, prese
                    TensorSpec(LOCAL_ATTENTION_BIAS, "float", (1, 1, "tokens", "local_total")),
                    TensorSpec(LOCAL_SEQLENS_K, "int32", (1,)),
                    TensorSpec(LOCAL_TOTAL_SEQUENCE_LENGTH, "int32", ())]  # fmt: skip
-    outputs = [TensorSpec(LOGITS, "float", ("rows", vocab_size)),
-               TensorSpec(REFRESH_KEYS, kv, (1, refreshed, "pinned_rows", d))]  # fmt: skip
+    outputs = [TensorSpec(LOGITS, "float", ("rows", vocab_size))]
+    if not steps:
+        outputs.append(TensorSpec(REFRESH_KEYS, kv, (1, refreshed, "pinned_rows", d)))
     for layer in range(layout.layers):
         n = layout.layer_slots(layer) + layout.chunk
         inputs.append(TensorSpec(key_cache_name(layer), kv, (1, h, n, d)))

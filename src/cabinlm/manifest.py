@@ -298,7 +298,8 @@ class Manifest:
         if spec.backend == BackendKind.FUSED:
             fused = spec.facts_as(FusedSettings)
             present = fused is None or fused.attention_kernel == "onnxruntime"
-            return fused_decoder_io(self.cache, self.model.num_heads, self.model.vocab_size, present)
+            steps = fused is not None and fused.step_rows
+            return fused_decoder_io(self.cache, self.model.num_heads, self.model.vocab_size, present, steps)
         embed_dim = self.vision.embed_dim if self.vision else 0
         return decoder_io(self.cache, self.model.vocab_size, self.index_dtype, embed_dim)
 

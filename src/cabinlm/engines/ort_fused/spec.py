@@ -98,6 +98,10 @@ class FusedSettings:
     # MatmulKernel: "onnxruntime" (MatMulNBits for every quantized matrix) or "cabinlm"
     # (kernels/block_q4_matmul.cc for the Q4_1 matrices, from the same library). Builds before it: "onnxruntime".
     matmul_kernel: str = "onnxruntime"
+    # cabinlm's attention kernel takes each row's slot and rotates the sink / pinned keys itself, per
+    # row (io_spec.fused_decoder_io(steps=True)): a chunk's rows can be its one-token steps after the
+    # window has turned over, so drafts are verified for the whole dialogue. Builds before it: False.
+    step_rows: bool = False
     # The compiled library the graph's ai.cabinlm operators run from, where own_kernels; None for
     # builds without them, and for builds made before the library came with the build (the runtime
     # refuses those with "run `cabinlm build` again").
@@ -117,6 +121,8 @@ class FusedSettings:
             raise ValueError(f"attention_kernel must be onnxruntime or cabinlm, got {self.attention_kernel!r}")
         if self.matmul_kernel not in ("onnxruntime", "cabinlm"):
             raise ValueError(f"matmul_kernel must be onnxruntime or cabinlm, got {self.matmul_kernel!r}")
+        if not isinstance(self.step_rows, bool) or (self.step_rows and self.attention_kernel != "cabinlm"):
+            raise ValueError(f"step_rows: true only with cabinlm's attention kernel, got {self.step_rows!r}")
         if self.kernels is not None and not self.own_kernels:
             raise ValueError("kernels: a build without cabinlm's kernels lists no kernel library")
 

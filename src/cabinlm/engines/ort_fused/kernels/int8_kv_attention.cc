@@ -1,10 +1,11 @@
 // cabinlm's attention over an int8 KV cache: an ONNX Runtime custom operator, ai.cabinlm::Int8KVAttention.
 //
 // It takes the place of com.microsoft::GroupQueryAttention in the cpu build's fused decoder
-// (builders/ort_fused.py), with the same inputs and meaning, for int8 KV with static per-channel
-// scales. Why an own kernel: ONNX Runtime's quantized-cache path computes a chunk of tokens one row at
-// a time with the cache de-quantized per row, which makes a prefill chunk over a full window about
-// three times as slow as over a float32 cache (docs/benchmarks.md, section 11).
+// (engines/ort_fused/graph.py), with the same first inputs and meaning, for int8 KV with static
+// per-channel scales. Why an own kernel: ONNX Runtime's quantized-cache path computes a chunk of tokens
+// one row at a time with the cache de-quantized per row, which makes a prefill chunk over a full window
+// about three times as slow as over a float32 cache (docs/benchmarks.md, section 11); and a verified
+// draft must see the cache as its one-token step would, which only an own kernel can arrange.
 //
 //   inputs   0 qkv                   float (1, n, (H + 2 Hkv) D)  the chunk's un-rotated q | k | v
 //            1 key_cache             int8  (1, Hkv, R, D)  keys rotated at write time; rows F .. F+n-1 are
@@ -13,21 +14,42 @@
 //            4 total_sequence_length int32 ()              F + n
 //            5 rope_cos, 6 rope_sin  float (rows, D / 2)   the rotation of the row position_ids names
 //            7 position_ids          int64 (1, n)
-//            8 attention_bias        float (1, 1, n, F + n) additive (0, or -1e30 for a slot not to see)
+//            8 attention_bias        float (1, 1, n, F + n) additive (0, or -1e30 for a slot not to see):
+//                                                          columns 0..F-1 the cache's slots, F+m chunk row m
 //            9 k_scale, 10 v_scale   float (Hkv * D)       per channel: keys per rotation pair, values
+//   optional, all five or none (the rows as one-token steps, below):
+//           11 key_source            float (1, layers * Hkv, P, D)  the sink / pinned tokens' keys, un-rotated
+//           12 source_cos, 13 source_sin float (V, K, D / 2)  their rotation, V = 1 (every row) or n (row i:
+//                                                          version i); the first K <= P rows, K <= F
+//           14 layer                 int64 (1,)            this node's layer in key_source
+//           15 row_slots             int64 (n,)            the slot each chunk row goes to
 //   output   0 attention             float (1, n, H D)
+//
+// What row i sees. It attends positions 0 .. X_i, X_i = max(F, 1 + row_slots[0 .. i-1]):
+//   position X_i                 its own key and value (written at row F+i);
+//   position row_slots[m], m < i chunk row m's (row F+m; the latest m where two rows share a slot);
+//   any other position j < F     the cache's row j, except that the first K positions' keys are the
+//                                sink / pinned keys rotated from key_source by the row's version of
+//                                source_cos / source_sin (quantized as the chunk's own keys are);
+//   any other position >= F      nothing (an empty slot: weight 0).
+// Without inputs 11..15 the slots are F, F+1, ... and K = 0: row i sees the cache as it was before the
+// chunk and the rows before it, the exported graph's chunk semantics. With row_slots the rows'
+// destination slots and V = n, row i computes exactly the one-token step that follows i one-token
+// steps over the chunk's first i tokens -- after the window has turned over too, where those steps
+// overwrite the oldest window slots and move the sink / pinned keys' rotation on (runtime/rotated.py).
+// That is what lets a verified draft be plain decoding, bit for bit, for a whole dialogue.
 //
 // Invariants the runtime relies on:
 //  * the chunk's K/V are rotated (keys), divided by their scales, rounded half to even and saturated to
-//    +-127 (the rounding of the sink / pinned keys' refresh graph), then written to rows F .. F+n-1 of
-//    the caches before any row attends: row i attends over cache rows 0 .. F+i, its own included, read
-//    back as int8, exactly as a one-token step would;
-//  * a row's result is a function of that row's inputs alone, computed in one fixed order (a score
-//    over the head dimension in 16 lanes reduced by one fixed tree, the softmax sum in 16 lanes, the
-//    values added key after key): row i of a chunk is bit for bit the one-token step that sees the
-//    same cache rows (speculative verification depends on it). How rows are grouped (blocks of 4
-//    rows of one kv head, which share each key's conversion to float; tiles of 16 or 32 keys) changes
-//    the work, never a row's arithmetic;
+//    +-127, then written to rows F .. F+n-1 of the caches before any row attends, read back as int8,
+//    exactly as a one-token step would write them;
+//  * a row's result is a function of what that row sees (above), computed in one fixed order (a score
+//    over the head dimension in 16 lanes reduced by one fixed tree, a position's score a function of
+//    its query, key and bias alone, the softmax sum in 16 lanes by position, the values added position
+//    after position): row i is bit for bit the one-token step that sees the same keys at the same
+//    positions. How rows are grouped (blocks of 4 rows of one kv head, which share each key's
+//    conversion to float where they see the same key; tiles of 16 or 32 positions) changes the work,
+//    never a row's arithmetic;
 //  * a key whose biased score is below the row's maximum by more than 87 weighs exactly 0.
 //
 // Compiled by `cabinlm build` for the profile's CPU (kernels/compiler.py) into one library with the other
@@ -190,18 +212,72 @@ struct Problem {
   float* out;
   int64_t n, F, T, R, H, Hkv, D, group, rope_rows, blocks;
   float scale;
+  // The rows as one-token steps (inputs 11..15; without them K = 0, slots F, F+1, ... and every row
+  // sees the same keys): X[i] the row's own position, codes below.
+  const float* source = nullptr;   // this layer's (Hkv, P, D) un-rotated sink / pinned keys
+  const float* src_cos = nullptr;  // (V, K, D / 2)
+  const float* src_sin = nullptr;
+  const int64_t* slots = nullptr;  // (n,) or null
+  const int64_t* X = nullptr;      // (n,)
+  int8_t* step = nullptr;          // (V, Hkv, K, D): the sink / pinned keys as each version sees them
+  int64_t P = 0, K = 0, V = 1;
+  bool uniform = true;  // every row sees the same key at every position it sees (no slot table, V = 1)
 };
 
+// What row i sees at position j, as a code: >= 0 a row of the key / value buffers (a cached token's
+// slot, or F + m for chunk row m); kStepKey - v the sink / pinned key at j in version v (its value is
+// the cache's, row j); kEmpty nothing (weight 0).
+constexpr int32_t kEmpty = -1;
+constexpr int32_t kStepKey = -2;
+
+inline int64_t version_of(const Problem& p, int64_t i) { return p.V == 1 ? 0 : i; }
+
+// The codes of rows i0 .. i0+B-1 over positions 0 .. L-1, into codes[b * L + j]:
+//   j < F: the cache's (the first K: the step keys); j >= F: empty; then slots[m] = F + m for the
+//   rows m < i before it (the latest wins), and X[i] = F + i, the row itself.
+void row_codes(const Problem& p, int64_t i0, int64_t B, int64_t L, int32_t* codes) {
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t i = i0 + b;
+    int32_t* c = codes + b * L;
+    const int32_t step = static_cast<int32_t>(kStepKey - version_of(p, i));
+    for (int64_t j = 0; j < L; ++j) c[j] = j < p.F ? (j < p.K ? step : static_cast<int32_t>(j)) : kEmpty;
+    for (int64_t m = 0; m < i; ++m) c[p.slots[m]] = static_cast<int32_t>(p.F + m);
+    c[p.X[i]] = static_cast<int32_t>(p.F + i);
+  }
+}
+
+// The uniform case's code, without a table: j up to the row's own position, the first K step keys.
+inline int32_t uniform_code(const Problem& p, int64_t i, int64_t j) {
+  return j <= p.F + i ? (j < p.K ? kStepKey : static_cast<int32_t>(j)) : kEmpty;
+}
+
+inline const int8_t* key_row(const Problem& p, int64_t g, int32_t code, int64_t j) {
+  if (code >= 0) return p.keys + (g * p.R + code) * p.D;
+  return p.step + (((kStepKey - code) * p.Hkv + g) * p.K + j) * p.D;
+}
+inline int32_t value_code(int32_t code, int64_t j) { return code >= 0 ? code : (code == kEmpty ? kEmpty : static_cast<int32_t>(j)); }
+
 // Rows i0 .. i1-1 (at most kRowBlock) and kv head g: every query head of the group. Each row's
-// arithmetic is the same sequence whatever block it is computed in.
+// arithmetic is the same sequence whatever block it is computed in: the keys at its positions 0..X[i]
+// in position order, a position's score a function of (query, key, bias) alone.
 void attend(const Problem& p, int64_t i0, int64_t i1, int64_t g) {
   const int64_t D = p.D, V16 = D / kLanes, G = p.group, W = (p.H + 2 * p.Hkv) * D;
-  const int64_t B = i1 - i0, Lmax = p.F + i1;  // row i attends keys 0 .. F+i
+  const int64_t B = i1 - i0;
+  int64_t Lmax = 0;  // positions any row of the block sees
+  for (int64_t b = 0; b < B; ++b) Lmax = std::max(Lmax, p.X[i0 + b] + 1);
   const int64_t stride = (Lmax + kLanes - 1) / kLanes * kLanes;
   const float* ks = p.k_scale + g * D;
   const float* vs = p.v_scale + g * D;
-  const int8_t* K = p.keys + g * p.R * D;
   const int8_t* V = p.values + g * p.R * D;
+
+  thread_local std::vector<int32_t> table;
+  if (!p.uniform) {
+    table.resize(static_cast<size_t>(B * Lmax));
+    row_codes(p, i0, B, Lmax, table.data());
+  }
+  auto code = [&](int64_t b, int64_t j) -> int32_t {
+    return p.uniform ? uniform_code(p, i0 + b, j) : table[static_cast<size_t>(b * Lmax + j)];
+  };
 
   alignas(64) float q[kRowBlock][kMaxGroup][kMaxHeadDim];
   for (int64_t b = 0; b < B; ++b) {
@@ -213,24 +289,48 @@ void attend(const Problem& p, int64_t i0, int64_t i1, int64_t g) {
     }
   }
 
-  // Q K^T, 16 keys at a time: the tile's keys converted to float once for all rows and heads, then
-  // per row and head (qk_tile) each key's products summed over 16 lanes and the lanes of 16 keys
-  // reduced together, one fixed tree for every key. scores[b][r][0 .. stride): row b's keys, biased;
-  // keys after the row's own (later chunk rows, the tile's tail) -1e30 (weight 0).
+  // Q K^T, 16 positions at a time: the keys most rows see there (`shared`, the first row's that sees
+  // each position) converted to float once, then per row and head (qk_tile) each key's products
+  // summed over 16 lanes and the lanes of 16 keys reduced together, one fixed tree for every key; a
+  // row that sees another key at some position (a chunk row in a slot, its own version of a step
+  // key) gets its own copy of the tile with those keys. scores[b][r][0 .. stride): row b's keys,
+  // biased; positions it does not see -1e30 (weight 0).
   thread_local std::vector<float> scores;
   scores.resize(static_cast<size_t>(B * G * stride));
   alignas(64) float keys[kLanes * kMaxHeadDim];
+  alignas(64) float own[kLanes * kMaxHeadDim];
   for (int64_t j0 = 0; j0 < Lmax; j0 += kLanes) {
-    const int64_t count = std::min<int64_t>(kLanes, Lmax - j0);
+    int32_t shared[kLanes];
+    for (int64_t l = 0; l < kLanes; ++l) {
+      shared[l] = kEmpty;
+      for (int64_t b = 0; b < B && j0 + l < Lmax; ++b)
+        if ((shared[l] = code(b, j0 + l)) != kEmpty) break;
+    }
     for (int64_t l = 0; l < kLanes; ++l)
       for (int64_t c = 0; c < V16; ++c)
-        store(keys + l * D + c * kLanes, l < count ? load_int8(K + (j0 + l) * D + c * kLanes) : splat(0.0f));
+        store(keys + l * D + c * kLanes,
+              shared[l] != kEmpty ? load_int8(key_row(p, g, shared[l], j0 + l) + c * kLanes) : splat(0.0f));
     for (int64_t b = 0; b < B; ++b) {
-      const int64_t i = i0 + b, mine = p.F + i + 1 - j0;  // this row's keys in the tile (may be <= 0)
+      const int64_t i = i0 + b;
       alignas(64) float bias[kLanes];
-      for (int64_t l = 0; l < kLanes; ++l) bias[l] = l < mine ? p.bias[i * p.T + j0 + l] : -1e30f;
+      bool mine = false;  // this row sees another key than `shared` somewhere in the tile
+      for (int64_t l = 0; l < kLanes; ++l) {
+        const int32_t c = j0 + l < Lmax ? code(b, j0 + l) : kEmpty;
+        bias[l] = c == kEmpty ? -1e30f : p.bias[i * p.T + (c >= 0 ? c : j0 + l)];
+        mine |= c != kEmpty && c != shared[l];
+      }
+      const float* tile = keys;
+      if (mine) {
+        std::memcpy(own, keys, sizeof(float) * kLanes * D);
+        for (int64_t l = 0; l < kLanes; ++l) {
+          const int32_t c = j0 + l < Lmax ? code(b, j0 + l) : kEmpty;
+          if (c != kEmpty && c != shared[l])
+            for (int64_t k = 0; k < V16; ++k) store(own + l * D + k * kLanes, load_int8(key_row(p, g, c, j0 + l) + k * kLanes));
+        }
+        tile = own;
+      }
       const vf16 bv = load(bias);
-      for (int64_t r = 0; r < G; ++r) store(scores.data() + (b * G + r) * stride + j0, qk_tile(V16, q[b][r], keys, D) + bv);
+      for (int64_t r = 0; r < G; ++r) store(scores.data() + (b * G + r) * stride + j0, qk_tile(V16, q[b][r], tile, D) + bv);
     }
   }
 
@@ -238,7 +338,7 @@ void attend(const Problem& p, int64_t i0, int64_t i1, int64_t g) {
   for (int64_t b = 0; b < B; ++b)
     for (int64_t r = 0; r < G; ++r) {
       float* s = scores.data() + (b * G + r) * stride;
-      const int64_t Ls = (p.F + i0 + b + 1 + kLanes - 1) / kLanes * kLanes;  // this row's lanes
+      const int64_t Ls = (p.X[i0 + b] + 1 + kLanes - 1) / kLanes * kLanes;  // this row's lanes
       vf16 m = load(s);
       for (int64_t j = kLanes; j < Ls; j += kLanes) {
         const vf16 x = load(s + j);
@@ -254,21 +354,51 @@ void attend(const Problem& p, int64_t i0, int64_t i1, int64_t g) {
       inv_sum[b][r] = 1.0f / hsum(acc);
     }
 
-  // P V, a tile of keys at a time: the tile's values converted to float once, each row and head's
-  // accumulators held in registers over the tile (pv_tile); every accumulator still adds its keys'
-  // terms one key after the other, in key order.
+  // P V, a tile of positions at a time: the values most rows see converted to float once (a row
+  // that sees another value somewhere gets its own copy), each row and head's accumulators held in
+  // registers over the tile (pv_tile); every accumulator still adds its keys' terms one position
+  // after the other, in position order.
   alignas(64) float o[kRowBlock][kMaxGroup][kMaxHeadDim];
   for (int64_t b = 0; b < B; ++b)
     for (int64_t r = 0; r < G; ++r) std::memset(o[b][r], 0, sizeof(float) * D);
   alignas(64) float tile[kTile * kMaxHeadDim];
+  thread_local std::vector<float> own_values;
   for (int64_t j0 = 0; j0 < Lmax; j0 += kTile) {
     const int64_t count = std::min<int64_t>(kTile, Lmax - j0);
-    for (int64_t j = 0; j < count; ++j)
-      for (int64_t c = 0; c < V16; ++c) store(tile + j * D + c * kLanes, load_int8(V + (j0 + j) * D + c * kLanes));
+    int32_t shared[kTile];
+    for (int64_t j = 0; j < count; ++j) {
+      shared[j] = kEmpty;
+      for (int64_t b = 0; b < B; ++b)
+        if ((shared[j] = value_code(code(b, j0 + j), j0 + j)) != kEmpty) break;
+      if (shared[j] != kEmpty)
+        for (int64_t c = 0; c < V16; ++c) store(tile + j * D + c * kLanes, load_int8(V + shared[j] * D + c * kLanes));
+    }
     for (int64_t b = 0; b < B; ++b) {
-      const int64_t mine = std::min<int64_t>(count, p.F + i0 + b + 1 - j0);  // this row's keys in the tile
+      const int64_t mine = std::min<int64_t>(count, p.X[i0 + b] + 1 - j0);  // this row's positions in the tile
       if (mine <= 0) continue;
-      for (int64_t r = 0; r < G; ++r) pv_tile(V16, scores.data() + (b * G + r) * stride + j0, tile, mine, D, o[b][r]);
+      const float* t = tile;
+      if (!p.uniform) {
+        bool differs = false;
+        for (int64_t j = 0; j < mine && !differs; ++j) {
+          const int32_t c = value_code(code(b, j0 + j), j0 + j);
+          differs = c != kEmpty && c != shared[j];
+        }
+        if (differs) {
+          own_values.resize(static_cast<size_t>(kTile * D));
+          float* w = own_values.data();
+          for (int64_t j = 0; j < mine; ++j) {
+            const int32_t c = value_code(code(b, j0 + j), j0 + j);
+            if (c == kEmpty) continue;  // weight 0: never read
+            if (c == shared[j]) {
+              std::memcpy(w + j * D, tile + j * D, sizeof(float) * D);
+            } else {
+              for (int64_t k = 0; k < V16; ++k) store(w + j * D + k * kLanes, load_int8(V + c * D + k * kLanes));
+            }
+          }
+          t = w;
+        }
+      }
+      for (int64_t r = 0; r < G; ++r) pv_tile(V16, scores.data() + (b * G + r) * stride + j0, t, mine, D, o[b][r]);
     }
   }
   for (int64_t b = 0; b < B; ++b)
@@ -276,6 +406,21 @@ void attend(const Problem& p, int64_t i0, int64_t i1, int64_t g) {
       float* out = p.out + (i0 + b) * p.H * D + (g * G + r) * D;
       for (int64_t d = 0; d < D; ++d) out[d] = o[b][r][d] * inv_sum[b][r] * vs[d];
     }
+}
+
+// The sink / pinned keys of version v and kv head g: rotated from key_source by that version's
+// source_cos / source_sin and quantized exactly as write_rows quantizes a chunk's keys.
+void step_keys_unit(void* data, size_t unit) {
+  const Problem& p = *static_cast<const Problem*>(data);
+  const int64_t D = p.D, v = static_cast<int64_t>(unit) / p.Hkv, g = static_cast<int64_t>(unit) % p.Hkv;
+  const float* ks = p.k_scale + g * D;
+  float rotated[kMaxHeadDim];
+  for (int64_t r = 0; r < p.K; ++r) {
+    const int64_t t = (v * p.K + r) * (D / 2);
+    rotate(p.source + (g * p.P + r) * D, p.src_cos + t, p.src_sin + t, D, rotated);
+    int8_t* k = p.step + ((v * p.Hkv + g) * p.K + r) * D;
+    for (int64_t d = 0; d < D; ++d) k[d] = quantize(rotated[d] / ks[d]);
+  }
 }
 
 // The chunk's new keys (rotated) and values, quantized into cache rows F .. F+n-1.
@@ -307,7 +452,72 @@ void attend_unit(void* data, size_t unit) {
   attend(p, i0, i1, g);
 }
 
+// Inputs 11..15, where given: the slot table's view of the rows (the header's "rows as steps").
+OrtStatus* step_inputs(OrtKernelContext* ctx, size_t count, Problem& p, std::vector<int64_t>& X, std::vector<int8_t>& step) {
+  X.resize(static_cast<size_t>(p.n));
+  const std::string where = "Int8KVAttention: ";
+  if (count <= 11) {  // the exported graph's chunk semantics: every row sees the cache and the rows before it
+    for (int64_t i = 0; i < p.n; ++i) X[i] = p.F + i;
+    p.X = X.data();
+    return nullptr;
+  }
+  if (count != 16) return error(kInvalidArgument, where + "takes 11 inputs or 16, got " + std::to_string(count));
+  const OrtValue* in[5];
+  for (size_t i = 0; i < 5; ++i) {
+    CABIN_TRY(input(ctx, 11 + i, &in[i]));
+    if (in[i] == nullptr) return error(kInvalidArgument, where + "inputs 11..15 come together; input " + std::to_string(11 + i) + " is missing");
+  }
+  std::vector<int64_t> dsrc, dc, ds, dl, dslots;
+  CABIN_TRY(dims_of(in[0], &dsrc));
+  CABIN_TRY(dims_of(in[1], &dc));
+  CABIN_TRY(dims_of(in[2], &ds));
+  CABIN_TRY(dims_of(in[3], &dl));
+  CABIN_TRY(dims_of(in[4], &dslots));
+  int64_t layer_count = dsrc.size() == 4 ? dsrc[1] / p.Hkv : 0;
+  if (dsrc.size() != 4 || dsrc[0] != 1 || dsrc[1] % p.Hkv != 0 || dsrc[3] != p.D || dc.size() != 3 || dc != ds ||
+      dc[2] * 2 != p.D || (dc[0] != 1 && dc[0] != p.n) || dl.size() > 1 || (dl.size() == 1 && dl[0] != 1) ||
+      dslots.size() != 1 || dslots[0] != p.n)
+    return error(kInvalidArgument, where + "key_source " + shape_str(dsrc) + ", source_cos / sin " + shape_str(dc) + " / " +
+                                       shape_str(ds) + ", layer " + shape_str(dl) + " or row_slots " + shape_str(dslots) +
+                                       " are not (1, layers * kv_heads, rows, head_dim), two equal (1 or tokens, rows, head_dim / 2), "
+                                       "one index and (tokens,)");
+  p.P = dsrc[2];
+  p.V = dc[0];
+  p.K = dc[1];
+  if (p.K > p.P || p.K > p.F)
+    return error(kInvalidArgument, where + std::to_string(p.K) + " sink / pinned rows to rotate, but key_source holds " +
+                                       std::to_string(p.P) + " and " + std::to_string(p.F) + " slots are in use");
+  const int64_t* layer = nullptr;
+  const float* source = nullptr;
+  CABIN_TRY(data_of(in[0], &source));
+  CABIN_TRY(data_of(in[1], &p.src_cos));
+  CABIN_TRY(data_of(in[2], &p.src_sin));
+  CABIN_TRY(data_of(in[3], &layer));
+  CABIN_TRY(data_of(in[4], &p.slots));
+  if (*layer < 0 || *layer >= layer_count)
+    return error(kInvalidArgument, where + "layer " + std::to_string(*layer) + " is not one of key_source's " + std::to_string(layer_count));
+  p.source = source + *layer * p.Hkv * p.P * p.D;
+  // X[i] = max(F, 1 + slots[0 .. i-1]); every slot a position after the step keys, inside the buffers
+  int64_t x = p.F;
+  p.uniform = p.V == 1;
+  for (int64_t i = 0; i < p.n; ++i) {
+    X[i] = x;
+    const int64_t s = p.slots[i];
+    if (s < p.K || s >= p.R)
+      return error(kInvalidArgument, where + "row_slots[" + std::to_string(i) + "] = " + std::to_string(s) + " is not a slot after the " +
+                                         std::to_string(p.K) + " sink / pinned rows and below " + std::to_string(p.R));
+    p.uniform = p.uniform && s == p.F + i;
+    x = std::max(x, s + 1);
+  }
+  p.X = X.data();
+  step.resize(static_cast<size_t>(p.V * p.Hkv * p.K * p.D));
+  p.step = step.data();
+  return nullptr;
+}
+
 OrtStatus* compute(OrtKernelContext* ctx) {
+  size_t count = 0;
+  CABIN_TRY(input_count(ctx, &count));
   const OrtValue* in[11];
   std::vector<int64_t> dq, dk, dv, dc, db, dp, dsk, dsv;
   for (size_t i = 0; i < 11; ++i) CABIN_TRY(input(ctx, i, &in[i]));
@@ -361,10 +571,21 @@ OrtStatus* compute(OrtKernelContext* ctx) {
     if (p.position_ids[i] < 0 || p.position_ids[i] >= p.rope_rows)
       return error(kInvalidArgument, where + "position id " + std::to_string(p.position_ids[i]) + " outside the rotation tables");
   p.scale = 1.0f / std::sqrt(static_cast<float>(p.D));
+  thread_local std::vector<int64_t> X;
+  thread_local std::vector<int8_t> step;
+  CABIN_TRY(step_inputs(ctx, count, p, X, step));
   OrtValue* out = nullptr;
   CABIN_TRY(output(ctx, 0, {1, p.n, p.H * p.D}, &out));
   CABIN_TRY(data_of(out, &p.out));
 
+  if (p.K > 0) {  // the step keys first: every block of rows reads them
+    const size_t units = static_cast<size_t>(p.V * p.Hkv);
+    if (p.V * p.K <= 64) {
+      for (size_t u = 0; u < units; ++u) step_keys_unit(&p, u);
+    } else {
+      CABIN_TRY(parallel_for(ctx, step_keys_unit, units, &p));
+    }
+  }
   write_rows(p);
   p.blocks = (p.n + kRowBlock - 1) / kRowBlock;
   const size_t units = static_cast<size_t>(p.blocks * p.Hkv);
@@ -373,8 +594,9 @@ OrtStatus* compute(OrtKernelContext* ctx) {
 
 struct Int8KVAttention {
   static constexpr const char* kName = "Int8KVAttention";
-  static constexpr ElementType kInputTypes[11] = {kFloat, kInt8, kInt8, kInt32, kInt32, kFloat,
-                                                  kFloat, kInt64, kFloat, kFloat, kFloat};
+  static constexpr ElementType kInputTypes[16] = {kFloat, kInt8, kInt8, kInt32, kInt32, kFloat, kFloat, kInt64,
+                                                  kFloat, kFloat, kFloat, kFloat, kFloat, kFloat, kInt64, kInt64};
+  static constexpr size_t kRequiredInputs = 11;
   static OrtStatus* compute(OrtKernelContext* ctx) { return ::compute(ctx); }
 };
 

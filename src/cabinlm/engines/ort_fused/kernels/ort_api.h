@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "ort_api_entries.h"
@@ -79,6 +80,8 @@ inline OrtStatus* dims_of(const OrtValue* v, std::vector<int64_t>* out) {
   return s;
 }
 
+inline OrtStatus* input_count(OrtKernelContext* ctx, size_t* n) { return api<kKernelContextGetInputCount>()(ctx, n); }
+
 inline OrtStatus* input(OrtKernelContext* ctx, size_t i, const OrtValue** v) {
   return api<kKernelContextGetInput>()(ctx, i, v);
 }
@@ -136,8 +139,20 @@ struct CustomOp {
   void (*ReleaseAliasMap)(int*, int*);
 };
 
-// A stateless CPU operator: every input required, one float output, created and run through the
-// V2 entries (which return a status). Op is a struct with static kName, kInputTypes and compute.
+// How many of an operator's inputs are required: Op::kRequiredInputs where it declares one (the
+// rest are optional, trailing), otherwise all of kInputTypes.
+template <typename Op, typename = void>
+struct RequiredInputs {
+  static constexpr size_t value = sizeof Op::kInputTypes / sizeof Op::kInputTypes[0];
+};
+template <typename Op>
+struct RequiredInputs<Op, std::void_t<decltype(Op::kRequiredInputs)>> {
+  static constexpr size_t value = Op::kRequiredInputs;
+};
+
+// A stateless CPU operator: its first RequiredInputs inputs required (the rest optional), one float
+// output, created and run through the V2 entries (which return a status). Op is a struct with static
+// kName, kInputTypes and compute (and kRequiredInputs where trailing inputs are optional).
 template <typename Op>
 CustomOp make_op() {
   static int kernel_tag = 0;  // the kernels keep no state: every run reads its shapes from its inputs
@@ -150,7 +165,9 @@ CustomOp make_op() {
   op.GetOutputType = [](const CustomOp*, size_t) { return static_cast<int>(kFloat); };
   op.GetOutputTypeCount = [](const CustomOp*) { return static_cast<size_t>(1); };
   op.KernelDestroy = [](void*) {};
-  op.GetInputCharacteristic = [](const CustomOp*, size_t) { return 0; };   // required
+  op.GetInputCharacteristic = [](const CustomOp*, size_t i) {  // 0 required, 1 optional
+    return i < RequiredInputs<Op>::value ? 0 : 1;
+  };
   op.GetOutputCharacteristic = [](const CustomOp*, size_t) { return 0; };  // required
   op.GetInputMemoryType = [](const CustomOp*, size_t) { return 0; };       // the provider's default
   op.GetVariadicInputMinArity = [](const CustomOp*) { return 1; };

@@ -35,6 +35,7 @@ enum Entry : size_t {
   kGetDimensionsCount = 61,
   kGetDimensions = 62,
   kGetTensorTypeAndShape = 65,
+  kKernelContextGetInputCount = 88,
   kKernelContextGetInput = 90,
   kKernelContextGetOutput = 91,
   kReleaseTensorTypeAndShapeInfo = 99,
@@ -124,6 +125,11 @@ struct Signature<kGetDimensions> {
 template <>
 struct Signature<kGetTensorTypeAndShape> {
   using type = OrtStatus* (*)(const OrtValue* value, OrtTensorTypeAndShapeInfo** out);
+};
+// ORT_API2_STATUS(KernelContext_GetInputCount, _In_ const OrtKernelContext* context, _Out_ size_t* out)
+template <>
+struct Signature<kKernelContextGetInputCount> {
+  using type = OrtStatus* (*)(const OrtKernelContext* context, size_t* out);
 };
 // ORT_API2_STATUS(KernelContext_GetInput, _In_ const OrtKernelContext* context, _In_ size_t index, _Out_ const OrtValue** out)
 template <>
