@@ -593,7 +593,7 @@ LONG_MESSAGE = "check the route " * 40  # more than the 40-token window
             {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]}, 400, "messages[0].content[0].image_url"),
         ({"model": MODEL, "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "/tmp/frame.png"}}]}]}, 400, "messages"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": LONG_MESSAGE}]}, 400, None),
+        ({"model": MODEL, "messages": [{"role": "user", "content": LONG_MESSAGE}]}, 400, "messages"),
         (b'{"model": "tiny-qwen2", "messages": [{"role": "user", "content": "\\ud800"}]}', 400, "messages[0].content"),
     ],
     ids=lambda v: None if isinstance(v, (dict, bytes)) else str(v),

@@ -27,6 +27,10 @@ def serve(
         LongMessages.REFUSE,
         help="A message longer than the window: 'refuse' it (400), or 'stream' it through the window.",
     ),
+    max_prompt_tokens: Optional[int] = typer.Option(
+        None, help="The most tokens one request may have fed before its reply: its new messages, or its whole "
+        "history when its seat starts over. More is refused (400) before it takes a seat or the model. "
+        "[default: 4 windows]"),
     model_name: Optional[str] = typer.Option(
         None, help="The name clients send as `model` (default: the exported model's)."
     ),
@@ -51,7 +55,8 @@ def serve(
     # it opens the artifact. One line, exit 2.
     check_count("port", port, 0, 65535)
     config = ServeConfig(artifact, seats=seats, sessions=sessions, max_new_tokens=max_new_tokens, threads=threads,
-                         long_messages=long_messages, model_id=model_name, speculative=speculative)  # fmt: skip
+                         long_messages=long_messages, model_id=model_name, speculative=speculative,
+                         max_prompt_tokens=max_prompt_tokens)  # fmt: skip
     service = ChatService.open(config)
     if service.resumed:
         info(f"resumed {len(service.resumed)} seats from {sessions}: {', '.join(service.resumed)}")

@@ -9,7 +9,12 @@
 Every error is OpenAI's JSON error object ({"error": {"message", "type", "param", "code"}}) with a
 4xx status when the request is at fault (400 bad request, 404 unknown model / seat / path, 405, 409
 seat busy, 413 body too large), 503 when every seat is taken, 500 for a bug (logged with its
-traceback). The server keeps serving after any of them.
+traceback). The server keeps serving after any of them. A client that leaves before its request's body
+arrived is logged in one line (no answer is sent: nobody is there to read it).
+
+A request's body is decoded and checked (admission.py: what it would feed, by characters and then by
+tokens) in a thread of its own before it may claim a seat or take the model; the event loop never
+parses, tokenizes or runs the model.
 
 Web stack: Starlette on uvicorn. Starlette is the small ASGI toolkit FastAPI itself is built on:
 routing, request streams, and a StreamingResponse that notices a client that went away, which is
@@ -34,13 +39,13 @@ import anyio.to_thread
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from cabinlm.errors import CabinlmError
 from cabinlm.serve import replies
-from cabinlm.serve.schema import RequestError, parse_chat_request
+from cabinlm.serve.schema import RequestError, encodable
 from cabinlm.serve.service import STOPPING, ChatService, Turn
 
 log = logging.getLogger("cabinlm.serve")
@@ -53,7 +58,7 @@ def error_response(e: Exception) -> JSONResponse:
         headers = {"x-should-retry": "false"} if e.status == 503 else None  # the openai client would retry a 503
         return JSONResponse(e.body(), status_code=e.status, headers=headers)
     if isinstance(e, CabinlmError):
-        body = {"error": {"message": str(e), "type": "server_error", "param": None, "code": None}}
+        body = {"error": {"message": encodable(str(e)), "type": "server_error", "param": None, "code": None}}
     else:
         body = {"error": {"message": "internal error (see the server log)", "type": "server_error", "param": None,
                           "code": None}}  # fmt: skip
@@ -68,6 +73,9 @@ def _errors(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Requ
             return await handler(request)
         except RequestError as e:
             return error_response(e)
+        except ClientDisconnect:  # it sent part of its request and left: nothing failed here
+            log.warning("%s %s: the client left before its request arrived whole", request.method, request.url.path)
+            return Response(status_code=499)  # nobody reads it; the access log tells what happened
         except CabinlmError as e:
             log.error("%s %s: %s", request.method, request.url.path, e)
             return error_response(e)
@@ -78,7 +86,8 @@ def _errors(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Requ
     return run
 
 
-async def read_json(request: Request) -> Any:
+async def read_body(request: Request) -> bytes:
+    """The request's body, at most MAX_BODY_BYTES (ClientDisconnect when the client leaves part-way)."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
         raise RequestError(f"the request body is {length} bytes, more than {MAX_BODY_BYTES}", status=413,
@@ -89,10 +98,14 @@ async def read_json(request: Request) -> Any:
         if len(body) > MAX_BODY_BYTES:
             raise RequestError(f"the request body is more than {MAX_BODY_BYTES} bytes", status=413,
                                code="body_too_large")  # fmt: skip
+    return bytes(body)
+
+
+def decode_json(body: bytes) -> Any:
     if not body:
         raise RequestError("the request body is empty; send a JSON object", code="invalid_json")
     try:
-        return json.loads(bytes(body))
+        return json.loads(body)
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise RequestError(f"the request body is not valid JSON ({e})", code="invalid_json") from e
 
@@ -157,13 +170,16 @@ def create_app(service: ChatService) -> Starlette:
 
     @_errors
     async def completions(request: Request) -> Response:
-        body = await read_json(request)
-        chat = parse_chat_request(body, model_id)
-        turn = await service.start(chat)
+        raw = await read_body(request)
+        admitted = await anyio.to_thread.run_sync(lambda: service.admit(decode_json(raw)))
+        chat = admitted.request
+        turn = await service.start(admitted)
         cid = replies.completion_id()
         watcher = asyncio.create_task(_stop_when_gone(request, turn))
         try:
             kind, value = await turn.next()  # "started" once the prompt is in the cache, or "error"
+            if kind == "error" and turn.client_gone:
+                return Response(status_code=499)  # stopped while its history was fed: nobody reads it
             if kind == "error":
                 raise value
             if chat.stream:
@@ -222,7 +238,7 @@ def create_app(service: ChatService) -> Starlette:
         assert isinstance(exc, HTTPException)
         what = {404: f"no such endpoint: {request.method} {request.url.path}",
                 405: f"{request.method} is not allowed on {request.url.path}"}  # fmt: skip
-        what = what.get(exc.status_code, str(exc.detail))
+        what = encodable(what.get(exc.status_code, str(exc.detail)))
         body = {"error": {"message": what, "type": "invalid_request_error", "param": None, "code": None}}
         return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 

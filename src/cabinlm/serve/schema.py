@@ -27,7 +27,8 @@ from cabinlm.errors import CabinlmError
 
 DEFAULT_SEAT = "default"
 MAX_TOKENS_LIMIT = 32768  # the longest reply one request may ask for (memory stays constant regardless)
-SEAT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # also a file name in --sessions DIR
+# Also a file name in --sessions DIR: matched whole (fullmatch; `$` would let a trailing newline through).
+SEAT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 class RequestError(CabinlmError):
@@ -39,8 +40,15 @@ class RequestError(CabinlmError):
         self.status, self.param, self.code, self.type = status, param, code, type
 
     def body(self) -> dict:
-        """The OpenAI error object: {"error": {"message", "type", "param", "code"}}."""
-        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+        """The OpenAI error object: {"error": {"message", "type", "param", "code"}}. The message and the
+        parameter may echo what a client sent (a key with a lone surrogate): written as encodable text."""
+        param = None if self.param is None else encodable(self.param)
+        return {"error": {"message": encodable(str(self)), "type": self.type, "param": param, "code": self.code}}
+
+
+def encodable(text: str) -> str:
+    """text as UTF-8 can carry it: a lone surrogate (JSON allows "\\ud800") becomes its escape, \\ud800."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @dataclass(frozen=True)
@@ -282,7 +290,7 @@ def parse_chat_request(body: Any, model_id: str) -> ChatRequest:
     seat = body.get("user")
     if seat is None:
         seat = DEFAULT_SEAT
-    if not isinstance(seat, str) or not SEAT_NAME.match(seat):
+    if not isinstance(seat, str) or not SEAT_NAME.fullmatch(seat):
         raise _fail("user", f"user names the seat: 1-64 letters, digits, '.', '_' or '-', starting with a letter or "
                             f"digit; got {seat!r}")  # fmt: skip
     return ChatRequest(conversation, seat, max_completion if max_tokens is None else max_tokens, temperature, top_p,

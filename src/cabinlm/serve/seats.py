@@ -4,7 +4,8 @@
 each seat its own cache buffers, so memory is fixed from the first request on). The request's `user`
 field names a seat. A name the server has not seen takes a free seat; when every seat already has a
 name, the request is refused with 503 (code "seats_full") rather than queued or evicting somebody's
-conversation: the caller learns at once, and frees one with DELETE /v1/seats/NAME.
+conversation: the caller learns at once, and frees one with DELETE /v1/seats/NAME. A name's first
+request that is refused or fails gives the seat back (give_back): only an answered request keeps one.
 
 Requests on one seat run one after another, in arrival order (Seat.lock); requests on different seats
 run side by side, sharing the model between tokens (scheduler.ModelTurns).
@@ -31,6 +32,8 @@ class Seat:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one request at a time, in arrival order
     last: dict[str, Any] | None = None  # the last turn's numbers (GET /v1/seats)
     answered: int = 0  # turns this seat answered since the server started (cut-short ones too)
+    new: bool = False  # claimed by a request of this server that has not been answered yet
+    requests: int = 0  # requests holding or waiting for the seat (ChatService.start / _leave)
 
     @property
     def busy(self) -> bool:
@@ -81,8 +84,15 @@ class SeatManager:
                 status=503, code="seats_full", type="unavailable_error", param="user",
             )  # fmt: skip
         d, record = self._free.pop()
-        seat = self.seats[name] = Seat(name, d, record)
+        seat = self.seats[name] = Seat(name, d, record, new=True)
         return seat
+
+    def give_back(self, seat: Seat) -> None:
+        """A seat claimed new whose requests all ended unanswered: free again, its cache as it is (its
+        record says what it holds, or None: the next request on it starts over)."""
+        if self.seats.get(seat.name) is seat and not seat.busy:
+            del self.seats[seat.name]
+            self._free.append((seat.dialogue, seat.record))
 
     def free(self, name: str) -> None:
         """Give a seat back, forgetting its name (404 for an unknown name, 409 while it answers)."""

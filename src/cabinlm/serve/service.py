@@ -1,8 +1,11 @@
 """The chat service behind the HTTP app: the loaded model, its seats, the worker threads.
 
-    request ─ ChatService.start ─ seat claimed (503 when none is free) ─ seat lock (arrival order)
-              └ worker thread: plan (history.plan_turn) ─ images loaded ─ turns.answer holding the
-                model (ModelTurns; passed on between tokens) ─ seat saved (--sessions) ─ "done"
+    request ─ ChatService.admit (a thread of its own: the body decoded and checked, what the seat's plan
+              would feed measured, admission.py) ─ ChatService.start ─ seat claimed (503 when none is
+              free) ─ seat lock (arrival order)
+              └ worker thread: plan (history.plan_turn; measured again if the seat changed meanwhile) ─
+                images loaded ─ turns.answer holding the model (ModelTurns; passed on between tokens and
+                between the exchanges of a history fed again) ─ seat saved (--sessions) ─ "done"
     Turn: the worker's events for the handler, in order:
         ("started", None)        the prompt is in the cache; the reply's tokens follow
         ("delta", text)          a piece of the reply
@@ -11,8 +14,10 @@
 
 The event loop never runs the model; a worker never touches the HTTP connection. A handler whose
 client went away calls Turn.cancel(); the worker ends the reply at its next token and closes the turn
-as usual, so the seat stays consistent. The seat is busy until its worker is done, whatever the
-handler does.
+as usual (or, still feeding a history, stops after the exchange it is on: the seat holds the exchanges
+fed so far), so the seat stays consistent. The seat is busy until its worker is done, whatever the
+handler does. A request refused on a seat it claimed new gives the seat back: a refused request holds
+no seat.
 """
 
 from __future__ import annotations
@@ -31,14 +36,16 @@ from cabinlm.errors import CabinlmError, InputError
 from cabinlm.runtime.assembly import RuntimeConfig, open_runtime
 from cabinlm.runtime.dialogue import Dialogue, LongMessages
 from cabinlm.runtime.limits import check_count
-from cabinlm.serve.history import plan_turn
+from cabinlm.serve.admission import Admission
+from cabinlm.serve.history import SeatRecord, TurnPlan, plan_turn
 from cabinlm.serve.scheduler import ModelTurns
-from cabinlm.serve.schema import MAX_TOKENS_LIMIT, ChatRequest, RequestError
+from cabinlm.serve.schema import MAX_TOKENS_LIMIT, ChatRequest, RequestError, parse_chat_request
 from cabinlm.serve.seats import Seat, SeatManager
 from cabinlm.serve.store import SeatStore
-from cabinlm.serve.turns import Frames, Sampling, TurnOutcome, answer
+from cabinlm.serve.turns import Frames, HistoryStopped, Sampling, TurnOutcome, answer
 
 log = logging.getLogger("cabinlm.serve")
+MAX_PROMPT_TOKENS = 1 << 24  # --max-prompt-tokens: a bound a typo cannot pass, far above any cache
 STOPPING = RequestError("the server is stopping: the reply was cut short (the seat keeps it as far as it went); send "
                         "the request again once the server is back", status=503, code="server_stopping",
                         type="unavailable_error")  # fmt: skip
@@ -55,6 +62,7 @@ class ServeConfig:
     model_id: str | None = None  # the name clients send as "model"; None: the exported model's name
     verify: bool = True  # check the artifact's files against the manifest's sha256 at start
     speculative: bool | None = None  # prompt-lookup drafts; None: the backend's default, as chat
+    max_prompt_tokens: int | None = None  # what one request may feed before its reply; None: 4 windows
     runtime: RuntimeConfig = field(init=False)  # what chat and bench are checked and opened by too
 
     def __post_init__(self) -> None:
@@ -63,6 +71,7 @@ class ServeConfig:
         # system prompt against the pinned slots need the manifest: ChatService.open checks them
         # (open_runtime) before the model loads.
         check_count("max-new-tokens", self.max_new_tokens, 1, MAX_TOKENS_LIMIT)
+        check_count("max-prompt-tokens", self.max_prompt_tokens, 1, MAX_PROMPT_TOKENS)
         runtime = RuntimeConfig(self.artifact, seats=self.seats, threads=self.threads, system=None, system_option=None,
                                 max_new_tokens=self.max_new_tokens, long_messages=self.long_messages,
                                 speculative=self.speculative, verify=self.verify)  # fmt: skip
@@ -74,7 +83,8 @@ class ServeConfig:
 class Turn:
     """One request's turn as the handler sees it: the worker's events, and a way to stop the reply."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, seat: Seat, request: ChatRequest, on_end: Callable[[], None]):
+    def __init__(self, loop: asyncio.AbstractEventLoop, seat: Seat, request: ChatRequest,
+                 on_end: Callable[[bool], None]):  # fmt: skip
         self.loop, self.seat, self.request = loop, seat, request
         self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self.cancelled = threading.Event()
@@ -91,14 +101,14 @@ class Turn:
 
     def _deliver(self, kind: str, value: Any) -> None:
         if kind in ("done", "error"):
-            self.end()  # the seat is free before the handler answers: a client's next request finds it idle
+            self.end(answered=kind == "done")  # the seat is free before the handler answers
         self.events.put_nowait((kind, value))
 
-    def end(self) -> None:
-        """In the event loop's thread, once: the worker is done with the seat."""
+    def end(self, answered: bool = False) -> None:
+        """In the event loop's thread, once: the worker is done with the seat (answered: it closed a turn)."""
         if not self._ended:
             self._ended = True
-            self._on_end()
+            self._on_end(answered)
 
     async def next(self) -> tuple[str, Any]:
         return await self.events.get()
@@ -106,6 +116,16 @@ class Turn:
     def cancel(self) -> None:
         """The client went away: end the reply at the next token (a no-op once the turn is done)."""
         self.cancelled.set()
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A request that passed ChatService.admit: what it was measured against."""
+
+    request: ChatRequest
+    record: SeatRecord | None  # the seat's record when it was measured (None: a new seat)
+    plan: TurnPlan
+    fed: int  # tokens the plan feeds before the reply
 
 
 def model_name(source: str) -> str:
@@ -116,12 +136,13 @@ def model_name(source: str) -> str:
 
 class ChatService:
     def __init__(self, dialogues: list[Dialogue], model_id: str, *, store: SeatStore | None = None,
-                 max_new_tokens: int = 256) -> None:  # fmt: skip
+                 max_new_tokens: int = 256, max_prompt_tokens: int | None = None) -> None:  # fmt: skip
         self.dialogues = dialogues
         first = dialogues[0].decoder
         self.model_id = model_id
         self.device = first.device
         self.manifest = first.manifest
+        self.admission = Admission(first.folder, first.manifest, dialogues[0].long_messages, max_prompt_tokens)
         self.default_system = dialogues[0].chat.default_system
         self.max_new_tokens = max_new_tokens
         self.seats = SeatManager(dialogues)
@@ -141,7 +162,8 @@ class ChatService:
         runtime = open_runtime(config.runtime)
         store = SeatStore(config.sessions) if config.sessions is not None else None
         name = config.model_id or model_name(runtime.manifest.model.source)
-        return cls(runtime.dialogues(), name, store=store, max_new_tokens=config.max_new_tokens)
+        return cls(runtime.dialogues(), name, store=store, max_new_tokens=config.max_new_tokens,
+                   max_prompt_tokens=config.max_prompt_tokens)
 
     @property
     def vision(self) -> bool:
@@ -158,43 +180,77 @@ class ChatService:
             "uptime_s": round(time.time() - self.started, 1),
         }
 
-    async def start(self, request: ChatRequest) -> Turn:
-        """Claim the request's seat, wait for it, and start the turn in a worker thread."""
-        if self.stopping:
-            raise STOPPING
+    def _conversation(self, request: ChatRequest):
+        """The request's conversation with the system prompt its seat pins (the model's default for none)."""
+        conv = request.conversation
+        return conv if conv.system is not None else dataclasses.replace(conv, system=self.default_system)
+
+    def admit(self, body: Any) -> Admitted:
+        """A decoded JSON body, checked whole before it may take a seat or the model (in a thread of its
+        own, never a seat's: tokenizing a long history must not hold anybody up). RequestError when the
+        request is malformed or more than the model can take."""
+        request = parse_chat_request(body, self.model_id)
         conv = request.conversation
         if not self.vision and (conv.prompt.image or any(u.image for u, _ in conv.exchanges)):
             raise RequestError("this model has no vision input; send text only, or serve a vision-language artifact",
                                param="messages", code="images_not_supported")  # fmt: skip
+        seat = self.seats.seats.get(request.seat)  # read only: the event loop may change it, measure() copes
+        record = seat.record if seat is not None else None  # a new seat feeds everything
+        conv = self._conversation(request)
+        plan = plan_turn(record, conv)
+        return Admitted(request, record, plan, self.admission.measure(conv, plan, record))
+
+    async def start(self, admitted: Admitted) -> Turn:
+        """Claim the request's seat, wait for it, and start the turn in a worker thread."""
+        if self.stopping:
+            raise STOPPING
+        request = admitted.request
         seat = self.seats.claim(request.seat)
-        await seat.lock.acquire()
+        seat.requests += 1
+        try:
+            await seat.lock.acquire()
+        except BaseException:  # the handler was cancelled while it waited
+            self._leave(seat, answered=False)
+            raise
         if self.stopping:  # it stopped while this request waited for its seat
             seat.lock.release()
+            self._leave(seat, answered=False)
             raise STOPPING
         loop = asyncio.get_running_loop()
 
-        def free_seat() -> None:  # only at the worker's last word: a gone handler frees no seat in use
+        def free_seat(answered: bool) -> None:  # only at the worker's last word: a gone handler frees no seat in use
             self._turns.discard(turn)
             seat.lock.release()
+            self._leave(seat, answered)
 
         turn = Turn(loop, seat, request, free_seat)
         try:
-            future = loop.run_in_executor(self._executor, self._work, turn)
+            future = loop.run_in_executor(self._executor, self._work, turn, admitted)
         except BaseException:
             seat.lock.release()
+            self._leave(seat, answered=False)
             raise
         self._turns.add(turn)
         future.add_done_callback(lambda _: turn.end())  # in case the worker could not post its last word
         return turn
 
-    def _work(self, turn: Turn) -> None:
+    def _leave(self, seat: Seat, answered: bool) -> None:
+        """A request is done with its seat. A seat claimed new whose requests all ended unanswered (refused,
+        failed, or cut short) goes back to the free seats: a refused request holds no seat."""
+        seat.requests -= 1
+        if answered:
+            seat.new = False
+        if seat.new and seat.requests == 0:
+            self.seats.give_back(seat)
+
+    def _work(self, turn: Turn, admitted: Admitted) -> None:
         """The worker thread: the whole turn, then one "done" or "error" event."""
         seat, request = turn.seat, turn.request
-        conv = request.conversation
-        if conv.system is None:
-            conv = dataclasses.replace(conv, system=self.default_system)
+        conv = self._conversation(request)
         try:
             plan = plan_turn(seat.record, conv)
+            if seat.record is not admitted.record:  # another request changed the seat since this one was measured
+                self.admission.measure(conv, plan, seat.record)
             frames = Frames.load(conv, plan)  # a bad image is refused before the seat changes
             sampling = Sampling(request.max_tokens or self.max_new_tokens, request.temperature, request.top_p,
                                 request.seed)  # fmt: skip
@@ -206,6 +262,8 @@ class ChatService:
             seat.last = summary(outcome)
             seat.answered += 1
             turn.post("done", outcome)
+        except HistoryStopped:  # the client went away (or the server is stopping) while its history was fed
+            turn.post("error", STOPPING)
         except InputError as e:  # a message the model cannot take (too long, ...): the client's to fix
             turn.post("error", RequestError(str(e), code="invalid_input"))
         except CabinlmError as e:

@@ -74,7 +74,7 @@ class SeatStore:
     def names(self) -> list[str]:
         """The seats saved here, by name (sorted)."""
         names = sorted(p.name[: -len(SESSION)] for p in self.folder.glob(f"*{SESSION}"))
-        return [n for n in names if SEAT_NAME.match(n)]
+        return [n for n in names if SEAT_NAME.fullmatch(n)]
 
     def save(self, name: str, dialogue: Dialogue, record: SeatRecord | None) -> None:
         session = self.folder / f"{name}{SESSION}"

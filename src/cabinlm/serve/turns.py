@@ -7,9 +7,11 @@ TurnPlan), answer the new message, and keep the seat's record true to its cache 
     plan.prompt    answered (RecordingSampler keeps the choices, so the exchange can be fed again)
 
 The record is None (unknown: the next request starts over) while the cache is being changed, and set
-again as soon as the cache holds a known history; a failure part-way therefore costs a rebuild later,
-never a wrong answer. The model is held (ModelTurns) for the whole turn and passed to the other seats
-between tokens; should_stop is where that happens, and where a client that went away ends the reply.
+again as soon as the cache holds a known history: after every exchange of the history fed; a failure
+part-way therefore costs a rebuild later, never a wrong answer. The model is held (ModelTurns) for the
+whole turn and passed to the other seats between tokens and between the history's exchanges; those
+are also where a client that went away ends the turn: the reply at its next token, a history after
+the exchange it is on (HistoryStopped: the seat holds the exchanges fed so far, and nothing answers).
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ from cabinlm.serve.history import Exchange, SeatRecord, TurnPlan, image_key
 from cabinlm.serve.images import open_image
 from cabinlm.serve.scheduler import ModelTurns
 from cabinlm.serve.schema import Conversation
+
+
+class HistoryStopped(Exception):
+    """The turn was stopped while its history was fed: the seat's record holds what was fed, no reply."""
 
 
 class RecordingSampler(Sampler):
@@ -130,21 +136,34 @@ def answer(seat, conversation: Conversation, plan: TurnPlan, frames: Frames, sam
     record: SeatRecord | None = seat.record
     with model:
         seat.record = None  # from here the cache changes; unknown until it holds a known history again
+        held: list[Exchange] = []
+
+        def fed(ex: Exchange) -> None:
+            """One exchange of the history is in the cache: the seat's record says so; then the other
+            seats run once, and a client that went away stops the turn here."""
+            held.append(ex)
+            seat.record = SeatRecord(conversation.system, list(held))
+            model.pass_turn()
+            if stopped():
+                raise HistoryStopped
+
         if plan.rebuild:
             start = 0  # everything fed from the reset on counts, the system prompt included
             d.system = conversation.system
             d.reset()
-            held = []
+            seat.record = SeatRecord(conversation.system, [])
             for ex, image in zip(record.exchanges[: plan.keep] if record else [], frames.kept):
+                seat.record = None
                 _replay(d, ex, image, model)
-                held.append(ex)
+                fed(ex)
         else:
             start = d.decoder.cache.seen
-            held = list(record.exchanges[: plan.keep])
+            held.extend(record.exchanges[: plan.keep])
         for (user, assistant), image in zip(plan.given, frames.given):
+            seat.record = None
             d.add_turn(user.text, assistant.text, image=image)
-            held.append(Exchange(user.text, image_key(user.image), assistant.text))
-        seat.record = SeatRecord(conversation.system, held)
+            fed(Exchange(user.text, image_key(user.image), assistant.text))
+        seat.record = SeatRecord(conversation.system, list(held))
 
         sampler = RecordingSampler(temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed)
         d.sampler, d.max_new_tokens = sampler, sampling.max_new_tokens
