@@ -253,6 +253,37 @@ def test_the_int8_tolerance_fails_a_fused_cache_one_position_off(artifacts, stre
     assert errors.max() > 2 * every and errors.mean() > 2 * mean, (errors.max(), errors.mean())
 
 
+def test_verified_chunks_after_turnover_are_the_references_one_token_steps(artifacts, stream):
+    """The fused int8 build runs a verified draft's rows as one-token steps (StepPlan.steps,
+    kernels/int8_kv_attention.cc): past the window's turnover, with a pinned system prompt, each row
+    of a verification chunk follows the streaming reference fed the same tokens one at a time, within
+    the int8 tolerance; the same chunks run with the chunk semantics (every row sees the cache as it
+    was before the chunk) do not, so the check has teeth."""
+    loaded, ids = stream
+    folder = artifacts(FUSED_INT8)
+    every, mean = TOLERANCE[KVDType.INT8]
+    errors = {True: [], False: []}
+    for steps in (True, False):
+        dec = Decoder(folder)
+        ref = StreamingReference(loaded.model, sink=LAYOUT["sink"], window=LAYOUT["window"])
+        dec.feed(ids[:6], pin=True), ref.feed(ids[:6].tolist(), pin=True)
+        for start in range(6, 26, 4):  # past the window (16): every later token evicts
+            dec.feed(ids[start : start + 4]), ref.feed(ids[start : start + 4].tolist())
+        rng = np.random.default_rng(11)
+        while dec.cache.evicted < 6 * LAYOUT["window"]:
+            chunk = rng.integers(3, 300, int(rng.integers(2, LAYOUT["chunk"] + 1)))
+            want = np.concatenate([ref.feed([int(t)]).numpy() for t in chunk])
+            if steps:
+                got, kept = dec.verify(chunk, lambda logits: len(chunk))
+                assert kept == len(chunk)
+            else:
+                got = dec.step(chunk)
+            errors[steps].append(float(np.abs(got - want).max()))
+    steps_err, chunk_err = np.array(errors[True]), np.array(errors[False])
+    assert steps_err.max() < every and steps_err.mean() < mean, (steps_err.max(), steps_err.mean())
+    assert chunk_err.max() > 2 * every, chunk_err.max()
+
+
 def test_the_reference_run_can_tell_a_wrong_cache_from_a_right_one(stream, expected):
     """The comparison above has teeth: the same stream without the pinned spans pinned (the system
     prompt then leaves the window) gives logits far from the expected ones."""

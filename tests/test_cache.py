@@ -226,3 +226,40 @@ def test_a_plan_carries_the_table_as_it_stood_and_keeps_it_after_the_table_moves
             assert plan.slot_token is not table.slot_token
         table.advance(plan)
         assert {k: getattr(plan, k) for k in facts} == before[0] and (plan.slot_token == before[3]).all()
+
+
+@settings(max_examples=200, deadline=None)
+@given(sink=st.integers(1, 3), pinned=st.integers(0, 6), window=st.integers(8, 12), stream=ops,
+       image=st.integers(0, 3), n=st.integers(2, 8))
+def test_a_chunk_planned_as_steps_carries_each_steps_facts(sink, pinned, window, stream, image, n):
+    """StepPlan(steps=True), what a backend runs a verified draft from: for each row, its rank, E,
+    the sink / pinned slots and their ranks, and the token its slot held, equal what the one-token
+    plan made after the rows before it says (the table advanced one token at a time: the plain
+    reference), through the window's turnover, camera frames, and pinned spans younger than window
+    tokens (whose ranks fall as older window tokens are evicted)."""
+    lay = CacheLayout(sink=sink, pinned=pinned, image=image, window=window, chunk=8, layers=1, kv_heads=1, head_dim=2)
+    table = SlotTable(lay)
+    for i, (size, pin) in enumerate(stream):
+        if image and i % 3 == 0:
+            table.begin_frame()
+            table.advance(table.plan(image, pin="image"))
+        if pin and size - max(0, sink - table.sink_fill) > table.pinned_free:
+            continue
+        table.advance(table.plan(size, pin=pin))
+        if table.sink_fill < sink:
+            with pytest.raises(ValueError, match="after a full sink"):
+                table.plan(n, steps=True)
+            continue
+        plan = table.plan(n, steps=True)
+        steps = SlotTable(lay)
+        steps.restore(table.state())
+        for row in range(n):
+            one = steps.plan(1)
+            assert plan.slots[row] == one.slots[0]
+            assert plan.position_ids[row] == one.position_ids[0]
+            assert plan.row_evicted[row] == one.evicted
+            assert plan.overwritten[row] == one.slot_token[one.slots[0]]
+            np.testing.assert_array_equal(plan.pinned_slots, one.pinned_slots)
+            np.testing.assert_array_equal(plan.row_pinned_ranks[row], one.cache_position_ids[one.pinned_slots])
+            steps.advance(one)
+        assert plan.row_evicted[-1] + (plan.overwritten[-1] >= 0) == plan.evicted + plan.evicts

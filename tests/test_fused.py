@@ -141,10 +141,13 @@ def test_fused_int8_kv_stays_close_to_float_kv(kernel, load, tiny_llama_dir, exp
 
 
 def test_pinned_keys_are_rewritten_from_float_sources_not_from_quantized_data(load, tiny_llama_dir, export_to, tmp_path):
-    """Sink / pinned keys are re-written at rank + evictions before a step; doing it twice, or after
-    a thousand evictions, gives the bytes a fresh rotation of the float32 source gives."""
+    """Sink / pinned keys are re-written at rank + evictions before a step (a build on ONNX Runtime's
+    GroupQueryAttention, which reads them from the cache; cabinlm's kernel rotates them itself,
+    tests/test_kernels.py); doing it twice, or after a thousand evictions, gives the bytes a fresh
+    rotation of the float32 source gives."""
     art = export_to(load(str(tiny_llama_dir)), kv="int8", **LAYOUT)
-    dec = Decoder(fused_build(art, tmp_path / "fused8"))
+    dec = Decoder(fused_build(art, tmp_path / "fused8", attention_kernel="onnxruntime"))
+    assert not dec.backend.steps
     dec.feed(np.arange(3, 10), pin=True)
     for t in range(400):
         dec.step(np.array([20 + t % 200]))
@@ -178,9 +181,10 @@ def test_decode_steps_rotate_the_next_steps_pinned_keys_as_the_rotation_graph_do
     """A steady decode step rotates the sink / pinned keys for the next step on the side (in the
     decoder graph); the next refresh copies them in. They must be the bytes the rotation graph
     writes from the float sources, and the side path must stand aside while a pinned span is
-    younger than window tokens (their ranks then fall with each eviction)."""
+    younger than window tokens (their ranks then fall with each eviction). (GroupQueryAttention builds:
+    cabinlm's kernel rotates them itself.)"""
     art = export_to(load(str(tiny_llama_dir)), kv="int8", **LAYOUT)
-    dec = Decoder(fused_build(art, tmp_path / "fused8"))
+    dec = Decoder(fused_build(art, tmp_path / "fused8", attention_kernel="onnxruntime"))
     c, kv, rot = dec.cache, dec.backend, dec.backend.rotated
     rows = LAYOUT["sink"] + 5
     dec.feed(np.arange(3, 10), pin=True)  # 2 sink + 5 pinned
@@ -343,9 +347,10 @@ def test_smollm2_q4_1_as_int8_blocks_stay_close_to_the_exact_build(smollm2, expo
 def test_an_interrupt_inside_the_key_refresh_leaves_no_stale_key(load, tiny_llama_dir, export_to, tmp_path):
     """Ctrl-C while the sink / pinned keys are being re-rotated (inside the rotation graph's run):
     the step is abandoned, and the next one re-does the refresh (it is recorded only after the keys
-    are written), so the logits equal an uninterrupted decoder's fed the same tokens."""
+    are written), so the logits equal an uninterrupted decoder's fed the same tokens. (GroupQueryAttention
+    builds: cabinlm's kernel has no refresh.)"""
     art = export_to(load(str(tiny_llama_dir)), kv="int8", **LAYOUT)
-    out = fused_build(art, tmp_path / "fused8")
+    out = fused_build(art, tmp_path / "fused8", attention_kernel="onnxruntime")
     a, b = Decoder(out), Decoder(out)
     rng = np.random.default_rng(5)
     system = rng.integers(3, 300, 7)

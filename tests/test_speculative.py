@@ -1,6 +1,7 @@
 """Speculative decoding by prompt lookup (runtime/speculative.py; the reply loop, runtime/reply.py):
 greedy output token for token the same as plain decoding, on every backend with a chunk path,
-through eviction, pins, seats and session save / restore; a rejected draft leaves the cache as if it was never drafted; sampling
+through eviction, pins, seats and session save / restore (the fused cpu build drafting after the
+window has turned over too, its verified rows being one-token steps); a rejected draft leaves the cache as if it was never drafted; sampling
 keeps the model's distribution (the acceptance rule, checked against the exact distribution)."""
 
 from __future__ import annotations
@@ -87,8 +88,9 @@ def test_greedy_speculative_replies_are_the_plain_replies_through_eviction_seats
 
     a, b = dialogues(folder, spec=True, seats=2)  # two seats on one model, interleaved
     got_a, got_b = [], []
-    results = []
+    results, turned = [], []
     for i, t in enumerate(TURNS * 3):
+        turned.append(a.decoder.cache.evicted > 0)
         r = a.ask(t)
         results.append(r)
         got_a.append(r.reply)
@@ -100,6 +102,14 @@ def test_greedy_speculative_replies_are_the_plain_replies_through_eviction_seats
     assert got_a == expected and got_b == expected
     drafted, accepted = sum(r.drafted_tokens for r in results), sum(r.accepted_tokens for r in results)
     assert drafted > 0 and 0 < accepted <= drafted  # drafts were made, some accepted, some not
+    # after the window has turned over: the fused build goes on drafting (its rows run as one-token
+    # steps); the exported graph stops (its chunks see the cache as it was before them)
+    late = [r for r, t in zip(results, turned) if t]
+    assert len(late) > len(results) // 2
+    if backend == "onnxruntime-fused":
+        assert sum(r.drafted_tokens for r in late) > 0 and sum(r.accepted_tokens for r in late) > 0
+    else:
+        assert sum(r.drafted_tokens for r in late) == 0
 
 
 @pytest.mark.parametrize("backend", ["onnxruntime-graph", "onnxruntime-fused"])
@@ -107,7 +117,10 @@ def test_a_rejected_draft_leaves_the_cache_as_if_it_was_never_drafted(backend, a
     """verify([t, drafts]) that keeps only t: two decoders given different rejected drafts (of the
     same length) end with the same slot table and the same bytes in every slot in use and in the
     sink / pinned keys' sources, so a rejected draft leaves no trace; and both match a decoder that
-    stepped t alone (its logits, its table; its K/V within one int8 step, another kernel path)."""
+    stepped t alone: its table, and on the fused build (rows as one-token steps, after the window's
+    turnover too) its logits and every slot's bytes exactly; on the exported graph its logits to
+    rounding and its K/V within one int8 step (another kernel path)."""
+    exact = backend == "onnxruntime-fused"
     folder = artifacts[backend]
     ref, a, b = Decoder(folder), Decoder(folder), Decoder(folder)
     rng = np.random.default_rng(3)
@@ -121,7 +134,10 @@ def test_a_rejected_draft_leaves_the_cache_as_if_it_was_never_drafted(backend, a
         rows, kept = a.verify(np.array([t, *rng.integers(3, 300, n)]), lambda logits: 1)
         b.verify(np.array([t, *rng.integers(3, 300, n)]), lambda logits: 1)
         assert kept == 1
-        np.testing.assert_allclose(rows[0], want, atol=2e-2)  # row 0: the plain step's logits
+        if exact:
+            np.testing.assert_array_equal(rows[0], want, err_msg=f"step {step}")
+        else:
+            np.testing.assert_allclose(rows[0], want, atol=2e-2)  # row 0: the plain step's logits
         sa, sb, sr = a.cache.state(), b.cache.state(), ref.cache.state()
         assert sa.counters() == sb.counters() == sr.counters()
         assert (sa.slot_token == sb.slot_token).all() and (sa.slot_token == sr.slot_token).all()
@@ -132,6 +148,8 @@ def test_a_rejected_draft_leaves_the_cache_as_if_it_was_never_drafted(backend, a
                 np.testing.assert_array_equal(buf, other)
                 continue
             np.testing.assert_array_equal(buf[:, :, used], other[:, :, used], err_msg=f"{name} after step {step}")
+            if exact:
+                np.testing.assert_array_equal(buf[:, :, used], plain[:, :, used], err_msg=f"{name} after step {step}")
             diff = np.abs(buf[:, :, used].astype(np.float32) - plain[:, :, used].astype(np.float32)).max()
             assert diff <= 1.0, (name, step, diff)
     assert a.cache.evicted > LAYOUT["window"]  # the rejected rows landed in empty slots, then in scratch rows
@@ -162,6 +180,40 @@ def test_smollm2_fused_chunk_rows_are_its_steps_bit_for_bit(smollm2_fused):
         one = np.stack([steps.step(ids[i : i + 1])[0].copy() for i in range(5)])
         rows, kept = chunks.verify(ids, lambda logits: 5)
         assert kept == 5 and np.array_equal(rows, one)
+
+
+def test_smollm2_fused_chunk_rows_are_its_steps_after_the_window_turns_over(smollm2_fused):
+    """Drafting for the whole dialogue (Backend.verifies_after_turnover): on the real model, with a
+    pinned system prompt and the window turning over again and again, every row of a verification
+    chunk is bit for bit the logits of the one-token step it stands for, and a chunk that keeps only
+    its first k rows leaves every slot in use, and the sink / pinned keys' sources, byte for byte as
+    k plain steps do (the rest then stepped one by one)."""
+    rng = np.random.default_rng(1)
+    steps, chunks = Decoder(smollm2_fused), Decoder(smollm2_fused)
+    assert chunks.backend.verifies_after_turnover
+    system, prompt = rng.integers(100, 20000, size=30), rng.integers(100, 20000, size=260)
+    for d in (steps, chunks):
+        d.feed(system, pin=True)
+        d.feed(prompt)  # the window (252) is full: from here every token evicts
+    assert chunks.draft_room() == chunks.layout.chunk - 1
+    for it in range(40):
+        n = int(rng.integers(2, 9))
+        ids = rng.integers(100, 20000, size=n)
+        one = np.stack([steps.step(ids[i : i + 1])[0].copy() for i in range(n)])
+        k = n if it % 3 == 0 else int(rng.integers(1, n))
+        rows, kept = chunks.verify(ids, lambda logits: k)
+        assert kept == k and np.array_equal(rows, one), it
+        for i in range(k, n):  # the rejected rows, stepped plainly
+            chunks.step(ids[i : i + 1])
+        sa, sb = steps.cache.state(), chunks.cache.state()
+        assert sa.counters() == sb.counters() and (sa.slot_token == sb.slot_token).all()
+        used = np.flatnonzero(sa.slot_token >= 0)
+        for name, buf in steps.backend.buffers().items():
+            other = chunks.backend.buffers()[name]
+            if name != "key_source":
+                buf, other = buf[:, :, used], other[:, :, used]
+            np.testing.assert_array_equal(buf, other, err_msg=f"{name} after chunk {it}")
+    assert steps.cache.evicted > 150
 
 
 def test_chat_replies_are_the_same_with_and_without_speculation(artifacts):

@@ -36,6 +36,7 @@ class CabinlmEngine(protocol.Engine):
         self.dec = runtime.decoders[0]
         self.system = list(system)
         self.drafting = runtime.new_drafting()
+        self.drafts = {False: [0, 0], True: [0, 0]}  # (drafted, accepted) before / after the window turned over
         self.sampler = Sampler(temperature=0.0)
         self.stop_ids = set(stop_ids)
         lay, m = self.dec.layout, runtime.manifest
@@ -78,7 +79,13 @@ class CabinlmEngine(protocol.Engine):
     def advance(self, token: int, budget: int) -> list[int]:
         from cabinlm.runtime.reply import advance
 
-        return advance(self.dec, self.sampler, token, budget, self.stop_ids, self.drafting)
+        turned = self.dec.cache.evicted > 0  # the window has turned over: a drafter's hard part
+        drafted, accepted = self.drafting.drafted, self.drafting.accepted
+        chosen = advance(self.dec, self.sampler, token, budget, self.stop_ids, self.drafting)
+        phase = self.drafts[turned]
+        phase[0] += self.drafting.drafted - drafted
+        phase[1] += self.drafting.accepted - accepted
+        return chosen
 
 
 def open_bench_runtime(folder: Path, threads: int, *, system: str, speculative: bool | None) -> Runtime:
@@ -128,7 +135,10 @@ def run_cabinlm(
     trace.evicted_tokens = int(engine.dec.cache.evicted)
     trace.config.update(threads=threads, loadavg_1m=round(os.getloadavg()[0], 2))
     if engine.drafting.drafts:
-        trace.config.update(drafted=engine.drafting.drafted, accepted=engine.drafting.accepted)
+        (db, ab), (da, aa) = engine.drafts[False], engine.drafts[True]
+        trace.config.update(drafted=engine.drafting.drafted, accepted=engine.drafting.accepted,
+                            drafted_before_turnover=db, accepted_before_turnover=ab,
+                            drafted_after_turnover=da, accepted_after_turnover=aa)  # fmt: skip
     return trace
 
 
@@ -160,12 +170,18 @@ def report(summary: dict) -> list[str]:
     fmt = lambda v, unit="": "n/a" if v is None else f"{v}{unit}"  # noqa: E731
     lines = [
         f"{s['engine']}: {s['tokens']} tokens in {s['turns']} turns ({s['decoded_tokens']} decoded), stopped: {s['stopped']}",
-        f"  decode {fmt(s['decode_tok_s'])} tok/s (median)   prefill {fmt(s['prefill_tok_s'])} tok/s",
+        f"  decode {fmt(s['decode_tok_s_overall'])} tok/s overall, {fmt(s['decode_tok_s_last_1k_overall'])} over the last "
+        f"1k decoded ({fmt(s['decode_tok_s'])} median per token)   prefill {fmt(s['prefill_tok_s'])} tok/s",
         f"  per-token latency p50 {fmt(s['latency_ms_p50'], ' ms')}  p99 {fmt(s['latency_ms_p99'], ' ms')}  "
         f"first 1k {fmt(s['latency_ms_first_1k'], ' ms')}  last 1k {fmt(s['latency_ms_last_1k'], ' ms')}",
         f"  memory {fmt(s['rss_mb_start'], ' MiB')} -> {fmt(s['rss_mb_end'], ' MiB')}  "
         f"slope {fmt(s['rss_mb_slope_per_1k'], ' MiB / 1k tokens')}   evicted {s['evicted_tokens']} tokens",
     ]
+    c = s.get("config") or {}
+    if "drafted_after_turnover" in c:
+        rate = lambda a, d: f"{a}/{d}" + (f" ({a / d:.0%})" if d else "")  # noqa: E731
+        lines.append(f"  drafts accepted: {rate(c['accepted_before_turnover'], c['drafted_before_turnover'])} while the "
+                     f"window filled, {rate(c['accepted_after_turnover'], c['drafted_after_turnover'])} after it turned over")
     return lines
 
 

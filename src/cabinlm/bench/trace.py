@@ -85,6 +85,9 @@ def summarize(trace: Trace) -> dict:
         # every decoded token over all decode time: where one call chooses several tokens
         # (speculative decoding), the median above and this can differ
         "decode_tok_s_overall": _round(1000.0 * len(ms) / ms.sum() if len(ms) and ms.sum() > 0 else None, 2),
+        # the same over the last 1000 decoded tokens: the steady state of a long dialogue
+        "decode_tok_s_last_1k_overall": _round(1000.0 * len(ms[-1000:]) / ms[-1000:].sum()
+                                               if len(ms) and ms[-1000:].sum() > 0 else None, 2),  # fmt: skip
         "prefill_tok_s": _round(pf_tokens / pf_secs if pf_secs > 0 else None, 1),
         "latency_ms_p50": _round(p50),
         "latency_ms_p99": _round(np.percentile(ms, 99) if len(ms) else None),

@@ -22,6 +22,8 @@ What the reply loop needs to know about a backend are properties, never its kind
     verifies_drafts    a chunk's rows see the chunk's own K/V as the cache will hold them, so a
                        verified draft is exact; False: the reply loop never drafts
     rows_match_steps   and bit for bit: drafting is on by default
+    verifies_after_turnover   a chunk's rows can be its one-token steps after the window has turned
+                       over (StepPlan.steps): drafting goes on for the whole dialogue
 """
 
 from __future__ import annotations
@@ -93,6 +95,15 @@ class Backend(abc.ABC):
         tests/test_speculative.py checks it on SmolLM2). Where it is not, rows and steps agree only to rounding, which int8 activation
         quantization can amplify past a greedy near-tie: a verified draft could then pick another
         token than plain decoding, so drafting is not on by default there."""
+        return False
+
+    @property
+    def verifies_after_turnover(self) -> bool:
+        """A chunk planned as one-token steps (StepPlan.steps) computes row i as the step after the
+        chunk's first i tokens would, after the window has turned over too: it sees the cache without
+        the oldest window tokens those steps overwrite, and the sink / pinned keys as that step's own
+        rotation has them. Drafting then goes on for the whole dialogue (Decoder.draft_room); False:
+        drafts are verified only while the window fills, and the backend never gets a plan as steps."""
         return False
 
     @abc.abstractmethod

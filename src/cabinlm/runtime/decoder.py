@@ -85,15 +85,19 @@ class Decoder:
 
     def draft_room(self) -> int:
         """How many drafts one verify() may carry after the stream's last token (0 or less: none).
-        The chunk holds the token and its drafts, and must evict nothing: a chunk's tokens all see
-        the cache as it was before the chunk (DESIGN.md's semantics), so once the window is full,
-        token i of a chunk would still see the i oldest window tokens that i one-token steps evict,
-        and sit i positions further from the sink and pinned tokens than it would after them: no
-        single graph run can give each row its own ranks. Drafting therefore runs while the window
-        fills, and never where the backend's chunk rows are not its steps (Backend.verifies_drafts),
-        so a reply is token for token what plain decoding gives (greedy) or distributed as it."""
+        A verified chunk's row i must compute what the one-token step after its first i tokens would.
+        Where the backend can run a chunk as steps (Backend.verifies_after_turnover: each row sees the
+        cache without the window tokens the steps before it evict, and the sink / pinned keys as its
+        own step rotates them), that holds for the whole dialogue: a chunk's worth, once the sink is
+        full. Elsewhere a chunk's tokens all see the cache as it was before the chunk (DESIGN.md), so
+        once the window is full row i would still see the i oldest window tokens and sit i positions
+        further from the sink and pinned tokens: drafting then runs only while the window fills. And
+        never where the backend's chunk rows are not its steps (Backend.verifies_drafts), so a reply
+        is token for token what plain decoding gives (greedy) or distributed as it."""
         if not self.backend.verifies_drafts:
             return 0
+        if self.backend.verifies_after_turnover:
+            return self.layout.chunk - 1 if self.cache.sink_fill == self.layout.sink else 0
         return min(self.layout.chunk - 1, self.layout.window - self.cache.window_fill - 1)
 
     def verify(self, ids: np.ndarray, accept) -> tuple[np.ndarray, int]:
@@ -103,12 +107,13 @@ class Decoder:
         K/V without writing the cache's slots (engines/backend.py), so rejected drafts need no
         rollback: the cache is what feeding the accepted tokens alone would have made it.
         Returns (logits (tokens, vocab), accepted)."""
-        plan = self.cache.plan(len(ids))
+        steps = self.backend.verifies_after_turnover
+        plan = self.cache.plan(len(ids), steps=steps)
         out = self.backend.run(plan, ids, True, None)
         k = int(accept(out.logits))
         if not 1 <= k <= len(ids):
             raise ValueError(f"accept() must keep 1..{len(ids)} tokens, got {k}")
-        kept = plan if k == len(ids) else self.cache.plan(k)  # the first k tokens' plan: a prefix of this one
+        kept = plan if k == len(ids) else self.cache.plan(k, steps=steps)  # the first k tokens' plan: a prefix of this one
         with defer_sigint():
             self.backend.commit(kept, out)
             self.cache.advance(kept)

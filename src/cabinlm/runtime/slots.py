@@ -43,7 +43,7 @@ class StepPlan:
     the mask are worked out on first use (a fused decode step needs neither most of the time)."""
 
     def __init__(self, position_ids: np.ndarray, slots: np.ndarray, evicts: int, pin: bool | str,
-                 slot_token: np.ndarray, table: SlotTable, cached: int):  # fmt: skip
+                 slot_token: np.ndarray, table: SlotTable, cached: int, steps: bool = False):  # fmt: skip
         self.position_ids = position_ids  # (tokens,) int64
         self.slots = slots  # (tokens,) int64: destination slot of each chunk token
         self.evicts = evicts  # how many cached window tokens this chunk overwrites
@@ -59,6 +59,14 @@ class StepPlan:
         self.frames = table.frames
         self.seen = table.seen  # the chunk's first stream index
         self.local_window = table.layout.local_window  # w (0: no local layers)
+        self.sink = table.layout.sink
+        # True: the rows are one-token steps (a verified draft): row i computes what the step after the
+        # chunk's first i tokens would, the window's oldest tokens those steps overwrite included (the
+        # row_* facts below); False: every row sees the cache as it was before the chunk (DESIGN.md).
+        # A backend that cannot run a plan as steps never gets one (Backend.verifies_after_turnover).
+        self.steps = steps
+        if steps:  # each row's rank at its own step: a row after an eviction keeps the rank of the one before
+            self.position_ids = position_ids - (self.row_evicted - self.evicted)
 
     @property
     def tokens(self) -> int:
@@ -75,6 +83,42 @@ class StepPlan:
         order = np.argsort(np.where(valid, st, np.iinfo(np.int64).max), kind="stable")
         cache_pos[order[:cached]] = np.arange(cached)
         return cache_pos
+
+    # -- the rows as one-token steps (steps=True) -------------------------------------------------
+
+    @functools.cached_property
+    def pinned_slots(self) -> np.ndarray:
+        """(K,) int64: the sink and pinned slots in use, sink first: 0..K-1 (K = sink_fill + pinned_fill;
+        nothing is pinned before the sink is full)."""
+        return np.concatenate([np.arange(self.sink_fill), self.sink + np.arange(self.pinned_fill)]).astype(np.int64)
+
+    @functools.cached_property
+    def overwritten(self) -> np.ndarray:
+        """(tokens,) int64: the stream index each row's slot holds when that row's step runs (-1: an
+        empty slot); a cached token overwritten is an eviction."""
+        st = self.slot_token.copy()
+        out = np.empty(self.tokens, dtype=np.int64)
+        for m, slot in enumerate(self.slots):
+            out[m] = st[slot]
+            st[slot] = self.seen + m
+        return out
+
+    @functools.cached_property
+    def row_evicted(self) -> np.ndarray:
+        """(tokens,) int64: the window tokens evicted before each row's step (E for row 0)."""
+        over = (self.overwritten >= 0).astype(np.int64)
+        return self.evicted + np.concatenate([[0], np.cumsum(over[:-1])]).astype(np.int64)
+
+    @functools.cached_property
+    def row_pinned_ranks(self) -> np.ndarray:
+        """(tokens, K) int64: the ranks of the sink / pinned slots (pinned_slots) before each row's
+        step: a row that evicts a token older than one of them moves that one down a rank."""
+        slots = self.pinned_slots
+        ranks = self.cache_position_ids[slots]
+        ev = self.overwritten
+        older = (ev[:, None] >= 0) & (ev[:, None] < self.slot_token[slots][None, :])
+        drop = np.concatenate([np.zeros((1, len(slots)), np.int64), np.cumsum(older, axis=0)[:-1]])
+        return ranks[None, :] - drop
 
     # -- the local layers' ring (module docstring) -------------------------------------------------
 
@@ -223,16 +267,19 @@ class SlotTable:
 
     # -- one step ----------------------------------------------------------------------------------
 
-    def plan(self, n: int, pin: bool | str = False) -> StepPlan:
-        """Positions, mask and destination slots for the next chunk of n tokens (nothing changes yet)."""
+    def plan(self, n: int, pin: bool | str = False, steps: bool = False) -> StepPlan:
+        """Positions, mask and destination slots for the next chunk of n tokens (nothing changes yet).
+        steps: the rows are one-token steps (StepPlan.steps; window tokens only, the sink full)."""
         lay = self.layout
         if not 1 <= n <= lay.chunk:
             raise InputError(f"a chunk holds 1..{lay.chunk} tokens, got {n}")
+        if steps and (pin or self.sink_fill < lay.sink):
+            raise ValueError("a chunk planned as one-token steps holds window tokens after a full sink")
         if n == 1 and not pin and self.sink_fill == lay.sink:  # a decode step's window token
             cached = self.length
             slots = np.array([lay.window_start + self.ring_next], dtype=np.int64)
             evicts = 1 if self.window_fill == lay.window else 0
-            return StepPlan(np.array([cached], dtype=np.int64), slots, evicts, pin, self.slot_token.copy(), self, cached)
+            return StepPlan(np.array([cached], dtype=np.int64), slots, evicts, pin, self.slot_token.copy(), self, cached, steps)
         sink_take = min(n, lay.sink - self.sink_fill)
         rest = n - sink_take
         slots = np.empty(n, dtype=np.int64)
@@ -261,7 +308,7 @@ class SlotTable:
 
         cached = self.length
         position_ids = np.arange(cached, cached + n, dtype=np.int64)
-        return StepPlan(position_ids, slots, evicts, pin, self.slot_token.copy(), self, cached)
+        return StepPlan(position_ids, slots, evicts, pin, self.slot_token.copy(), self, cached, steps)
 
     def advance(self, plan: StepPlan) -> None:
         """The chunk's K/V are in their slots: record it. Call only after the data is written."""

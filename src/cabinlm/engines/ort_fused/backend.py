@@ -76,6 +76,9 @@ class FusedBackend(Backend):
             self.ring = RingTables(lay, *m.rotary.for_layer(True))
         self._heads = m.model.num_heads
         self._rows = np.arange(lay.chunk, dtype=np.int64)
+        # cabinlm's attention kernel rotating the sink / pinned keys itself, per row (io_spec
+        # fused_decoder_io(steps=True)): no refresh of their cache rows, and chunks may run as steps
+        self.steps = any(t.name == io.ROW_SLOTS for t in m.io.inputs)
         self._bind()
 
     @property
@@ -87,6 +90,12 @@ class FusedBackend(Backend):
         # A local ring's rows are the model's window of each token, which a chunk reads in another
         # order than steps do once the ring has turned over.
         return not self.layout.local_layers
+
+    @property
+    def verifies_after_turnover(self) -> bool:
+        # cabinlm's kernel takes each row's slot and its own rotation of the sink / pinned keys
+        # (kernels/int8_kv_attention.cc, "What row i sees"); the local rings are not planned as steps yet.
+        return self.steps and not self.layout.local_layers
 
     def buffers(self) -> dict[str, np.ndarray]:
         out = {"keys": self.keys, "values": self.values, "key_source": self.key_source}
@@ -120,6 +129,9 @@ class FusedBackend(Backend):
             cache += [(io.key_cache_name(i), k), (io.value_cache_name(i), v)]
             if not in_place:
                 aliases += [(io.present_key_name(i), k), (io.present_value_name(i), v)]
+        if self.steps:  # the sink / pinned keys' un-rotated copy, read by the kernel in place
+            L, H, P, D = self.key_source.shape
+            cache.append((io.KEY_SOURCE, ortvalue(self.key_source.reshape(1, L * H, P, D), "")))
         self._cache_values = cache
         width = (self._heads + 2 * lay.kv_heads) * lay.head_dim
         f32 = np.dtype(np.float32)
@@ -128,7 +140,8 @@ class FusedBackend(Backend):
         session = self.graphs.decoder
         # Bound with the aliases, before the outputs ORT allocates per run (which come back in binding
         # order); re-binding it later keeps its place.
-        aliases.append((io.REFRESH_KEYS, ortvalue(self.rotated.ahead_out, kv_onnx)))
+        if not self.steps:
+            aliases.append((io.REFRESH_KEYS, ortvalue(self.rotated.ahead_out, kv_onnx)))
         self._decode = Binding(session, cache, outs, tokens=1, rows=1, aliases=aliases)
         self._prefill = Binding(session, cache, outs, tokens=None, aliases=aliases)
         self._chunk_rows = np.arange(lay.chunk, dtype=np.int64)[None]
@@ -153,6 +166,13 @@ class FusedBackend(Backend):
             self._local_held: int | None = None
             fixed.update({io.LOCAL_SEQLENS_K: self._local_seqlens1, io.LOCAL_TOTAL_SEQUENCE_LENGTH: self._local_total1,
                           io.LOCAL_ROPE_COS: self.ring.cos, io.LOCAL_ROPE_SIN: self.ring.sin})  # fmt: skip
+        if self.steps:  # the row's slot (F: one token is its own step) and the sink / pinned keys' tables
+            self._slots1 = np.zeros(1, dtype=np.int64)
+            fixed[io.ROW_SLOTS] = self._slots1
+            P = lay.sink + lay.pinned
+            self._source_cos1 = np.zeros((1, P, lay.head_dim // 2), np.float32)
+            self._source_sin1 = np.zeros_like(self._source_cos1)
+            self._source_rows: int | None = None  # K bound now
         self._decode_inputs = [(name, ortvalue(arr, "")) for name, arr in fixed.items()]
         for name, ov in self._decode_inputs:
             self._decode.binding.bind_ortvalue_input(name, ov)
@@ -163,7 +183,7 @@ class FusedBackend(Backend):
         """The side inputs / output of the sink and pinned keys' next rotation (RotatedKeys.ahead),
         bound again whenever the rotated-keys helper replaces them (a new set of pinned tokens)."""
         rot = self.rotated
-        if self._ahead_bound == rot.ahead_version:
+        if self.steps or self._ahead_bound == rot.ahead_version:
             return
         values = [(name, ortvalue(arr, "")) for name, arr in rot.ahead.items()]
         out = ortvalue(rot.ahead_out, self.layout.kv_dtype.onnx_name)
@@ -180,7 +200,8 @@ class FusedBackend(Backend):
         if embeds is not None:
             raise ValueError("this model has no vision input")
         n, N = plan.tokens, self.layout.slots
-        self.rotated.refresh(plan)
+        if not self.steps:
+            self.rotated.refresh(plan)
         self.rotated.chunk_tables(plan)
         F = plan.extent
         if n == 1:
@@ -198,6 +219,11 @@ class FusedBackend(Backend):
             io.TOTAL_SEQUENCE_LENGTH: np.array(F + n, dtype=np.int32),
             io.LOGIT_ROWS: rows,
         }
+        if self.steps:
+            inputs[io.SOURCE_COS], inputs[io.SOURCE_SIN] = self.rotated.source_tables(plan)
+            inputs[io.ROW_SLOTS] = plan.slots if plan.steps else F + self._rows[:n]
+        elif plan.steps:
+            raise ValueError("this build's attention cannot run a chunk as one-token steps")
         if self.ring is not None:
             self.ring.fill(plan)
             Fl, R = plan.local_cached, self.layout.local_slots
@@ -247,6 +273,20 @@ class FusedBackend(Backend):
                 if Fl != self._local_held:
                     bias[io.LOCAL_ATTENTION_BIAS] = full
             self._local_held = Fl
+        if self.steps:
+            self._slots1[0] = F
+            cos, sin = self.rotated.source_tables(plan)
+            K = cos.shape[1]
+            self._source_cos1[:, :K] = cos
+            self._source_sin1[:, :K] = sin
+            if K != self._source_rows:  # views of their first K rows, bound while K stays (written in place)
+                self._source_views = [(name, ortvalue(arr[:, :K], "")) for name, arr in
+                                      ((io.SOURCE_COS, self._source_cos1), (io.SOURCE_SIN, self._source_sin1))]  # fmt: skip
+                for name, ov in self._source_views:
+                    self._decode.binding.bind_ortvalue_input(name, ov)
+                self._source_rows = K
+            outs = self._decode.run(bias)
+            return StepOutput(outs[0], (F, outs[1:]))
         self._bind_ahead()
         self.rotated.plan_ahead(plan)
         outs = self._decode.run(bias)

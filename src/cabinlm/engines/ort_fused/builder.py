@@ -15,7 +15,8 @@ from cabinlm.buildspec import BuildSpec, OptimizationLevel
 from cabinlm.engines.builder import Builder, BuildError, BuildRequest
 from cabinlm.engines.onnxruntime.offline import OPT_DATA, OPT_GRAPH, log_weights, optimize_offline, read_graph
 from cabinlm.engines.ort_fused import graph as fused_graph
-from cabinlm.engines.ort_fused.kernels import LIBRARY, MATMUL_OP, SWIGLU_MATMUL_OP
+from cabinlm.engines.ort_fused.kernels import FAST_MATMUL_ISAS, LIBRARY, MATMUL_OP, SWIGLU_MATMUL_OP, host_machine
+from cabinlm.engines.ort_fused.kernels.compiler import registrable
 from cabinlm.engines.ort_fused.spec import FusedSettings, KernelLibrary
 from cabinlm.engines.ort_graph.builder import spec_for, targets_cpu
 from cabinlm.engines.output import BuildOutput
@@ -71,7 +72,7 @@ def _kernel_library(request: BuildRequest, folder: Path, insisted: bool, kept: s
         if oldest is not None and oldest.split(".")[1].isdigit() and int(oldest.split(".")[1]) < kernels.api_version():
             raise KernelError(f"they need onnxruntime >= 1.{kernels.api_version()} and profile {profile.name} runs "
                               f"onnxruntime {oldest}")  # fmt: skip
-        compiled = compile_library(folder, march)
+        compiled = compile_library(folder, march, machine=profile.cpu_arch)  # cross-compiled for another architecture
     except KernelError as e:
         if insisted:
             raise BuildError(f"cabinlm's kernels cannot be had for profile {profile.name}: {e}") from e
@@ -112,9 +113,9 @@ class FusedBuilder(Builder):
             library = _kernel_library(request, output.folder, insisted, kept)
         if library is None:
             kernel = matmul = "onnxruntime"
-        elif matmul == "cabinlm" and opts.matmul_kernel.value == "auto" and library.matmul_isa != "avx512-vnni":
-            log(f"kept ONNX Runtime's MatMulNBits: -march={library.march} has no AVX-512 VNNI, and cabinlm's Q4_1 matmul "
-                "has no faster path there (--matmul-kernel cabinlm runs its plain C++ path)")
+        elif matmul == "cabinlm" and opts.matmul_kernel.value == "auto" and library.matmul_isa not in FAST_MATMUL_ISAS:
+            log(f"kept ONNX Runtime's MatMulNBits: -march={library.march} has no AVX-512 VNNI (nor Arm's dot product), and "
+                "cabinlm's Q4_1 matmul has no faster path there (--matmul-kernel cabinlm runs its plain C++ path)")
             matmul = "onnxruntime"
         if kernel == "cabinlm":
             log("attention over the int8 cache: cabinlm's Int8KVAttention")
@@ -123,7 +124,8 @@ class FusedBuilder(Builder):
             library = None
         model = fused_graph.fused_model(graph, manifest, opts.accuracy_level, opts.minimums, kernel, matmul)
         facts = FusedSettings(accuracy_level=opts.accuracy_level, minimums=opts.minimums.value,
-                              attention_kernel=kernel, matmul_kernel=matmul, kernels=library)  # fmt: skip
+                              attention_kernel=kernel, matmul_kernel=matmul, kernels=library,
+                              step_rows=kernel == "cabinlm")  # fmt: skip
         op = "cabinlm's Int8KVAttention" if kernel == "cabinlm" else "GroupQueryAttention"
         mm = "BlockQ4MatMul for the Q4_1 matrices, " if any(n.op_type in (MATMUL_OP, SWIGLU_MATMUL_OP) for n in model.graph.node) else ""
         log(f"fused the decoder: {len(model.graph.node)} nodes (the export has {len(graph.graph.node)}), "
@@ -141,11 +143,14 @@ class FusedBuilder(Builder):
                 else "8-bit blocks with integer zero points (each minimum rounded to 1/34 of its block's step)"))  # fmt: skip
         del graph
 
-        onnx.save_model(fused_graph.rotation_model(manifest), str(output.path(fused_graph.ROTATE_GRAPH)))
-        output.add("rotate_graph", fused_graph.ROTATE_GRAPH)
+        output.path(fused_graph.ROTATE_GRAPH).unlink(missing_ok=True)  # an earlier build's, in the same folder
+        if kernel != "cabinlm":  # GroupQueryAttention reads the sink / pinned keys from the cache: the runtime refreshes them
+            onnx.save_model(fused_graph.rotation_model(manifest), str(output.path(fused_graph.ROTATE_GRAPH)))
+            output.add("rotate_graph", fused_graph.ROTATE_GRAPH)
         if library is not None:
             output.add("kernel_library", library.file)  # listed with its sha256, as fused.kernels records it
-        optimize_offline(model.SerializeToString(), output.folder, output.path(library.file) if library else None)
+        with registrable(output.path(library.file) if library else None, library) as registered:  # a cross build's: this machine's twin
+            optimize_offline(model.SerializeToString(), output.folder, registered)
         del model
         output.add("graph", OPT_GRAPH)
         output.add("graph_data", OPT_DATA)
@@ -154,6 +159,12 @@ class FusedBuilder(Builder):
         return spec_for(self.kind, request, OptimizationLevel.BASIC, facts)
 
     def after_save(self, request: BuildRequest, output: BuildOutput, built: Manifest) -> None:
+        lib = built.build.facts.kernels
+        if lib is not None and lib.machine != host_machine():
+            request.log(f"not checked against the exported graph here: its kernels are for {lib.machine} CPUs and this machine "
+                        f"is {host_machine()} (`make test-arm` runs such a build under emulation; on the car, `cabinlm "
+                        "perplexity` runs it)")  # fmt: skip
+            return
         check = _check_fused(request.artifact, output.folder)
         output.update_quality(built, check=check)
         request.log(f"checked against the exported graph: next-token agreement {check['agreement']:.0%} over "

@@ -53,6 +53,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from cabinlm import io_spec
 from cabinlm import manifest as mf
 from cabinlm.engines.builder import BuildError
 from cabinlm.engines.ort_fused.block_layouts import BLOCK, block_q4_layout, pack4, q4_1_as_int8
@@ -352,6 +353,10 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
             ins = [q_in, mf.key_cache_name(i), mf.value_cache_name(i), *lengths,
                    b.weight(f"{p}.k_scale", kv_scales["rotated_keys"][i].reshape(Hkv * Dh).astype(np.float32)),
                    b.weight(f"{p}.v_scale", kv_scales["values"][i].reshape(Hkv * Dh).astype(np.float32))]  # fmt: skip
+            if i not in lay.local_layers:  # rows as one-token steps: each row's slot, the sink / pinned keys per row
+                _, j = lay.buffer_index(i)
+                ins += [io_spec.KEY_SOURCE, io_spec.SOURCE_COS, io_spec.SOURCE_SIN, b.const(np.array([j], np.int64)),
+                        io_spec.ROW_SLOTS]  # fmt: skip
             att = b.op(kernels.ATTENTION_OP, *ins, domain=kernels.DOMAIN, hint=f"{p}/attention")
         else:
             gqa_in = [qkv, "", "", mf.key_cache_name(i), mf.value_cache_name(i), *lengths, ""]
@@ -390,8 +395,9 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
             float_weight("lm_head")
         b.op("Gemm", h, table, transB=1, out=mf.LOGITS, hint="lm_head")
 
-    _rotation(b, lay, mf.REFRESH_SOURCE, mf.REFRESH_POSITION_IDS, mf.REFRESH_COS, mf.REFRESH_SIN, mf.REFRESH_KEYS)
-    io = mf.fused_decoder_io(lay, H, spec.vocab_size, present=not own_kernel)
+    if not own_kernel:  # the next step's sink / pinned keys on the side (own kernel: rotated inside it, per row)
+        _rotation(b, lay, mf.REFRESH_SOURCE, mf.REFRESH_POSITION_IDS, mf.REFRESH_COS, mf.REFRESH_SIN, mf.REFRESH_KEYS)
+    io = mf.fused_decoder_io(lay, H, spec.vocab_size, present=not own_kernel, steps=own_kernel)
     elem = {"float": TensorProto.FLOAT, "int64": TensorProto.INT64, "int32": TensorProto.INT32,
             "int8": TensorProto.INT8}  # fmt: skip
     inputs = [helper.make_tensor_value_info(t.name, elem[t.dtype], list(t.shape)) for t in io.inputs]

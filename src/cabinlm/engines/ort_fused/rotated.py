@@ -125,14 +125,38 @@ class RotatedKeys:
 
     def chunk_tables(self, plan: StepPlan) -> None:
         """The chunk's virtual positions L + i + E into rows 0..n-1 of the cos / sin inputs (the rows
-        the graph's position_ids name)."""
+        the graph's position_ids name). Rows as steps: each row's rank and E at its step, the same sums."""
         n = len(plan.slots)
         if n == 1:
             cos, sin = self._run(0, int(plan.position_ids[0]) + plan.evicted, 1)
         else:
-            cos, sin = self._tables(plan.position_ids + plan.evicted)
+            cos, sin = self._tables(plan.position_ids + (plan.row_evicted if plan.steps else plan.evicted))
         self.cos[:n] = cos
         self.sin[:n] = sin
+
+    def source_tables(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
+        """For cabinlm's attention kernel, which rotates the sink / pinned keys itself from key_source
+        (kernels/int8_kv_attention.cc, io_spec.fused_decoder_io(steps=True)): their cos / sin at rank + E,
+        (versions, K, head_dim / 2) float32 for the K = sink + pinned slots in use. One version for
+        every row; a plan of rows as steps one per row, at the ranks and E of each row's step. A decode
+        step whose sink / pinned tokens are the oldest cuts them from a table of the next positions
+        (E moves by one per step), with the same float64 arithmetic as a computed table."""
+        K = plan.sink_fill + plan.pinned_fill
+        half = self.layout.head_dim // 2
+        if K == 0:
+            empty = np.zeros((1, 0, half), np.float32)
+            return empty, empty
+        if plan.steps and plan.tokens > 1:
+            positions = plan.row_pinned_ranks + plan.row_evicted[:, None]
+            cos, sin = self._tables(positions.reshape(-1))
+            shape = (plan.tokens, K, half)
+            return cos.astype(np.float32).reshape(shape), sin.astype(np.float32).reshape(shape)
+        ranks = self._ranks(plan, plan.pinned_slots)
+        if self._oldest:  # ranks 0..K-1
+            cos, sin = self._run(1, plan.evicted, K)
+            return cos[None], sin[None]
+        cos, sin = self._tables(ranks + plan.evicted)
+        return cos.astype(np.float32)[None], sin.astype(np.float32)[None]
 
     def keep_sources(self, plan: StepPlan, qkv: list[np.ndarray], num_heads: int) -> None:
         """Keep the un-rotated keys of the chunk's tokens that go to sink or pinned slots (qkv: the
