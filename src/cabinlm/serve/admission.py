@@ -3,9 +3,10 @@
     parsed request ─ Admission.measure (a worker of its own, not a seat's, never holding the model)
         characters   a text longer than its token limit could cover at the vocabulary's longest token
                      is refused without being tokenized (a 40 MB message costs a length, not 6 GB)
-        tokens       every text tokenized by the template the seats use, with an own tokenizer: the
-                     system prompt against the pinned slots, each user turn against the window
-                     (--long-messages refuse), the whole history against the request limit
+        tokens       every text tokenized by the template the seats use, on the seats' tokenizer made
+                     safe across threads (SharedTokenizer): the system prompt against the pinned
+                     slots, each user turn against the window (--long-messages refuse), what the
+                     plan feeds against the request limit
     only what the seat's plan feeds is measured (the new messages, or the history fed again when the
     seat starts over): before the seat is claimed, and again by the seat's worker (before it takes
     the model) when the seat changed in between
@@ -20,11 +21,7 @@ again before the reply.
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
-from tokenizers import Tokenizer as _Vocabulary
-
-from cabinlm.errors import ManifestError
 from cabinlm.manifest import Manifest
 from cabinlm.runtime.dialogue import LongMessages
 from cabinlm.runtime.template import Template, system_overflow
@@ -35,16 +32,41 @@ from cabinlm.serve.schema import Conversation, RequestError
 PROMPT_WINDOWS = 4  # the default request limit, in windows
 
 
-def longest_token(path: Path) -> int:
-    """The most characters one token of this vocabulary can stand for: the longest entry's length (a
-    byte-level entry spells each byte as one character, a SentencePiece entry each character as one,
-    a byte-fallback entry <0xNN> one byte as six), so a text of c characters is at least c / this
-    many tokens."""
-    try:
-        vocab = _Vocabulary.from_file(str(path)).get_vocab()
-    except Exception as e:  # tokenizers raises a bare Exception for unreadable files
-        raise ManifestError(f"{path}: cannot read the tokenizer ({e}); re-export") from e
-    return max(1, max((len(entry) for entry in vocab), default=1))
+class SharedTokenizer:
+    """The seats' tokenizer, safe to call from several threads: each call holds one lock. (The
+    `tokenizers` object is not: Tokenizer.encode_text flips its special-token switch for the length of
+    a call, and a second thread's call in between would read it flipped.) A seat's worker waits at
+    most one message's tokenization of the admission thread; a second tokenizer would cost its
+    memory again (290 MB for Gemma 3's)."""
+
+    def __init__(self, inner: Tokenizer):
+        self._inner = inner
+        self._lock = threading.Lock()
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        with self._lock:
+            return self._inner.encode(text, add_special_tokens)
+
+    def encode_text(self, text: str) -> list[int]:
+        with self._lock:
+            return self._inner.encode_text(text)
+
+    def decode(self, ids: list[int]) -> str:
+        with self._lock:
+            return self._inner.decode(ids)
+
+    def token_to_id(self, token: str) -> int | None:
+        with self._lock:
+            return self._inner.token_to_id(token)
+
+    def longest_entry(self) -> int:
+        """The most characters one token can stand for: the longest vocabulary entry (a byte-level
+        entry spells each byte as one character, a SentencePiece entry each character as one, a
+        byte-fallback entry <0xNN> one byte as six), so a text of c characters is at least c / this
+        many tokens."""
+        with self._lock:
+            vocab = self._inner._tk.get_vocab()  # runtime.tokenizer keeps the `tokenizers` object private
+        return max(1, max((len(entry) for entry in vocab), default=1))
 
 
 def _too_long(message: str) -> RequestError:
@@ -52,18 +74,16 @@ def _too_long(message: str) -> RequestError:
 
 
 class Admission:
-    """The checks of a request's size, with a tokenizer of its own (the seats' is used under the model
-    lock only: its special-token switch is not safe across threads)."""
+    """The checks of a request's size, on the seats' tokenizer (SharedTokenizer)."""
 
-    def __init__(self, folder: Path, manifest: Manifest, long_messages: LongMessages, limit: int | None):
-        path = Path(folder) / manifest.files["tokenizer"].path
-        self.template = Template(Tokenizer(path), manifest.chat)
+    def __init__(self, tokenizer: SharedTokenizer, manifest: Manifest, long_messages: LongMessages,
+                 limit: int | None):  # fmt: skip
+        self.template = Template(tokenizer, manifest.chat)  # type: ignore[arg-type]  # a Tokenizer, locked
         self.layout = manifest.cache
         self.image_tokens = manifest.vision.image_tokens if manifest.vision is not None else 0
         self.refuse_long = LongMessages(long_messages) is LongMessages.REFUSE
         self.limit = limit if limit is not None else PROMPT_WINDOWS * self.layout.window
-        self.chars_per_token = longest_token(path)
-        self._lock = threading.Lock()
+        self.chars_per_token = tokenizer.longest_entry()
 
     def measure(self, conversation: Conversation, plan: TurnPlan, record: SeatRecord | None) -> int:
         """The tokens `plan` feeds before the reply on a seat holding `record` (conversation.system: the
@@ -93,22 +113,21 @@ class Admission:
         if plan.rebuild and c.system is not None and len(c.system) > pinned * L:
             raise _too_long(f"the system prompt is {len(c.system)} characters, more than the {pinned} pinned slots "
                             "can hold; shorten it")
-        with self._lock:
-            t = self.template
-            if plan.rebuild and c.system is not None:
-                why = system_overflow(len(t.start(c.system)), self.layout, "shorten it")
-                if why is not None:
-                    raise _too_long(f"the system prompt is {why}")
-            closing = len(t.closing())
-            total = 0
-            for i, user, reply, choices in fed:
-                n = len(t.user(user.text))
-                if self.refuse_long and n > W:
-                    raise _too_long(self._long(i, last, f"{n} tokens but the window holds {W}; the start of it would "
-                                                        f"be evicted before the reply. Shorten it, or serve an export "
-                                                        f"with --window {n} or more"))
-                image = self.image_tokens if user.image is not None else 0
-                total += n + image + closing + (len(t.text(reply)) if reply is not None else choices)
+        t = self.template  # each tokenization holds the tokenizer's lock: one text at a time
+        if plan.rebuild and c.system is not None:
+            why = system_overflow(len(t.start(c.system)), self.layout, "shorten it")
+            if why is not None:
+                raise _too_long(f"the system prompt is {why}")
+        closing = len(t.closing())
+        total = 0
+        for i, user, reply, choices in fed:
+            n = len(t.user(user.text))
+            if self.refuse_long and n > W:
+                raise _too_long(self._long(i, last, f"{n} tokens but the window holds {W}; the start of it would "
+                                                    f"be evicted before the reply. Shorten it, or serve an export "
+                                                    f"with --window {n} or more"))
+            image = self.image_tokens if user.image is not None else 0
+            total += n + image + closing + (len(t.text(reply)) if reply is not None else choices)
         if total > self.limit:
             raise _too_long(self._over(f"{total} tokens to feed before the reply, more than its limit of {self.limit}"))
         return total

@@ -36,7 +36,8 @@ from cabinlm.errors import CabinlmError, InputError
 from cabinlm.runtime.assembly import RuntimeConfig, open_runtime
 from cabinlm.runtime.dialogue import Dialogue, LongMessages
 from cabinlm.runtime.limits import check_count
-from cabinlm.serve.admission import Admission
+from cabinlm.runtime.template import Template
+from cabinlm.serve.admission import Admission, SharedTokenizer
 from cabinlm.serve.history import SeatRecord, TurnPlan, plan_turn
 from cabinlm.serve.scheduler import ModelTurns
 from cabinlm.serve.schema import MAX_TOKENS_LIMIT, ChatRequest, RequestError, parse_chat_request
@@ -142,7 +143,11 @@ class ChatService:
         self.model_id = model_id
         self.device = first.device
         self.manifest = first.manifest
-        self.admission = Admission(first.folder, first.manifest, dialogues[0].long_messages, max_prompt_tokens)
+        # One tokenizer for every seat and the admission thread, made safe across threads.
+        shared = SharedTokenizer(dialogues[0].tok)
+        for d in dialogues:
+            d.tok, d.template = shared, Template(shared, d.chat)  # type: ignore[arg-type]
+        self.admission = Admission(shared, first.manifest, dialogues[0].long_messages, max_prompt_tokens)
         self.default_system = dialogues[0].chat.default_system
         self.max_new_tokens = max_new_tokens
         self.seats = SeatManager(dialogues)
