@@ -114,8 +114,9 @@ def test_sessions_from_another_model_or_build_are_refused_and_left_alone(artifac
         (lambda b: b"NOTCABIN" + b[8:], "not a cabinlm session"),
         (lambda b: b[:8] + (1).to_bytes(4, "little") + b[12:], "format version 1"),
         (lambda b: b"", "not a cabinlm session"),
+        (lambda b: b[:12] + (int.from_bytes(b[12:16], "little") ^ 1).to_bytes(4, "little") + b[16:], "header size"),
     ],
-    ids=["truncated", "flipped-bit", "magic", "version", "empty"],
+    ids=["truncated", "flipped-bit", "magic", "version", "empty", "header-size"],
 )
 def test_damaged_session_files_are_refused_without_touching_the_dialogue(artifact, tmp_path, damage, message):
     d = dialogue(artifact)

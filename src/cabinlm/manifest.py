@@ -78,6 +78,12 @@ FORMAT_VERSION = 4
 SUPPORTED_VERSIONS = (4,)
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest is a few hundred kB (KV scales included)
+# What a calibrated KV scale can be (export/kvquant.py writes them): at least the smallest fp16
+# subnormal (an all-zero channel's floor), at most the largest finite fp16 (a scale is stored as fp16).
+KV_SCALE_RANGE = (2.0**-24, 65504.0)
+# A RoPE table's inverse frequencies are base ** (-2i / head_dim) (1 for i = 0, smaller after), divided
+# by a scaling factor where one applies; its cos / sin factor (YaRN's attention factor) is near 1.
+MAX_ROPE_SCALE = 16.0
 # RoPE variants whose inverse frequencies do not depend on the sequence length, so that a
 # fixed-shape graph can hold them as constants (the exporter and the planner both check this).
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
@@ -189,10 +195,20 @@ class RotaryTables:
     local_scale: float = 1.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "inv_freq", tuple(float(f) for f in self.inv_freq))
-        object.__setattr__(self, "scale", float(self.scale))
-        object.__setattr__(self, "local_inv_freq", tuple(float(f) for f in self.local_inv_freq))
-        object.__setattr__(self, "local_scale", float(self.local_scale))
+        for name in ("inv_freq", "local_inv_freq"):
+            table = getattr(self, name)
+            if not isinstance(table, (list, tuple)) or not all(_is_number(f) for f in table):
+                raise ValueError(f"rotary.{name} must be a list of numbers")
+            object.__setattr__(self, name, tuple(float(f) for f in table))
+            if not all(0 < f <= 1 for f in getattr(self, name)):  # also refuses NaN and infinities
+                bad = next(f for f in getattr(self, name) if not 0 < f <= 1)
+                raise ValueError(f"rotary.{name} holds {bad!r}: an inverse frequency is in (0, 1] (base ** (-2i / "
+                                 "head_dim), divided by any scaling factor)")
+        for name in ("scale", "local_scale"):
+            v = getattr(self, name)
+            if not _is_number(v) or not 0 < v <= MAX_ROPE_SCALE:
+                raise ValueError(f"rotary.{name} must be a number in (0, {MAX_ROPE_SCALE:g}], got {v!r}")
+            object.__setattr__(self, name, float(v))
         if self.local_inv_freq and len(self.local_inv_freq) != len(self.inv_freq):
             raise ValueError("rotary.local_inv_freq must have as many frequencies as inv_freq")
 
@@ -203,17 +219,29 @@ class RotaryTables:
         return self.inv_freq, self.scale
 
 
+def _is_number(v: Any) -> bool:
+    """A JSON number (not a bool, not a string that float() would read)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _per_channel(name: str, table, layout: CacheLayout) -> tuple:
-    """A (layers, kv_heads, head_dim) table of positive floats, as nested tuples."""
+    """A (layers, kv_heads, head_dim) table of scales in KV_SCALE_RANGE, as nested tuples."""
     shape = (layout.layers, layout.kv_heads, layout.head_dim)
     try:
+        if not all(_is_number(x) for layer in table for head in layer for x in head):
+            raise TypeError("not numbers")
         rows = tuple(tuple(tuple(float(x) for x in head) for head in layer) for layer in table)
-    except TypeError as e:
-        raise ValueError(f"kv_scales.{name}: not a (layers, kv_heads, head_dim) table") from e
+    except (TypeError, OverflowError) as e:
+        raise ValueError(f"kv_scales.{name}: not a (layers, kv_heads, head_dim) table of numbers") from e
     if (len(rows), *{len(r) for r in rows}, *{len(h) for r in rows for h in r}) != shape:
         raise ValueError(f"kv_scales.{name}: expected shape {shape}")
-    if any(not x > 0 for r in rows for h in r for x in h):  # also refuses NaN
-        raise ValueError(f"kv_scales.{name}: every scale must be a positive number")
+    low, high = KV_SCALE_RANGE
+    for i, r in enumerate(rows):
+        for j, h in enumerate(r):
+            bad = next((x for x in h if not low <= x <= high), None)  # also refuses NaN
+            if bad is not None:
+                raise ValueError(f"kv_scales.{name}[{i}][{j}] holds {bad!r}; a calibrated scale is a number in "
+                                 f"[{low:g}, {high:g}] (positive, and an fp16)")
     return rows
 
 
@@ -351,7 +379,7 @@ class Manifest:
                 model=ModelSpec(**d["model"]),
                 cache=cache,
                 chat=ChatTemplate(**d["chat"]),
-                stop_ids=[int(i) for i in d["stop_ids"]],
+                stop_ids=_stop_ids(d["stop_ids"], d["model"]),
                 files={k: FileEntry(**v) for k, v in d["files"].items()},
                 opset=int(d["opset"]),
                 rope_inv_freq_source=str(d["rope_inv_freq_source"]),
@@ -389,6 +417,20 @@ class Manifest:
         return m
 
 
+def _stop_ids(ids: Any, model: Any) -> list[int]:
+    """stop_ids: a non-empty list of token ids inside the vocabulary (a reply without a stop id, or with
+    one the model never emits, runs on into a turn of its own making)."""
+    vocab = model.get("vocab_size") if isinstance(model, dict) else None
+    if type(vocab) is not int or vocab < 1:
+        raise ValueError(f"model.vocab_size must be a positive whole number, got {vocab!r}")
+    if not isinstance(ids, list) or not ids:
+        raise ValueError(f"stop_ids must be a non-empty list of token ids, got {ids!r}"[:200])
+    bad = next((i for i in ids if type(i) is not int or not 0 <= i < vocab), None)
+    if bad is not None or any(type(i) is not int for i in ids):
+        raise ValueError(f"stop_ids holds {bad!r}"[:100] + f": a stop id is a token id in 0..{vocab - 1}")
+    return list(ids)
+
+
 def _again(m: Manifest) -> str:
     """How to remake an artifact's files: a build's come from `cabinlm build`, an export's from `cabinlm export`."""
     return "run `cabinlm build` again" if m.build is not None else "re-export"
@@ -399,11 +441,10 @@ def load_manifest(folder: str | Path, check_files: bool = True) -> Manifest:
     folder = Path(folder)
     if not folder.exists():
         raise ManifestError(f"{folder}: no such folder; pass the folder `cabinlm export -o` wrote")
-    if folder.is_file():
+    if folder.is_file():  # every command reads the artifact's other files beside it: it takes the folder
         if folder.name == MANIFEST_NAME:
-            folder = folder.parent
-        else:
-            raise ManifestError(f"{folder}: expected an artifact folder (with {MANIFEST_NAME}), got a file")
+            raise ManifestError(f"{folder}: this is the artifact's manifest; pass the folder that holds it: {folder.parent}")
+        raise ManifestError(f"{folder}: expected an artifact folder (with {MANIFEST_NAME}), got a file")
     path = folder / MANIFEST_NAME
     if not path.exists():
         raise ManifestError(
@@ -412,8 +453,8 @@ def load_manifest(folder: str | Path, check_files: bool = True) -> Manifest:
     if not path.is_file() or path.stat().st_size > MAX_MANIFEST_BYTES:
         raise ManifestError(f"{path}: not a manifest (a regular file of at most {MAX_MANIFEST_BYTES >> 20} MiB); re-export")
     try:
-        d = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as e:  # JSON and UTF-8 errors, and Python's limit on an integer's digits
         raise ManifestError(f"{path}: corrupt manifest ({str(e)[:200]}); re-export the model") from e
     m = Manifest.from_dict(d, where=str(path))
     if check_files:

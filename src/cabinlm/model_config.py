@@ -11,10 +11,12 @@ transformers' defaults (LLaVA's text_config does); those defaults are filled in 
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from cabinlm.errors import ModelError
 from cabinlm.manifest import STATIC_ROPE_TYPES, SUPPORTED_ARCHITECTURES, SUPPORTED_VLM_ARCHITECTURES, ModelSpec
@@ -49,6 +51,31 @@ _VISION_DEFAULTS = dict(hidden_size=768, intermediate_size=3072, num_hidden_laye
                         patch_size=32, num_channels=3)  # fmt: skip
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+# What reading a hostile config can raise from Python itself: a value of another type or out of float's
+# range where a number belongs, a missing key, a nesting deeper than the interpreter's recursion.
+_DATA_ERRORS = (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError, ZeroDivisionError,
+                RecursionError)  # fmt: skip
+
+
+def _one_line(where_arg: int | None = None) -> Callable[[_F], _F]:
+    """A config reader whose data errors become one ModelError naming the file (argument where_arg of
+    the call, when given) and the value: `cabinlm plan` and `cabinlm export` print a line, not a traceback."""
+
+    def wrap(f: _F) -> _F:
+        @functools.wraps(f)
+        def run(*args, **kwargs):
+            try:
+                return f(*args, **kwargs)
+            except _DATA_ERRORS as e:
+                where = str(args[where_arg]) if where_arg is not None and len(args) > where_arg else "the model's config"
+                raise ModelError(f"{where}: the config cannot be read ({type(e).__name__}: {str(e)[:200]})") from e
+
+        return run  # type: ignore[return-value]
+
+    return wrap
+
+
 def read_config(path: str | Path) -> tuple[dict[str, Any], str]:
     """A config.json (or the folder holding one) as a dict, and the file name for messages."""
     path = Path(path).expanduser()
@@ -58,8 +85,10 @@ def read_config(path: str | Path) -> tuple[dict[str, Any], str]:
         d = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as e:
         raise ModelError(f"{path}: no such file; pass a config.json or the model folder holding one") from e
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelError(f"{path}: cannot read it as JSON ({e})") from e
+    except (OSError, ValueError) as e:  # JSON and UTF-8 errors, and Python's limit on an integer's digits
+        raise ModelError(f"{path}: cannot read it as JSON ({str(e)[:200]})") from e
+    except RecursionError as e:
+        raise ModelError(f"{path}: cannot read it as JSON (nested deeper than the parser goes)") from e
     if not isinstance(d, dict):
         raise ModelError(f"{path}: expected a JSON object")
     return d, str(path)
@@ -93,6 +122,7 @@ def _architecture(c: dict[str, Any], where: str) -> str:
     return arch
 
 
+@_one_line(where_arg=1)
 def spec_from_dict(d: dict[str, Any], where: str) -> ModelSpec:
     """ModelSpec from a config as a dict (a parsed config.json, or transformers' config.to_dict()).
     Refuses what the decoder graph cannot express, with the reason."""
@@ -129,6 +159,12 @@ def spec_from_dict(d: dict[str, Any], where: str) -> ModelSpec:
     if heads % kv_heads:
         raise ModelError(f"{where}: {heads} attention heads are not a multiple of {kv_heads} KV heads")
     rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ModelError(f"{where}: rope_scaling must be an object such as {{\"rope_type\": \"linear\", \"factor\": 2.0}} "
+                         f"or null, got {rope!r}"[:300])
+    eps = c.get("rms_norm_eps")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and 0 < eps < 1):
+        raise ModelError(f"{where}: rms_norm_eps = {eps!r} is not a small positive number")
     # Gemma 3 keeps one RoPE block per kind of layer ({"sliding_attention": {...}, "full_attention": {...}})
     for params in [v for v in rope.values() if isinstance(v, dict)] or [rope]:
         rope_type = params.get("rope_type") or params.get("type") or "default"
@@ -140,6 +176,8 @@ def spec_from_dict(d: dict[str, Any], where: str) -> ModelSpec:
                 f"fixed-shape graph; supported: {', '.join(sorted(STATIC_ROPE_TYPES))}"
             )
         for partial in (params.get("partial_rotary_factor"), c.get("partial_rotary_factor")):  # either place counts
+            if partial is not None and (isinstance(partial, bool) or not isinstance(partial, (int, float))):
+                raise ModelError(f"{where}: partial_rotary_factor = {partial!r} is not a number")
             if partial is not None and float(partial) != 1.0:
                 raise ModelError(f"{where}: partial_rotary_factor {partial} (RoPE over part of each head) is not supported")
     local = local_layers(c)
@@ -220,6 +258,7 @@ def attention_window(d: dict[str, Any]) -> int | None:
     return int(window)
 
 
+@_one_line(where_arg=1)
 def check_attention_window(d: dict[str, Any], where: str, keys: int) -> None:
     """Refuse a model whose own sliding window is shorter than the keys one query of the exported graph
     attends to (slots + chunk: the whole cache and the chunk). Such a model attends to fewer tokens
@@ -234,6 +273,7 @@ def check_attention_window(d: dict[str, Any], where: str, keys: int) -> None:
         )
 
 
+@_one_line(where_arg=0)
 def vision_params_from_config(path: str | Path) -> int:
     """Parameter estimate of a LLaVA-style vision tower + projector (0 when the config has none).
 
@@ -262,6 +302,7 @@ def vision_params_from_config(path: str | Path) -> int:
     return embed + layers * layer + projector
 
 
+@_one_line(where_arg=0)
 def image_tokens_from_config(path: str | Path) -> int:
     """Cache slots one camera frame takes (the image region): (image / patch)^2 patch tokens, plus
     the CLS token unless LLaVA's "default" feature strategy drops it (0 when there is no vision)."""

@@ -210,8 +210,11 @@ def load_session(path: str | Path, d: Dialogue) -> None:
     if len(head) < _PREFIX.size or head[:8] != MAGIC:
         raise SessionError(f"{path}: not a cabinlm session file; {fix}")
     _, version, header_bytes = _PREFIX.unpack_from(head)
-    if version != FORMAT or header_bytes != HEADER_BYTES:
+    if version != FORMAT:
         raise SessionError(f"{path}: session format version {version}, this cabinlm reads {FORMAT}; {fix}")
+    if header_bytes != HEADER_BYTES:  # the version's own header size: the file is damaged
+        raise SessionError(f"{path}: the header size field says {header_bytes} bytes, a version {FORMAT} session's "
+                           f"header is {HEADER_BYTES}: the file is damaged; {fix}")
     if st.st_size != expected:
         raise SessionError(
             f"{path}: {st.st_size} bytes, a session of this build has {expected} (truncated, or from another "

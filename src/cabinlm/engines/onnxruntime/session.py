@@ -4,6 +4,8 @@ graph I/O checked against the manifest."""
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 import onnxruntime as ort
@@ -32,9 +34,54 @@ _ORT_TYPES = {
 }
 
 
+# The session config entries a build's manifest may carry, and the values each takes: ONNX Runtime's
+# switches of how kernels run. An entry that makes ONNX Runtime write or read files, load another
+# model format or change providers is never one a build needs, and the manifest is read from a folder
+# anybody can edit: anything else is refused before ONNX Runtime sees it.
+_FLAG = re.compile(r"[01]")
+MANIFEST_CONFIG_ENTRIES = {
+    "session.set_denormal_as_zero": _FLAG,
+    "session.intra_op.allow_spinning": _FLAG,
+    "session.inter_op.allow_spinning": _FLAG,
+    "session.disable_prepacking": _FLAG,
+    "session.disable_cpu_ep_fallback": _FLAG,
+    "session.qdq_matmulnbits_accuracy_level": re.compile(r"[0-4]"),
+    "session.dynamic_block_base": re.compile(r"[1-9][0-9]{0,3}"),
+    "mlas.enable_gemm_fastmath_arm64_bfloat16": _FLAG,
+}
+
+
+def check_session_config(entries: dict[str, str], where: str = "build.session.config") -> None:
+    """BackendError unless every entry is one of MANIFEST_CONFIG_ENTRIES with a value it takes."""
+    for key, value in entries.items():
+        allowed = MANIFEST_CONFIG_ENTRIES.get(key)
+        if allowed is None:
+            raise BackendError(f"{where}: the ONNX Runtime session entry {key!r} is not one a build sets (it takes "
+                               f"{', '.join(sorted(MANIFEST_CONFIG_ENTRIES))}); run `cabinlm build` again"[:600])
+        if not isinstance(value, str) or not allowed.fullmatch(value):
+            raise BackendError(f"{where}: {key} = {value!r} is not a value it takes ({allowed.pattern}); run "
+                               "`cabinlm build` again"[:400])
+
+
+def check_session_threads(threads: int | None, where: str = "build.session.intra_op_num_threads") -> None:
+    """A thread count a build asks for, against this machine: 1 .. THREADS_PER_CORE x its cores (more
+    only wait for each other: 1,024 threads on 2 cores took a minute to answer)."""
+    from cabinlm.runtime.limits import THREADS_PER_CORE
+
+    cores = os.cpu_count() or 1
+    if threads is not None and threads > THREADS_PER_CORE * cores:
+        raise BackendError(f"{where} {threads}: this machine has {cores} core{'s' if cores != 1 else ''}, so at most "
+                           f"{THREADS_PER_CORE * cores} threads; give --threads, or run `cabinlm build` for this "
+                           "machine's profile")  # fmt: skip
+
+
 def session_options(spec: BuildSpec, threads: int | None = None, extra: dict[str, str] | None = None) -> ort.SessionOptions:
-    """The build's session settings, then the caller's thread count and extra config entries."""
+    """The build's session settings (its thread count and config entries checked first), then the
+    caller's thread count (runtime/limits.check_threads checks --threads) and extra config entries."""
     s = spec.session
+    check_session_config(s.config)
+    if not threads:
+        check_session_threads(s.intra_op_num_threads)
     so = ort.SessionOptions()
     so.graph_optimization_level = _LEVELS[s.graph_optimization_level]
     threads = threads or s.intra_op_num_threads
