@@ -1,6 +1,8 @@
 # make demo : set up, export SmolLM2 (sink 4 + window 1020, int8 KV), build it for the cpu
 #             profile, then a short scripted multi-turn chat that streams its replies
 # make test : set up and run the test suite
+# make test-arm : cabinlm's kernels and the fused cpu engine on aarch64 under emulation (qemu-user, an
+#             arm64 Debian cached in ~/.cache/cabinlm/arm64; needs root: apt, debootstrap, chroot)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -12,7 +14,7 @@ ORT_LOWEST := 1.20.1
 LOWEST := $(VENV)/ort-lowest
 DEMO   := out/smollm2-135m
 
-.PHONY: setup model gemma demo test bench-deps clean ort-lowest
+.PHONY: setup model gemma demo test test-arm bench-deps clean ort-lowest
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +50,11 @@ demo: model
 
 test: model ort-lowest
 	$(PY) -m pytest -q
+
+# Not part of `make test`: the first run sets up the emulated root (about 5 minutes), later runs take
+# about 2 (README.md, "ARM CPUs under emulation"). Correctness only, never speed.
+test-arm: setup
+	PY=$(abspath $(PY)) tools/arm/test.sh
 
 # The peers `cabinlm bench --baseline` runs (not needed by demo or test): llama-cpp-python builds
 # llama.cpp from source for this CPU (about 20 minutes on 2 cores); onnxruntime-genai is a wheel, and

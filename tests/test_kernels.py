@@ -7,6 +7,7 @@ the library as a build carries it)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,12 @@ INPUTS = ("qkv", "keys", "values", "seqlens_k", "total", "cos", "sin", "position
 
 @pytest.fixture(scope="module")
 def library(tmp_path_factory):
-    """The kernel library for this machine's CPU, as `cabinlm build` compiles it."""
+    """The kernel library for this machine's CPU, as `cabinlm build` compiles it; under emulation
+    (`make test-arm`: no compiler in the arm64 root) the one the build machine cross-compiled for
+    it, CABINLM_TEST_KERNEL_LIBRARY (tests/test_arm.py asserts which BlockQ4MatMul path it holds)."""
+    handed = os.environ.get("CABINLM_TEST_KERNEL_LIBRARY")
+    if handed:
+        return Path(handed)
     return compile_library(tmp_path_factory.mktemp("kernels")).path
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from pathlib import Path
 from typing import Optional
 
@@ -10,6 +11,12 @@ import typer
 from cabinlm.engines.build import Attention, AttentionKernel, MatmulKernel, Minimums
 from cabinlm.cli.common import info, load_profile
 from cabinlm.engines.tensorrt.spec import TensorRTSettings
+
+
+class EngineChoice(str, enum.Enum):
+    """--engine: which of the chip's processors the build is for (default: the profile's engine)."""
+
+    CPU = "cpu"  # the chip's application CPU (DeviceProfile.cpu_engine): the fused cpu build, kernels for its CPU
 
 
 def build(
@@ -35,6 +42,11 @@ def build(
         "the build machine, none where the build runs; prefill chunks about twice as fast as "
         "ONNX Runtime's quantized-cache path, decode steps faster at a full cache); 'onnxruntime' keeps ONNX Runtime's "
         "GroupQueryAttention; 'auto' takes cabinlm's for int8 KV where a compiler is found."),
+    engine: Optional[EngineChoice] = typer.Option(
+        None, "--engine", help="'cpu': build for the profile's application CPU instead of its engine (NPU / GPU): the "
+        "fused cpu build through ONNX Runtime's CPU provider, cabinlm's kernels compiled for the CPU the profile names "
+        "(cpu_arch, cpu_march; an ARM CPU's are cross-compiled with e.g. aarch64-linux-gnu-g++). Default: the profile's "
+        "engine."),
     matmul_kernel: MatmulKernel = typer.Option(
         MatmulKernel.AUTO, help="Fused cpu builds of a GGUF's Q4_1 matrices: 'cabinlm' multiplies them with cabinlm's own "
         "kernel, reading the 4-bit codes and minimums as exported (half the bytes of --minimums int8, none of the "
@@ -52,7 +64,10 @@ def build(
     from cabinlm.engines.tensorrt.builder import TensorRTUnavailable
 
     try:
-        path = build_artifact(artifact, load_profile(profile) if profile else None, out, log=info, attention=attention,
+        device = load_profile(profile) if profile else None
+        if engine is EngineChoice.CPU:
+            device = (device or load_profile("cpu")).cpu_engine()
+        path = build_artifact(artifact, device, out, log=info, attention=attention,
                               accuracy_level=accuracy_level, minimums=minimums, attention_kernel=attention_kernel,
                               matmul_kernel=matmul_kernel)  # fmt: skip
     except TensorRTUnavailable as e:

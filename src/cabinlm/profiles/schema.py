@@ -49,6 +49,11 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]+)\s*$")
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
 _MARCH = re.compile(r"[a-z0-9][a-z0-9_.+-]{0,63}")  # a compiler -march: native, x86-64-v3, armv8.2-a+dotprod
+CPU_ARCHS = ("x86_64", "aarch64")  # cpu_arch: CPU architectures as Linux names them (platform.machine())
+# What a profile's CPU engine (`cabinlm build --engine cpu`, DeviceProfile.cpu_engine) takes from the
+# built-in cpu profile: ONNX Runtime's CPU provider and what it runs. The rest is the chip's own.
+_CPU_ENGINE_FIELDS = ("engine", "execution_provider", "engine_version", "max_opset", "kv_dtypes", "default_kv",
+                      "weight_dtype", "static_shapes", "default_sink", "default_chunk", "runtime_overhead_bytes")  # fmt: skip
 
 
 def _fail(source: str, name: str, value: Any, why: str, fix: str) -> ProfileError:
@@ -90,10 +95,16 @@ class DeviceProfile:
     # TensorRT (tensorrt profiles): the builder's MemoryPoolType.WORKSPACE limit in MiB (scratch for
     # tactics at build and run time); None: 1 GiB. Checked by builders/trt_api.workspace_bytes.
     tensorrt_workspace_mib: int | None = None
-    # CPUExecutionProvider profiles: the CPU cabinlm's own kernels are compiled for by `cabinlm build`,
-    # as the compiler's -march names it: "native" (the build machine's own CPU), or e.g. "x86-64-v3",
-    # "icelake-server", "armv8.2-a+dotprod". None: "native". The build runs what it compiled, so it
-    # must be a CPU the build machine can run (engines/ort_fused/kernels/compiler.py).
+    # The chip's application CPU, which cabinlm's own kernels are compiled for by `cabinlm build` (a
+    # CPUExecutionProvider profile, or any profile's CPU engine: `--engine cpu`). cpu: in words (cores,
+    # cores' design); cpu_arch: its architecture as Linux names it ("aarch64", "x86_64"; None: the
+    # build machine's own, for the host cpu profile); cpu_march: its ISA as the compiler's -march names
+    # it: "native" (the build machine's own CPU, only where cpu_arch is None), or e.g. "x86-64-v3",
+    # "armv8.2-a+dotprod". None: "native". For the build machine's architecture the build runs what
+    # it compiled, so it must be a CPU the build machine can run; for another the kernels are
+    # cross-compiled (engines/ort_fused/kernels/compiler.py) and checked under emulation or on the car.
+    cpu: str = ""
+    cpu_arch: str | None = None
     cpu_march: str | None = None
     source: str = "<memory>"  # the file it was read from, for messages
 
@@ -192,12 +203,17 @@ class DeviceProfile:
                 raise bad(name, "only QNNExecutionProvider profiles have one", "remove the key")
             elif isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1000:
                 raise bad(name, "expected a positive integer", f"e.g. {name} = {73 if name == 'htp_arch' else 52}")
-        if self.cpu_march is not None:
-            if self.execution_provider != "CPUExecutionProvider":
-                raise bad("cpu_march", "only CPUExecutionProvider profiles compile cabinlm's kernels", "remove the key")
-            if not isinstance(self.cpu_march, str) or not _MARCH.fullmatch(self.cpu_march):
-                raise bad("cpu_march", "expected a compiler -march value (lowercase letters, digits, '.', '_', '+', '-')",
-                          'e.g. cpu_march = "native" or "x86-64-v3"')  # fmt: skip
+        if self.cpu_march is not None and (not isinstance(self.cpu_march, str) or not _MARCH.fullmatch(self.cpu_march)):
+            raise bad("cpu_march", "expected a compiler -march value (lowercase letters, digits, '.', '_', '+', '-')",
+                      'e.g. cpu_march = "native" or "x86-64-v3"')  # fmt: skip
+        if not isinstance(self.cpu, str):
+            raise bad("cpu", "expected a string", 'e.g. cpu = "8 x Cortex-A78AE"')
+        if self.cpu_arch is not None:
+            if self.cpu_arch not in CPU_ARCHS:
+                raise bad("cpu_arch", f"not one of {', '.join(CPU_ARCHS)}", 'e.g. cpu_arch = "aarch64"')
+            if self.cpu_march in (None, "native"):
+                raise bad("cpu_march", f"a profile whose cpu_arch is {self.cpu_arch} must name that CPU's ISA (\"native\" "
+                          "is the build machine's)", 'e.g. cpu_march = "armv8.2-a+dotprod"')  # fmt: skip
         for name in ("precision_notes", "source"):
             if not isinstance(getattr(self, name), str):
                 raise bad(name, "expected a string", f'write {name} = "..."')
@@ -213,6 +229,25 @@ class DeviceProfile:
     def kernels_march(self) -> str:
         """The -march cabinlm's kernels are compiled with for this profile (cpu_march, default "native")."""
         return self.cpu_march or "native"
+
+    def cpu_engine(self) -> DeviceProfile:
+        """This chip run by its CPU (`cabinlm build --engine cpu`): ONNX Runtime's CPU provider and what
+        it runs, as the built-in cpu profile says (_CPU_ENGINE_FIELDS), with the chip's memory, budget,
+        bandwidth (the CPU reads the same DRAM) and CPU (cabinlm's kernels compiled for cpu_arch /
+        cpu_march). Named NAME-cpu. A dynamic-shape CPU profile is its own CPU engine."""
+        from cabinlm.profiles import load_profile
+
+        if self.execution_provider == "CPUExecutionProvider" and not self.static_shapes:
+            return self
+        if self.cpu_arch is None:
+            raise ProfileError(f"{self.source}: profile {self.name} does not name its CPU (cpu_arch, cpu_march), which "
+                               "--engine cpu compiles cabinlm's kernels for; add them to a copy of the profile (see the "
+                               "built-in sa8775p profile)")  # fmt: skip
+        host = load_profile("cpu")
+        return dataclasses.replace(self, name=f"{self.name}-cpu", description=f"{self.name}'s CPU ({self.cpu or self.cpu_arch}) "
+                                   "through ONNX Runtime's CPU execution provider", htp_arch=None, soc_model=None,
+                                   htp_process_limit_bytes=None, tensorrt_workspace_mib=None,
+                                   **{name: getattr(host, name) for name in _CPU_ENGINE_FIELDS})  # fmt: skip
 
     @property
     def tensorrt(self) -> bool:

@@ -35,12 +35,15 @@ def onnxruntime_minor(version: str) -> int | None:
 @functools.lru_cache(maxsize=1)
 def host_cpu_flags() -> frozenset[str] | None:
     """This CPU's feature names as /proc/cpuinfo lists them (x86 "flags", Arm "Features"); None where
-    the system does not say (then the features are not checked)."""
+    the system does not say (then the features are not checked). Only the field of this machine's
+    architecture is read: under user-mode emulation (qemu-user running aarch64 code on an x86_64 host)
+    /proc/cpuinfo is the host's, whose x86 flags say nothing about the emulated CPU."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return None
-    m = re.search(r"^(?:flags|Features)\s*:(.*)$", text, re.M)
+    field = "flags" if host_machine() in ("x86_64", "i686") else "Features"
+    m = re.search(rf"^{field}\s*:(.*)$", text, re.M)
     return frozenset(m.group(1).split()) if m else None
 
 

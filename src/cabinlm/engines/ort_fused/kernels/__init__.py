@@ -13,7 +13,8 @@ it computes and what it guarantees):
   `ort_api_entries.h`, generated from onnxruntime_c_api.h by tools/gen_ort_api.py (no ONNX Runtime
   headers are needed to compile); `vector_math.h`: the portable float vectors both kernels use.
 
-    compiler.compile_library(folder, march)   the build machine: folder/LIBRARY for a CPU, with its facts
+    compiler.compile_library(folder, march[, machine])   the build machine: folder/LIBRARY for a CPU (this
+                                              machine's architecture, or cross-compiled for another), with its facts
     ort_fused.kernel_library.checked_library(folder, fused, version)   the runtime: the build's library, verified
 """
 
@@ -34,6 +35,10 @@ ATTENTION_OP = "Int8KVAttention"
 MATMUL_OP = "BlockQ4MatMul"
 SWIGLU_MATMUL_OP = "BlockQ4SwiGLUMatMul"  # the MLP's down projection, its SwiGLU included
 MACHINE_ALIASES = {"amd64": "x86_64", "arm64": "aarch64", "x64": "x86_64"}
+# BlockQ4MatMul's paths (block_q4_matmul.cc, cabinlm_block_q4_isa()): a library holds one. The fast
+# ones are what `--matmul-kernel auto` takes the kernel for; "generic" is plain C++.
+ISAS = ("avx512-vnni", "neon-dotprod", "generic")
+FAST_MATMUL_ISAS = ("avx512-vnni", "neon-dotprod")
 
 
 def host_machine() -> str:
@@ -52,13 +57,14 @@ def api_version() -> int:
     return int(m.group(1))
 
 
-def unavailable(march: str = "native") -> str | None:
-    """Why `cabinlm build` cannot compile the kernel library for -march=`march` on this machine (None: it can)."""
+def unavailable(march: str = "native", machine: str | None = None) -> str | None:
+    """Why `cabinlm build` cannot compile the kernel library for -march=`march` (on `machine`'s CPUs,
+    None: this machine's) here (None: it can)."""
     from cabinlm.engines.ort_fused.kernels.compiler import KernelError, compile_library
 
     with tempfile.TemporaryDirectory() as folder:
         try:
-            compile_library(Path(folder), march)
+            compile_library(Path(folder), march, machine=machine)
         except KernelError as e:
             return str(e).splitlines()[0]
     return None

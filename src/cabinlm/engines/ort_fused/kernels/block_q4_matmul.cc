@@ -28,13 +28,21 @@
 // twice the logit error on SmolLM2.) The float terms are added block after block.
 //
 // Invariant the runtime relies on: a row's result is a function of that row alone, computed by one
-// fixed sequence of operations (the same code for any number of rows; rows are grouped by 4 to
+// fixed sequence of operations (the same code for any number of rows; rows are grouped (by kRowBlock) to
 // share each weight tile's unpacking, never to change a row's arithmetic): row i of a chunk is bit
 // for bit the one-token step (speculative verification depends on it).
 //
-// Built for the profile's CPU (cpu_march): the AVX-512 VNNI path where that CPU has it, otherwise a
-// plain C++ path (correct, not fast; the build only chooses this kernel where cabinlm_block_q4_isa()
-// says "avx512-vnni", engines/ort_fused/builder.py).
+// Built for the profile's CPU (cpu_march), one path per library, the same arithmetic in each (the
+// integer sums are exact, and every path adds the float terms with the same two fused multiply-adds
+// per block, so the paths agree bit for bit):
+//   "avx512-vnni"   x86 with AVX-512 VNNI (vpdpbusd: 64 unsigned x signed byte products a step)
+//   "neon-dotprod"  Armv8.2-A and later with the dot product extension (sdot, vdotq_laneq_s32: 16
+//                   signed byte products a step; the 4-bit codes are 0..15, so signed bytes hold
+//                   them): every cockpit CPU (Cortex-A78AE, Kryo / Cortex-X1, Neoverse V3AE)
+//   "generic"       plain C++ anywhere else (correct, not fast)
+// cabinlm_block_q4_isa() says which; the build chooses this kernel by default only for the first two
+// (engines/ort_fused/builder.py), and reads the answer from the file itself where it cannot load a
+// library compiled for another CPU (kernels/compiler.py: the "cabinlm_block_q4_isa=" tag).
 
 #include <algorithm>
 #include <cmath>
@@ -46,7 +54,14 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(CABINLM_GENERIC)
 #define CABINLM_VNNI 1
+#define CABINLM_Q4_ISA "avx512-vnni"
 #include <immintrin.h>
+#elif defined(__aarch64__) && defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD) && !defined(CABINLM_GENERIC)
+#define CABINLM_NEON_DOT 1
+#define CABINLM_Q4_ISA "neon-dotprod"
+#include <arm_neon.h>
+#else
+#define CABINLM_Q4_ISA "generic"
 #endif
 
 #include "ort_api.h"
@@ -61,7 +76,13 @@ constexpr int kCols = 16;                               // columns per tile
 constexpr int kBlock = 32;                              // rows of W per block
 constexpr int kCodeBytes = kCols * kBlock / 2;          // 256
 constexpr int kTileBlockBytes = kCodeBytes + 4 * kCols;  // + 16 float16 scales + 16 float16 minimums
-constexpr int kRowBlock = 4;                            // rows of x that share a tile's unpacking
+// Rows of x that share a tile's unpacking. NEON: 2, so that a group's int32 and float accumulators
+// (8 + 8 vectors), its codes (4) and the tile's scales and minimums stay in the 32 registers.
+#if CABINLM_NEON_DOT
+constexpr int kRowBlock = 2;
+#else
+constexpr int kRowBlock = 4;
+#endif
 
 struct Problem {
   const int8_t* xq;  // (M, nb, 32) the rows' codes
@@ -153,6 +174,57 @@ void tile_rows(const Problem& p, int64_t t, int64_t r0) {
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(p.y + (r0 + r) * p.N + t * kCols, acc[r]);
+}
+#elif CABINLM_NEON_DOT
+// One group of 4 code rows j of a block (bytes 64 j .. 64 j + 63: columns 4 q .. 4 q + 3 in the q-th
+// 16 bytes, four bytes per column), for R rows of x: the low nibbles are rows 4 j + i of W, so they
+// meet the row's codes 4 j .. 4 j + 3 (lane j of its first 16 codes); the high nibbles are rows
+// 16 + 4 j + i (lane j of its last 16). J is a template argument: sdot's lane is an immediate.
+template <int J, int R>
+inline void dot_group(const uint8_t* w, const int8x16_t (&lo_x)[R], const int8x16_t (&hi_x)[R], int32x4_t (&dot)[R][4]) {
+  const uint8x16_t low = vdupq_n_u8(0x0F);
+  for (int q = 0; q < 4; ++q) {
+    const uint8x16_t packed = vld1q_u8(w + 64 * J + 16 * q);
+    const int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(packed, low)), hi = vreinterpretq_s8_u8(vshrq_n_u8(packed, 4));
+    for (int r = 0; r < R; ++r) {
+      dot[r][q] = vdotq_laneq_s32(dot[r][q], lo, lo_x[r], J);
+      dot[r][q] = vdotq_laneq_s32(dot[r][q], hi, hi_x[r], J);
+    }
+  }
+}
+
+// Rows r0 .. r0+R-1 of one tile of 16 columns: four vectors of 4 columns each.
+template <int R>
+void tile_rows(const Problem& p, int64_t t, int64_t r0) {
+  const uint8_t* w = p.w + t * p.nb * kTileBlockBytes;
+  float32x4_t acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < 4; ++q) acc[r][q] = vdupq_n_f32(0.0f);
+  for (int64_t b = 0; b < p.nb; ++b, w += kTileBlockBytes) {
+    int8x16_t lo_x[R], hi_x[R];
+    int32x4_t dot[R][4];  // integer: exact in any order
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xq = p.xq + ((r0 + r) * p.nb + b) * kBlock;
+      lo_x[r] = vld1q_s8(xq);
+      hi_x[r] = vld1q_s8(xq + 16);
+      for (int q = 0; q < 4; ++q) dot[r][q] = vdupq_n_s32(0);
+    }
+    dot_group<0>(w, lo_x, hi_x, dot);
+    dot_group<1>(w, lo_x, hi_x, dot);
+    dot_group<2>(w, lo_x, hi_x, dot);
+    dot_group<3>(w, lo_x, hi_x, dot);
+    for (int q = 0; q < 4; ++q) {  // float16 -> float32 is exact (fcvtl)
+      const float32x4_t d = vcvt_f32_f16(vreinterpret_f16_u8(vld1_u8(w + kCodeBytes + 8 * q)));
+      const float32x4_t m = vcvt_f32_f16(vreinterpret_f16_u8(vld1_u8(w + kCodeBytes + 2 * kCols + 8 * q)));
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (r0 + r) * p.nb + b;
+        acc[r][q] = vfmaq_f32(acc[r][q], vcvtq_f32_s32(dot[r][q]), vmulq_f32(d, vdupq_n_f32(p.dx[at])));
+        acc[r][q] = vfmaq_f32(acc[r][q], m, vdupq_n_f32(p.sx[at]));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < 4; ++q) vst1q_f32(p.y + (r0 + r) * p.N + t * kCols + 4 * q, acc[r][q]);
 }
 #else
 template <int R>
@@ -272,10 +344,12 @@ const cabinlm_ort::CustomOp* cabinlm_ort::block_q4_swiglu_matmul_op() {
 
 // Which path this library was compiled with: `cabinlm build` asks it (kernels/compiler.py, in a child
 // process) and records the answer in the manifest (fused.kernels.matmul_isa) before choosing the kernel.
+// A library cross-compiled for another CPU cannot be loaded to ask: the compiler reads the same answer
+// from the tag below, which the function returns the tail of (so the tag is in every library).
+namespace {
+constexpr char kIsaTag[] = "cabinlm_block_q4_isa=" CABINLM_Q4_ISA;
+}
+
 extern "C" __attribute__((visibility("default"))) const char* cabinlm_block_q4_isa() {
-#if CABINLM_VNNI
-  return "avx512-vnni";
-#else
-  return "generic";
-#endif
+  return kIsaTag + sizeof("cabinlm_block_q4_isa=") - 1;
 }

@@ -1,14 +1,22 @@
 """The kernel library compiled on the build machine, by `cabinlm build` (never by the runtime).
 
-    compile_library(folder, march)   folder/libcabinlm_kernels.so for the CPU `march` names, checked to
-                                     be a library that loads here, with its facts (spec.KernelLibrary)
+    compile_library(folder, march)            folder/libcabinlm_kernels.so for the CPU `march` names,
+                                              checked to be a library that loads here, with its facts
+                                              (spec.KernelLibrary)
+    compile_library(folder, march, machine)   the same for another architecture (a car's aarch64 CPU
+                                              from an x86_64 build machine): cross-compiled, checked
+                                              as an ELF file of that machine, its path read from the file
+    registrable(path, facts)                  a library of the same sources this process can register
 
 `march` is the compiler's -march: "native" (the build machine's own CPU), or a CPU or level the
 compiler knows ("x86-64-v3", "icelake-server", "armv8.2-a+dotprod"). The library's CPU features are
 read from the compiler's predefined macros for that -march (the macros the kernels' own #if's read),
 recorded as /proc/cpuinfo flag names, and checked by the runtime against the CPU it runs on.
 
-The build runs the fused decoder to check it, so it compiles only for a CPU this machine can run.
+For this machine's architecture the build runs the fused decoder to check it, so it compiles only
+for a CPU this machine can run. For another architecture it cannot run the library at all: the
+compiler is the cross compiler for that machine (Debian / Ubuntu: g++-aarch64-linux-gnu), and the
+library is checked under emulation (`make test-arm`) or on the car, not by the build.
 A compile cache (CABINLM_CACHE/kernels/<key>/) spares the few seconds of a compile; an entry is used
 only when its library still has the sha256 recorded when it was written, and only here: the runtime
 reads the library from the build folder alone.
@@ -16,6 +24,7 @@ reads the library from the build folder alone.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -28,8 +37,9 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
-from cabinlm.engines.ort_fused.kernels import HEADERS, LIBRARY, MACHINE_ALIASES, SOURCES, api_version, host_machine
+from cabinlm.engines.ort_fused.kernels import HEADERS, ISAS, LIBRARY, MACHINE_ALIASES, SOURCES, api_version, host_machine
 from cabinlm.engines.ort_fused.spec import KernelLibrary
 
 FLAGS = ("-O3", "-std=gnu++17", "-ffp-contract=fast", "-fPIC", "-shared", "-fvisibility=hidden")
@@ -50,6 +60,10 @@ CPU_FLAG_OF_MACRO = {
     "__ARM_FEATURE_MATMUL_INT8": "i8mm", "__ARM_FEATURE_SVE": "sve", "__ARM_FEATURE_BF16_VECTOR_ARITHMETIC": "bf16",
 }  # fmt: skip
 _ELF_MACHINE = {"x86_64": 62, "aarch64": 183, "armv7l": 40, "i686": 3, "riscv64": 243}
+# Cross compilers tried for another architecture's CPU, after CABINLM_CXX_<MACHINE> (e.g.
+# CABINLM_CXX_AARCH64), with the Debian / Ubuntu package that installs the first.
+CROSS_COMPILERS = {"aarch64": (("aarch64-linux-gnu-g++",), "g++-aarch64-linux-gnu")}
+ISA_TAG = b"cabinlm_block_q4_isa="  # block_q4_matmul.cc: the string cabinlm_block_q4_isa() returns the tail of
 
 
 class KernelError(RuntimeError):
@@ -71,8 +85,12 @@ class Compiled:
     cached: bool  # taken from the compile cache (verified) rather than compiled now
 
 
-def find_compiler() -> Compiler:
-    """CXX if set (it is then the only one tried), else g++, c++ or clang++ on PATH."""
+def find_compiler(machine: str | None = None) -> Compiler:
+    """The C++ compiler for `machine`'s CPUs (None: this machine's): for this machine CXX if set (it
+    is then the only one tried), else g++, c++ or clang++ on PATH; for another architecture
+    CABINLM_CXX_<MACHINE> if set, else its cross compiler on PATH (CROSS_COMPILERS)."""
+    if machine is not None and machine != host_machine():
+        return _find_cross_compiler(machine)
     asked = os.environ.get("CXX")
     names = [asked] if asked else ["g++", "c++", "clang++"]
     path = next((shutil.which(n) for n in names if shutil.which(n)), None)
@@ -82,6 +100,23 @@ def find_compiler() -> Compiler:
         raise KernelError("no C++ compiler found (CXX, g++, c++ or clang++) to compile cabinlm's kernels; install one "
                           f"(Debian / Ubuntu: apt install g++), {FIX}")  # fmt: skip
     return _probe(path)
+
+
+def _find_cross_compiler(machine: str) -> Compiler:
+    var = f"CABINLM_CXX_{machine.upper()}"
+    asked = os.environ.get(var)
+    names, package = CROSS_COMPILERS.get(machine, ((), None))
+    path = next((shutil.which(n) for n in ([asked] if asked else names) if shutil.which(n)), None)
+    if path is None:
+        if asked:
+            raise KernelError(f"{var}={asked} is not a program on this machine; set it to a C++ compiler for {machine}, {FIX}")
+        how = f"install one (Debian / Ubuntu: apt install {package}) or set {var}" if package else f"set {var} to one"
+        raise KernelError(f"no C++ compiler for {machine} CPUs found ({', '.join(names) or var}) to cross-compile "
+                          f"cabinlm's kernels for the profile's CPU from this {host_machine()} machine; {how}, {FIX}")  # fmt: skip
+    cxx = _probe(path)
+    if cxx.machine != machine:
+        raise KernelError(f"{path} compiles for {cxx.machine} CPUs, not {machine}; set {var} to a compiler for {machine}, {FIX}")
+    return cxx
 
 
 @functools.lru_cache(maxsize=None)
@@ -138,13 +173,19 @@ def cannot_run_here(cxx: Compiler, march: str) -> str | None:
     return None
 
 
-def compile_library(folder: Path, march: str = "native", defines: tuple[str, ...] = ()) -> Compiled:
+def compile_library(folder: Path, march: str = "native", defines: tuple[str, ...] = (), machine: str | None = None) -> Compiled:
     """folder/LIBRARY compiled for -march=`march`, checked (a shared library of the right machine that
     exports RegisterCustomOps and loads here), with the facts the manifest records.
     defines: preprocessor names for the compile (CABINLM_GENERIC: the plain C++ paths only, what a CPU
-    without the vector instructions gets; tests use it and CABINLM_REQUIRE_API_VERSION)."""
-    cxx = find_compiler()
-    why = cannot_run_here(cxx, march)
+    without the vector instructions gets; tests use it and CABINLM_REQUIRE_API_VERSION).
+    machine: the CPU architecture to compile for (None: this machine's); another one is cross-compiled
+    and checked without being loaded (its BlockQ4MatMul path read from the file's ISA_TAG)."""
+    cross = machine is not None and machine != host_machine()
+    cxx = find_compiler(machine)
+    if cross and march == "native":
+        raise KernelError(f"-march=native names this {host_machine()} machine's CPU, not the profile's {machine} one; name "
+                          f"it in the profile's cpu_march (e.g. armv8.2-a+dotprod), {FIX}")  # fmt: skip
+    why = None if cross else cannot_run_here(cxx, march)
     if why:
         raise KernelError(f"cannot compile cabinlm's kernels for -march={march} here: {why}, and the build runs the "
                           f"fused decoder to check it; build on a machine whose CPU runs it, {FIX}")  # fmt: skip
@@ -160,7 +201,7 @@ def compile_library(folder: Path, march: str = "native", defines: tuple[str, ...
     try:
         out = work / LIBRARY
         _run([cxx.path, *flags, "-o", str(out), *map(str, SOURCES)], cxx.path, "compiling cabinlm's kernels", timeout=600)
-        isa = _check_library(out, cxx)
+        isa = _check_library(out, cxx, loads=not cross)
         facts = KernelLibrary(file=LIBRARY, sha256=_sha256(out), ort_api=api_version(), machine=cxx.machine, march=march,
                               cpu_flags=cpu_flags(macros), matmul_isa=isa, compiler=cxx.version.splitlines()[0].strip())  # fmt: skip
         os.replace(out, target)
@@ -178,9 +219,36 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _check_library(path: Path, cxx: Compiler) -> str:
+@contextlib.contextmanager
+def registrable(path: Path | None, facts: KernelLibrary | None) -> Iterator[Path | None]:
+    """The build's library `path` where this process can register it; for one cross-compiled for
+    another architecture, the plain C++ paths of the same sources compiled for this machine (in a
+    scratch folder beside `path`, removed afterwards). What ONNX Runtime's offline optimization of a
+    build registers: it reads the ai.cabinlm operators' schemas and never runs them (their inputs are
+    activations, so nothing folds them); the build folder keeps the cross-compiled library only."""
+    if path is None or facts is None or facts.machine == host_machine():
+        yield path
+        return
+    scratch = Path(tempfile.mkdtemp(prefix=".host-kernels-", dir=path.parent))
+    try:
+        yield compile_library(scratch, "native", defines=("CABINLM_GENERIC",)).path
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def isa_of(data: bytes) -> str | None:
+    """BlockQ4MatMul's path as the library's own bytes say (ISA_TAG), without loading it; None: no tag."""
+    at = data.find(ISA_TAG)
+    if at < 0:
+        return None
+    end = data.find(b"\0", at)
+    return data[at + len(ISA_TAG) : end if end >= 0 else None].decode("ascii", "replace")
+
+
+def _check_library(path: Path, cxx: Compiler, loads: bool = True) -> str:
     """BlockQ4MatMul's path in the library the compiler says it wrote, or a KernelError: a compiler that
-    exits 0 without writing a loadable library must not become a build."""
+    exits 0 without writing a loadable library must not become a build. loads=False (a library for
+    another architecture): checked as an ELF file of that machine, its path read from the file."""
     if not path.is_file() or path.stat().st_size == 0:
         raise KernelError(f"{cxx.path} exited 0 but wrote no library ({path.name} is missing or empty); set CXX to a "
                           f"working C++ compiler, {FIX}")  # fmt: skip
@@ -189,6 +257,13 @@ def _check_library(path: Path, cxx: Compiler) -> str:
         if problem:
             raise KernelError(f"{cxx.path} exited 0 but wrote no loadable library ({problem}); set CXX to a working C++ "
                               f"compiler, {FIX}")  # fmt: skip
+    if not loads:
+        tagged = isa_of(path.read_bytes())
+        if tagged not in ISAS:
+            raise KernelError(f"{cxx.path} exited 0 but its library does not say which BlockQ4MatMul path it holds "
+                              f"(no {ISA_TAG.decode()} tag); set {f'CABINLM_CXX_{cxx.machine.upper()}'} to a working "
+                              f"C++ compiler, {FIX}")  # fmt: skip
+        return tagged
     # Loaded in a child process: whatever the file does when it loads cannot take the build down.
     probe = ("import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); lib.RegisterCustomOps; f = lib.cabinlm_block_q4_isa; "
              "f.restype = ctypes.c_char_p; print(f().decode())")  # fmt: skip
@@ -197,7 +272,7 @@ def _check_library(path: Path, cxx: Compiler) -> str:
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelError(f"could not load the compiled kernel library to check it ({e})") from e
     isa = done.stdout.strip()
-    if done.returncode != 0 or isa not in ("avx512-vnni", "generic"):
+    if done.returncode != 0 or isa not in ISAS:
         why = f"signal {-done.returncode}" if done.returncode < 0 else (done.stderr.strip().splitlines() or [isa or "no answer"])[-1]
         raise KernelError(f"{cxx.path} exited 0 but its library does not load here ({why}); set CXX to a working C++ "
                           f"compiler, {FIX}")  # fmt: skip
