@@ -105,6 +105,71 @@ def test_many_frames_and_turns_keep_one_frame_pinned_at_constant_memory(llava):
     assert samples[1] - samples[0] < 8.0, samples
 
 
+def test_drafting_with_camera_frames_gives_the_plain_replies_through_turnovers(llava, export_to):
+    """Drafting with a camera frame pinned and replaced: the same greedy replies as plain decoding,
+    through window turnovers. The drafts are what plain decoding fed next (the stream recorded), the
+    last of every other draft made wrong, so verifications accept some and reject some. A vision
+    model runs the exported graph, whose chunks see the cache as it was before them
+    (Backend.verifies_after_turnover is False): its drafts stop once the window is full."""
+    from cabinlm.runtime.speculative import Drafting, PlainDecoding
+
+    class Recorder(PlainDecoding):
+        def __init__(self):
+            super().__init__()
+            self.stream: list[int] = []
+
+        def observe(self, ids):
+            self.stream += [int(t) for t in ids]
+
+        def push(self, token):
+            self.stream.append(int(token))
+
+    class Replay(Drafting):
+        drafts = True
+
+        def __init__(self, stream):
+            super().__init__()
+            self.script, self.stream, self.calls = stream, [], 0
+
+        def observe(self, ids):
+            self.stream += [int(t) for t in ids]
+
+        def push(self, token):
+            self.stream.append(int(token))
+
+        def propose(self, dec):
+            k = min(4, dec.draft_room())
+            if k <= 0:
+                return ()
+            self.calls += 1
+            drafts = self.script[len(self.stream) : len(self.stream) + k]
+            return drafts[:-1] + [drafts[-1] + 1] if drafts and self.calls % 2 else drafts
+
+    loaded, _ = llava
+    folder = export_to(loaded, sink=4, pinned=12, window=96, chunk=16)
+    record = Recorder()
+    runs = {}
+    for drafting in (record, None):
+        dec, tok = open_artifact(folder, verify=False)
+        assert not dec.backend.verifies_after_turnover
+        if drafting is None:
+            drafting = Replay(record.stream)
+        d = Dialogue(dec, tok, max_new_tokens=12, drafting=drafting)
+        got, late = [], 0
+        for i in range(24):
+            image = picture(40 + i % 5, 32, seed=i) if i % 4 == 0 else None
+            full = dec.cache.window_fill == dec.layout.window
+            r = d.ask("the road ahead, the road ahead?", image=image)
+            got.append(r.reply)
+            late += r.drafted_tokens if full else 0
+        assert dec.cache.evicted > 2 * dec.layout.window and dec.cache.frames == 6
+        runs[type(drafting).__name__] = (got, drafting.drafted, drafting.accepted, late)
+    plain, replay = runs["Recorder"], runs["Replay"]
+    assert replay[0] == plain[0]
+    assert replay[1] > 0 and 0 < replay[2] < replay[1]  # drafts verified, some accepted, some rejected
+    assert replay[3] == 0  # none once the window is full
+
+
 def test_bad_images_are_refused_and_the_dialogue_goes_on(llava, tmp_path):
     _, folder = llava
     dec, tok = open_artifact(folder, verify=False)
