@@ -51,8 +51,8 @@ demo: model
 test: model ort-lowest
 	$(PY) -m pytest -q
 
-# Not part of `make test`: the first run sets up the emulated root (about 5 minutes), later runs take
-# about 2 (README.md, "ARM CPUs under emulation"). Correctness only, never speed.
+# Not part of `make test`: the first run sets up the emulated root (about 6 minutes), later runs take
+# about 30 seconds (docs/arm.md). Correctness only, never speed.
 test-arm: setup
 	PY=$(abspath $(PY)) tools/arm/test.sh
 

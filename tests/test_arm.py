@@ -42,6 +42,27 @@ on_the_build_machine = pytest.mark.skipif(ON_ARM, reason="cross-compiles from th
 on_arm = pytest.mark.skipif(not ON_ARM, reason="runs on aarch64: `make test-arm` runs it under emulation")
 
 
+def matmul_outputs(library: Path) -> dict[str, np.ndarray]:
+    """BlockQ4MatMul and BlockQ4SwiGLUMatMul through `library` on fixed cases (K x N = 64 x 16,
+    160 x 64, 576 x 48; 1, 2, 3 and 7 rows; a block of zeros): {name: y}, and {name + "/x": x}."""
+    from test_kernels import _matmul_session, _q4_case
+
+    from cabinlm.engines.ort_fused.block_layouts import block_q4_layout
+
+    out = {}
+    for K, N in ((64, 16), (160, 64), (576, 48)):
+        q, d, m = _q4_case(K, N, seed=K + N)
+        rng = np.random.default_rng(K)
+        for swiglu in (False, True):
+            session = _matmul_session(block_q4_layout(q, d, m), library, swiglu=swiglu)
+            for rows in (1, 2, 3, 7):
+                x = (rng.standard_normal((1, rows, K * (2 if swiglu else 1))) * 2).astype(np.float32)
+                x[0, 0, :32] = 0.0  # a block of zeros: scale 0
+                name = f"{K}x{N}{'-swiglu' if swiglu else ''}-{rows}"
+                out[name], out[name + "/x"] = session.run(None, {"x": x})[0], x
+    return out
+
+
 def isa_of_library(path: Path) -> str:
     """What the library itself says its BlockQ4MatMul path is (loaded here: this machine's only)."""
     f = ctypes.CDLL(str(path)).cabinlm_block_q4_isa
@@ -100,6 +121,20 @@ def test_this_machine_refuses_the_arm_build_in_one_line(arm_build):
 
 
 @on_the_build_machine
+def test_a_cross_build_with_no_compiler_for_this_machine_is_one_build_error(arm_build, tmp_path, monkeypatch):
+    """ONNX Runtime's offline pass registers a copy of the kernels compiled for this machine: without
+    a compiler for it the build stops with a BuildError that says so (not a traceback), and writes no
+    manifest."""
+    from cabinlm.engines.build import BuildError, build_artifact
+
+    art, _, _ = arm_build
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    with pytest.raises(BuildError, match="also compiles cabinlm's kernels for this x86_64 machine"):
+        build_artifact(art, load_profile(PROFILE).cpu_engine(), tmp_path / "out", attention="fused", accuracy_level=0)
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+@on_the_build_machine
 def test_the_tag_says_what_the_library_says(tmp_path):
     """The ISA read from a cross-compiled file (never loaded) is the one the function returns: checked
     on this machine's own libraries, both paths."""
@@ -109,6 +144,23 @@ def test_the_tag_says_what_the_library_says(tmp_path):
         (tmp_path / name).mkdir()
         lib = compile_library(tmp_path / name, defines=defines)
         assert isa_of(lib.path.read_bytes()) == isa_of_library(lib.path) == lib.facts.matmul_isa
+
+
+@on_the_build_machine
+def test_this_machines_fast_path_is_the_plain_cpp_path_bit_for_bit(tmp_path):
+    """The paths' shared arithmetic (exact integer sums, the same fused multiply-adds) on x86: AVX-512
+    VNNI where this CPU has it against the plain C++ path, every case the emulated NEON run compares."""
+    from cabinlm.engines.ort_fused.kernels.compiler import compile_library
+
+    libs = {}
+    for name, defines in (("native", ()), ("generic", ("CABINLM_GENERIC",))):
+        (tmp_path / name).mkdir()
+        libs[name] = compile_library(tmp_path / name, defines=defines)
+    if libs["native"].facts.matmul_isa == "generic":
+        pytest.skip("this CPU has no fast BlockQ4MatMul path")
+    fast, plain = (matmul_outputs(libs[name].path) for name in ("native", "generic"))
+    for name in fast:
+        np.testing.assert_array_equal(fast[name], plain[name], err_msg=name)
 
 
 @on_the_build_machine
@@ -149,7 +201,8 @@ def test_a_profile_that_names_no_cpu_cannot_have_a_cpu_engine():
 def test_hand_the_emulator_its_inputs(arm_build, load, tiny_llama_dir):
     """EXCHANGE/build (the sa8775p CPU build), EXCHANGE/expected.npz (the streaming reference's logits
     for tests/test_backends.py's stream), EXCHANGE/neon and /generic (the kernels cross-compiled with
-    and without the NEON path, for the same -march)."""
+    and without the NEON path, for the same -march), EXCHANGE/x86/matmul.npz (BlockQ4MatMul's
+    outputs on this machine's own path, with their inputs)."""
     from test_backends import LAYOUT, STREAM, TOLERANCE, reference_logits
 
     from cabinlm.engines.ort_fused.kernels.compiler import compile_library
@@ -168,6 +221,9 @@ def test_hand_the_emulator_its_inputs(arm_build, load, tiny_llama_dir):
     for name, defines in (("neon", ()), ("generic", ("CABINLM_GENERIC",))):
         (folder / name).mkdir()
         compile_library(folder / name, MARCH, defines=defines, machine="aarch64")
+    (folder / "x86").mkdir()
+    here = compile_library(folder / "x86")  # this machine's own path: its outputs, for the emulator to compare
+    np.savez(folder / "x86" / "matmul.npz", isa=here.facts.matmul_isa, **matmul_outputs(here.path))
 
 
 # --- aarch64 (under emulation) ---------------------------------------------------------------------
@@ -217,6 +273,21 @@ def test_the_neon_path_is_the_plain_cpp_path_bit_for_bit_and_the_block_arithmeti
                 act = g / (1 + np.exp(-g)) * u
             ref = _q4_reference(act.astype(np.float32), q, d, m)
             assert np.abs(y[0] - ref).max() <= (2e-3 if swiglu else 1e-5) * np.abs(ref).max()
+
+
+@on_arm
+def test_the_neon_path_gives_the_x86_paths_bits(exchange):
+    """Across machines: the outputs the build machine's own path (AVX-512 VNNI there) gave on the same
+    inputs, to the bit. The integer sums are exact, the float terms the same fused multiply-adds, and
+    the activations' quantization and SwiGLU the same IEEE operations on both."""
+    saved = np.load(exchange / "x86" / "matmul.npz")
+    print(f"against the build machine's {saved['isa']} path")
+    names = [n for n in saved.files if n != "isa" and not n.endswith("/x")]
+    neon = matmul_outputs(exchange / "neon" / kernels.LIBRARY)
+    assert sorted(names) == sorted(n for n in neon if not n.endswith("/x"))
+    for name in names:
+        np.testing.assert_array_equal(neon[name + "/x"], saved[name + "/x"], err_msg=f"{name}: not the same inputs")
+        np.testing.assert_array_equal(neon[name], saved[name], err_msg=name)
 
 
 @on_arm

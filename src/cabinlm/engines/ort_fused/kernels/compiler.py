@@ -229,9 +229,16 @@ def registrable(path: Path | None, facts: KernelLibrary | None) -> Iterator[Path
     if path is None or facts is None or facts.machine == host_machine():
         yield path
         return
+    from cabinlm.engines.builder import BuildError
+
     scratch = Path(tempfile.mkdtemp(prefix=".host-kernels-", dir=path.parent))
     try:
-        yield compile_library(scratch, "native", defines=("CABINLM_GENERIC",)).path
+        try:
+            twin = compile_library(scratch, "native", defines=("CABINLM_GENERIC",)).path
+        except KernelError as e:
+            raise BuildError(f"a build for {facts.machine} CPUs also compiles cabinlm's kernels for this {host_machine()} "
+                             f"machine, for ONNX Runtime's offline pass over the graph, and that failed: {e}") from e  # fmt: skip
+        yield twin
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
