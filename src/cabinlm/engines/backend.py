@@ -90,9 +90,10 @@ class Backend(abc.ABC):
 
     @property
     def rows_match_steps(self) -> bool:
-        """Row i of a chunk gives, bit for bit, the logits of the (i+1)-th of one-token steps over
-        the same tokens, while the window fills (where drafting runs; true of the fused cpu decoder,
-        tests/test_speculative.py checks it on SmolLM2). Where it is not, rows and steps agree only to rounding, which int8 activation
+        """Row i of a verified chunk gives, bit for bit, the logits of the (i+1)-th of one-token steps
+        over the same tokens, wherever drafting runs (true of the fused cpu decoder, while the window
+        fills and, with cabinlm's attention kernel, after it has turned over: tests/test_speculative.py
+        checks it on SmolLM2). Where it is not, rows and steps agree only to rounding, which int8 activation
         quantization can amplify past a greedy near-tie: a verified draft could then pick another
         token than plain decoding, so drafting is not on by default there."""
         return False

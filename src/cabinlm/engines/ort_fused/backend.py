@@ -85,8 +85,9 @@ class FusedBackend(Backend):
     def rows_match_steps(self) -> bool:
         # While the window fills, slots are taken in order: a chunk row sums the same keys in the same
         # order as its step, the unused slots adding exact zeros (tests/test_speculative.py). cabinlm's
-        # attention kernel computes every row by one fixed sequence whatever the chunk (its header);
-        # GroupQueryAttention's rows were measured to match.
+        # attention kernel computes every row by one fixed sequence whatever the chunk, and with
+        # row_slots lays each row out as its step (after the window's turnover too: its header);
+        # GroupQueryAttention's rows were measured to match while the window fills.
         # A local ring's rows are the model's window of each token, which a chunk reads in another
         # order than steps do once the ring has turned over.
         return not self.layout.local_layers
