@@ -52,7 +52,7 @@ test: model ort-lowest
 	$(PY) -m pytest -q
 
 # Not part of `make test`: the first run sets up the emulated root (about 6 minutes), later runs take
-# about 30 seconds (docs/arm.md). Correctness only, never speed.
+# 30 s to 2 minutes (docs/arm.md). Correctness only, never speed.
 test-arm: setup
 	PY=$(abspath $(PY)) tools/arm/test.sh
 

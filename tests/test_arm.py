@@ -9,10 +9,13 @@ Two halves, one per machine:
                                  cross compiler knows. With CABINLM_ARM_EXCHANGE set (`make test-arm`)
                                  it hands the emulator the build, the streaming reference's logits
                                  and two cross-compiled libraries (NEON, plain C++)
-    aarch64 (`make test-arm`:    the library runs the NEON path (its own answer); NEON is the plain
-    qemu-user, arm64 Debian)     C++ path bit for bit, and the float64 block arithmetic within float
-                                 rounding; the sa8775p build follows the streaming reference within
-                                 the conformance tolerance of the x86 int8-KV build
+    aarch64 (`make test-arm`:    the libraries run the NEON paths (their own answer: dotprod for
+    qemu-user, arm64 Debian)     sa8775p's -march, i8mm for Thor's); both are the plain C++ path and
+                                 the build machine's own path bit for bit, and the float64 block
+                                 arithmetic within float rounding; a chunk's rows are its one-token
+                                 steps (i8mm: smmla for pairs, sdot alone); the sa8775p build follows
+                                 the streaming reference within the conformance tolerance of the
+                                 x86 int8-KV build
 
 What tests/test_kernels.py cannot see on x86: it runs the library compiled for the machine it runs
 on, so the NEON code and the cross compile are never exercised there (`make test-arm` also runs its
@@ -36,6 +39,8 @@ from cabinlm.profiles import list_profiles, load_profile
 
 PROFILE = "sa8775p"
 MARCH = "armv8.2-a+dotprod"  # the sa8775p profile's cpu_march
+I8MM_MARCH = "armv9-a+i8mm"  # the thor profile's: BlockQ4MatMul's i8mm path
+ARM_LIBRARIES = {"neon": (MARCH, "neon-dotprod"), "i8mm": (I8MM_MARCH, "neon-i8mm")}
 EXCHANGE = os.environ.get("CABINLM_ARM_EXCHANGE")  # the folder the build machine hands the emulator
 ON_ARM = host_machine() == "aarch64"
 on_the_build_machine = pytest.mark.skipif(ON_ARM, reason="cross-compiles from the build machine (x86_64)")
@@ -201,7 +206,8 @@ def test_a_profile_that_names_no_cpu_cannot_have_a_cpu_engine():
 def test_hand_the_emulator_its_inputs(arm_build, load, tiny_llama_dir):
     """EXCHANGE/build (the sa8775p CPU build), EXCHANGE/expected.npz (the streaming reference's logits
     for tests/test_backends.py's stream), EXCHANGE/neon and /generic (the kernels cross-compiled with
-    and without the NEON path, for the same -march), EXCHANGE/x86/matmul.npz (BlockQ4MatMul's
+    and without the NEON path, for the same -march), EXCHANGE/i8mm (for Thor's -march: the i8mm
+    path), EXCHANGE/x86/matmul.npz (BlockQ4MatMul's
     outputs on this machine's own path, with their inputs)."""
     from test_backends import LAYOUT, STREAM, TOLERANCE, reference_logits
 
@@ -218,9 +224,9 @@ def test_hand_the_emulator_its_inputs(arm_build, load, tiny_llama_dir):
     np.savez(folder / "expected.npz", ids=ids, *expected)
     (folder / "stream.json").write_text(json.dumps({"stream": STREAM, "chunk": LAYOUT["chunk"], "window": LAYOUT["window"],
                                                     "tolerance": TOLERANCE[KVDType.INT8]}))  # fmt: skip
-    for name, defines in (("neon", ()), ("generic", ("CABINLM_GENERIC",))):
+    for name, march, defines in (("neon", MARCH, ()), ("i8mm", I8MM_MARCH, ()), ("generic", MARCH, ("CABINLM_GENERIC",))):
         (folder / name).mkdir()
-        compile_library(folder / name, MARCH, defines=defines, machine="aarch64")
+        compile_library(folder / name, march, defines=defines, machine="aarch64")
     (folder / "x86").mkdir()
     here = compile_library(folder / "x86")  # this machine's own path: its outputs, for the emulator to compare
     np.savez(folder / "x86" / "matmul.npz", isa=here.facts.matmul_isa, **matmul_outputs(here.path))
@@ -237,13 +243,14 @@ def exchange() -> Path:
 
 
 @on_arm
-def test_the_arm_library_runs_blockq4matmuls_neon_dotprod_path(exchange):
+def test_the_arm_libraries_run_blockq4matmuls_neon_paths(exchange):
     from cabinlm.manifest import load_manifest
 
     build = exchange / "build"
     lib = load_manifest(build).build.facts.kernels
     assert lib.matmul_isa == "neon-dotprod" == isa_of_library(build / lib.file)  # the manifest and the code agree
-    assert isa_of_library(exchange / "neon" / kernels.LIBRARY) == "neon-dotprod"
+    for name, (_, isa) in ARM_LIBRARIES.items():
+        assert isa_of_library(exchange / name / kernels.LIBRARY) == isa
     assert isa_of_library(exchange / "generic" / kernels.LIBRARY) == "generic"
 
 
@@ -261,12 +268,14 @@ def test_the_neon_path_is_the_plain_cpp_path_bit_for_bit_and_the_block_arithmeti
     blob = block_q4_layout(q, d, m)
     rng = np.random.default_rng(K)
     for swiglu in (False, True):
-        neon, plain = (_matmul_session(blob, exchange / name / kernels.LIBRARY, swiglu=swiglu) for name in ("neon", "generic"))
+        plain = _matmul_session(blob, exchange / "generic" / kernels.LIBRARY, swiglu=swiglu)
+        neon = {name: _matmul_session(blob, exchange / name / kernels.LIBRARY, swiglu=swiglu) for name in ARM_LIBRARIES}
         for rows in (1, 2, 3, 7):
             x = (rng.standard_normal((1, rows, K * (2 if swiglu else 1))) * 2).astype(np.float32)
             x[0, 0, :32] = 0.0  # a block of zeros: scale 0
-            y = neon.run(None, {"x": x})[0]
-            np.testing.assert_array_equal(y, plain.run(None, {"x": x})[0])
+            y = plain.run(None, {"x": x})[0]
+            for name, s in neon.items():
+                np.testing.assert_array_equal(s.run(None, {"x": x})[0], y, err_msg=name)
             act = x[0].astype(np.float64)
             if swiglu:
                 g, u = act[:, :K], act[:, K:]
@@ -276,14 +285,15 @@ def test_the_neon_path_is_the_plain_cpp_path_bit_for_bit_and_the_block_arithmeti
 
 
 @on_arm
-def test_the_neon_path_gives_the_x86_paths_bits(exchange):
+@pytest.mark.parametrize("name", ARM_LIBRARIES)
+def test_the_neon_path_gives_the_x86_paths_bits(exchange, name):
     """Across machines: the outputs the build machine's own path (AVX-512 VNNI there) gave on the same
     inputs, to the bit. The integer sums are exact, the float terms the same fused multiply-adds, and
     the activations' quantization and SwiGLU the same IEEE operations on both."""
     saved = np.load(exchange / "x86" / "matmul.npz")
     print(f"against the build machine's {saved['isa']} path")
     names = [n for n in saved.files if n != "isa" and not n.endswith("/x")]
-    neon = matmul_outputs(exchange / "neon" / kernels.LIBRARY)
+    neon = matmul_outputs(exchange / name / kernels.LIBRARY)
     assert sorted(names) == sorted(n for n in neon if not n.endswith("/x"))
     for name in names:
         np.testing.assert_array_equal(neon[name + "/x"], saved[name + "/x"], err_msg=f"{name}: not the same inputs")
@@ -297,8 +307,8 @@ def test_the_neon_paths_rows_are_its_one_token_steps_bit_for_bit(exchange):
     from cabinlm.engines.ort_fused.block_layouts import block_q4_layout
 
     q, d, m = _q4_case(96, 32, seed=3)
-    for swiglu in (False, True):
-        s = _matmul_session(block_q4_layout(q, d, m), exchange / "neon" / kernels.LIBRARY, swiglu=swiglu)
+    for name, swiglu in ((name, swiglu) for name in ARM_LIBRARIES for swiglu in (False, True)):
+        s = _matmul_session(block_q4_layout(q, d, m), exchange / name / kernels.LIBRARY, swiglu=swiglu)
         x = np.random.default_rng(4).standard_normal((1, 9, 192 if swiglu else 96)).astype(np.float32)
         chunk = s.run(None, {"x": x})[0]
         steps = np.concatenate([s.run(None, {"x": x[:, i : i + 1]})[0] for i in range(9)], axis=1)

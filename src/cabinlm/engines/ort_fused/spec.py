@@ -52,7 +52,7 @@ class KernelLibrary:
     # The CPU's features the code may use (/proc/cpuinfo flag names, from the compiler's predefined
     # macros for `march`): a CPU lacking one would stop the process with SIGILL, so it is refused.
     cpu_flags: tuple[str, ...]
-    matmul_isa: str  # BlockQ4MatMul's path in this library: "avx512-vnni", "neon-dotprod" (fast) or "generic"
+    matmul_isa: str  # BlockQ4MatMul's path in this library: "avx512-vnni", "neon-dotprod", "neon-i8mm" (fast) or "generic"
     compiler: str  # the first line of the compiler's --version
 
     def __post_init__(self) -> None:
@@ -67,8 +67,8 @@ class KernelLibrary:
         object.__setattr__(self, "cpu_flags", tuple(self.cpu_flags) if isinstance(self.cpu_flags, list) else self.cpu_flags)
         if not isinstance(self.cpu_flags, tuple) or not all(isinstance(f, str) and f for f in self.cpu_flags):
             raise ValueError(f"kernels.cpu_flags must be a list of CPU feature names, got {self.cpu_flags!r}")
-        if self.matmul_isa not in ("avx512-vnni", "neon-dotprod", "generic"):  # kernels.ISAS
-            raise ValueError(f"kernels.matmul_isa must be avx512-vnni, neon-dotprod or generic, got {self.matmul_isa!r}")
+        if self.matmul_isa not in ("avx512-vnni", "neon-dotprod", "neon-i8mm", "generic"):  # kernels.ISAS
+            raise ValueError(f"kernels.matmul_isa must be avx512-vnni, neon-dotprod, neon-i8mm or generic, got {self.matmul_isa!r}")
         for name in ("machine", "compiler"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"kernels.{name} must be a non-empty string, got {getattr(self, name)!r}")

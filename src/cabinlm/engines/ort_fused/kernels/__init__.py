@@ -37,8 +37,8 @@ SWIGLU_MATMUL_OP = "BlockQ4SwiGLUMatMul"  # the MLP's down projection, its SwiGL
 MACHINE_ALIASES = {"amd64": "x86_64", "arm64": "aarch64", "x64": "x86_64"}
 # BlockQ4MatMul's paths (block_q4_matmul.cc, cabinlm_block_q4_isa()): a library holds one. The fast
 # ones are what `--matmul-kernel auto` takes the kernel for; "generic" is plain C++.
-ISAS = ("avx512-vnni", "neon-dotprod", "generic")
-FAST_MATMUL_ISAS = ("avx512-vnni", "neon-dotprod")
+ISAS = ("avx512-vnni", "neon-dotprod", "neon-i8mm", "generic")
+FAST_MATMUL_ISAS = ("avx512-vnni", "neon-dotprod", "neon-i8mm")
 
 
 def host_machine() -> str:

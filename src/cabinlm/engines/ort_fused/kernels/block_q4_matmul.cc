@@ -39,6 +39,9 @@
 //   "neon-dotprod"  Armv8.2-A and later with the dot product extension (sdot, vdotq_laneq_s32: 16
 //                   signed byte products a step; the 4-bit codes are 0..15, so signed bytes hold
 //                   them): every cockpit CPU (Cortex-A78AE, Kryo / Cortex-X1, Neoverse V3AE)
+//   "neon-i8mm"     the same where the CPU also has the int8 matrix multiply (Armv8.6-A+ / Armv9:
+//                   Thor's Neoverse V3AE): pairs of rows take smmla (vmmlaq_s32: a 2 x 8 by 8 x 2
+//                   product, 32 byte products a step, twice sdot's), a lone row sdot
 //   "generic"       plain C++ anywhere else (correct, not fast)
 // cabinlm_block_q4_isa() says which; the build chooses this kernel by default only for the first two
 // (engines/ort_fused/builder.py), and reads the answer from the file itself where it cannot load a
@@ -58,7 +61,12 @@
 #include <immintrin.h>
 #elif defined(__aarch64__) && defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD) && !defined(CABINLM_GENERIC)
 #define CABINLM_NEON_DOT 1
+#if defined(__ARM_FEATURE_MATMUL_INT8) && !defined(CABINLM_NO_I8MM)
+#define CABINLM_NEON_I8MM 1
+#define CABINLM_Q4_ISA "neon-i8mm"
+#else
 #define CABINLM_Q4_ISA "neon-dotprod"
+#endif
 #include <arm_neon.h>
 #else
 #define CABINLM_Q4_ISA "generic"
@@ -193,7 +201,40 @@ inline void dot_group(const uint8_t* w, const int8x16_t (&lo_x)[R], const int8x1
   }
 }
 
-// Rows r0 .. r0+R-1 of one tile of 16 columns: four vectors of 4 columns each.
+#if CABINLM_NEON_I8MM
+// Rows r0, r0 + 1 with smmla: one instruction multiplies the rows' codes for 8 consecutive k (a 2 x 8
+// block) with two columns' codes for the same k (8 x 2) into the 2 x 2 integer sums. The code rows
+// j = 2 h, 2 h + 1 of a block hold k = 8 h .. 8 h + 7 (low nibbles) and 16 + 8 h .. 16 + 8 h + 7
+// (high); zipping their 32-bit lanes puts a column's 8 codes for those k side by side.
+inline void block_dots_mmla(const uint8_t* w, const int8_t* x0, const int8_t* x1, int32x4_t (&dot)[2][4]) {
+  const uint8x16_t low = vdupq_n_u8(0x0F);
+  int8x16_t a[4];  // a[g]: the two rows' codes for k = 8 g .. 8 g + 7
+  for (int g = 0; g < 4; ++g) a[g] = vcombine_s8(vld1_s8(x0 + 8 * g), vld1_s8(x1 + 8 * g));
+  int32x4_t s[8];  // s[2 q + e]: columns 4 q + 2 e, 4 q + 2 e + 1 as [r0 c, r0 c + 1, r1 c, r1 c + 1]
+  for (int i = 0; i < 8; ++i) s[i] = vdupq_n_s32(0);
+  for (int h = 0; h < 2; ++h)
+    for (int q = 0; q < 4; ++q) {
+      const uint32x4_t pa = vreinterpretq_u32_u8(vld1q_u8(w + 64 * (2 * h) + 16 * q));
+      const uint32x4_t pb = vreinterpretq_u32_u8(vld1q_u8(w + 64 * (2 * h + 1) + 16 * q));
+      const uint32x4_t lo_a = vandq_u32(pa, vreinterpretq_u32_u8(low)), lo_b = vandq_u32(pb, vreinterpretq_u32_u8(low));
+      const uint32x4_t hi_a = vreinterpretq_u32_u8(vshrq_n_u8(vreinterpretq_u8_u32(pa), 4));
+      const uint32x4_t hi_b = vreinterpretq_u32_u8(vshrq_n_u8(vreinterpretq_u8_u32(pb), 4));
+      s[2 * q] = vmmlaq_s32(s[2 * q], a[h], vreinterpretq_s8_u32(vzip1q_u32(lo_a, lo_b)));
+      s[2 * q + 1] = vmmlaq_s32(s[2 * q + 1], a[h], vreinterpretq_s8_u32(vzip2q_u32(lo_a, lo_b)));
+      s[2 * q] = vmmlaq_s32(s[2 * q], a[2 + h], vreinterpretq_s8_u32(vzip1q_u32(hi_a, hi_b)));
+      s[2 * q + 1] = vmmlaq_s32(s[2 * q + 1], a[2 + h], vreinterpretq_s8_u32(vzip2q_u32(hi_a, hi_b)));
+    }
+  for (int q = 0; q < 4; ++q) {  // each row's 4 columns: 64-bit halves of the two pairs
+    const int64x2_t e = vreinterpretq_s64_s32(s[2 * q]), o = vreinterpretq_s64_s32(s[2 * q + 1]);
+    dot[0][q] = vreinterpretq_s32_s64(vzip1q_s64(e, o));
+    dot[1][q] = vreinterpretq_s32_s64(vzip2q_s64(e, o));
+  }
+}
+#endif
+
+// Rows r0 .. r0+R-1 of one tile of 16 columns: four vectors of 4 columns each. The integer sums of a
+// block by sdot (or, for two rows where the CPU has i8mm, smmla: the same exact integers); then the
+// float terms, the same for every row.
 template <int R>
 void tile_rows(const Problem& p, int64_t t, int64_t r0) {
   const uint8_t* w = p.w + t * p.nb * kTileBlockBytes;
@@ -201,18 +242,25 @@ void tile_rows(const Problem& p, int64_t t, int64_t r0) {
   for (int r = 0; r < R; ++r)
     for (int q = 0; q < 4; ++q) acc[r][q] = vdupq_n_f32(0.0f);
   for (int64_t b = 0; b < p.nb; ++b, w += kTileBlockBytes) {
-    int8x16_t lo_x[R], hi_x[R];
     int32x4_t dot[R][4];  // integer: exact in any order
-    for (int r = 0; r < R; ++r) {
-      const int8_t* xq = p.xq + ((r0 + r) * p.nb + b) * kBlock;
-      lo_x[r] = vld1q_s8(xq);
-      hi_x[r] = vld1q_s8(xq + 16);
-      for (int q = 0; q < 4; ++q) dot[r][q] = vdupq_n_s32(0);
+#if CABINLM_NEON_I8MM
+    if constexpr (R == 2) {
+      block_dots_mmla(w, p.xq + (r0 * p.nb + b) * kBlock, p.xq + ((r0 + 1) * p.nb + b) * kBlock, dot);
+    } else
+#endif
+    {
+      int8x16_t lo_x[R], hi_x[R];
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xq = p.xq + ((r0 + r) * p.nb + b) * kBlock;
+        lo_x[r] = vld1q_s8(xq);
+        hi_x[r] = vld1q_s8(xq + 16);
+        for (int q = 0; q < 4; ++q) dot[r][q] = vdupq_n_s32(0);
+      }
+      dot_group<0>(w, lo_x, hi_x, dot);
+      dot_group<1>(w, lo_x, hi_x, dot);
+      dot_group<2>(w, lo_x, hi_x, dot);
+      dot_group<3>(w, lo_x, hi_x, dot);
     }
-    dot_group<0>(w, lo_x, hi_x, dot);
-    dot_group<1>(w, lo_x, hi_x, dot);
-    dot_group<2>(w, lo_x, hi_x, dot);
-    dot_group<3>(w, lo_x, hi_x, dot);
     for (int q = 0; q < 4; ++q) {  // float16 -> float32 is exact (fcvtl)
       const float32x4_t d = vcvt_f32_f16(vreinterpret_f16_u8(vld1_u8(w + kCodeBytes + 8 * q)));
       const float32x4_t m = vcvt_f32_f16(vreinterpret_f16_u8(vld1_u8(w + kCodeBytes + 2 * kCols + 8 * q)));
