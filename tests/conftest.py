@@ -231,3 +231,57 @@ def make_tiny_llava(folder: Path, tower: str, seed: int = 0) -> Path:
 @pytest.fixture(scope="session", params=["clip", "siglip"])
 def tiny_llava_dir(request, tmp_path_factory) -> Path:
     return make_tiny_llava(tmp_path_factory.mktemp(f"tiny-llava-{request.param}"), request.param)
+
+
+# Qwen2-VL's own processor layout (its Hub folders' preprocessor_config.json), with the tiny tower's sizes.
+QWEN2_VL_PREPROCESSOR = {
+    "min_pixels": 8 * 8 * 4, "max_pixels": 8 * 8 * 16, "patch_size": 4, "temporal_patch_size": 2, "merge_size": 2,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor",
+}  # fmt: skip
+QWEN2_VL_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' }}{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def make_tiny_qwen2_vl(folder: Path, seed: int = 0, **preprocessor) -> Path:
+    """A random-weight Qwen2-VL folder: the vision tower (patch 4, merge 2, temporal patch 2) with its
+    patch merger, a tiny Qwen2-VL text model with M-RoPE (mrope_section [2, 3, 3] over head_dim 16), a
+    BPE tokenizer with <|vision_start|> <|image_pad|> <|vision_end|>, the family's chat template, and
+    preprocessor_config.json as Qwen2-VL's Hub folders write it (min_pixels / max_pixels, ...)."""
+    import json
+
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    tok = _tokenizer(QWEN2_VL_TEMPLATE)
+    tok.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]})
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")}
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2, initializer_range=0.2)  # fmt: skip
+    text = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=0.15,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                bos_token_id=None, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"))  # fmt: skip
+    torch.manual_seed(seed)
+    cfg = Qwen2VLConfig(vision_config=vision, text_config=text, image_token_id=ids["<|image_pad|>"],
+                        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+                        video_token_id=ids["<|image_pad|>"], tie_word_embeddings=True)  # fmt: skip
+    model = Qwen2VLForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # random (non-zero) q/k/v biases, so the bias path is exercised
+        for layer in model.model.language_model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    (folder / "preprocessor_config.json").write_text(json.dumps({**QWEN2_VL_PREPROCESSOR, **preprocessor}, indent=2))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_vl_dir(tmp_path_factory) -> Path:
+    return make_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2-vl"))

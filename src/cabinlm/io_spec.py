@@ -116,7 +116,8 @@ def cached_key_rope(layer: int) -> str:
 CACHED_KEY_ROPE_PARTS = ("half", "rot", "xcos", "rsin")  # Split, Concat, Mul (x cos), Mul (rot x sin)
 
 
-def decoder_io(layout: CacheLayout, vocab_size: int, index_dtype: str = "int64", embed_dim: int = 0) -> DecoderIO:
+def decoder_io(layout: CacheLayout, vocab_size: int, index_dtype: str = "int64", embed_dim: int = 0,
+               mrope: bool = False) -> DecoderIO:
     """The graph contract for a layout.
 
     inputs (index = int64, or int32 for TensorRT targets, whose bindings need INT32 before 9.0)
@@ -144,6 +145,9 @@ def decoder_io(layout: CacheLayout, vocab_size: int, index_dtype: str = "int64",
     and, for vision-language models (embed_dim = the language model's hidden size):
       image_embeds        float  (tokens, embed_dim)          rows used where image_mask is true
       image_mask          bool   (tokens, 1)                  true: the token is an image token
+    and, for multimodal RoPE (mrope: Qwen2-VL), three position components (time, row, column) each:
+      position_ids        index  (3, tokens)                  the chunk's (docs/vlm.md: ranks, grid offsets)
+      cache_position_ids  index  (3, slots)                   each slot's
     """
     kv = layout.kv_dtype.onnx_name
     h, d = layout.kv_heads, layout.head_dim
@@ -151,8 +155,8 @@ def decoder_io(layout: CacheLayout, vocab_size: int, index_dtype: str = "int64",
         raise ValueError(f"index_dtype must be int64 or int32, got {index_dtype!r}")
     inputs = [
         TensorSpec(INPUT_IDS, index_dtype, ("tokens",)),
-        TensorSpec(POSITION_IDS, index_dtype, ("tokens",)),
-        TensorSpec(CACHE_POSITION_IDS, index_dtype, (layout.slots,)),
+        TensorSpec(POSITION_IDS, index_dtype, (3, "tokens") if mrope else ("tokens",)),
+        TensorSpec(CACHE_POSITION_IDS, index_dtype, (3, layout.slots) if mrope else (layout.slots,)),
         TensorSpec(ATTENTION_MASK, "float", ("tokens", "total")),
         TensorSpec(LOGIT_ROWS, index_dtype, ("rows",)),
     ]

@@ -329,7 +329,8 @@ class Manifest:
             steps = fused is not None and fused.step_rows
             return fused_decoder_io(self.cache, self.model.num_heads, self.model.vocab_size, present, steps)
         embed_dim = self.vision.embed_dim if self.vision else 0
-        return decoder_io(self.cache, self.model.vocab_size, self.index_dtype, embed_dim)
+        return decoder_io(self.cache, self.model.vocab_size, self.index_dtype, embed_dim,
+                          mrope=self.vision is not None and self.vision.mrope)
 
     def to_dict(self) -> dict[str, Any]:
         return {

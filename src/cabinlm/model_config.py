@@ -94,10 +94,43 @@ def read_config(path: str | Path) -> tuple[dict[str, Any], str]:
     return d, str(path)
 
 
+# Vision-language families with multimodal RoPE (their own vision tower and position rule; export/qwen2_vl.py):
+# transformers class -> (model_type, the text model's family as SUPPORTED_ARCHITECTURES names it).
+MROPE_VLM_ARCHITECTURES = {"Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2ForCausalLM")}
+# Vision-language families transformers has that cabinlm does not export (yet): refused by name.
+_OTHER_VLM_TYPES = {"qwen2_5_vl": "Qwen2.5-VL", "idefics3": "Idefics3 / SmolVLM", "smolvlm": "SmolVLM",
+                    "gemma3": "Gemma 3 (vision)", "mllama": "Llama 3.2 Vision", "paligemma": "PaliGemma",
+                    "qwen3_vl": "Qwen3-VL", "llava_next": "LLaVA-NeXT", "llava_onevision": "LLaVA-OneVision",
+                    "idefics2": "Idefics2", "internvl": "InternVL", "phi4_multimodal": "Phi-4 multimodal"}  # fmt: skip
+
+
 def is_vlm(d: dict[str, Any]) -> bool:
-    """A LLaVA-style vision-language config: its decoder is the text model in `text_config`."""
+    """A supported vision-language config: its decoder is the text model in `text_config` (LLaVA-style,
+    or a multimodal-RoPE family: mrope_family)."""
     archs = d.get("architectures") or []
-    return any(a in SUPPORTED_VLM_ARCHITECTURES for a in archs) or d.get("model_type", "") == "llava"
+    return (any(a in SUPPORTED_VLM_ARCHITECTURES for a in archs) or d.get("model_type", "") == "llava"
+            or mrope_family(d) is not None)  # fmt: skip
+
+
+def mrope_family(d: dict[str, Any]) -> str | None:
+    """The multimodal-RoPE family's transformers class (Qwen2-VL), or None."""
+    archs = d.get("architectures") or []
+    by_type = {t: a for a, (t, _) in MROPE_VLM_ARCHITECTURES.items()}
+    return next((a for a in archs if a in MROPE_VLM_ARCHITECTURES), None) or by_type.get(d.get("model_type", ""))
+
+
+def _refuse_other_vlm(d: dict[str, Any], where: str) -> None:
+    """A vision-language family cabinlm does not export: one line naming it and what is supported."""
+    kind = d.get("model_type", "")
+    name = _OTHER_VLM_TYPES.get(kind)
+    if name is None and isinstance(d.get("vision_config"), dict):
+        name = ", ".join(d.get("architectures") or []) or kind or "unknown"
+    if name is not None:
+        raise ModelError(
+            f"{where}: {name} is a vision-language family cabinlm does not export; supported: "
+            f"{', '.join([*SUPPORTED_VLM_ARCHITECTURES, *MROPE_VLM_ARCHITECTURES])} (over one of "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
 
 
 def spec_from_config(path: str | Path) -> ModelSpec:
@@ -127,10 +160,16 @@ def spec_from_dict(d: dict[str, Any], where: str) -> ModelSpec:
     """ModelSpec from a config as a dict (a parsed config.json, or transformers' config.to_dict()).
     Refuses what the decoder graph cannot express, with the reason."""
     c, source = d, where
+    if not is_vlm(d):
+        _refuse_other_vlm(d, where)
     if is_vlm(d):
         c, where = d.get("text_config"), f"{where} (text model)"
         if not isinstance(c, dict):
             raise ModelError(f"{where}: a LLaVA-style config needs a text_config block")
+        family = mrope_family(d)
+        if family is not None:  # Qwen2-VL's text model is Qwen2's decoder (q/k/v biases) with M-RoPE positions
+            c = {**c, "architectures": [MROPE_VLM_ARCHITECTURES[family][1]],
+                 "model_type": SUPPORTED_ARCHITECTURES[MROPE_VLM_ARCHITECTURES[family][1]]}  # fmt: skip
     arch = _architecture(c, where)
     # a VLM's tie flag may sit at the top level rather than in its text_config
     tied = c.get("tie_word_embeddings", d.get("tie_word_embeddings", False))
@@ -287,6 +326,8 @@ def vision_params_from_config(path: str | Path) -> int:
     v = d.get("vision_config")
     if not isinstance(v, dict):
         return 0
+    if mrope_family(d) is not None:
+        return _qwen2_vl_vision_params(v, where)
     v = {**_VISION_DEFAULTS, **v}
     try:
         h, i, layers = int(v["hidden_size"]), int(v["intermediate_size"]), int(v["num_hidden_layers"])
@@ -303,15 +344,37 @@ def vision_params_from_config(path: str | Path) -> int:
 
 
 @_one_line(where_arg=0)
-def image_tokens_from_config(path: str | Path) -> int:
+def image_tokens_from_config(path: str | Path, frame: tuple[int, int] | None = None) -> int:
     """Cache slots one camera frame takes (the image region): (image / patch)^2 patch tokens, plus
-    the CLS token unless LLaVA's "default" feature strategy drops it (0 when there is no vision)."""
-    d, _ = read_config(path)
+    the CLS token unless LLaVA's "default" feature strategy drops it (0 when there is no vision).
+    Qwen2-VL: the merged patch grid of a frame of `frame` (height, width) pixels (default: what its
+    processor makes of a 640x480 camera frame), read with the folder's image processor."""
+    d, where = read_config(path)
     v = d.get("vision_config")
     if not isinstance(v, dict):
         return 0
+    if mrope_family(d) is not None:
+        from cabinlm.export.image_processor import read_qwen2_vl_processor  # the export's own reading (stdlib)
+
+        folder = Path(path) if Path(path).is_dir() else Path(path).parent
+        return read_qwen2_vl_processor(folder, frame, v).image_tokens
     v = {**_VISION_DEFAULTS, **v}
     patches = (int(v["image_size"]) // int(v["patch_size"])) ** 2
     has_cls = v.get("model_type", "clip_vision_model") != "siglip_vision_model"
     keep_cls = has_cls and d.get("vision_feature_select_strategy", "default") != "default"
     return patches + int(keep_cls)
+
+
+def _qwen2_vl_vision_params(v: dict[str, Any], where: str) -> int:
+    """Qwen2-VL's tower: patch embedding 3*T*p*p*E (no bias), depth x (2 LayerNorms, qkv and proj with
+    biases, MLP E -> r*E -> E with biases), the merger (LayerNorm, Linear(E m^2, E m^2), Linear(E m^2, D)).
+    Qwen2-VL-2B's tower (embed 1280, depth 32, D 1536) counts 665M."""
+    try:
+        E, layers, ratio = int(v.get("embed_dim", 1280)), int(v.get("depth", 32)), int(v.get("mlp_ratio", 4))
+        p, T, m, D = (int(v.get("patch_size", 14)), int(v.get("temporal_patch_size", 2)),
+                      int(v.get("spatial_merge_size", 2)), int(v.get("hidden_size", 3584)))  # fmt: skip
+    except (TypeError, ValueError) as e:
+        raise ModelError(f"{where}: vision_config has a non-integer size ({e})") from e
+    block = 2 * 2 * E + (3 * E * E + 3 * E) + (E * E + E) + (E * ratio * E + ratio * E) + (ratio * E * E + E)
+    wide = E * m * m
+    return 3 * T * p * p * E + layers * block + 2 * E + (wide * wide + wide) + (wide * D + D)

@@ -28,9 +28,13 @@ class ImagePreprocess:
     rescale: float | None = None
     mean: tuple[float, ...] | None = None  # 3 channels
     std: tuple[float, ...] | None = None
+    # Qwen2-VL: the frame cut into the processor's flattened patches, (N, 3 * temporal * patch^2) in
+    # merge-window order (runtime/vision.py); None: the (1, 3, H, W) image itself.
+    patchify: dict[str, int] | None = None  # {"patch": p, "merge": m, "temporal": t}
 
     def __post_init__(self) -> None:
         hw = frozenset({"height", "width"})
+        object.__setattr__(self, "patchify", _sizes("patchify", self.patchify, (frozenset({"patch", "merge", "temporal"}),)))
         object.__setattr__(self, "resize", _sizes("resize", self.resize, (frozenset({"shortest_edge"}), hw)))
         object.__setattr__(self, "crop", _sizes("crop", self.crop, (hw,)))
         if type(self.resample) is not int or not 0 <= self.resample <= 5:
@@ -57,7 +61,32 @@ class VisionSpec:
     image_token_id: int  # the placeholder id HF processors repeat image_tokens times
     preprocess: ImagePreprocess
     graph: str = "vision.onnx"  # role "vision_graph" in files
+    # Qwen2-VL (multimodal RoPE; docs/vlm.md). () for LLaVA-style models.
+    frame: tuple[int, ...] = ()  # (height, width) of every frame the vision graph takes, in pixels
+    grid: tuple[int, ...] = ()  # the image tokens as (rows, cols), row-major: M-RoPE's grid offsets
+    mrope_section: tuple[int, ...] = ()  # the decoder's RoPE frequency pairs per position component (t, h, w)
+    # The token ids the model's processor puts around the image tokens when it expands one image
+    # placeholder (Qwen2-VL: <|vision_start|> before, <|vision_end|> after); () for LLaVA.
+    image_prefix: tuple[int, ...] = ()
+    image_suffix: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.preprocess, dict):  # as read from JSON
             object.__setattr__(self, "preprocess", ImagePreprocess(**self.preprocess))
+        for name in ("frame", "grid", "mrope_section", "image_prefix", "image_suffix"):
+            v = getattr(self, name)
+            if not isinstance(v, (list, tuple)) or not all(type(x) is int and 0 <= x < 1 << 31 for x in v):
+                raise ValueError(f"vision.{name}: a list of non-negative whole numbers, got {v!r}")
+            object.__setattr__(self, name, tuple(v))
+        if self.mrope_section:
+            if len(self.mrope_section) != 3 or len(self.grid) != 2 or len(self.frame) != 2:
+                raise ValueError("vision: M-RoPE needs mrope_section (t, h, w), grid (rows, cols) and frame (height, width)")
+            if self.grid[0] * self.grid[1] != self.image_tokens:
+                raise ValueError(f"vision.grid {list(self.grid)} does not hold image_tokens {self.image_tokens}")
+            if self.preprocess.patchify is None:
+                raise ValueError("vision: an M-RoPE model's frames are patchified (preprocess.patchify)")
+
+    @property
+    def mrope(self) -> bool:
+        """The decoder takes (3, tokens) positions: Qwen2-VL's multimodal RoPE."""
+        return bool(self.mrope_section)

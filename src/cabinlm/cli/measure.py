@@ -23,6 +23,11 @@ def perplexity(
     nll_out: Optional[Path] = typer.Option(None, help="Save the NLL of tokens 2..N as a float64 .npy file."),
     threads: Optional[int] = typer.Option(None, help="ONNX Runtime intra-op threads."),
     json_out: bool = typer.Option(False, "--json", help='Print {"tokens", "ppl", "nll_mean"} as JSON.'),
+    image: Optional[Path] = typer.Option(
+        None, "--image", help="Vision-language models: a camera frame fed before the text, as the model's processor "
+        "expands one image (Qwen2-VL: <|vision_start|>, the image tokens, <|vision_end|>); the NLL is then the text's "
+        "tokens 2..N given the frame and the text before each.",
+    ),
 ) -> None:
     """Perplexity of a text streamed through the graph one token per step (eviction active beyond the cache)."""
     import numpy as np
@@ -41,6 +46,11 @@ def perplexity(
     except UnicodeDecodeError as e:
         raise CabinlmError(f"{text}: not UTF-8 text ({e})") from e
     dec, tok = open_artifact(artifact, threads=threads)
+    frame = None
+    if image is not None:
+        if dec.vision is None:
+            raise CabinlmError(f"--image {image}: {artifact} is a text model; export a vision-language model to score with a frame")
+        frame = dec.vision.encode(image)  # an unreadable image or a decompression bomb: one line (InputError)
     ids = tok.encode(body, add_special_tokens=True)
     if max_tokens is not None:
         ids = ids[:max_tokens]
@@ -53,7 +63,8 @@ def perplexity(
         transient=True, console=None if sys.stderr.isatty() else _quiet_console(),
     ) as bar:
         task = bar.add_task("tokens", total=len(ids) - 1)
-        result = stream_perplexity(dec, ids, progress=lambda i: bar.update(task, completed=i) if i % 16 == 0 else None)
+        result = stream_perplexity(dec, ids, progress=lambda i: bar.update(task, completed=i) if i % 16 == 0 else None,
+                                   frame=frame)  # fmt: skip
     if json_out:
         typer.echo(json.dumps({**result.to_dict(), "backend": dec.device}))
     else:

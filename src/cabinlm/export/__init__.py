@@ -60,7 +60,16 @@ def export_loaded(
         raise CabinlmError(f"{out}: exists and is not a folder; choose another -o")
     out.mkdir(parents=True, exist_ok=True)
     vision = None
-    if loaded.vlm:
+    mrope = loaded.mrope
+    if mrope:  # Qwen2-VL: the tower at one frame size, M-RoPE in the decoder
+        from cabinlm.export.qwen2_vl import build_qwen2_vl_vision, mrope_section, read_qwen2_vl_processor
+
+        qwen_processor = read_qwen2_vl_processor(loaded.folder, opts.frame, loaded.model.config.vision_config.to_dict())
+        vision_graph, geometry = build_qwen2_vl_vision(loaded.model, qwen_processor, opset=17)
+        log(f"vision frames: {geometry.frame[1]}x{geometry.frame[0]} pixels, {geometry.grid[0]}x{geometry.grid[1]} image tokens")
+    elif opts.frame is not None:
+        raise CabinlmError(f"{loaded.source}: --frame sets a Qwen2-VL model's frame size; this model's is fixed by its processor")
+    elif loaded.vlm:
         vision_graph, geometry = build_vision(loaded.model, opset=17)
     layout = make_layout(loaded.spec, opts, image=geometry.image_tokens if loaded.vlm else 0)
     # Mistral / Phi-3 / Qwen sliding windows: refused when shorter than what one query attends to
@@ -93,7 +102,8 @@ def export_loaded(
         calibration = {"source": calib_source, "tokens": len(calib_ids), "method": "absmax per channel (keys), per token (values)"}
         log(f"calibrated {layout.kv_dtype.value} key scales on {len(calib_ids)} tokens ({calib_source})")
     embed_dim = geometry.embed_dim if loaded.vlm else 0
-    builder = build_decoder(loaded.spec, layout, weights, opset=opset, index_dtype=opts.index_dtype, embed_dim=embed_dim)
+    builder = build_decoder(loaded.spec, layout, weights, opset=opset, index_dtype=opts.index_dtype, embed_dim=embed_dim,
+                            mrope_section=mrope_section(loaded.model) if mrope else ())  # fmt: skip
     log(f"built the decoder graph: {len(builder.nodes)} nodes, {layout.slots} cache slots")
     save_model(builder.model(), out / GRAPH_FILE, GRAPH_DATA_FILE)
     del builder
@@ -102,14 +112,20 @@ def export_loaded(
     if loaded.vlm:
         save_model(vision_graph.model(), out / VISION_FILE, VISION_DATA_FILE)
         files.update(vision_graph=VISION_FILE, vision_data=VISION_DATA_FILE)
+        extra = {}
+        if mrope:  # the frame, its token grid, the decoder's sections and the tokens around the image
+            cfg = loaded.model.config
+            extra = dict(frame=geometry.frame, grid=geometry.grid, mrope_section=mrope_section(loaded.model),
+                         image_prefix=(int(cfg.vision_start_token_id),), image_suffix=(int(cfg.vision_end_token_id),))  # fmt: skip
         vision = VisionSpec(
             image_size=geometry.image_size,
             patch_size=geometry.patch_size,
             image_tokens=geometry.image_tokens,
             embed_dim=geometry.embed_dim,
             image_token_id=int(loaded.model.config.image_token_id),
-            preprocess=image_preprocessing(loaded.folder),
+            preprocess=qwen_processor.preprocess() if mrope else image_preprocessing(loaded.folder),
             graph=VISION_FILE,
+            **extra,
         )
         log(f"built the vision graph: {geometry.image_tokens} image tokens per frame")
     log(f"wrote {out / GRAPH_FILE} and its weights in {time.perf_counter() - t0:.1f}s")
@@ -162,7 +178,7 @@ def export_model(
     from cabinlm.model_config import image_tokens_from_config, read_config
 
     folder, gguf = resolve_source(source, log)
-    image = image_tokens_from_config(folder) if gguf is None else 0
+    image = image_tokens_from_config(folder, opts.frame) if gguf is None else 0
     check_positions(spec_for(source, log), sink=opts.sink, pinned=opts.pinned, chunk=opts.chunk, window=opts.window,
                     image=image)  # fmt: skip
     if gguf is None:  # a model's own sliding window, before the weights load

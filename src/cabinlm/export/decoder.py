@@ -91,10 +91,16 @@ def build_decoder(
     opset: int = 17,
     index_dtype: str = "int64",
     embed_dim: int = 0,
+    mrope_section: tuple[int, ...] = (),
 ) -> GraphBuilder:
-    """embed_dim > 0: a vision-language decoder, whose image tokens take rows of image_embeds."""
+    """embed_dim > 0: a vision-language decoder, whose image tokens take rows of image_embeds.
+    mrope_section (Qwen2-VL's multimodal RoPE): positions have three components (time, row, column)
+    and RoPE frequency pair j turns with the component of the section j falls in (below)."""
     g = GraphBuilder("cabinlm_decoder", opset=opset)
-    io = mf.decoder_io(layout, spec.vocab_size, index_dtype, embed_dim)
+    io = mf.decoder_io(layout, spec.vocab_size, index_dtype, embed_dim, mrope=bool(mrope_section))
+    if mrope_section and (layout.local_layers or sum(mrope_section) != spec.head_dim // 2):
+        raise ValueError(f"mrope_section {list(mrope_section)}: 3 sections adding up to head_dim / 2 = "
+                         f"{spec.head_dim // 2}, without local layers")  # fmt: skip
     if w.activation not in ("silu", "gelu_tanh"):
         raise ValueError(f"activation {w.activation!r}: the graph implements silu and gelu_tanh")
     for t in io.inputs:
@@ -177,8 +183,16 @@ def build_decoder(
 
     def rotary_tables(pos: str, scale: float, name: str, inv_freq: np.ndarray = w.inv_freq) -> tuple[str, str]:
         # pos (n,) -> cos (n, Dh), signed sin (n, Dh), HF's "rotate_half" convention.
-        p = g.op("Unsqueeze", g.op("Cast", pos, to=TensorProto.FLOAT), g.ints([1]), name=f"{name}/pos")
-        freqs = g.op("Mul", p, g.const(inv_freq.reshape(1, -1).astype(np.float32)), name=f"{name}/freqs")
+        if mrope_section:  # pos (3, n): pair j turns with its section's component, (n, 3) @ (3, Dh/2)
+            # pick[c, j] = inv_freq[j] where pair j is in section c, else 0: each sum holds one product
+            # and two exact zeros, so the angles are the model's pos[c] * inv_freq[j] bit for bit.
+            owner = np.repeat(np.arange(3), mrope_section)
+            pick = np.where(owner[None, :] == np.arange(3)[:, None], inv_freq[None, :], 0).astype(np.float32)
+            p = g.op("Transpose", g.op("Cast", pos, to=TensorProto.FLOAT), perm=[1, 0], name=f"{name}/pos")
+            freqs = g.op("MatMul", p, g.const(pick), name=f"{name}/freqs")
+        else:
+            p = g.op("Unsqueeze", g.op("Cast", pos, to=TensorProto.FLOAT), g.ints([1]), name=f"{name}/pos")
+            freqs = g.op("Mul", p, g.const(inv_freq.reshape(1, -1).astype(np.float32)), name=f"{name}/freqs")
         emb = g.op("Concat", freqs, freqs, axis=1, name=f"{name}/emb")
         cos = g.op("Cos", emb, name=f"{name}/cos")
         sin = g.op("Mul", g.op("Sin", emb, name=f"{name}/sin"), g.const(sign * scale), name=f"{name}/sin_signed")

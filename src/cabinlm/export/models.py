@@ -21,7 +21,7 @@ from cabinlm.export.decoder import DecoderWeights, LayerWeights
 from cabinlm.export.image_processor import image_processor_config
 from cabinlm.export.wquant import QuantMatrix
 from cabinlm.manifest import STATIC_ROPE_TYPES, ModelSpec
-from cabinlm.model_config import is_vlm, spec_from_config, spec_from_dict
+from cabinlm.model_config import is_vlm, mrope_family, spec_from_config, spec_from_dict
 from cabinlm.precision import WeightFormat
 
 
@@ -37,6 +37,11 @@ class LoadedModel:
     @property
     def vlm(self) -> bool:
         return is_vlm(self.model.config.to_dict())
+
+    @property
+    def mrope(self) -> bool:
+        """A multimodal-RoPE vision-language model (Qwen2-VL: export/qwen2_vl.py)."""
+        return mrope_family(self.model.config.to_dict()) is not None
 
     @property
     def text_model(self) -> Any:

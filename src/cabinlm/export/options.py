@@ -107,8 +107,16 @@ class ExportOptions:
     index_dtype: str = "int64"  # int32 for TensorRT targets
     profile: str | None = None  # the device profile the layout was planned for
     plan: dict | None = None  # that plan (written into the manifest's "target")
+    # Qwen2-VL: every camera frame's (height, width) in pixels, so the vision graph has one shape;
+    # None: what the model's processor makes of a 640x480 frame (export/image_processor.py)
+    frame: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
+        if self.frame is not None:
+            f = tuple(self.frame)
+            if len(f) != 2 or not all(type(x) is int and 0 < x <= 8192 for x in f):
+                raise OptionError(f"frame must be (height, width) in pixels, each 1..8192, got {self.frame!r}")
+            object.__setattr__(self, "frame", f)
         object.__setattr__(self, "kv", _member(KVDType, self.kv, "kv"))
         object.__setattr__(self, "weights", _member(WeightFormat, self.weights, "weights"))
         object.__setattr__(self, "head", None if self.head is None else _member(WeightFormat, self.head, "head"))

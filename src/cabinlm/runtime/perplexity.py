@@ -28,12 +28,19 @@ def token_nll(logits: np.ndarray, target: int) -> float:
 
 
 def stream_perplexity(
-    decoder: Decoder, ids: list[int] | np.ndarray, progress: Callable[[int], None] | None = None
+    decoder: Decoder, ids: list[int] | np.ndarray, progress: Callable[[int], None] | None = None,
+    frame: np.ndarray | None = None,
 ) -> PerplexityResult:
+    """frame: a camera frame's image-token embeddings (image_tokens, embed_dim), fed first, as the
+    model's processor expands one image placeholder (VisionSpec.image_prefix, the image tokens in the
+    pinned image region, image_suffix); the NLL is then the text's tokens 2..N given the frame and
+    the text before each."""
     ids = np.asarray(ids, dtype=np.int64)
     if ids.size < 2:
         raise ValueError("perplexity needs at least 2 tokens")
     decoder.reset()
+    if frame is not None:
+        feed_frame(decoder, frame)
     nll = np.empty(ids.size - 1, dtype=np.float64)
     for i in range(ids.size - 1):
         logits = decoder.step(ids[i : i + 1])[0]
@@ -54,3 +61,18 @@ def chunked_perplexity(decoder: Decoder, ids: list[int] | np.ndarray) -> Perplex
     nll = np.array([token_nll(logits[i], int(ids[i + 1])) for i in range(ids.size - 1)])
     mean = float(nll.mean())
     return PerplexityResult(tokens=int(ids.size), ppl=float(np.exp(mean)), nll_mean=mean, nll=nll)
+
+
+def feed_frame(decoder: Decoder, embeds: np.ndarray) -> None:
+    """A camera frame's tokens as the model's processor lays out one image: the tokens before the
+    image (Qwen2-VL: <|vision_start|>), the image tokens into the pinned image region (replacing any
+    frame there), the tokens after it (<|vision_end|>)."""
+    vision = decoder.manifest.vision
+    if vision is None:
+        raise ValueError("this model has no vision input")
+    if vision.image_prefix:
+        decoder.feed(np.asarray(vision.image_prefix, dtype=np.int64))
+    decoder.cache.begin_frame()
+    decoder.feed(np.full(len(embeds), vision.image_token_id, dtype=np.int64), pin="image", embeds=embeds)
+    if vision.image_suffix:
+        decoder.feed(np.asarray(vision.image_suffix, dtype=np.int64))

@@ -58,6 +58,9 @@ class StepPlan:
         self.image_fill = table.image_fill
         self.frames = table.frames
         self.seen = table.seen  # the chunk's first stream index
+        # the stream index of the current camera frame's first token (-1: none), this chunk's own
+        # first token when it starts a frame (multimodal RoPE's grid offsets count from there)
+        self.frame_start = seen_frame_start(table, pin)
         self.local_window = table.layout.local_window  # w (0: no local layers)
         self.sink = table.layout.sink
         # True: the rows are one-token steps (a verified draft): row i computes what the step after the
@@ -83,6 +86,45 @@ class StepPlan:
         order = np.argsort(np.where(valid, st, np.iinfo(np.int64).max), kind="stable")
         cache_pos[order[:cached]] = np.arange(cached)
         return cache_pos
+
+    # -- multimodal RoPE (Qwen2-VL; docs/vlm.md) ----------------------------------------------------
+
+    def mrope_positions(self, frame_tokens: int, grid: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        """((3, tokens), (3, slots)) int64: the (time, row, column) positions of the chunk's tokens and of
+        every cached slot (0 for empty slots), by DESIGN.md's rule for multimodal RoPE: the cached
+        tokens then the chunk's, in the order of their ranks, read as if they were the whole sequence.
+        A text token at rank r has r + d in all three components, where d is what the frames before it
+        took off: a frame of I tokens in a (rows, cols) grid spans max(rows, cols) positions, not I.
+        Frame token k, the frame starting at rank f: (f + d, f + d + k // cols, f + d + k % cols).
+        While the stream fits the cache this is the model's own rule (get_rope_index); after evictions
+        it is the same rule over the ranks, for all three components.
+
+        frame_tokens: I, the tokens of one frame; grid: (rows, cols), rows * cols = I. The frame's
+        tokens are the stream indices frame_start .. frame_start + I - 1 (sink, image region or chunk)."""
+        rows, cols = grid
+        st = self.slot_token
+        valid = st >= 0
+        stream = np.concatenate([st[valid], self.seen + np.arange(self.tokens, dtype=np.int64)])
+        order = np.argsort(stream, kind="stable")
+        ranked = stream[order]  # every token in rank order: the cache's, then the chunk's
+        pos = np.repeat(np.arange(len(ranked), dtype=np.int64)[None, :], 3, axis=0)
+        f0 = self.frame_start
+        if f0 >= 0:
+            k = ranked - f0
+            inside = (k >= 0) & (k < frame_tokens)
+            if inside.any():
+                first = int(np.argmax(inside))  # the frame's first rank
+                kk = k[inside]
+                pos[1, inside] += kk // cols - kk
+                pos[2, inside] += kk % cols - kk
+                pos[0, inside] -= kk
+                pos[:, first + frame_tokens :] -= frame_tokens - max(rows, cols)  # text after the frame
+        at = np.empty_like(pos)
+        at[:, order] = pos  # back to (cached slots in slot order, then the chunk)
+        cache = np.zeros((3, len(st)), dtype=np.int64)
+        n_cached = int(valid.sum())
+        cache[:, valid] = at[:, :n_cached]
+        return at[:, n_cached:], cache
 
     # -- the rows as one-token steps (steps=True) -------------------------------------------------
 
@@ -216,6 +258,12 @@ class SlotTable:
         self.frames = 0  # camera frames started (each replaces the previous one)
         self.window_fill = 0
         self.ring_next = 0  # index inside the window ring of the next slot to write (= the oldest)
+        # Multimodal RoPE: the stream index of the current frame's first token (-1: none yet), and
+        # whether begin_frame() was called with no frame token fed since. Not part of SlotState:
+        # restore() derives it (a frame's tokens are the last ones of the stream's frame-sized run
+        # ending in the image region).
+        self.frame_start = -1
+        self.frame_open = False
 
     # -- state -------------------------------------------------------------------------------------
 
@@ -248,6 +296,7 @@ class SlotTable:
         self.slot_token[lay.image_start : lay.window_start] = -1
         self.image_fill = 0
         self.frames += 1
+        self.frame_start, self.frame_open = -1, True
 
     def cached_stream_indices(self) -> np.ndarray:
         """Stream indices of the cached tokens, in stream order."""
@@ -264,6 +313,7 @@ class SlotTable:
         self.slot_token[:] = state.slot_token
         for k, v in state.counters().items():
             setattr(self, k, v)
+        self.frame_start, self.frame_open = restored_frame_start(state, self.layout), False
 
     # -- one step ----------------------------------------------------------------------------------
 
@@ -320,6 +370,8 @@ class SlotTable:
         self.sink_fill += sink_take
         rest = n - sink_take
         if plan.pin == "image":
+            if self.frame_open:
+                self.frame_start, self.frame_open = plan.seen, False
             self.image_fill += rest
         elif plan.pin:
             self.pinned_fill += rest
@@ -327,6 +379,24 @@ class SlotTable:
             self.ring_next = (self.ring_next + rest) % lay.window
             self.window_fill = min(lay.window, self.window_fill + rest)
             self.evicted += plan.evicts
+
+
+def seen_frame_start(table: SlotTable, pin: bool | str) -> int:
+    """The current frame's first stream index as a plan of a chunk with `pin` sees it."""
+    if pin == "image" and table.frame_open:
+        return table.seen
+    return table.frame_start
+
+
+def restored_frame_start(state: SlotState, layout: CacheLayout) -> int:
+    """The current frame's first stream index from a saved state: the frame is the layout.image
+    tokens ending with the newest token of the image region (the sink took the first ones when the
+    frame came before the sink was full). -1 when the region is empty."""
+    region = state.slot_token[layout.image_start : layout.window_start]
+    held = region[region >= 0]
+    if not len(held):
+        return -1
+    return int(held.max()) - layout.image + 1
 
 
 class StateError(ValueError):

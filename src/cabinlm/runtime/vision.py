@@ -88,7 +88,8 @@ def _metadata_refused(where: str, e: ValueError) -> InputError:
 
 
 def preprocess(img, spec: VisionSpec) -> np.ndarray:
-    """(1, 3, S, S) float32 pixel values: resize, center crop, rescale, normalize, channels first."""
+    """(1, 3, S, S) float32 pixel values: resize, center crop, rescale, normalize, channels first; or
+    with preprocess.patchify (Qwen2-VL) the frame's flattened patches (N, 3 * T * p * p)."""
     from PIL import Image
 
     p = spec.preprocess
@@ -121,10 +122,27 @@ def preprocess(img, spec: VisionSpec) -> np.ndarray:
         y = y * np.float32(p.rescale)
     if p.mean is not None:
         y = (y - np.asarray(p.mean, dtype=np.float32)) / np.asarray(p.std, dtype=np.float32)
+    if p.patchify is not None:
+        return patchify(y.transpose(2, 0, 1), spec)
     y = np.ascontiguousarray(y.transpose(2, 0, 1)[None])
     if y.shape != (1, 3, spec.image_size, spec.image_size):
         raise InputError(f"the prepared image is {y.shape[2:]}, the vision graph takes {spec.image_size}x{spec.image_size}")
     return y
+
+
+def patchify(image: np.ndarray, spec: VisionSpec) -> np.ndarray:
+    """(3, H, W) float32 -> (N, 3 * T * p * p) float32, Qwen2-VL's processor's layout: patches of p x p
+    in windows of m x m patches (windows row-major, patches row-major inside each), each patch
+    repeated T times along time (one still frame), flattened channels, time, rows, cols."""
+    c = spec.preprocess.patchify
+    p, m, T = c["patch"], c["merge"], c["temporal"]
+    C, H, W = image.shape
+    if (H, W) != tuple(spec.frame):
+        raise InputError(f"the prepared image is {W}x{H}, the vision graph takes {spec.frame[1]}x{spec.frame[0]}")
+    gh, gw = H // p, W // p
+    x = image.reshape(C, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)  # (gh/m, gw/m, m, m, C, p, p)
+    x = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], T, p, p))
+    return np.ascontiguousarray(x.reshape(gh * gw, C * T * p * p), dtype=np.float32)
 
 
 class VisionEncoder:

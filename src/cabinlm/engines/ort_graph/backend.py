@@ -152,6 +152,11 @@ class ExportedGraphBackend(Backend):
         size = binding.tokens if binding.tokens is not None else n  # a static graph's fixed token count
         ids = np.ascontiguousarray(ids, dtype=index)
         pos, mask = plan.position_ids.astype(index, copy=False), plan.attention_mask
+        cache_pos = None
+        vision = self.graphs.manifest.vision
+        if vision is not None and vision.mrope:  # (3, tokens) and (3, slots): time, row, column (docs/vlm.md)
+            pos, cache_pos = plan.mrope_positions(vision.image_tokens, vision.grid)
+            pos, cache_pos = pos.astype(index, copy=False), cache_pos.astype(index, copy=False)
         inputs = {}
         if self.graphs.manifest.vision is not None:
             if embeds is None:
@@ -171,14 +176,18 @@ class ExportedGraphBackend(Backend):
             if local:
                 _, local[io.LOCAL_POSITION_IDS], local[io.LOCAL_ATTENTION_MASK] = _pad(
                     ids, local[io.LOCAL_POSITION_IDS], local[io.LOCAL_ATTENTION_MASK], size, self.layout.local_slots)
-            ids, pos, mask = _pad(ids, pos, mask, size, self.layout.slots)
+            if cache_pos is not None:  # the pad tokens' positions continue the last token's, all three components
+                pos = np.concatenate([pos, pos[:, -1:] + np.arange(1, size - n + 1, dtype=pos.dtype)], axis=1)
+                ids, _, mask = _pad(ids, pos[0], mask, size, self.layout.slots)
+            else:
+                ids, pos, mask = _pad(ids, pos, mask, size, self.layout.slots)
         inputs.update(local)
         if binding.tokens is not None and binding.tokens > 1:  # static prefill: every row, then pick
             logit_rows = self._rows[:size]
         else:
             logit_rows = self._rows[:n] if all_logits and n > 1 else self._rows[n - 1 : n]
         inputs.update({io.INPUT_IDS: ids, io.POSITION_IDS: pos,
-                       io.CACHE_POSITION_IDS: plan.cache_position_ids.astype(index, copy=False),
+                       io.CACHE_POSITION_IDS: plan.cache_position_ids.astype(index, copy=False) if cache_pos is None else cache_pos,
                        io.ATTENTION_MASK: mask, io.LOGIT_ROWS: logit_rows})  # fmt: skip
         outs = binding.run(inputs)
         L = self.layout.layers
