@@ -6,11 +6,15 @@ each turn, drafted and accepted tokens.
     python benchmarks/speculative.py BUILD --passages tests/data/prose.txt [--turns 5] [--words 80]
 
     python benchmarks/speculative.py BUILD --scripted 1150 [--rounds 3]
+    python benchmarks/speculative.py BUILD --scripted 4000 --seed 23 --rounds 3 [--json F] [--plot F.png]
 
 --scripted N: `cabinlm bench`'s seeded in-car dialogue (bench/runner.run_cabinlm) for N tokens, plain
 and speculative alternating: median per-token and overall decode tok/s, drafted and accepted, the
 replies checked equal. (1150 tokens: about the span the peers hold in 1148 positions, while the
-window fills.)
+window fills.) Also: overall decode tok/s over the last 1000 decoded tokens (long after the window
+turned over), drafts before and after the turnover; --json keeps every round's summary, --plot draws
+the decode throughput of each round along the dialogue (1 / the mean per-token time of each 100
+decoded tokens), plain against drafting.
 
 --passages: natural text instead of the demo's turns: each turn asks for a summary of the next
 `--words` words of the file (from its first paragraph of prose on), so drafts can only come from
@@ -34,30 +38,76 @@ ap.add_argument("--passages", default=None, help="a text file: summarize passage
 ap.add_argument("--scripted", type=int, default=0, help="tokens of the bench's scripted dialogue instead")
 ap.add_argument("--turns", type=int, default=5)
 ap.add_argument("--words", type=int, default=80)
+ap.add_argument("--seed", type=int, default=0, help="--scripted: the dialogue's seed")
+ap.add_argument("--json", default=None, help="--scripted: write every round's summary here")
+ap.add_argument("--plot", default=None, help="--scripted: draw throughput along the dialogue into this PNG")
 a = ap.parse_args()
 if a.scripted:
     import numpy as np
 
     from cabinlm.bench.runner import run_cabinlm
 
+    from cabinlm.bench.trace import summarize
+
     runs: dict[bool, list] = {False: [], True: []}
     for _ in range(a.rounds):
         for spec in (False, True):
             replies: list[str] = []
             t = run_cabinlm(a.build, tokens=a.scripted, threads=a.threads, max_new=a.max_new, speculative=spec,
-                            on_reply=lambda turn, text, replies=replies: replies.append(text))  # fmt: skip
+                            seed=a.seed, on_reply=lambda turn, text, replies=replies: replies.append(text))  # fmt: skip
             runs[spec].append((t, replies))
     assert all(r == runs[False][0][1] for _, r in runs[False] + runs[True]), "speculative replies differ from plain ones"
     print(f"{a.build}: the bench's scripted dialogue, {a.scripted} tokens, up to {a.max_new} new tokens a turn, "
           f"{a.threads} threads, {a.rounds} alternating rounds")  # fmt: skip
-    print("| decoding | decoded tokens | median per-token decode tok/s (per round) | overall decode tok/s (per round) "
-          "| drafted | accepted |\n|---|---:|---:|---:|---:|---:|")  # fmt: skip
+    print("| decoding | decoded tokens | overall decode tok/s (per round) | last 1k decoded, tok/s (per round) "
+          "| median per-token tok/s (per round) | accepted / drafted before the turnover | after |\n"
+          "|---|---:|---:|---:|---:|---:|---:|")  # fmt: skip
     for spec in (False, True):
         ts = [t for t, _ in runs[spec]]
-        med = ", ".join(f"{1000 / np.median(t.decode_ms):.1f}" for t in ts)
-        tot = ", ".join(f"{1000 * len(t.decode_ms) / np.sum(t.decode_ms):.1f}" for t in ts)
-        print(f"| {'prompt-lookup speculative' if spec else 'plain'} | {len(ts[0].decode_ms)} | {med} | {tot} | "
-              f"{ts[0].config.get('drafted', 0)} | {ts[0].config.get('accepted', 0)} |")  # fmt: skip
+        ss = [summarize(t) for t in ts]
+        med = ", ".join(f"{s['decode_tok_s']:.1f}" for s in ss)
+        tot = ", ".join(f"{s['decode_tok_s_overall']:.1f}" for s in ss)
+        last = ", ".join(f"{s['decode_tok_s_last_1k_overall']:.1f}" for s in ss)
+        c = ts[0].config
+        phases = (f"{c['accepted_before_turnover']} / {c['drafted_before_turnover']} | "
+                  f"{c['accepted_after_turnover']} / {c['drafted_after_turnover']}") if spec else "- | -"  # fmt: skip
+        print(f"| {'prompt-lookup speculative' if spec else 'plain'} | {len(ts[0].decode_ms)} | {tot} | {last} | {med} | "
+              f"{phases} |")  # fmt: skip
+    ratio = [summarize(s)["decode_tok_s_overall"] / summarize(p)["decode_tok_s_overall"]
+             for (s, _), (p, _) in zip(runs[True], runs[False])]  # fmt: skip
+    print(f"drafting / plain, overall decode tok/s, per round: {', '.join(f'{r:.2f}x' for r in ratio)}")
+    if a.json:
+        import json
+
+        out = {"plain" if not spec else "drafting": [summarize(t) for t, _ in runs[spec]] for spec in (False, True)}
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    if a.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(9, 4))
+        for spec, color in ((False, "tab:gray"), (True, "tab:blue")):
+            for i, (t, _) in enumerate(runs[spec]):
+                ms = np.asarray(t.decode_ms)
+                k = 100
+                rate = [1000 * len(ms[j : j + k]) / ms[j : j + k].sum() for j in range(0, len(ms) - k + 1, k)]
+                ax.plot(np.arange(len(rate)) * k + k / 2, rate, color=color, lw=1, alpha=0.8,
+                        label=("drafting (prompt lookup)" if spec else "plain") if i == 0 else None)  # fmt: skip
+        turned = next((i for i, c in enumerate(runs[False][0][0].decode_context) if c >= runs[False][0][0].decode_context[-1]), None)
+        if turned:
+            ax.axvline(turned, color="k", ls=":", lw=1)
+            ax.annotate(" the window is full", (turned, ax.get_ylim()[1] * 0.95), fontsize=8)
+        ax.set_xlabel("decoded tokens")
+        ax.set_ylabel("decode tok/s (per 100 decoded tokens)")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        ax.set_title(f"{a.build}: the bench's scripted dialogue, {a.scripted} tokens, {a.threads} threads", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(a.plot, dpi=110)
     raise SystemExit(0)
 if a.passages:
     text = open(a.passages, encoding="utf-8").read()

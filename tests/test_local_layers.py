@@ -210,12 +210,51 @@ def test_a_resumed_session_continues_the_rings_exactly(backend, builds, tmp_path
     assert [resumed.ask(t).reply for t in TURNS[3:]] == expected[3:]
 
 
-def test_greedy_drafting_past_ring_turnover_gives_the_plain_replies(builds):
+@pytest.mark.parametrize("backend", ["onnxruntime-graph", "onnxruntime-fused"])
+def test_greedy_drafting_past_ring_turnover_gives_the_plain_replies(backend, builds):
     """The exported graph verifies drafts row by row: each row's ring mask is its own window, so a
-    verified draft is what plain decoding computes, rings turned over or not."""
-    folder = builds["onnxruntime-graph"]
+    verified draft is what plain decoding computes, rings turned over or not. The fused build runs a
+    verification's rows as one-token steps (each row's ring slot, kernels/int8_kv_attention.cc), so
+    it goes on drafting after the window and the rings have turned over."""
+    folder = builds[backend]
     plain, spec = dialogue(folder), dialogue(folder, spec=True)
     expected = [plain.ask(t).reply for t in TURNS * 2]
-    results = [spec.ask(t) for t in TURNS * 2]
+    results, turned = [], []
+    for t in TURNS * 2:
+        turned.append(spec.decoder.cache.evicted > 0)
+        results.append(spec.ask(t))
     assert [r.reply for r in results] == expected
     assert sum(r.drafted_tokens for r in results) > 0
+    if backend == "onnxruntime-fused":
+        assert spec.decoder.backend.verifies_after_turnover and spec.decoder.backend.rows_match_steps
+        assert sum(r.drafted_tokens for r, t in zip(results, turned) if t) > 0
+
+
+def test_fused_chunk_rows_are_its_steps_after_the_rings_turn_over(builds):
+    """Bit for bit, with the rings and the window turned over: each row of a verification chunk is
+    the one-token step it stands for, and a partly accepted chunk leaves the rings and every slot in
+    use as plain steps do."""
+    folder = builds["onnxruntime-fused"]
+    rng = np.random.default_rng(4)
+    steps, chunks = Decoder(folder), Decoder(folder)
+    for d in (steps, chunks):
+        d.feed(np.arange(3, 13), pin=True)
+        d.feed(np.arange(20, 130))  # past the rings (w) and the window (96)
+    assert chunks.cache.evicted > 0 and chunks.cache.seen > 2 * W
+    for it in range(40):
+        n = int(rng.integers(2, 9))
+        ids = rng.integers(3, 300, n)
+        one = np.stack([steps.step(ids[i : i + 1])[0].copy() for i in range(n)])
+        k = n if it % 3 == 0 else int(rng.integers(1, n))
+        rows, kept = chunks.verify(ids, lambda logits: k)
+        assert kept == k and np.array_equal(rows, one), it
+        for i in range(k, n):
+            chunks.step(ids[i : i + 1])
+        used = np.flatnonzero(steps.cache.slot_token >= 0)
+        for name, buf in steps.backend.buffers().items():
+            other = chunks.backend.buffers()[name]
+            if name in ("keys", "values"):
+                buf, other = buf[:, :, used], other[:, :, used]
+            elif name.startswith("local_"):
+                buf, other = buf[:, :, :W], other[:, :, :W]  # the ring (scratch rows after it)
+            np.testing.assert_array_equal(buf, other, err_msg=f"{name} after chunk {it}")

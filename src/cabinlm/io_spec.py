@@ -201,6 +201,7 @@ KEY_SOURCE = "key_source"
 SOURCE_COS = "source_cos"
 SOURCE_SIN = "source_sin"
 ROW_SLOTS = "row_slots"
+LOCAL_ROW_SLOTS = "local_row_slots"  # the same for the local layers' rings
 # The local layers' own (CacheLayout.local_layers): their rotation, bias and lengths over their ring.
 LOCAL_ROPE_COS = "local_rope_cos"
 LOCAL_ROPE_SIN = "local_rope_sin"
@@ -267,6 +268,7 @@ def fused_decoder_io(layout: CacheLayout, num_heads: int, vocab_size: int, prese
       local_attention_bias   float  (1, 1, tokens, local_total)    the first F_l ring slots, then the chunk
       local_seqlens_k        int32  (1,)                           F_l + tokens - 1
       local_total_sequence_length int32 ()                         F_l + tokens
+      local_row_slots        int64  (tokens,)  (steps=True) each row's ring slot, as row_slots
     """
     kv = layout.kv_dtype.onnx_name
     h, d = layout.kv_heads, layout.head_dim
@@ -299,6 +301,8 @@ def fused_decoder_io(layout: CacheLayout, num_heads: int, vocab_size: int, prese
                    TensorSpec(LOCAL_ATTENTION_BIAS, "float", (1, 1, "tokens", "local_total")),
                    TensorSpec(LOCAL_SEQLENS_K, "int32", (1,)),
                    TensorSpec(LOCAL_TOTAL_SEQUENCE_LENGTH, "int32", ())]  # fmt: skip
+        if steps:
+            inputs.append(TensorSpec(LOCAL_ROW_SLOTS, "int64", ("tokens",)))
     outputs = [TensorSpec(LOGITS, "float", ("rows", vocab_size))]
     if not steps:
         outputs.append(TensorSpec(REFRESH_KEYS, kv, (1, refreshed, "pinned_rows", d)))

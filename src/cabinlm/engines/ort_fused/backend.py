@@ -78,7 +78,9 @@ class FusedBackend(Backend):
         self._rows = np.arange(lay.chunk, dtype=np.int64)
         # cabinlm's attention kernel rotating the sink / pinned keys itself, per row (io_spec
         # fused_decoder_io(steps=True)): no refresh of their cache rows, and chunks may run as steps
-        self.steps = any(t.name == io.ROW_SLOTS for t in m.io.inputs)
+        names = {t.name for t in m.io.inputs}
+        self.steps = io.ROW_SLOTS in names
+        self.local_steps = io.LOCAL_ROW_SLOTS in names  # the rings' rows as steps too
         self._bind()
 
     @property
@@ -89,14 +91,14 @@ class FusedBackend(Backend):
         # row_slots lays each row out as its step (after the window's turnover too: its header);
         # GroupQueryAttention's rows were measured to match while the window fills.
         # A local ring's rows are the model's window of each token, which a chunk reads in another
-        # order than steps do once the ring has turned over.
-        return not self.layout.local_layers
+        # order than steps do once the ring has turned over, unless the kernel takes each row's ring slot.
+        return not self.layout.local_layers or self.local_steps
 
     @property
     def verifies_after_turnover(self) -> bool:
-        # cabinlm's kernel takes each row's slot and its own rotation of the sink / pinned keys
-        # (kernels/int8_kv_attention.cc, "What row i sees"); the local rings are not planned as steps yet.
-        return self.steps and not self.layout.local_layers
+        # cabinlm's kernel takes each row's slot (and ring slot) and its own rotation of the sink /
+        # pinned keys (kernels/int8_kv_attention.cc, "What row i sees").
+        return self.steps and (not self.layout.local_layers or self.local_steps)
 
     def buffers(self) -> dict[str, np.ndarray]:
         out = {"keys": self.keys, "values": self.values, "key_source": self.key_source}
@@ -167,6 +169,9 @@ class FusedBackend(Backend):
             self._local_held: int | None = None
             fixed.update({io.LOCAL_SEQLENS_K: self._local_seqlens1, io.LOCAL_TOTAL_SEQUENCE_LENGTH: self._local_total1,
                           io.LOCAL_ROPE_COS: self.ring.cos, io.LOCAL_ROPE_SIN: self.ring.sin})  # fmt: skip
+            if self.local_steps:  # one token: its own step, at F_l
+                self._local_slots1 = np.zeros(1, dtype=np.int64)
+                fixed[io.LOCAL_ROW_SLOTS] = self._local_slots1
         if self.steps:  # the row's slot (F: one token is its own step) and the sink / pinned keys' tables
             self._slots1 = np.zeros(1, dtype=np.int64)
             fixed[io.ROW_SLOTS] = self._slots1
@@ -234,6 +239,8 @@ class FusedBackend(Backend):
                            io.LOCAL_ATTENTION_BIAS: lbias[None, None],
                            io.LOCAL_SEQLENS_K: np.array([Fl + n - 1], dtype=np.int32),
                            io.LOCAL_TOTAL_SEQUENCE_LENGTH: np.array(Fl + n, dtype=np.int32)})  # fmt: skip
+            if self.local_steps:
+                inputs[io.LOCAL_ROW_SLOTS] = plan.local_slots if plan.steps else Fl + self._rows[:n]
         self._bind_ahead()
         outs = self._prefill.run(inputs)
         return StepOutput(outs[0], (F, outs[1:]))
@@ -263,6 +270,8 @@ class FusedBackend(Backend):
             Fl, R = plan.local_cached, self.layout.local_slots
             self._local_seqlens1[0] = Fl
             self._local_total1[()] = Fl + 1
+            if self.local_steps:
+                self._local_slots1[0] = Fl
             if Fl < R:
                 if Fl != self._local_held:
                     bias[io.LOCAL_ATTENTION_BIAS] = self._local_zero_bias[..., : Fl + 1]

@@ -316,6 +316,7 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
                 float_weight(mf.weight_name(i, part))
     quantized_kv = lay.kv_dtype == KVDType.INT8
     own_kernel = attention_kernel == AttentionKernel.CABINLM
+    no_rows = None  # the local layers' empty rotation rows for the sink / pinned keys (made once)
     if own_kernel and not quantized_kv:
         raise BuildError(f"cabinlm's attention kernel takes int8 KV, not {lay.kv_dtype.value}; use --attention-kernel onnxruntime")
     kv_scales = {}
@@ -357,6 +358,10 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
                 _, j = lay.buffer_index(i)
                 ins += [io_spec.KEY_SOURCE, io_spec.SOURCE_COS, io_spec.SOURCE_SIN, b.const(np.array([j], np.int64)),
                         io_spec.ROW_SLOTS]  # fmt: skip
+            else:  # a ring: each row's ring slot; no sink / pinned keys (no rows of rotation: K = 0)
+                if no_rows is None:
+                    no_rows = b.const(np.zeros((1, 0, Dh // 2), np.float32))
+                ins += [io_spec.KEY_SOURCE, no_rows, no_rows, b.const(np.array([0], np.int64)), io_spec.LOCAL_ROW_SLOTS]
             att = b.op(kernels.ATTENTION_OP, *ins, domain=kernels.DOMAIN, hint=f"{p}/attention")
         else:
             gqa_in = [qkv, "", "", mf.key_cache_name(i), mf.value_cache_name(i), *lengths, ""]
