@@ -247,30 +247,40 @@ QWEN2_VL_TEMPLATE = (
 )
 
 
-def make_tiny_qwen2_vl(folder: Path, seed: int = 0, **preprocessor) -> Path:
-    """A random-weight Qwen2-VL folder: the vision tower (patch 4, merge 2, temporal patch 2) with its
-    patch merger, a tiny Qwen2-VL text model with M-RoPE (mrope_section [2, 3, 3] over head_dim 16), a
-    BPE tokenizer with <|vision_start|> <|image_pad|> <|vision_end|>, the family's chat template, and
-    preprocessor_config.json as Qwen2-VL's Hub folders write it (min_pixels / max_pixels, ...)."""
+def make_tiny_qwen2_vl(folder: Path, seed: int = 0, family: str = "qwen2_vl", **preprocessor) -> Path:
+    """A random-weight Qwen2-VL (family "qwen2_vl") or Qwen2.5-VL ("qwen2_5_vl") folder: the vision
+    tower (patch 4, merge 2, temporal patch 2) with its patch merger (Qwen2.5-VL: RMSNorm, gated MLP,
+    window attention in windows of 2 x 2 merged tokens but in block 1), a tiny text model with M-RoPE
+    (mrope_section [2, 3, 3] over head_dim 16), a BPE tokenizer with <|vision_start|> <|image_pad|>
+    <|vision_end|>, the family's chat template, and preprocessor_config.json as the family's Hub
+    folders write it (min_pixels / max_pixels, ...)."""
     import json
 
     import torch
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                              Qwen2VLForConditionalGeneration)  # fmt: skip
 
     tok = _tokenizer(QWEN2_VL_TEMPLATE)
     tok.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]})
     ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")}
-    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=4, spatial_merge_size=2,
-                  temporal_patch_size=2, initializer_range=0.2)  # fmt: skip
+    if family == "qwen2_vl":
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=4, spatial_merge_size=2,
+                      temporal_patch_size=2, initializer_range=0.2)  # fmt: skip
+        config_class, model_class = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    else:
+        vision = dict(depth=2, hidden_size=32, intermediate_size=48, out_hidden_size=64, num_heads=4, patch_size=4,
+                      spatial_merge_size=2, temporal_patch_size=2, window_size=16, fullatt_block_indexes=[1],
+                      initializer_range=0.2)  # fmt: skip
+        config_class, model_class = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     text = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=0.15,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
                 bos_token_id=None, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"))  # fmt: skip
     torch.manual_seed(seed)
-    cfg = Qwen2VLConfig(vision_config=vision, text_config=text, image_token_id=ids["<|image_pad|>"],
+    cfg = config_class(vision_config=vision, text_config=text, image_token_id=ids["<|image_pad|>"],
                         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
                         video_token_id=ids["<|image_pad|>"], tie_word_embeddings=True)  # fmt: skip
-    model = Qwen2VLForConditionalGeneration(cfg).eval()
+    model = model_class(cfg).eval()
     with torch.no_grad():  # random (non-zero) q/k/v biases, so the bias path is exercised
         for layer in model.model.language_model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
@@ -278,6 +288,8 @@ def make_tiny_qwen2_vl(folder: Path, seed: int = 0, **preprocessor) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
+    if family != "qwen2_vl":  # the same processor class; Qwen2.5-VL's folders name its processor
+        preprocessor = {"processor_class": "Qwen2_5_VLProcessor", **preprocessor}
     (folder / "preprocessor_config.json").write_text(json.dumps({**QWEN2_VL_PREPROCESSOR, **preprocessor}, indent=2))
     return folder
 
@@ -285,3 +297,8 @@ def make_tiny_qwen2_vl(folder: Path, seed: int = 0, **preprocessor) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2_vl_dir(tmp_path_factory) -> Path:
     return make_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2-vl"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_5_vl_dir(tmp_path_factory) -> Path:
+    return make_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2.5-vl"), family="qwen2_5_vl")

@@ -1,5 +1,5 @@
-"""Qwen2-VL on the exported graph: its image processor at the artifact's frame size, its vision tower
-with the patch merger, and the decoder's multimodal RoPE (M-RoPE) under the cache's rank rule
+"""Qwen2-VL and Qwen2.5-VL on the exported graph: the image processor at the artifact's frame size, the
+vision tower with the patch merger (and Qwen2.5-VL's window attention), and the decoder's multimodal RoPE (M-RoPE) under the cache's rank rule
 (DESIGN.md, docs/vlm.md), each checked against transformers' own Qwen2VLForConditionalGeneration on a
 tiny random model whose processor config is written as the family's Hub folders write it."""
 
@@ -31,9 +31,12 @@ def picture(w: int, h: int, mode: str = "RGB", seed: int = 0) -> Image.Image:
     return img if mode == "RGBA" else img.convert(mode)
 
 
-@pytest.fixture(scope="module")
-def qwen(load, tiny_qwen2_vl_dir, export_to):
-    loaded = load(str(tiny_qwen2_vl_dir))
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def qwen(request, load, export_to):
+    """Both families: Qwen2.5-VL's tower adds window attention, RMSNorm and a gated MLP; the decoder,
+    the processor and the rank rule are Qwen2-VL's."""
+    folder = request.getfixturevalue("tiny_qwen2_vl_dir" if request.param == "qwen2_vl" else "tiny_qwen2_5_vl_dir")
+    loaded = load(str(folder))
     return loaded, export_to(loaded, sink=4, pinned=12, window=64, chunk=16)
 
 
@@ -370,7 +373,7 @@ def test_perplexity_refuses_an_image_for_a_text_model_and_a_file_that_is_no_imag
 def test_a_vision_language_family_cabinlm_does_not_export_is_refused_by_name(tiny_qwen2_vl_dir, tmp_path):
     from cabinlm.model_config import spec_from_config
 
-    for model_type, arch, name in (("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "Qwen2.5-VL"),
+    for model_type, arch, name in (("qwen3_vl", "Qwen3VLForConditionalGeneration", "Qwen3-VL"),
                                    ("idefics3", "Idefics3ForConditionalGeneration", "Idefics3 / SmolVLM")):  # fmt: skip
         d = json.loads((tiny_qwen2_vl_dir / "config.json").read_text())
         d.update(model_type=model_type, architectures=[arch])

@@ -96,9 +96,10 @@ def read_config(path: str | Path) -> tuple[dict[str, Any], str]:
 
 # Vision-language families with multimodal RoPE (their own vision tower and position rule; export/qwen2_vl.py):
 # transformers class -> (model_type, the text model's family as SUPPORTED_ARCHITECTURES names it).
-MROPE_VLM_ARCHITECTURES = {"Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2ForCausalLM")}
+MROPE_VLM_ARCHITECTURES = {"Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2ForCausalLM"),
+                           "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2ForCausalLM")}  # fmt: skip
 # Vision-language families transformers has that cabinlm does not export (yet): refused by name.
-_OTHER_VLM_TYPES = {"qwen2_5_vl": "Qwen2.5-VL", "idefics3": "Idefics3 / SmolVLM", "smolvlm": "SmolVLM",
+_OTHER_VLM_TYPES = {"idefics3": "Idefics3 / SmolVLM", "smolvlm": "SmolVLM",
                     "gemma3": "Gemma 3 (vision)", "mllama": "Llama 3.2 Vision", "paligemma": "PaliGemma",
                     "qwen3_vl": "Qwen3-VL", "llava_next": "LLaVA-NeXT", "llava_onevision": "LLaVA-OneVision",
                     "idefics2": "Idefics2", "internvl": "InternVL", "phi4_multimodal": "Phi-4 multimodal"}  # fmt: skip
@@ -368,13 +369,19 @@ def image_tokens_from_config(path: str | Path, frame: tuple[int, int] | None = N
 def _qwen2_vl_vision_params(v: dict[str, Any], where: str) -> int:
     """Qwen2-VL's tower: patch embedding 3*T*p*p*E (no bias), depth x (2 LayerNorms, qkv and proj with
     biases, MLP E -> r*E -> E with biases), the merger (LayerNorm, Linear(E m^2, E m^2), Linear(E m^2, D)).
-    Qwen2-VL-2B's tower (embed 1280, depth 32, D 1536) counts 665M."""
+    Qwen2-VL-2B's tower (embed 1280, depth 32, D 1536) counts 665M. Qwen2.5-VL's (its vision_config
+    has out_hidden_size): RMSNorms (E each), a gated MLP E -> I -> E with biases on all three."""
     try:
-        E, layers, ratio = int(v.get("embed_dim", 1280)), int(v.get("depth", 32)), int(v.get("mlp_ratio", 4))
-        p, T, m, D = (int(v.get("patch_size", 14)), int(v.get("temporal_patch_size", 2)),
-                      int(v.get("spatial_merge_size", 2)), int(v.get("hidden_size", 3584)))  # fmt: skip
+        qwen25 = "out_hidden_size" in v
+        E = int(v.get("hidden_size", 1280) if qwen25 else v.get("embed_dim", 1280))
+        layers, ratio = int(v.get("depth", 32)), int(v.get("mlp_ratio", 4))
+        p, T, m = int(v.get("patch_size", 14)), int(v.get("temporal_patch_size", 2)), int(v.get("spatial_merge_size", 2))
+        D = int(v.get("out_hidden_size", 3584)) if qwen25 else int(v.get("hidden_size", 3584))
+        inter = int(v.get("intermediate_size", 3420)) if qwen25 else ratio * E
     except (TypeError, ValueError) as e:
         raise ModelError(f"{where}: vision_config has a non-integer size ({e})") from e
-    block = 2 * 2 * E + (3 * E * E + 3 * E) + (E * E + E) + (E * ratio * E + ratio * E) + (ratio * E * E + E)
+    norms = 2 * E if qwen25 else 2 * 2 * E
+    mlp = 3 * E * inter + 2 * inter + E if qwen25 else (E * inter + inter) + (inter * E + E)
+    block = norms + (3 * E * E + 3 * E) + (E * E + E) + mlp
     wide = E * m * m
-    return 3 * T * p * p * E + layers * block + 2 * E + (wide * wide + wide) + (wide * D + D)
+    return 3 * T * p * p * E + layers * block + (E if qwen25 else 2 * E) + (wide * wide + wide) + (wide * D + D)
