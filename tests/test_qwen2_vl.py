@@ -409,3 +409,21 @@ def test_a_frame_size_the_processor_would_change_is_refused_and_one_it_keeps_is_
         image_tokens_from_config(tiny_qwen2_vl_dir, (24, 30))
     with pytest.raises(ModelError, match="would resize it"):  # 48x48 pixels: more than max_pixels 1024
         image_tokens_from_config(tiny_qwen2_vl_dir, (48, 48))
+
+
+def test_the_cpu_build_keeps_the_multimodal_rotation_and_scores_as_the_export(qwen, tmp_path):
+    """`cabinlm build --profile cpu` (the exported graph, optimized offline) leaves the cached keys'
+    rotation as exported: ONNX Runtime's RotaryEmbedding takes one position per token, M-RoPE three."""
+    from cabinlm.engines.build import build_artifact
+    from cabinlm.profiles import load_profile
+    from cabinlm.runtime import stream_perplexity
+
+    loaded, folder = qwen
+    built = build_artifact(folder, load_profile("cpu"), tmp_path / "build-cpu")
+    ids = loaded.tokenizer.backend_tokenizer.encode(TEXT).ids[:40]
+    results = []
+    for art in (folder, built):
+        dec = Decoder(art)
+        results.append(stream_perplexity(dec, ids, frame=dec.vision.encode(picture(32, 24, seed=10))).nll)
+    assert Decoder(built).manifest.build is not None
+    np.testing.assert_allclose(results[1], results[0], atol=1e-5)

@@ -37,8 +37,12 @@ class GraphBuilder(Builder):
         output.copy("tokenizer")
         output.copy_if_present("vision_graph", "vision_data")  # the camera encoder runs as exported
         graph = read_graph(request.artifact, request.manifest)
-        n = fuse_rotary(graph, request.manifest)
-        request.log(f"fused the cached keys' rotary embedding into RotaryEmbedding in {n} layers")
+        vision = request.manifest.vision
+        if vision is not None and vision.mrope:  # RotaryEmbedding takes one position per token, M-RoPE three
+            request.log("kept the cached keys' rotation as exported (multimodal RoPE: three position components)")
+        else:
+            n = fuse_rotary(graph, request.manifest)
+            request.log(f"fused the cached keys' rotary embedding into RotaryEmbedding in {n} layers")
         optimize_offline(graph.SerializeToString(), output.folder)
         del graph
         output.add("graph", OPT_GRAPH)
