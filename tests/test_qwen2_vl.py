@@ -427,3 +427,43 @@ def test_the_cpu_build_keeps_the_multimodal_rotation_and_scores_as_the_export(qw
         results.append(stream_perplexity(dec, ids, frame=dec.vision.encode(picture(32, 24, seed=10))).nll)
     assert Decoder(built).manifest.build is not None
     np.testing.assert_allclose(results[1], results[0], atol=1e-5)
+
+
+def test_frames_replaced_over_a_long_stream_at_constant_memory_and_a_resumed_cache_goes_on_alike(qwen):
+    """40 frames, each replacing the last in the image region, text between them evicting hundreds
+    of tokens: the buffers never move, memory stays flat, and a second decoder given the first's slot
+    state (SlotTable.restore: where the frame starts is derived again) and buffers, as a session file
+    restores them, gives the same logits from there on, bit for bit."""
+    import gc
+
+    from cabinlm.runtime.memory import rss_mb
+    from cabinlm.runtime.perplexity import feed_frame
+
+    loaded, folder = qwen
+    dec = Decoder(folder)
+    tok = loaded.tokenizer.backend_tokenizer
+    text = tok.encode(TEXT, add_special_tokens=False).ids
+    frames = [dec.vision.encode(picture(32, 24, seed=s)) for s in range(4)]
+    kv = dec.backend
+    addresses = (kv.keys.ctypes.data, kv.values.ctypes.data)
+    samples = []
+    dec.feed(text[:2])  # the first frame after two tokens: its first tokens sit in the sink
+    for i in range(40):
+        feed_frame(dec, frames[i % 4])
+        dec.feed(text[(i * 7) % 50 : (i * 7) % 50 + 23])
+        if i in (10, 39):
+            gc.collect()
+            samples.append(rss_mb())
+    assert dec.cache.frames == 40 and dec.cache.evicted > 500
+    assert (kv.keys.ctypes.data, kv.values.ctypes.data) == addresses
+    assert samples[1] - samples[0] < 8.0, samples
+    resumed = Decoder(folder)
+    resumed.cache.restore(dec.cache.state())
+    for name, buf in dec.backend.buffers().items():
+        resumed.backend.buffers()[name][...] = buf
+    assert resumed.cache.frame_start == dec.cache.frame_start
+    for chunk in (text[:1], text[1:17], text[17:18]):
+        np.testing.assert_array_equal(resumed.feed(chunk, all_logits=True), dec.feed(chunk, all_logits=True))
+    feed_frame(dec, frames[1])
+    feed_frame(resumed, frames[1])
+    np.testing.assert_array_equal(resumed.feed(text[:5], all_logits=True), dec.feed(text[:5], all_logits=True))
