@@ -68,9 +68,10 @@ def matmul_outputs(library: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def isa_of_library(path: Path) -> str:
-    """What the library itself says its BlockQ4MatMul path is (loaded here: this machine's only)."""
-    f = ctypes.CDLL(str(path)).cabinlm_block_q4_isa
+def isa_of_library(path: Path, kernel: str = "block_q4") -> str:
+    """What the library itself says its BlockQ4MatMul path is, or (kernel="attention") its attention
+    kernel's int8 conversion path (loaded here: this machine's only)."""
+    f = getattr(ctypes.CDLL(str(path)), f"cabinlm_{kernel}_isa")
     f.restype = ctypes.c_char_p
     return f().decode()
 
@@ -251,6 +252,8 @@ def test_the_arm_libraries_run_blockq4matmuls_neon_paths(exchange):
     assert lib.matmul_isa == "neon-dotprod" == isa_of_library(build / lib.file)  # the manifest and the code agree
     for name, (_, isa) in ARM_LIBRARIES.items():
         assert isa_of_library(exchange / name / kernels.LIBRARY) == isa
+        assert isa_of_library(exchange / name / kernels.LIBRARY, "attention") == "neon"  # Int8KVAttention's NEON path
+    assert isa_of_library(build / lib.file, "attention") == "neon"
     assert isa_of_library(exchange / "generic" / kernels.LIBRARY) == "generic"
 
 

@@ -8,6 +8,9 @@ tests/test_cache.py."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -28,8 +31,10 @@ NAMES = ("qkv", "keys", "values", "seqlens_k", "total", "cos", "sin", "position_
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):
-    """One Int8KVAttention node taking all 16 inputs, from the library `cabinlm build` compiles."""
-    library = compile_library(tmp_path_factory.mktemp("kernels")).path
+    """One Int8KVAttention node taking all 16 inputs, from the library `cabinlm build` compiles (under
+    emulation, `make test-arm`, the one cross-compiled for aarch64: CABINLM_TEST_KERNEL_LIBRARY)."""
+    handed = os.environ.get("CABINLM_TEST_KERNEL_LIBRARY")
+    library = Path(handed) if handed else compile_library(tmp_path_factory.mktemp("kernels")).path
     f, i8, i64 = TensorProto.FLOAT, TensorProto.INT8, TensorProto.INT64
     types = dict(qkv=f, keys=i8, values=i8, seqlens_k=TensorProto.INT32, total=TensorProto.INT32, cos=f, sin=f,
                  position_ids=i64, bias=f, k_scale=f, v_scale=f, key_source=f, source_cos=f, source_sin=f, layer=i64,

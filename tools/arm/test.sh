@@ -8,8 +8,9 @@
 #                                  cpu`, kernels cross-compiled), the streaming reference's logits and
 #                                  the NEON / plain C++ libraries, handed over in ROOT/opt/exchange
 #   4. aarch64, emulated           tests/test_arm.py (the NEON path asserted, NEON vs plain C++ and the
-#                                  block arithmetic, the build vs the reference) and tests/test_kernels.py's
+#                                  block arithmetic, the build vs the reference), tests/test_kernels.py's
 #                                  kernel tests on the NEON library (those that need no compiler or torch)
+#                                  and tests/test_kernel_steps.py (a verified chunk's rows as steps)
 #
 # Correctness only: emulation is tens of times slower than the chip and says nothing about its speed.
 set -euo pipefail
@@ -49,6 +50,6 @@ fi
 chroot "$ROOT" /usr/bin/env -i HOME=/root PATH=/opt/v/bin:/usr/bin:/bin PYTHONDONTWRITEBYTECODE=1 \
   CABINLM_ARM_EXCHANGE=$EXCHANGE CABINLM_TEST_KERNEL_LIBRARY=$EXCHANGE/neon/libcabinlm_kernels.so \
   /bin/bash -o pipefail -c "cd $SRC && python -m pytest -v -p no:cacheprovider -W ignore::pytest.PytestUnraisableExceptionWarning \
-    tests/test_arm.py tests/test_kernels.py --deselect 'tests/test_kernels.py::test_block_q4_matmul_computes_the_q4_1_product[generic]' \
+    tests/test_arm.py tests/test_kernels.py tests/test_kernel_steps.py --deselect 'tests/test_kernels.py::test_block_q4_matmul_computes_the_q4_1_product[generic]' \
     --deselect tests/test_kernels.py::test_int8_builds_take_the_kernel_and_fall_back_where_it_cannot_be_had \
     --deselect tests/test_kernels.py::test_smollm2_q4_1_builds_take_the_matmul_kernel 2>&1 | grep -v '^Error in cpuinfo\|cpuinfo warning\|cpuinfo_initialize'"

@@ -63,8 +63,17 @@
 #include <string>
 #include <vector>
 
-#if defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#define CABINLM_ATTENTION_ISA "avx512"
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define CABINLM_ATTENTION_ISA "avx2"
+#elif defined(__ARM_NEON)
+#include <arm_neon.h>
+#define CABINLM_ATTENTION_ISA "neon"
+#else
+#define CABINLM_ATTENTION_ISA "generic"
 #endif
 
 #include "ort_api.h"
@@ -95,6 +104,14 @@ inline vf16 load_int8(const int8_t* p) {  // 16 int8 -> 16 float, exactly
   vf16 v;
   std::memcpy(&v, &lo, 32);
   std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
+  return v;
+#elif defined(__ARM_NEON)
+  const int8x16_t b = vld1q_s8(p);
+  const int16x8_t lo = vmovl_s8(vget_low_s8(b)), hi = vmovl_s8(vget_high_s8(b));
+  const float32x4_t f[4] = {vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo))), vcvtq_f32_s32(vmovl_s16(vget_high_s16(lo))),
+                            vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi))), vcvtq_f32_s32(vmovl_s16(vget_high_s16(hi)))};
+  vf16 v;
+  std::memcpy(&v, f, sizeof v);
   return v;
 #else
   vb16 b;
@@ -601,6 +618,10 @@ struct Int8KVAttention {
 };
 
 }  // namespace
+
+// The int8 conversion path compiled in (the rest is GCC vector extensions, lowered for the same ISA):
+// "avx512", "avx2", "neon" or "generic"; tests under emulation assert "neon" (tests/test_arm.py).
+extern "C" __attribute__((visibility("default"))) const char* cabinlm_attention_isa() { return CABINLM_ATTENTION_ISA; }
 
 const cabinlm_ort::CustomOp* cabinlm_ort::int8_kv_attention_op() {
   static const CustomOp op = make_op<Int8KVAttention>();
