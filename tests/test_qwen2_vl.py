@@ -467,3 +467,34 @@ def test_frames_replaced_over_a_long_stream_at_constant_memory_and_a_resumed_cac
     feed_frame(dec, frames[1])
     feed_frame(resumed, frames[1])
     np.testing.assert_array_equal(resumed.feed(text[:5], all_logits=True), dec.feed(text[:5], all_logits=True))
+
+
+def test_a_chat_turn_with_a_frame_replies_as_transformers_greedy(qwen):
+    """Dialogue.ask(text, image=...): the user turn as the family's template and processor lay it
+    out (<|im_start|>user\\n <|vision_start|> the image pads <|vision_end|> text <|im_end|>\\n
+    <|im_start|>assistant\\n), the reply greedy; transformers' greedy tokens on the same ids and frame."""
+    from cabinlm.runtime import Dialogue, open_artifact
+
+    loaded, folder = qwen
+    dec, tok = open_artifact(folder, verify=False)
+    v = dec.manifest.vision
+    d = Dialogue(dec, tok, max_new_tokens=6)
+    btok = loaded.tokenizer.backend_tokenizer
+    for turn, seed in enumerate((11, 12)):
+        img = picture(32, 24, seed=seed)
+        prompt = (btok.encode("<|im_start|>user\n", add_special_tokens=False).ids + list(v.image_prefix)
+                  + [v.image_token_id] * v.image_tokens + list(v.image_suffix)
+                  + btok.encode("what is on the road ahead?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False).ids)  # fmt: skip
+        result = d.ask("what is on the road ahead?", image=img)
+        if turn:
+            continue  # the second turn's transformers sequence would need the first turn too; fed to replace the frame
+        ids, reply = list(prompt), []
+        for _ in range(6):
+            t = int(hf_logits(loaded, ids, img)[-1].argmax())
+            if t in dec.manifest.stop_ids:
+                break
+            ids.append(t)
+            reply.append(t)
+        assert result.prompt_tokens == len(prompt)
+        assert result.reply == btok.decode(reply, skip_special_tokens=False)
+    assert dec.cache.frames == 2

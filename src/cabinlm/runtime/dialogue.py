@@ -120,6 +120,8 @@ class Dialogue:
         image (a path or PIL image; vision-language models): a new camera frame. Its tokens replace the
         previous frame's in the cache's pinned image region and sit at the start of this user turn:
             user_prefix | <image> x image_tokens (pinned region) | text + user_suffix + assistant_prefix
+        (Qwen2-VL: <|vision_start|> before the image tokens, <|vision_end|> after, as its processor lays
+        out one image: VisionSpec.image_prefix / image_suffix; LLaVA has neither).
 
         should_stop: called before each reply token is chosen (the prompt is in the cache by then, and
         every token chosen so far); True ends the reply there as Ctrl-C does (finish "interrupted"), the
@@ -131,8 +133,9 @@ class Dialogue:
             if dec.vision is None:
                 raise InputError("this model has no vision input; export a vision-language model to send images")
             embeds = dec.vision.encode(image)  # an unreadable image is refused here, before anything is fed
-            head = self._pending + self.template.user_head()
-            tail = self.template.user_tail(text)
+            vision = dec.manifest.vision  # the tokens its processor puts around an image (Qwen2-VL: <|vision_start|> ...)
+            head = self._pending + self.template.user_head() + list(vision.image_prefix)
+            tail = list(vision.image_suffix) + self.template.user_tail(text)
             frame = (head, embeds, tail)
             prompt = head + [dec.manifest.vision.image_token_id] * len(embeds) + tail
             text_tokens = len(head) + len(tail)
