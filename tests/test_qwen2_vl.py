@@ -498,3 +498,26 @@ def test_a_chat_turn_with_a_frame_replies_as_transformers_greedy(qwen):
         assert result.prompt_tokens == len(prompt)
         assert result.reply == btok.decode(reply, skip_special_tokens=False)
     assert dec.cache.frames == 2
+
+
+def test_a_session_saved_with_its_frame_resumes_with_the_same_replies(qwen, tmp_path):
+    """A dialogue with a frame pinned (and the window turned over) saved to a session file; a new
+    process's dialogue loads it and answers the next turns as the first goes on to."""
+    from cabinlm.runtime import Dialogue, open_artifact
+    from cabinlm.runtime.persist import load_session, save_session
+
+    _, folder = qwen
+    dialogues = []
+    for _ in range(2):
+        dec, tok = open_artifact(folder, verify=False)
+        dialogues.append(Dialogue(dec, tok, max_new_tokens=8))
+    first, second = dialogues
+    first.ask("the cabin camera, please", image=picture(32, 24, seed=13))
+    for i in range(6):
+        first.ask(f"turn {i}: anything new on the road ahead?")
+    assert first.decoder.cache.evicted > 0
+    save_session(tmp_path / "s.session", first)
+    load_session(tmp_path / "s.session", second)
+    assert second.decoder.cache.frame_start == first.decoder.cache.frame_start >= 0
+    for text in ("and the weather?", "how far to the charging station?"):
+        assert second.ask(text).reply == first.ask(text).reply
