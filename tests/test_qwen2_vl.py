@@ -521,3 +521,19 @@ def test_a_session_saved_with_its_frame_resumes_with_the_same_replies(qwen, tmp_
     assert second.decoder.cache.frame_start == first.decoder.cache.frame_start >= 0
     for text in ("and the weather?", "how far to the charging station?"):
         assert second.ask(text).reply == first.ask(text).reply
+
+
+@pytest.mark.parametrize("profile", ["sa8775p", "sa8295p", "orin-x"])
+def test_engines_without_multimodal_rope_refuse_it_in_one_line(qwen, profile, export_to, tmp_path):
+    """The Snapdragon and TensorRT builds take one position per token: a Qwen2-VL artifact is refused
+    before anything compiles, naming the reason and the profile that runs it (not a traceback in the
+    build's own check)."""
+    from cabinlm.engines.build import BuildError, build_artifact
+    from cabinlm.profiles import load_profile
+
+    loaded, _ = qwen
+    folder = export_to(loaded, kv="fp16", sink=4, pinned=12, window=64, chunk=16)  # a KV type each profile runs
+    with pytest.raises(BuildError, match="multimodal RoPE .* not (compiled|written) for (the HTP|TensorRT) yet; "
+                                         "the cpu profile runs it") as e:  # fmt: skip
+        build_artifact(folder, load_profile(profile), tmp_path / "out")
+    assert "\n" not in str(e.value) and not (tmp_path / "out" / "manifest.json").exists()

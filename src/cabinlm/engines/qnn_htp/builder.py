@@ -144,6 +144,10 @@ class QnnBuilder(Builder):
         return profile.execution_provider == QNN_PROVIDER
 
     def check(self, request: BuildRequest) -> str | None:
+        vision = request.manifest.vision
+        if vision is not None and vision.mrope:
+            return ("multimodal RoPE (Qwen2-VL's three position components) is not compiled for the HTP yet; "
+                    "the cpu profile runs it (the exported graph)")  # fmt: skip
         kv = request.manifest.cache.kv_dtype.value
         if kv != "fp16":
             return (f"it holds {kv} KV; this cabinlm version compiles fp16 KV for the HTP (the exported int8 KV's "

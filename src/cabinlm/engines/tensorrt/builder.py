@@ -45,6 +45,10 @@ class TensorRTBuilder(Builder):
         return profile.engine.value == "tensorrt"
 
     def check(self, request: BuildRequest) -> str | None:
+        vision = request.manifest.vision
+        if vision is not None and vision.mrope:
+            return ("multimodal RoPE (Qwen2-VL's three position components) is not written for TensorRT yet; the cpu "
+                    "profile runs it (the exported graph)")  # fmt: skip
         if request.manifest.cache.local_layers:
             # The engine's cache bindings (device_plan.py) are one (layers, kv_heads, slots, head_dim)
             # buffer; the local layers' rings are not laid out there yet.
