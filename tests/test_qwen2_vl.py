@@ -374,7 +374,7 @@ def test_a_vision_language_family_cabinlm_does_not_export_is_refused_by_name(tin
     from cabinlm.model_config import spec_from_config
 
     for model_type, arch, name in (("qwen3_vl", "Qwen3VLForConditionalGeneration", "Qwen3-VL"),
-                                   ("idefics3", "Idefics3ForConditionalGeneration", "Idefics3 / SmolVLM")):  # fmt: skip
+                                   ("mllama", "MllamaForConditionalGeneration", "Llama 3.2 Vision")):  # fmt: skip
         d = json.loads((tiny_qwen2_vl_dir / "config.json").read_text())
         d.update(model_type=model_type, architectures=[arch])
         (tmp_path / "config.json").write_text(json.dumps(d))

@@ -98,9 +98,11 @@ def read_config(path: str | Path) -> tuple[dict[str, Any], str]:
 # transformers class -> (model_type, the text model's family as SUPPORTED_ARCHITECTURES names it).
 MROPE_VLM_ARCHITECTURES = {"Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2ForCausalLM"),
                            "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2ForCausalLM")}  # fmt: skip
+# Idefics3 / SmolVLM: a SigLIP-style tower, pixel shuffle and a projection over a Llama text model
+# (export/idefics3.py); transformers class -> model_type.
+IDEFICS3_VLM_ARCHITECTURES = {"Idefics3ForConditionalGeneration": "idefics3", "SmolVLMForConditionalGeneration": "smolvlm"}
 # Vision-language families transformers has that cabinlm does not export (yet): refused by name.
-_OTHER_VLM_TYPES = {"idefics3": "Idefics3 / SmolVLM", "smolvlm": "SmolVLM",
-                    "gemma3": "Gemma 3 (vision)", "mllama": "Llama 3.2 Vision", "paligemma": "PaliGemma",
+_OTHER_VLM_TYPES = {"gemma3": "Gemma 3 (vision)", "mllama": "Llama 3.2 Vision", "paligemma": "PaliGemma",
                     "qwen3_vl": "Qwen3-VL", "llava_next": "LLaVA-NeXT", "llava_onevision": "LLaVA-OneVision",
                     "idefics2": "Idefics2", "internvl": "InternVL", "phi4_multimodal": "Phi-4 multimodal"}  # fmt: skip
 
@@ -110,7 +112,14 @@ def is_vlm(d: dict[str, Any]) -> bool:
     or a multimodal-RoPE family: mrope_family)."""
     archs = d.get("architectures") or []
     return (any(a in SUPPORTED_VLM_ARCHITECTURES for a in archs) or d.get("model_type", "") == "llava"
-            or mrope_family(d) is not None)  # fmt: skip
+            or mrope_family(d) is not None or idefics3_family(d) is not None)  # fmt: skip
+
+
+def idefics3_family(d: dict[str, Any]) -> str | None:
+    """The Idefics3-style family's transformers class (Idefics3, SmolVLM), or None."""
+    archs = d.get("architectures") or []
+    by_type = {t: a for a, t in IDEFICS3_VLM_ARCHITECTURES.items()}
+    return next((a for a in archs if a in IDEFICS3_VLM_ARCHITECTURES), None) or by_type.get(d.get("model_type", ""))
 
 
 def mrope_family(d: dict[str, Any]) -> str | None:
@@ -129,7 +138,7 @@ def _refuse_other_vlm(d: dict[str, Any], where: str) -> None:
     if name is not None:
         raise ModelError(
             f"{where}: {name} is a vision-language family cabinlm does not export; supported: "
-            f"{', '.join([*SUPPORTED_VLM_ARCHITECTURES, *MROPE_VLM_ARCHITECTURES])} (over one of "
+            f"{', '.join([*SUPPORTED_VLM_ARCHITECTURES, *MROPE_VLM_ARCHITECTURES, *IDEFICS3_VLM_ARCHITECTURES])} (over one of "
             f"{', '.join(SUPPORTED_ARCHITECTURES)})"
         )
 
@@ -329,6 +338,8 @@ def vision_params_from_config(path: str | Path) -> int:
         return 0
     if mrope_family(d) is not None:
         return _qwen2_vl_vision_params(v, where)
+    if idefics3_family(d) is not None:
+        return _idefics3_vision_params(d, v, where)
     v = {**_VISION_DEFAULTS, **v}
     try:
         h, i, layers = int(v["hidden_size"]), int(v["intermediate_size"]), int(v["num_hidden_layers"])
@@ -359,6 +370,11 @@ def image_tokens_from_config(path: str | Path, frame: tuple[int, int] | None = N
 
         folder = Path(path) if Path(path).is_dir() else Path(path).parent
         return read_qwen2_vl_processor(folder, frame, v).image_tokens
+    if idefics3_family(d) is not None:
+        from cabinlm.export.image_processor import read_idefics3_processor  # the export's own reading (stdlib)
+
+        folder = Path(path) if Path(path).is_dir() else Path(path).parent
+        return read_idefics3_processor(folder, {**_IDEFICS3_VISION_DEFAULTS, **v}, d.get("scale_factor", 2), frame).image_tokens
     v = {**_VISION_DEFAULTS, **v}
     patches = (int(v["image_size"]) // int(v["patch_size"])) ** 2
     has_cls = v.get("model_type", "clip_vision_model") != "siglip_vision_model"
@@ -385,3 +401,25 @@ def _qwen2_vl_vision_params(v: dict[str, Any], where: str) -> int:
     block = norms + (3 * E * E + 3 * E) + (E * E + E) + mlp
     wide = E * m * m
     return 3 * T * p * p * E + layers * block + (E if qwen25 else 2 * E) + (wide * wide + wide) + (wide * D + D)
+
+
+# Idefics3VisionConfig() defaults (transformers 5), for vision_config blocks that leave keys out.
+_IDEFICS3_VISION_DEFAULTS = dict(hidden_size=1152, intermediate_size=3072, num_hidden_layers=12, image_size=224,
+                                 patch_size=32, num_channels=3)  # fmt: skip
+
+
+def _idefics3_vision_params(d: dict[str, Any], v: dict[str, Any], where: str) -> int:
+    """Idefics3's / SmolVLM's tower: a SigLIP encoder (patch embedding c*p*p*h + h, (s/p)^2 position
+    rows, L x (4 (h*h + h) attention + 2 LayerNorms 2*2h + MLP h*i + i + i*h + h), the post LayerNorm
+    2h) and the connector's projection Linear(h r^2, D) without bias, r = scale_factor."""
+    v = {**_IDEFICS3_VISION_DEFAULTS, **v}
+    try:
+        h, i, layers = int(v["hidden_size"]), int(v["intermediate_size"]), int(v["num_hidden_layers"])
+        p, s, ch, r = int(v["patch_size"]), int(v["image_size"]), int(v["num_channels"]), int(d.get("scale_factor", 2))
+        text = d["text_config"] if isinstance(d.get("text_config"), dict) else {}
+        D = int(text.get("hidden_size", _TEXT_DEFAULTS["llama"]["hidden_size"]))
+    except (TypeError, ValueError) as e:
+        raise ModelError(f"{where}: vision_config has a non-integer size ({e})") from e
+    embed = ch * p * p * h + h + (s // p) ** 2 * h
+    layer = 4 * (h * h + h) + 2 * 2 * h + (h * i + i) + (i * h + h)
+    return embed + layers * layer + 2 * h + h * r * r * D

@@ -31,9 +31,15 @@ class ImagePreprocess:
     # Qwen2-VL: the frame cut into the processor's flattened patches, (N, 3 * temporal * patch^2) in
     # merge-window order (runtime/vision.py); None: the (1, 3, H, W) image itself.
     patchify: dict[str, int] | None = None  # {"patch": p, "merge": m, "temporal": t}
+    # Idefics3 / SmolVLM: before `resize`, the frame is resized so that its longest edge is this many
+    # pixels (the aspect ratio kept, the other side rounded up to even; runtime/vision.py
+    # longest_edge_size), as its processor does; None: no such step.
+    longest_edge: int | None = None
 
     def __post_init__(self) -> None:
         hw = frozenset({"height", "width"})
+        if self.longest_edge is not None and (type(self.longest_edge) is not int or not 0 < self.longest_edge < 1 << 16):
+            raise ValueError(f"vision.preprocess.longest_edge: a positive number of pixels, got {self.longest_edge!r}")
         object.__setattr__(self, "patchify", _sizes("patchify", self.patchify, (frozenset({"patch", "merge", "temporal"}),)))
         object.__setattr__(self, "resize", _sizes("resize", self.resize, (frozenset({"shortest_edge"}), hw)))
         object.__setattr__(self, "crop", _sizes("crop", self.crop, (hw,)))

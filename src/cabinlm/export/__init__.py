@@ -67,6 +67,15 @@ def export_loaded(
         qwen_processor = read_qwen2_vl_processor(loaded.folder, opts.frame, loaded.model.config.vision_config.to_dict())
         vision_graph, geometry = build_qwen2_vl_vision(loaded.model, qwen_processor, opset=17)
         log(f"vision frames: {geometry.frame[1]}x{geometry.frame[0]} pixels, {geometry.grid[0]}x{geometry.grid[1]} image tokens")
+    elif loaded.idefics3:  # Idefics3 / SmolVLM: one square frame, the processor without image splitting
+        from cabinlm.export.idefics3 import build_idefics3_vision, image_wrapping
+        from cabinlm.export.image_processor import read_idefics3_processor
+
+        cfg = loaded.model.config
+        idefics3_processor = read_idefics3_processor(loaded.folder, cfg.vision_config.to_dict(), cfg.scale_factor, opts.frame)
+        wrapping = image_wrapping(loaded.tokenizer)  # the tokens around one image, checked before anything is built
+        vision_graph, geometry = build_idefics3_vision(loaded.model, idefics3_processor, opset=17)
+        log(f"vision frames: {geometry.image_size}x{geometry.image_size} pixels, {geometry.image_tokens} image tokens")
     elif opts.frame is not None:
         raise CabinlmError(f"{loaded.source}: --frame sets a Qwen2-VL model's frame size; this model's is fixed by its processor")
     elif loaded.vlm:
@@ -117,13 +126,21 @@ def export_loaded(
             cfg = loaded.model.config
             extra = dict(frame=geometry.frame, grid=geometry.grid, mrope_section=mrope_section(loaded.model),
                          image_prefix=(int(cfg.vision_start_token_id),), image_suffix=(int(cfg.vision_end_token_id),))  # fmt: skip
+        elif loaded.idefics3:  # <fake_token_around_image><global-img> ... <fake_token_around_image>
+            extra = dict(image_prefix=wrapping[0], image_suffix=wrapping[1])
+        if mrope:
+            preprocess = qwen_processor.preprocess()
+        elif loaded.idefics3:
+            preprocess = idefics3_processor.preprocess()
+        else:
+            preprocess = image_preprocessing(loaded.folder)
         vision = VisionSpec(
             image_size=geometry.image_size,
             patch_size=geometry.patch_size,
             image_tokens=geometry.image_tokens,
             embed_dim=geometry.embed_dim,
             image_token_id=int(loaded.model.config.image_token_id),
-            preprocess=qwen_processor.preprocess() if mrope else image_preprocessing(loaded.folder),
+            preprocess=preprocess,
             graph=VISION_FILE,
             **extra,
         )

@@ -167,3 +167,98 @@ def read_qwen2_vl_processor(folder: Path, frame: tuple[int, int] | None = None, 
             f"{'x'.join(map(str, smart_resize(*CAMERA_FRAME, factor, min_px, max_px)[::-1]))})"
         )
     return Qwen2VLProcessor((h, w), patch, merge, temporal, resample, rescale, mean, std)
+
+
+# Idefics3's image processor defaults (transformers' Idefics3ImageProcessor), for keys a folder leaves out.
+_IDEFICS3_DEFAULTS = {"do_image_splitting": True, "max_image_size": {"longest_edge": 364}, "size": {"longest_edge": 4 * 364},
+                      "resample": 1, "rescale_factor": 1 / 255, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}  # fmt: skip
+# The strings Idefics3's processor writes around one image's tokens when it does not split the image
+# (Idefics3Processor / SmolVLMProcessor: <fake_token_around_image><global-img><image> x n<fake_token_around_image>).
+IDEFICS3_IMAGE_PREFIX = "<fake_token_around_image><global-img>"
+IDEFICS3_IMAGE_SUFFIX = "<fake_token_around_image>"
+
+
+@dataclass(frozen=True)
+class Idefics3Processor:
+    """Idefics3's (SmolVLM's) image processor without image splitting, as read from a folder: every
+    frame is first resized so that its longest edge is `longest_edge` (the aspect ratio kept, the
+    other side made even: `size`), then to a square of `frame` x `frame` (`max_image_size`), both
+    with `resample`; then rescaled and normalized. The vision graph takes that square."""
+
+    frame: int  # max_image_size["longest_edge"]: the square the tower sees
+    longest_edge: int | None  # size["longest_edge"]; None when do_resize is false (only the square resize)
+    patch: int
+    scale: int  # the connector's pixel-shuffle scale_factor
+    resample: int
+    rescale: float | None
+    mean: tuple[float, ...] | None
+    std: tuple[float, ...] | None
+
+    @property
+    def image_tokens(self) -> int:
+        """(frame / patch)^2 patches, merged scale x scale by the pixel shuffle."""
+        return (self.frame // self.patch) ** 2 // self.scale**2
+
+    def preprocess(self) -> dict:
+        """manifest.ImagePreprocess's fields (runtime/vision.py applies them)."""
+        return {"longest_edge": self.longest_edge, "resize": {"height": self.frame, "width": self.frame},
+                "resample": self.resample, "crop": None, "rescale": self.rescale, "mean": self.mean, "std": self.std}  # fmt: skip
+
+
+def _processor_field(folder: Path, key: str):
+    """A processor's own field (not its image processor's): processor_config.json's top level."""
+    path = folder / "processor_config.json"
+    if not path.is_file():
+        return None
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ModelError(f"{path}: cannot read it as JSON ({e})") from e
+    return d.get(key) if isinstance(d, dict) else None
+
+
+def read_idefics3_processor(folder: Path, vision_config: dict, scale_factor, frame: tuple[int, int] | None = None) -> Idefics3Processor:
+    """The folder's Idefics3 / SmolVLM image processor, for the exported vision graph's one square
+    frame. Refused in one line: settings the export cannot reproduce (image splitting, a size the
+    tower's patches or the pixel shuffle do not divide, image_seq_len other than the tower's count)."""
+    c, path = image_processor_config(folder)
+    c = {**_IDEFICS3_DEFAULTS, **c}
+    if c.get("do_image_splitting"):
+        raise ModelError(
+            f"{path}: do_image_splitting is true (each frame cut into tiles of max_image_size plus the whole frame, "
+            "a token count that depends on the frame's size); the exported vision graph takes one image of one size: "
+            'set "do_image_splitting": false in that file (the processor then gives the whole frame as one '
+            "max_image_size square, as transformers does with do_image_splitting=False) and export again"
+        )
+    if not c.get("do_convert_rgb", True):
+        raise ModelError(f"{path}: do_convert_rgb is false; cabinlm gives the vision graph RGB frames")
+    try:
+        side = c["max_image_size"]["longest_edge"]
+        size = c["size"] if c.get("do_resize", True) else None
+        longest = size["longest_edge"] if size is not None else None
+        patch, scale = vision_config.get("patch_size", 32), scale_factor
+        if not all(type(v) is int for v in (side, patch, scale) + ((longest,) if size is not None else ())):
+            raise TypeError(f"max_image_size {side!r}, size {longest!r}, patch_size {patch!r}, scale_factor {scale!r} "
+                            "must be whole numbers")  # fmt: skip
+        mean = tuple(float(x) for x in c["image_mean"]) if c.get("do_normalize", True) else None
+        std = tuple(float(x) for x in c["image_std"]) if c.get("do_normalize", True) else None
+        rescale = float(c["rescale_factor"]) if c.get("do_rescale", True) else None
+        resample = int(c["resample"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelError(f"{path}: an Idefics3 image processor field is missing or of the wrong type "
+                         f"({type(e).__name__}: {e}); size and max_image_size are {{\"longest_edge\": n}}") from e  # fmt: skip
+    if min(side, patch, scale) < 1 or (longest is not None and longest < 1):
+        raise ModelError(f"{path}: max_image_size {side}, size {longest}, patch_size {patch} and scale_factor {scale} must be positive")
+    if side % patch or (side // patch) % scale:
+        raise ModelError(f"{path}: max_image_size {side} is not a multiple of patch_size {patch} x scale_factor {scale}: "
+                         "the tower's pixel shuffle cannot merge its patches")  # fmt: skip
+    proc = Idefics3Processor(side, longest, patch, scale, resample, rescale, mean, std)
+    seq_len = _processor_field(folder, "image_seq_len")
+    if seq_len is not None and seq_len != proc.image_tokens:
+        raise ModelError(f"{folder / 'processor_config.json'}: image_seq_len {seq_len} <image> tokens per image, but the "
+                         f"tower gives {proc.image_tokens} for a {side}x{side} frame ((max_image_size / patch_size)^2 / "
+                         f"scale_factor^2); the export cannot reproduce both")  # fmt: skip
+    if frame is not None and tuple(frame) != (side, side):
+        raise ModelError(f"frame {frame[1]}x{frame[0]}: Idefics3's processor without image splitting gives the tower "
+                         f"one {side}x{side} square (max_image_size); leave the frame size out or pass {side}x{side}")  # fmt: skip
+    return proc

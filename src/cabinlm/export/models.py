@@ -21,7 +21,7 @@ from cabinlm.export.decoder import DecoderWeights, LayerWeights
 from cabinlm.export.image_processor import image_processor_config
 from cabinlm.export.wquant import QuantMatrix
 from cabinlm.manifest import STATIC_ROPE_TYPES, ModelSpec
-from cabinlm.model_config import is_vlm, mrope_family, spec_from_config, spec_from_dict
+from cabinlm.model_config import idefics3_family, is_vlm, mrope_family, spec_from_config, spec_from_dict
 from cabinlm.precision import WeightFormat
 
 
@@ -44,10 +44,21 @@ class LoadedModel:
         return mrope_family(self.model.config.to_dict()) is not None
 
     @property
+    def idefics3(self) -> bool:
+        """An Idefics3 / SmolVLM vision-language model (export/idefics3.py)."""
+        return idefics3_family(self.model.config.to_dict()) is not None
+
+    @property
     def text_model(self) -> Any:
         """The decoder's transformer (LlamaModel, Qwen2Model, ...), for text models and VLMs alike."""
-        inner = self.model.model
-        return getattr(inner, "language_model", inner)
+        return _text_model(self.model)
+
+
+def _text_model(model) -> Any:
+    """LLaVA and Qwen2-VL hold their text model as model.language_model, Idefics3 / SmolVLM as
+    model.text_model, text models are it."""
+    inner = model.model
+    return getattr(inner, "language_model", None) or getattr(inner, "text_model", None) or inner
 
 
 def resolve_source(source: str, log: Callable[[str], None] = lambda s: None) -> tuple[Path, str | None]:
@@ -107,7 +118,7 @@ def load_model(source: str, log: Callable[[str], None] = lambda s: None) -> Load
     except (OSError, ValueError, RuntimeError) as e:
         raise ModelError(f"{where}: cannot load the weights ({e})") from e
     model.eval()
-    text_model = getattr(model.model, "language_model", model.model)
+    text_model = _text_model(model)
     rope_types = text_model.rotary_emb.rope_type  # Gemma 3: {layer kind: type}
     bad = [r for r in (rope_types.values() if isinstance(rope_types, dict) else [rope_types]) if r not in STATIC_ROPE_TYPES]
     if bad:

@@ -46,6 +46,42 @@ def _activation(g: GraphBuilder, x: str, name: str, kind: str) -> str:
     raise ValueError(f"activation {kind!r} is not supported in the vision graph")
 
 
+def layer_norm(g: GraphBuilder, x: str, ln, name: str, eps: float) -> str:
+    return g.op("LayerNormalization", x, g.weight(f"{name}.weight", _t(ln.weight)), g.weight(f"{name}.bias", _t(ln.bias)),
+                axis=-1, epsilon=eps, name=name)  # fmt: skip
+
+
+def linear(g: GraphBuilder, x: str, lin, name: str) -> str:
+    y = g.op("MatMul", x, g.weight(f"{name}.weight", np.ascontiguousarray(_t(lin.weight).T)), name=f"{name}/mm")
+    return g.op("Add", y, g.weight(f"{name}.bias", _t(lin.bias)), name=name) if lin.bias is not None else y
+
+
+def encoder_layers(g: GraphBuilder, x: str, layers, vcfg) -> str:
+    """CLIP / SigLIP pre-LN encoder layers over x (N, hid), full attention over the N tokens (LLaVA's
+    towers, Idefics3's): LayerNorm, q k v (q scaled by hd^-0.5), softmax, out_proj, + x; LayerNorm,
+    fc1, activation, fc2, + x."""
+    hid, heads, eps = vcfg.hidden_size, vcfg.num_attention_heads, vcfg.layer_norm_eps
+    hd = hid // heads
+
+    def heads_first(t: str, nm: str) -> str:  # (N, hid) -> (heads, N, hd)
+        return g.op("Transpose", g.op("Reshape", t, g.ints([-1, heads, hd])), perm=[1, 0, 2], name=nm)
+
+    for i, lyr in enumerate(layers):
+        pre = f"vision.{i}"
+        h = layer_norm(g, x, lyr.layer_norm1, f"{pre}.ln1", eps)
+        a = lyr.self_attn
+        q = heads_first(g.op("Mul", linear(g, h, a.q_proj, f"{pre}.q"), g.const(hd**-0.5)), f"{pre}/q")
+        k = heads_first(linear(g, h, a.k_proj, f"{pre}.k"), f"{pre}/k")
+        v = heads_first(linear(g, h, a.v_proj, f"{pre}.v"), f"{pre}/v")
+        probs = g.op("Softmax", g.op("MatMul", q, g.op("Transpose", k, perm=[0, 2, 1])), axis=-1, name=f"{pre}/probs")
+        ctx = g.op("Reshape", g.op("Transpose", g.op("MatMul", probs, v), perm=[1, 0, 2]), g.ints([-1, hid]))
+        x = g.op("Add", x, linear(g, ctx, a.out_proj, f"{pre}.o"), name=f"{pre}/attn_res")
+        h = layer_norm(g, x, lyr.layer_norm2, f"{pre}.ln2", eps)
+        h = _activation(g, linear(g, h, lyr.mlp.fc1, f"{pre}.fc1"), f"{pre}/act", vcfg.hidden_act)
+        x = g.op("Add", x, linear(g, h, lyr.mlp.fc2, f"{pre}.fc2"), name=f"{pre}/mlp_res")
+    return x
+
+
 def build_vision(model, opset: int = 17) -> tuple[GraphBuilder, VisionGeometry]:
     """model: a transformers LlavaForConditionalGeneration (float32)."""
     cfg = model.config
@@ -59,9 +95,8 @@ def build_vision(model, opset: int = 17) -> tuple[GraphBuilder, VisionGeometry]:
         raise ValueError("several vision feature layers are not supported; use one (e.g. -2)")
     n_layers = len(tower.encoder.layers)
     keep = layer if layer >= 0 else n_layers + 1 + layer  # hidden_states[0] is the encoder's input
-    S, p, hid, heads = vcfg.image_size, vcfg.patch_size, vcfg.hidden_size, vcfg.num_attention_heads
+    S, p, hid = vcfg.image_size, vcfg.patch_size, vcfg.hidden_size
     patches = (S // p) ** 2
-    hd = hid // heads
     tokens = patches if (strategy == "default" and is_clip) or not is_clip else patches + 1
     if strategy == "default" and not is_clip:
         raise ValueError("vision_feature_select_strategy 'default' drops a CLS token this vision tower does not have")
@@ -77,40 +112,14 @@ def build_vision(model, opset: int = 17) -> tuple[GraphBuilder, VisionGeometry]:
     if is_clip:
         x = g.op("Concat", g.weight("class_embedding", _t(emb.class_embedding).reshape(1, hid)), x, axis=0)
     x = g.op("Add", x, g.weight("position_embedding", _t(emb.position_embedding.weight)), name="embeddings")
-    eps = vcfg.layer_norm_eps
-
-    def layer_norm(x: str, ln, name: str) -> str:
-        return g.op("LayerNormalization", x, g.weight(f"{name}.weight", _t(ln.weight)), g.weight(f"{name}.bias", _t(ln.bias)),
-                    axis=-1, epsilon=eps, name=name)  # fmt: skip
-
-    def linear(x: str, lin, name: str) -> str:
-        y = g.op("MatMul", x, g.weight(f"{name}.weight", np.ascontiguousarray(_t(lin.weight).T)), name=f"{name}/mm")
-        return g.op("Add", y, g.weight(f"{name}.bias", _t(lin.bias)), name=name) if lin.bias is not None else y
-
     if is_clip:
-        x = layer_norm(x, tower.pre_layrnorm, "pre_layernorm")
-    for i, lyr in enumerate(tower.encoder.layers[:keep]):
-        pre = f"vision.{i}"
-        h = layer_norm(x, lyr.layer_norm1, f"{pre}.ln1")
-        a = lyr.self_attn
-
-        def heads_first(t: str, nm: str) -> str:  # (N, hid) -> (heads, N, hd)
-            return g.op("Transpose", g.op("Reshape", t, g.ints([-1, heads, hd])), perm=[1, 0, 2], name=nm)
-
-        q = heads_first(g.op("Mul", linear(h, a.q_proj, f"{pre}.q"), g.const(hd**-0.5)), f"{pre}/q")
-        k = heads_first(linear(h, a.k_proj, f"{pre}.k"), f"{pre}/k")
-        v = heads_first(linear(h, a.v_proj, f"{pre}.v"), f"{pre}/v")
-        probs = g.op("Softmax", g.op("MatMul", q, g.op("Transpose", k, perm=[0, 2, 1])), axis=-1, name=f"{pre}/probs")
-        ctx = g.op("Reshape", g.op("Transpose", g.op("MatMul", probs, v), perm=[1, 0, 2]), g.ints([-1, hid]))
-        x = g.op("Add", x, linear(ctx, a.out_proj, f"{pre}.o"), name=f"{pre}/attn_res")
-        h = layer_norm(x, lyr.layer_norm2, f"{pre}.ln2")
-        h = _activation(g, linear(h, lyr.mlp.fc1, f"{pre}.fc1"), f"{pre}/act", vcfg.hidden_act)
-        x = g.op("Add", x, linear(h, lyr.mlp.fc2, f"{pre}.fc2"), name=f"{pre}/mlp_res")
+        x = layer_norm(g, x, tower.pre_layrnorm, "pre_layernorm", vcfg.layer_norm_eps)
+    x = encoder_layers(g, x, tower.encoder.layers[:keep], vcfg)
     if strategy == "default":
         x = g.op("Slice", x, g.ints([1]), g.ints([patches + 1]), g.ints([0]), name="drop_cls")
     proj = model.model.multi_modal_projector
-    x = _activation(g, linear(x, proj.linear_1, "projector.1"), "projector/act", cfg.projector_hidden_act)
-    x = linear(x, proj.linear_2, "projector.2")
+    x = _activation(g, linear(g, x, proj.linear_1, "projector.1"), "projector/act", cfg.projector_hidden_act)
+    x = linear(g, x, proj.linear_2, "projector.2")
     D = cfg.text_config.hidden_size
     g.output(x, IMAGE_EMBEDS, TensorProto.FLOAT, (tokens, D))
     return g, VisionGeometry(image_size=S, patch_size=p, image_tokens=tokens, embed_dim=D)

@@ -93,6 +93,10 @@ def preprocess(img, spec: VisionSpec) -> np.ndarray:
     from PIL import Image
 
     p = spec.preprocess
+    if p.longest_edge is not None:  # Idefics3: the longest edge first, then the square below
+        w, h = img.size
+        height, width = longest_edge_size(h, w, p.longest_edge)
+        img = img.resize((width, height), resample=Image.Resampling(p.resample))
     resize = p.resize
     if resize:
         if "shortest_edge" in resize:
@@ -128,6 +132,32 @@ def preprocess(img, spec: VisionSpec) -> np.ndarray:
     if y.shape != (1, 3, spec.image_size, spec.image_size):
         raise InputError(f"the prepared image is {y.shape[2:]}, the vision graph takes {spec.image_size}x{spec.image_size}")
     return y
+
+
+# Idefics3's processor keeps a resized frame within 4096 pixels a side (its MAX_IMAGE_SIZE).
+_IDEFICS3_MAX_SIDE = 4096
+
+
+def longest_edge_size(height: int, width: int, longest: int) -> tuple[int, int]:
+    """(height, width) Idefics3's image processor resizes a frame to for size {"longest_edge": n}
+    (transformers' _resize_output_size_rescale_to_max_len, then ..._scale_below_upper_bound at
+    4096): the longest side n, the other int(n / aspect), made even, at least 1."""
+    aspect = width / height
+    if width >= height:
+        width = longest
+        height = int(width / aspect)
+        height += height % 2
+    else:
+        height = longest
+        width = int(height * aspect)
+        width += width % 2
+    height, width = max(height, 1), max(width, 1)
+    aspect = width / height
+    if width >= height and width > _IDEFICS3_MAX_SIDE:
+        width, height = _IDEFICS3_MAX_SIDE, int(_IDEFICS3_MAX_SIDE / aspect)
+    elif height > width and height > _IDEFICS3_MAX_SIDE:
+        height, width = _IDEFICS3_MAX_SIDE, int(_IDEFICS3_MAX_SIDE * aspect)
+    return max(height, 1), max(width, 1)
 
 
 def patchify(image: np.ndarray, spec: VisionSpec) -> np.ndarray:
