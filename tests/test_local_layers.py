@@ -126,14 +126,10 @@ def stream(gemma):
 def test_every_engine_runs_the_local_rings_as_the_reference(backend, gemma, export_to, stream, tmp_path_factory):
     case = CASES[backend]
     art = export_to(gemma, kv=case.kv, **LAYOUT)
-    if case.kind is BackendKind.TENSORRT:  # not written for TensorRT: refused in one line, before anything is built
-        from cabinlm.engines.builder import BuildError
-
-        out = tmp_path_factory.mktemp("trt") / "out"
-        with pytest.raises(BuildError, match="per-layer cache geometry") as e:
-            build_artifact(art, load_profile(case.profile), out)
-        assert "\n" not in str(e.value) and not out.exists()
-        return
+    if case.kind is BackendKind.TENSORRT:  # the bundle builds anywhere (its graph with the rings passes the check);
+        # the engine needs TensorRT (tests/test_tensorrt_backend.py runs the backend's host side with the rings)
+        out = build_artifact(art, load_profile(case.profile), tmp_path_factory.mktemp("trt") / "out")
+        assert load_manifest(out).cache.local_layers == (0, 2)
     why = why_not_here(case)
     if why is not None:
         pytest.skip(f"{backend}: the {case.kind.value} engine cannot run here: {why}")

@@ -13,22 +13,28 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import onnxruntime as ort
 import pytest
+from conftest import make_tiny_model
 
+from cabinlm.engines.backend import StepOutput
 from cabinlm.engines.build import build_artifact
 from cabinlm.layout import CacheLayout
 from cabinlm.manifest import FileEntry, load_manifest
 from cabinlm.profiles import load_profile
-from cabinlm.runtime import Decoder
+from cabinlm.runtime import Decoder, Dialogue, open_artifact
+from cabinlm.runtime.persist import load_session, save_session
 from cabinlm.engines.ort_graph import backend as exported
 from cabinlm.engines.tensorrt import backend as trt_backend
 from cabinlm.engines.tensorrt.cuda_mem import DeviceInfo
 from cabinlm.engines.tensorrt.device_plan import DevicePlan, apply_copy, slot_runs
 from cabinlm.io_spec import decoder_io
+from cabinlm.engines.tensorrt.api import profile_shapes, runtime_shapes, token_profiles
 from cabinlm.engines.tensorrt.spec import EngineState, GpuInfo
+from cabinlm.runtime.slots import SlotTable
 from cabinlm.runtime.perplexity import chunked_perplexity
 
 
@@ -55,16 +61,16 @@ def test_commit_copies_write_what_the_onnxruntime_backend_writes(kv, slots, toke
     cache = {"keys": rng.integers(0, 100, (L, H, N, D)).astype(dt), "values": rng.integers(0, 100, (L, H, N, D)).astype(dt)}
     new = {k: rng.integers(0, 100, (L, H, tokens, D)).astype(dt) for k in cache}  # packed: layer l at l*H*t*D
     if lay.quantized:
-        cache["scales"] = rng.random((L, H, N, 1)).astype(np.float16)
+        cache["value_scales"] = rng.random((L, H, N, 1)).astype(np.float16)
         new["scales"] = rng.random((L, H, tokens, 1)).astype(np.float16)
     expected = {k: v.copy() for k, v in cache.items()}
-    for k in expected:
-        exported.write_slots(expected[k], list(new[k]), slots)  # what the CPU backend does
+    for k, block in zip(expected, ("keys", "values", "scales")):
+        exported.write_slots(expected[k], list(new[block]), slots)  # what the CPU backend does
     device = {k: v.reshape(-1).view(np.uint8).copy() for k, v in cache.items()}
     copies = plan.commit_copies(slots, tokens)
     assert len(copies) == len(slot_runs(slots)) * len(cache)  # one 2D copy per run and buffer, all layers at once
     for c in copies:
-        apply_copy(device[c.buffer], new[c.buffer].reshape(-1).view(np.uint8), c)
+        apply_copy(device[c.cache], new[c.block].reshape(-1).view(np.uint8), c)
     for k in cache:
         np.testing.assert_array_equal(device[k].view(expected[k].dtype).reshape(expected[k].shape), expected[k])
 
@@ -72,7 +78,7 @@ def test_commit_copies_write_what_the_onnxruntime_backend_writes(kv, slots, toke
 def test_the_plan_binds_per_layer_views_and_packs_outputs_by_token_count():
     lay = CacheLayout(sink=4, pinned=0, window=12, chunk=4, layers=2, kv_heads=3, head_dim=8, kv_dtype="fp16")
     plan = DevicePlan(lay, decoder_io(lay, 10, "int32"), 10)
-    cache = plan.cache_addresses(1000, 5000, None)
+    cache = plan.cache_addresses({"keys": 1000, "values": 5000})
     assert cache["key_cache.1"] - cache["key_cache.0"] == 3 * 16 * 8 * 2  # H*N*D*es
     out = plan.output_addresses(3, 0, 10_000, 20_000, None)
     assert out["new_key.1"] - out["new_key.0"] == 3 * 3 * 8 * 2  # H*t*D*es: rows (l, h) share one pitch
@@ -204,11 +210,9 @@ class FakeRuntime:
         return self.engine
 
 
-@pytest.fixture(scope="module")
-def engine_build(load, tiny_qwen2_dir, export_to, tmp_path_factory) -> tuple[Path, Path]:
-    """(export, build): the bundle for orin-x, turned into an "engine" build whose engine is fake."""
-    art = export_to(load(str(tiny_qwen2_dir)), sink=4, pinned=12, window=48, chunk=16, kv="fp16", index_dtype="int32")
-    out = build_artifact(art, load_profile("orin-x"), tmp_path_factory.mktemp("trt") / "b")
+def fake_engine_build(art: Path, out: Path) -> Path:
+    """The orin-x bundle of an export, turned into an "engine" build whose engine is fake."""
+    out = build_artifact(art, load_profile("orin-x"), out)
     m = load_manifest(out)
     (out / "decoder.engine").write_bytes(b"fake engine")
     s = dataclasses.replace(m.build.facts, state=EngineState.ENGINE, built_with="8.6.11.4", gpu=GpuInfo("Fake GPU", "8.7"),
@@ -216,7 +220,21 @@ def engine_build(load, tiny_qwen2_dir, export_to, tmp_path_factory) -> tuple[Pat
     m.build = dataclasses.replace(m.build, facts=s)
     m.files["engine"] = FileEntry.of(out, "decoder.engine")
     m.save(out)
-    return art, out
+    return out
+
+
+def onnxruntime_manifest(out: Path):
+    """The build's manifest without its build: the bundle's graph on ONNX Runtime (the reference)."""
+    m = load_manifest(out)
+    m.build = None
+    return m
+
+
+@pytest.fixture(scope="module")
+def engine_build(load, tiny_qwen2_dir, export_to, tmp_path_factory) -> tuple[Path, Path]:
+    """(export, build): the bundle for orin-x, turned into an "engine" build whose engine is fake."""
+    art = export_to(load(str(tiny_qwen2_dir)), sink=4, pinned=12, window=48, chunk=16, kv="fp16", index_dtype="int32")
+    return art, fake_engine_build(art, tmp_path_factory.mktemp("trt") / "b")
 
 
 @pytest.fixture
@@ -240,8 +258,7 @@ def test_the_backend_runs_the_dialogue_semantics_of_the_cpu_backend(engine_build
     ids = Tokenizer(out / "tokenizer.json").encode(long_text, add_special_tokens=True)[:260]
     dec = Decoder(out)
     assert isinstance(dec.backend, trt_backend.TensorRTBackend) and dec.device == "tensorrt-cuda"
-    ref_manifest = load_manifest(out)
-    ref_manifest.build = None  # the bundle's graph on ONNX Runtime
+    ref_manifest = onnxruntime_manifest(out)  # the bundle's graph on ONNX Runtime
     ref = Decoder(out, ref_manifest)
     np.testing.assert_allclose(dec.feed(np.asarray(ids[:10]), pin=True), ref.feed(np.asarray(ids[:10]), pin=True), atol=1e-4)
     np.testing.assert_allclose(dec.feed(np.asarray(ids[10:40]), all_logits=True),
@@ -295,3 +312,182 @@ def test_an_engine_from_another_tensorrt_or_gpu_is_refused(engine_build):
     cuda.info = lambda: DeviceInfo("Other", "9.0", "12.6", "fake", 1)
     with pytest.raises(trt_backend.BackendError, match=r"SM 8.7.*SM 9.0"):
         trt_backend.load_engine(out, m, FakeRuntime(out, m, cuda), "8.6.11.4", cuda)
+
+
+# -- the local layers' rings (per-layer cache geometry: Gemma 3) -----------------------------------
+# What the one-kind tests above cannot catch: a layer bound to a view of the other kind's buffer, the
+# new-K/V blocks packed by layer index (Gemma 3's local, global, local interleaves the kinds, so one
+# 2D copy per kind would take the other kind's rows), ring slots taken for slot-map slots or the
+# reverse, a ring run's copy that misses the global layers' rows in front of it, the ring inputs
+# left unstaged (the graph then reads the previous step's ranks and window).
+
+RING_LAYOUT = dict(sink=2, pinned=6, window=9, chunk=5, layers=3, kv_heads=2, head_dim=8, local_window=7,
+                   local_layers=(0, 2))  # fmt: skip
+
+
+def test_local_layers_bind_views_of_the_rings_and_their_own_inputs():
+    lay = CacheLayout(**RING_LAYOUT, kv_dtype="int8")
+    plan = DevicePlan(lay, decoder_io(lay, 50, "int32"), 50)
+    H, R, D = lay.kv_heads, lay.local_slots, lay.head_dim
+    names = ["keys", "values", "value_scales", "local_keys", "local_values", "local_value_scales"]
+    assert list(plan.cache_bytes()) == names
+    assert sum(plan.cache_bytes().values()) == lay.cache_bytes
+    bases = {name: (i + 1) << 20 for i, name in enumerate(plan.cache_bytes())}
+    cache = plan.cache_addresses(bases)
+    assert cache["key_cache.1"] == bases["keys"] and cache["value_scale.1"] == bases["value_scales"]  # the global layer
+    assert cache["key_cache.0"] == bases["local_keys"] and cache["value_cache.0"] == bases["local_values"]
+    assert cache["key_cache.2"] == bases["local_keys"] + H * R * D  # int8: 1 byte per element
+    assert cache["value_scale.2"] == bases["local_value_scales"] + H * R * 2
+    with pytest.raises(ValueError, match="local_keys"):
+        plan.cache_addresses({"keys": 1, "values": 2, "value_scales": 3})
+    inputs = plan.inputs
+    assert inputs["local_attention_mask"].shape == (5, R + 5) and inputs["local_cache_position_ids"].shape == (R,)
+    assert inputs["local_position_ids"].dtype == np.int32 and all(s.offset % 256 == 0 for s in inputs.values())
+    out = plan.output_addresses(3, 0, 0, 0, 0)  # packed by kind: the global layer, then the local layers
+    assert [out[f"new_key.{layer}"] for layer in (1, 0, 2)] == [0, H * 3 * D, 2 * H * 3 * D]
+    assert [out[f"new_value_scale.{layer}"] for layer in (1, 0, 2)] == [0, H * 3 * 2, 2 * H * 3 * 2]
+    with pytest.raises(ValueError, match="ring slots"):
+        plan.commit_copies(np.array([3]), 1)  # a layout with local layers commits into the rings too
+    with pytest.raises(ValueError, match="local_slots outside"):
+        plan.commit_copies(np.array([3]), 1, np.array([R]))
+    assert runtime_shapes(plan.io, lay, 3, 1)["local_attention_mask"] == (3, R + 3)
+    prefill = {s.name: s for s in profile_shapes(plan.io, lay, token_profiles(lay.chunk)[1])}["local_attention_mask"]
+    assert (prefill.min, prefill.opt, prefill.max) == ((2, R + 2), (5, R + 5), (5, R + 5))
+
+
+@pytest.mark.parametrize("kv", ["fp16", "int8"])
+def test_ring_commits_write_what_the_onnxruntime_backend_writes(kv):
+    """Random chunks, pinned spans and prefixes of chunks (a verified draft keeps its first tokens),
+    through ring and window turnover: the 2D copies over the packed blocks leave every buffer, rings
+    included, byte for byte as the ONNX Runtime backend's own commit leaves its arrays."""
+    lay = CacheLayout(**RING_LAYOUT, kv_dtype=kv)
+    plan = DevicePlan(lay, decoder_io(lay, 50, "int32"), 50)
+    table, rng = SlotTable(lay), np.random.default_rng(1)
+    cpu = SimpleNamespace(layout=lay, bufs=exported.allocate(lay))  # ExportedGraphBackend.commit reads these two
+    device = {name: np.zeros(n, dtype=np.uint8) for name, n in plan.cache_bytes().items()}
+    assert list(device) == list(cpu.bufs)  # the same buffers by name and order: session files hold the same
+    L, H, D = lay.layers, lay.kv_heads, lay.head_dim
+    kv_dtype, wraps = np.dtype(lay.kv_dtype.numpy_name), 0
+    for _ in range(60):
+        t = int(rng.integers(1, lay.chunk + 1))
+        pin = bool(rng.random() < 0.1) and table.pinned_free >= t
+        kept = t if pin or rng.random() < 0.6 else int(rng.integers(1, t + 1))
+        p = table.plan(kept, pin)  # the plan of the tokens kept: a prefix of the t that ran
+        news = [[rng.integers(-100, 100, (H, t, D)).astype(kv_dtype) for _ in range(L)] for _ in range(2)]
+        news.append([rng.random((H, t, 1)).astype(np.float16) for _ in range(L)] if lay.quantized else [])
+        exported.ExportedGraphBackend.commit(cpu, p, StepOutput(np.zeros(0), tuple(news)))
+        addresses = plan.output_addresses(t, 0, 0, 0, 0 if lay.quantized else None)  # where the engine writes them
+        blocks = {"keys": np.zeros(plan.new_kv_bytes, np.uint8), "values": np.zeros(plan.new_kv_bytes, np.uint8),
+                  "scales": np.zeros(max(plan.new_scales_bytes, 1), np.uint8)}  # fmt: skip
+        for block, name, per_layer in zip(blocks, ("new_key", "new_value", "new_value_scale"), news):
+            for layer, x in enumerate(per_layer):
+                at = addresses[f"{name}.{layer}"]
+                blocks[block][at : at + x.nbytes] = x.reshape(-1).view(np.uint8)
+        copies = plan.commit_copies(p.slots, t, p.local_slots)
+        runs = len(slot_runs(p.slots)) + len(slot_runs(p.local_slots))
+        assert len(copies) == runs * (3 if lay.quantized else 2)  # per run and buffer, every layer of a kind at once
+        wraps += len(slot_runs(p.local_slots)) > 1
+        for c in copies:
+            apply_copy(device[c.cache], blocks[c.block], c)
+        for name, buf in cpu.bufs.items():
+            assert np.array_equal(device[name].view(buf.dtype).reshape(buf.shape), buf), name
+        table.advance(p)
+    assert wraps >= 5 and table.evicted > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-gemma3"), "gemma3")  # local layers 0, 2 (window 20), global 1
+
+
+GEMMA_LAYOUT = dict(sink=4, pinned=60, window=96, chunk=8, index_dtype="int32")
+W = 20
+
+
+@pytest.fixture(scope="module", params=["fp16", "int8"])
+def gemma_engine(request, load, tiny_gemma_dir, export_to, tmp_path_factory) -> Path:
+    """A tiny Gemma 3's orin-x build with a fake engine: rings of 20 slots beside a 4 + 60 + 96 slot map."""
+    art = export_to(load(str(tiny_gemma_dir)), kv=request.param, **GEMMA_LAYOUT)
+    return fake_engine_build(art, tmp_path_factory.mktemp("trt-gemma") / "b")
+
+
+def test_the_backend_runs_the_rings_as_the_onnxruntime_backend(gemma_engine, fake_tensorrt):
+    """The decisive one: the backend's host logic (bindings by kind, the ring inputs staged, commits
+    into the rings) with the fake engine running the bundle's graph, against the ONNX Runtime
+    backend on the same graph, step by step: a pinned system prompt, prefill chunks that wrap the
+    rings, a verified draft that keeps a prefix, a later pinned span, hundreds of decode steps
+    (the rings turn over 10 times, the window evicts). Every step's logits and, at the end, every
+    buffer, byte for byte."""
+    out = gemma_engine
+    dec, ref = Decoder(out), Decoder(out, onnxruntime_manifest(out))
+    assert isinstance(dec.backend, trt_backend.TensorRTBackend) and dec.layout.local_layers == (0, 2)
+    assert dec.layout.local_slots == W
+    ids = np.random.default_rng(3).integers(3, 300, 400)
+    pos = 0
+
+    def both(f):
+        a, b = f(dec), f(ref)
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
+        return a
+
+    both(lambda d: d.feed(ids[:14], pin=True))  # 4 to the sink, 10 pinned
+    both(lambda d: d.feed(ids[14:45], all_logits=True))  # 4 chunks: the rings wrap inside the third
+    pos = 45
+    for accepted in (2, 5, 1):  # a verification of 5 tokens that keeps `accepted`: a prefix of its ring slots
+        logits = both(lambda d: d.verify(ids[pos : pos + 5], lambda _: accepted)[0])
+        assert logits.shape == (5, dec.manifest.model.vocab_size)
+        pos += accepted
+    for _ in range(60):
+        both(lambda d: d.step(ids[pos : pos + 1]))
+        pos += 1
+    both(lambda d: d.feed(ids[pos : pos + 9], pin=True))  # a pinned span younger than the rings
+    pos += 9
+    allocs = fake_tensorrt.allocs
+    while pos < 330:
+        both(lambda d: d.step(ids[pos : pos + 1]))
+        pos += 1
+    both(lambda d: d.feed(ids[pos:], all_logits=True))
+    assert fake_tensorrt.allocs == allocs  # no allocation per step
+    assert dec.cache.seen == ref.cache.seen == len(ids)  # every token fed once (rejected drafts are not)
+    assert dec.cache.seen > 10 * W and dec.cache.evicted > 2 * GEMMA_LAYOUT["window"]
+    mine, theirs = dec.backend.buffers(), ref.backend.buffers()
+    assert list(mine) == list(theirs)
+    for name, buf in theirs.items():
+        assert mine[name].dtype == buf.dtype and mine[name].shape == buf.shape, name
+        np.testing.assert_array_equal(mine[name], buf, err_msg=name)
+    runs = dec.backend.loaded.engine.runs
+    assert runs[0] >= 260 and runs[1] >= 15  # decode on profile 0, prefill chunks and verifications on profile 1
+
+
+TURNS = ["check the route and the weather", "play some music", "how far is it to the charging station",
+         "check the route", "thanks, check the route and the weather again"]  # fmt: skip
+
+
+def test_a_session_saved_from_the_engine_resumes_the_rings_exactly(gemma_engine, fake_tensorrt, tmp_path):
+    """Session files through buffers() / restored(): the rings are in the file under the ONNX Runtime
+    backend's names, and a dialogue resumed from it replies as the one that never stopped, after the
+    rings have turned over."""
+    out = gemma_engine
+
+    def dialogue() -> Dialogue:
+        dec, tok = open_artifact(out, verify=False)
+        return Dialogue(dec, tok, system="Answer briefly.", max_new_tokens=12)
+
+    whole = dialogue()
+    assert isinstance(whole.decoder.backend, trt_backend.TensorRTBackend)
+    expected = [whole.ask(t).reply for t in TURNS]
+    first = dialogue()
+    for t in TURNS[:2]:
+        first.ask(t)
+    assert first.decoder.cache.seen > 2 * W  # the rings have turned over before the save
+    save_session(tmp_path / "s", first)
+    resumed = dialogue()
+    load_session(tmp_path / "s", resumed)
+    saved, back = first.decoder.backend.buffers(), resumed.decoder.backend.buffers()
+    onnxruntime = Decoder(out, onnxruntime_manifest(out)).backend.buffers()
+    assert list(saved) == list(onnxruntime) and {k: (v.dtype, v.shape) for k, v in saved.items()} == \
+        {k: (v.dtype, v.shape) for k, v in onnxruntime.items()}  # fmt: skip
+    assert saved["local_keys"].any()
+    for name, buf in saved.items():
+        assert np.array_equal(back[name], buf), name
+    assert [resumed.ask(t).reply for t in TURNS[2:]] == expected[2:]

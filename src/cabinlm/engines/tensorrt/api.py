@@ -97,13 +97,15 @@ class InputShapes:
     max: tuple[int, ...]
 
 
-def _resolve(shape: tuple[int | str, ...], tokens: int, rows: int, slots: int) -> tuple[int, ...]:
-    dims = {"tokens": tokens, "total": slots + tokens, "rows": rows}
+def resolve_dims(shape: tuple[int | str, ...], tokens: int, rows: int, layout: CacheLayout) -> tuple[int, ...]:
+    """A graph I/O shape (io_spec.TensorSpec) at `tokens` tokens and `rows` logit rows: "total" is the
+    slot map's slots + tokens, "local_total" a local layer's ring slots (R = w) + tokens."""
+    dims = {"tokens": tokens, "total": layout.slots + tokens, "local_total": layout.local_slots + tokens, "rows": rows}
     out = []
     for d in shape:
         if isinstance(d, str):
             if d not in dims:
-                raise CabinlmError(f"graph dimension {d!r} is not one the TensorRT profile covers (tokens, total, rows)")
+                raise CabinlmError(f"graph dimension {d!r} is not one the TensorRT profile covers ({', '.join(dims)})")
             out.append(dims[d])
         else:
             out.append(d)
@@ -112,15 +114,16 @@ def _resolve(shape: tuple[int | str, ...], tokens: int, rows: int, slots: int) -
 
 def profile_shapes(io: DecoderIO, layout: CacheLayout, profile: TokenProfile) -> tuple[InputShapes, ...]:
     """IOptimizationProfile.set_shape arguments for every input with a dynamic dimension: "tokens"
-    spans the profile, "total" is slots + tokens, and "rows" (logit rows) spans 1..max tokens, tuned
-    for 1 (dialogue asks for the last token's logits; scoring and drafts for more)."""
+    spans the profile, "total" is slots + tokens, "local_total" ring slots + tokens (the local
+    layers' mask), and "rows" (logit rows) spans 1..max tokens, tuned for 1 (dialogue asks for the
+    last token's logits; scoring and drafts for more)."""
     out = []
     for t in io.inputs:
         if all(isinstance(d, int) for d in t.shape):
             continue
-        out.append(InputShapes(t.name, _resolve(t.shape, profile.min_tokens, 1, layout.slots),
-                               _resolve(t.shape, profile.opt_tokens, 1, layout.slots),
-                               _resolve(t.shape, profile.max_tokens, profile.max_tokens, layout.slots)))  # fmt: skip
+        out.append(InputShapes(t.name, resolve_dims(t.shape, profile.min_tokens, 1, layout),
+                               resolve_dims(t.shape, profile.opt_tokens, 1, layout),
+                               resolve_dims(t.shape, profile.max_tokens, profile.max_tokens, layout)))  # fmt: skip
     return tuple(out)
 
 
@@ -128,7 +131,7 @@ def runtime_shapes(io: DecoderIO, layout: CacheLayout, tokens: int, rows: int) -
     """set_input_shape arguments for one step: every dynamic input at `tokens` (logit rows: `rows`)."""
     if not 1 <= rows <= tokens:
         raise ValueError(f"logit rows {rows} outside 1..{tokens}")
-    return {t.name: _resolve(t.shape, tokens, rows, layout.slots) for t in io.inputs
+    return {t.name: resolve_dims(t.shape, tokens, rows, layout) for t in io.inputs
             if not all(isinstance(d, int) for d in t.shape)}  # fmt: skip
 
 

@@ -168,13 +168,11 @@ class TensorRTBackend(Backend):
         self.dev_new = {"keys": cuda.alloc(plan.new_kv_bytes), "values": cuda.alloc(plan.new_kv_bytes)}
         if plan.scales_shape is not None:
             self.dev_new["scales"] = cuda.alloc(plan.new_scales_bytes)
-        self._cache_base = {"keys": self.dev["keys"], "values": self.dev["values"], "scales": self.dev.get("value_scales", 0)}
         # page-locked host staging: the inputs block and the logits
         self.host_inputs = cuda.host(plan.inputs_bytes)
         self.host_logits = cuda.host(plan.logits_bytes).view(np.float32).reshape(self.layout.chunk, m.model.vocab_size)
         self._views = {name: self.host_inputs[s.offset : s.offset + s.nbytes].view(s.dtype) for name, s in plan.inputs.items()}
-        self._fixed = {**plan.cache_addresses(self.dev["keys"], self.dev["values"], self.dev.get("value_scales")),
-                       **plan.input_addresses(self.dev_inputs)}  # fmt: skip
+        self._fixed = {**plan.cache_addresses(self.dev), **plan.input_addresses(self.dev_inputs)}
         self._mirrors: dict[str, np.ndarray] | None = None
         self._rows = np.arange(self.layout.chunk, dtype=np.dtype(m.index_dtype))
         if m.vision is not None:  # constant inputs of text chunks, made once
@@ -232,6 +230,10 @@ class TensorRTBackend(Backend):
         self._stage(io.CACHE_POSITION_IDS, plan.cache_position_ids)
         self._stage(io.ATTENTION_MASK, plan.attention_mask)
         self._stage(io.LOGIT_ROWS, self._rows[:n] if rows > 1 else self._rows[n - 1 : n])
+        if self.layout.local_layers:  # the local layers' rings: their own ranks and window (StepPlan.local_*)
+            self._stage(io.LOCAL_POSITION_IDS, plan.local_position_ids)
+            self._stage(io.LOCAL_CACHE_POSITION_IDS, plan.local_cache_position_ids)
+            self._stage(io.LOCAL_ATTENTION_MASK, plan.local_attention_mask)
         if self.manifest.vision is not None:
             image = embeds is not None  # text tokens: zero rows, which the mask tells the graph not to read
             self._stage(io.IMAGE_EMBEDS, np.asarray(embeds, dtype=np.float32) if image else self._no_embeds[:n])
@@ -246,10 +248,12 @@ class TensorRTBackend(Backend):
         return StepOutput(self.host_logits[:rows], n)  # a view, valid until the next run
 
     def commit(self, plan: StepPlan, out: StepOutput) -> None:
-        """The first plan.tokens of the step's out.new tokens into their slots, on the device."""
+        """The first plan.tokens of the step's out.new tokens into their slots (and the local layers'
+        into their ring slots), on the device."""
         cuda = self.cuda
-        for c in self.plan.commit_copies(plan.slots, int(out.new)):
-            cuda.copy_2d(self._cache_base[c.buffer] + c.dst_offset, c.dst_pitch, self.dev_new[c.buffer] + c.src_offset,
+        local = plan.local_slots if self.layout.local_layers else None
+        for c in self.plan.commit_copies(plan.slots, int(out.new), local):
+            cuda.copy_2d(self.dev[c.cache] + c.dst_offset, c.dst_pitch, self.dev_new[c.block] + c.src_offset,
                          c.src_pitch, c.width, c.height, cuda.stream)  # fmt: skip
         cuda.sync(cuda.stream)
 
@@ -258,12 +262,9 @@ class TensorRTBackend(Backend):
     def buffers(self) -> dict[str, np.ndarray]:
         """Host mirrors of the device cache, refreshed from the device now (module docstring)."""
         plan, cuda = self.plan, self.cuda
-        if self._mirrors is None:
-            scales = plan.scales_shape or ()
-            kinds: dict[str, tuple[np.dtype, tuple[int, ...]]] = {"keys": (plan.kv_dtype, plan.cache_shape),
-                     "values": (plan.kv_dtype, plan.cache_shape), "value_scales": (np.dtype(np.float16), scales)}  # fmt: skip
-            self._mirrors = {name: cuda.host(n).view(kinds[name][0]).reshape(kinds[name][1])
-                             for name, n in plan.cache_bytes().items()}  # fmt: skip
+        if self._mirrors is None:  # keys, values [, value_scales] [, local_keys, local_values [, local_value_scales]]
+            self._mirrors = {name: cuda.host(int(np.prod(shape)) * dtype.itemsize).view(dtype).reshape(shape)
+                             for name, (dtype, shape) in plan.cache_buffers().items()}  # fmt: skip
         for name, mirror in self._mirrors.items():
             cuda.dtoh(mirror.reshape(-1).view(np.uint8), self.dev[name], cuda.stream)
         cuda.sync(cuda.stream)

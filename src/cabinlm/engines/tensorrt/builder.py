@@ -49,11 +49,6 @@ class TensorRTBuilder(Builder):
         if vision is not None and vision.mrope:
             return ("multimodal RoPE (Qwen2-VL's three position components) is not written for TensorRT yet; the cpu "
                     "profile runs it (the exported graph)")  # fmt: skip
-        if request.manifest.cache.local_layers:
-            # The engine's cache bindings (device_plan.py) are one (layers, kv_heads, slots, head_dim)
-            # buffer; the local layers' rings are not laid out there yet.
-            return ("per-layer cache geometry (the model's local sliding-window layers keep their own rings) is not "
-                    "written for TensorRT yet; the cpu and Snapdragon profiles run it")  # fmt: skip
         return None
 
     def build(self, request: BuildRequest, output: BuildOutput) -> BuildSpec:

@@ -27,9 +27,10 @@ from cabinlm.profiles import DeviceProfile, load_profile
 
 Version = tuple[int, int]
 KINDS = ("op", "dtype", "opset", "dynamic_dim", "attribute")
-# Symbolic dims the graph contract declares (manifest.TensorSpec): the chunk length, slots + chunk,
-# and the number of logit rows.
-DECLARED_DIMS = ("tokens", "total", "rows")
+# Symbolic dims the graph contract declares (io_spec.TensorSpec): the chunk length, slots + chunk,
+# a local layer's ring slots + chunk (models with their own sliding-window layers), and the number
+# of logit rows.
+DECLARED_DIMS = ("tokens", "total", "local_total", "rows")
 
 # -- TensorRT's ONNX operator support ------------------------------------------------------------
 # Source: onnx/onnx-tensorrt docs/operators.md, the "Operator Support Matrix" (rows marked Y), read at
