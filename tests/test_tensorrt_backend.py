@@ -451,7 +451,7 @@ def test_the_backend_runs_the_rings_as_the_onnxruntime_backend(gemma_engine, fak
     assert dec.cache.seen == ref.cache.seen == len(ids)  # every token fed once (rejected drafts are not)
     assert dec.cache.seen > 10 * W and dec.cache.evicted > 2 * GEMMA_LAYOUT["window"]
     mine, theirs = dec.backend.buffers(), ref.backend.buffers()
-    assert list(mine) == list(theirs)
+    assert list(mine) == list(theirs) and dec.backend.nbytes() == dec.layout.cache_bytes == ref.backend.nbytes()
     for name, buf in theirs.items():
         assert mine[name].dtype == buf.dtype and mine[name].shape == buf.shape, name
         np.testing.assert_array_equal(mine[name], buf, err_msg=name)

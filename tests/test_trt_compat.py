@@ -108,6 +108,14 @@ def test_an_undeclared_dynamic_dim_is_caught():
     assert kinds(check_model(unknown, "10.3")) == {("dynamic_dim", "x")}
 
 
+def test_the_local_rings_mask_dimension_is_a_declared_range():
+    """"local_total" (a local layer's ring slots + tokens: Gemma 3's local_attention_mask) is covered
+    by the optimization profiles (engines/tensorrt/api.resolve_dims), like "total"."""
+    m = model([helper.make_node("Relu", ["x"], ["y"], name="relu")],
+              [vi("x", shape=("tokens", "local_total"))], [vi("y", shape=("tokens", "local_total"))])  # fmt: skip
+    assert check_model(m, "orin-x") == []
+
+
 def test_a_non_constant_slice_axis_is_caught_before_10_3():
     # Slice axes from a graph input: TensorRT 8.6 needs an initializer; 10.3 added tensor axes.
     ints = [helper.make_tensor(n, TensorProto.INT32, [1], [v]) for n, v in (("starts", 0), ("ends", 2))]

@@ -6,21 +6,26 @@ calls are type-checked against NVIDIA's stubs (tests/test_tensorrt_types.py) and
 ran on the CPU against a fake engine and a fake device (tests/test_tensorrt_backend.py).
 
 Load (once): deserialize the engine; one execution context per optimization profile (decode:
-1 token, prefill: 2..chunk tokens; builders/trt_api.token_profiles); per dialogue, the device buffers
-of engines/tensorrt/device_plan.py (the cache, the inputs, the outputs), allocated once.
+1 token, prefill: 2..chunk tokens; engines/tensorrt/api.token_profiles); per dialogue, the device
+buffers of engines/tensorrt/device_plan.py (the cache: the global layers' slot map and, for a model
+with its own sliding-window layers, their rings; the inputs; the outputs), allocated once.
 
 One step, all on one CUDA stream, no allocation:
 
-    run     inputs -> page-locked host block -> device (one copy per input, the used bytes only);
+    run     inputs -> page-locked host block -> device (one copy per input, the used bytes only;
+            the rings' local_position_ids, local_cache_position_ids, local_attention_mask too);
             bind by name (set_tensor_address: the cache views, the inputs, this step's outputs),
             set_input_shape for the token count, execute_async_v3; logits rows -> host; sync.
             The engine writes only the output blocks: the cache is untouched until commit.
     commit  the chunk's new K/V (still on the device) into their slots: one cuMemcpy2DAsync per run
-            of consecutive slots and per buffer, covering every layer; sync.
+            of consecutive slots and per buffer, covering every layer of a kind (the global layers
+            into plan.slots, the local layers into their ring slots plan.local_slots); sync.
 
-buffers(): the cache lives on the device. Session files get host mirrors, allocated on the first
-call and refreshed from the device by every call; `restored()` copies the mirrors back. Invariant:
-between steps the device cache is the truth, the mirrors are a copy made at the last buffers().
+buffers(): the cache lives on the device. Session files get host mirrors (keys, values
+[, value_scales] [, local_keys, local_values [, local_value_scales]]: the ONNX Runtime backend's
+names, order and shapes), allocated on the first call and refreshed from the device by every call;
+`restored()` copies the mirrors back. Invariant: between steps the device cache is the truth, the
+mirrors are a copy made at the last buffers().
 """
 
 from __future__ import annotations
@@ -279,7 +284,7 @@ class TensorRTBackend(Backend):
         self.cuda.sync(self.cuda.stream)
 
     def nbytes(self) -> int:
-        """The device cache's bytes, from the plan (no copy to the host)."""
+        """The device cache's bytes, the rings included (= layout.cache_bytes), from the plan (no copy to the host)."""
         return int(sum(self.plan.cache_bytes().values()))
 
 
