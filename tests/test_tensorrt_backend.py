@@ -405,10 +405,25 @@ W = 20
 
 
 @pytest.fixture(scope="module", params=["fp16", "int8"])
-def gemma_engine(request, load, tiny_gemma_dir, export_to, tmp_path_factory) -> Path:
+def gemma_export(request, load, tiny_gemma_dir, export_to) -> Path:
+    return export_to(load(str(tiny_gemma_dir)), kv=request.param, **GEMMA_LAYOUT)
+
+
+@pytest.fixture(scope="module")
+def gemma_engine(gemma_export, tmp_path_factory) -> Path:
     """A tiny Gemma 3's orin-x build with a fake engine: rings of 20 slots beside a 4 + 60 + 96 slot map."""
-    art = export_to(load(str(tiny_gemma_dir)), kv=request.param, **GEMMA_LAYOUT)
-    return fake_engine_build(art, tmp_path_factory.mktemp("trt-gemma") / "b")
+    return fake_engine_build(gemma_export, tmp_path_factory.mktemp("trt-gemma") / "b")
+
+
+def test_the_gemma_bundle_graph_is_the_export(gemma_export, gemma_engine):
+    """The bundle's rewrites (fp16-safe RMSNorm: Gemma 3's six norms per layer, q / k per head) keep
+    the export's function, rings included: the bundle's graph on ONNX Runtime against the export."""
+    bundle, export = Decoder(gemma_engine, onnxruntime_manifest(gemma_engine)), Decoder(gemma_export)
+    assert load_manifest(gemma_engine).build.facts.fp16_safe_norms == 6 * 3 + 1
+    ids = np.random.default_rng(5).integers(3, 300, 90)
+    np.testing.assert_allclose(bundle.feed(ids[:30], all_logits=True), export.feed(ids[:30], all_logits=True), atol=1e-3)
+    for t in ids[30:]:  # the rings turn over three times
+        np.testing.assert_allclose(bundle.step(np.array([t])), export.step(np.array([t])), atol=1e-3)
 
 
 def test_the_backend_runs_the_rings_as_the_onnxruntime_backend(gemma_engine, fake_tensorrt):
