@@ -292,3 +292,33 @@ def test_engine_on_a_gpu_matches_onnxruntime(load, tiny_qwen2_dir, export_to, tm
     assert load_manifest(out).runtime_spec.facts.state is EngineState.ENGINE
     checks = diagnose(out)
     assert all(c.status == "ok" for c in checks), [c.line() for c in checks]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not tensorrt_present(), reason="needs TensorRT and an NVIDIA GPU: no machine of this project has "
+                    "TensorRT (docs/tensorrt.md); run on a DRIVE / Jetson / Thor board or a GPU host with TensorRT")
+def test_a_gemma_engine_on_a_gpu_runs_the_rings(load, export_to, tmp_path):
+    """The local layers' rings on a real engine (never run: written for the first board). The tiny
+    Gemma 3's rings hold 20 slots, so doctor's 64 tokens turn them over; a longer stream then goes
+    on past the window against ONNX Runtime on the same graph, by doctor's policy."""
+    from conftest import make_tiny_model
+
+    from cabinlm.engines.tensorrt.doctor import MAX_DIFF, MIN_AGREEMENT, diagnose
+
+    gemma = load(str(make_tiny_model(tmp_path / "gemma", "gemma3")))
+    art = export_to(gemma, sink=4, pinned=12, window=48, chunk=8, kv="fp16", index_dtype="int32")
+    out = build_artifact(art, load_profile("jetson-agx-orin-64gb"), tmp_path / "engine")
+    assert load_manifest(out).cache.local_layers == (0, 2)
+    checks = diagnose(out)
+    assert all(c.status == "ok" for c in checks), [c.line() for c in checks]
+    reference = load_manifest(out)
+    reference.build = None
+    engine, cpu = Decoder(out), Decoder(out, reference)
+    ids = np.random.default_rng(0).integers(3, 300, 200)
+    # a step's logits are a view into the backend's buffer, valid until its next run: copies
+    got = [engine.feed(ids[:24], all_logits=True)] + [engine.step(ids[i : i + 1]).copy() for i in range(24, 200)]
+    want = [cpu.feed(ids[:24], all_logits=True)] + [cpu.step(ids[i : i + 1]).copy() for i in range(24, 200)]
+    got_all, want_all = np.concatenate([g.reshape(-1, g.shape[-1]) for g in got]), np.concatenate(
+        [w.reshape(-1, w.shape[-1]) for w in want])  # fmt: skip
+    assert engine.cache.evicted > 0 and float(np.abs(got_all - want_all).max()) <= MAX_DIFF
+    assert float((got_all.argmax(-1) == want_all.argmax(-1)).mean()) >= MIN_AGREEMENT

@@ -506,3 +506,19 @@ def test_a_session_saved_from_the_engine_resumes_the_rings_exactly(gemma_engine,
     for name, buf in saved.items():
         assert np.array_equal(back[name], buf), name
     assert [resumed.ask(t).reply for t in TURNS[2:]] == expected[2:]
+
+
+def test_the_plan_names_the_bindings_off_256_byte_alignment():
+    """TensorRT's header asks for 256-byte aligned tensor addresses; what the packed layout gives is
+    known before any board runs it: Gemma 3 270M's geometry (1 KV head x 256) in fp16 is aligned
+    everywhere, SmolLM2's (3 x 64) decode step puts every odd layer's new K/V at 384 bytes."""
+    gemma = CacheLayout(sink=4, pinned=124, window=1024, chunk=256, layers=18, kv_heads=1, head_dim=256, kv_dtype="fp16",
+                        local_window=512, local_layers=tuple(i for i in range(18) if i % 6 != 5))  # fmt: skip
+    plan = DevicePlan(gemma, decoder_io(gemma, 1000, "int32"), 1000)
+    assert [plan.unaligned_bindings(t) for t in (1, 7, 256)] == [[], [], []]
+    int8 = dataclasses.replace(gemma, kv_dtype="int8")  # a decode step's value scales: 2 bytes per layer, all
+    assert DevicePlan(int8, decoder_io(int8, 1000, "int32"), 1000).unaligned_bindings(1) == \
+        [f"new_value_scale.{layer}" for layer in range(18) if layer != 5]  # but the first global layer's (block 0)
+    smol = CacheLayout(sink=4, pinned=124, window=1024, chunk=256, layers=30, kv_heads=3, head_dim=64, kv_dtype="fp16")
+    odd = DevicePlan(smol, decoder_io(smol, 1000, "int32"), 1000).unaligned_bindings(1)
+    assert odd == [f"{kind}.{layer}" for layer in range(1, 30, 2) for kind in ("new_key", "new_value")]

@@ -202,6 +202,17 @@ class DevicePlan:
                 out[io.new_value_scale_name(layer)] = new_scales + b * H * tokens * 2
         return out
 
+    def unaligned_bindings(self, tokens: int) -> list[str]:
+        """The tensors of a step of `tokens` tokens whose bound address is not on ALIGN bytes, given
+        ALIGN-aligned allocations. TensorRT's header asks for 256-byte aligned tensor addresses; the
+        per-layer views and the packed output blocks start wherever the arithmetic of the module
+        docstring puts them (a layer's view is aligned when H*N*D*es, H*N*2, H*R*D*es, H*R*2 and, for
+        the outputs, H*tokens*D*es and H*tokens*2 are multiples of ALIGN). Whether TensorRT takes the
+        others was never tried (docs/tensorrt.md)."""
+        bases = {name: 0 for name in self.cache_buffers()}
+        out = {**self.cache_addresses(bases), **self.output_addresses(tokens, 0, 0, 0, 0 if self.scales_shape else None)}
+        return [name for name, address in out.items() if address % ALIGN]
+
     # -- commit -----------------------------------------------------------------------------------
 
     def commit_copies(self, slots: np.ndarray, tokens: int, local_slots: np.ndarray | None = None) -> list[Copy2D]:
