@@ -522,3 +522,21 @@ def test_the_plan_names_the_bindings_off_256_byte_alignment():
     smol = CacheLayout(sink=4, pinned=124, window=1024, chunk=256, layers=30, kv_heads=3, head_dim=64, kv_dtype="fp16")
     odd = DevicePlan(smol, decoder_io(smol, 1000, "int32"), 1000).unaligned_bindings(1)
     assert odd == [f"{kind}.{layer}" for layer in range(1, 30, 2) for kind in ("new_key", "new_value")]
+
+
+def test_greedy_drafting_on_the_engine_gives_the_plain_replies(gemma_engine, fake_tensorrt):
+    """Drafts verified on the engine (every row's logits, a prefix of the rows committed into the
+    slot map and the rings) give the replies plain decoding gives, as on the ONNX Runtime backend."""
+    from cabinlm.runtime.speculative import PromptLookupDrafting
+
+    def dialogue(drafting) -> Dialogue:
+        dec, tok = open_artifact(gemma_engine, verify=False)
+        return Dialogue(dec, tok, system="Answer briefly.", max_new_tokens=12, drafting=drafting)
+
+    plain, spec = dialogue(None), dialogue(PromptLookupDrafting())
+    assert spec.decoder.backend.verifies_drafts
+    turns = TURNS * 2
+    expected = [plain.ask(t).reply for t in turns]
+    results = [spec.ask(t) for t in turns]
+    assert [r.reply for r in results] == expected and sum(r.drafted_tokens for r in results) > 0
+    assert spec.decoder.cache.seen > 3 * W
