@@ -431,7 +431,7 @@ def test_the_backend_runs_the_rings_as_the_onnxruntime_backend(gemma_engine, fak
     into the rings) with the fake engine running the bundle's graph, against the ONNX Runtime
     backend on the same graph, step by step: a pinned system prompt, prefill chunks that wrap the
     rings, a verified draft that keeps a prefix, a later pinned span, hundreds of decode steps
-    (the rings turn over 10 times, the window evicts). Every step's logits and, at the end, every
+    (the rings turn over 20 times, the window evicts). Every step's logits and, at the end, every
     buffer, byte for byte."""
     out = gemma_engine
     dec, ref = Decoder(out), Decoder(out, onnxruntime_manifest(out))
