@@ -181,6 +181,9 @@ class ChatTemplate:
     default_system: str | None = None
     source: str = "model"  # "model" (rendered from the model's template) or "plain" (fallback)
     bos: str = ""  # fed once, pinned, before anything else: the tokenizer's BOS the template does not render
+    # a user turn that opens with a camera frame, where the template renders it otherwise than
+    # user_prefix (SmolVLM: "User:" before the image, "User: " before text); None: user_prefix
+    image_user_prefix: str | None = None
 
 
 @dataclass(frozen=True)

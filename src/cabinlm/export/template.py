@@ -26,9 +26,22 @@ PLAIN = ChatTemplate(
 )
 
 
-def _render(tok: Any, messages: list[tuple[str, str]], gen: bool) -> str:
-    msgs = [{"role": r, "content": c} for r, c in messages]
+def _render(tok: Any, messages: list[tuple[str, str]], gen: bool, parts: bool = False) -> str:
+    """parts: each message's content as a list of typed parts ([{"type": "text", "text": ...}]), the
+    form a vision-language processor's template reads (SmolVLM's renders nothing of a plain string)."""
+    msgs = [{"role": r, "content": [{"type": "text", "text": c}] if parts else c} for r, c in messages]
     return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+
+
+def _reads_parts(tok: Any) -> bool:
+    """The template drops plain-string contents but renders typed parts (vision-language processors'
+    templates, e.g. SmolVLM's): the pieces are then cut from renders of parts."""
+    try:
+        if _U in _render(tok, [("user", _U)], False):
+            return False
+        return _U in _render(tok, [("user", _U)], False, parts=True)
+    except Exception:  # noqa: BLE001 - any template error: not this kind of template
+        return False
 
 
 def resolve_chat_template(tok: Any) -> ChatTemplate:
@@ -45,9 +58,10 @@ def resolve_chat_template(tok: Any) -> ChatTemplate:
 
 
 def _pieces(tok: Any) -> ChatTemplate:
-    full = _render(tok, [("system", _S), ("user", _U), ("assistant", _A), ("user", _U2)], True)
-    with_gen = _render(tok, [("system", _S), ("user", _U)], True)
-    without_gen = _render(tok, [("system", _S), ("user", _U)], False)
+    parts = _reads_parts(tok)
+    full = _render(tok, [("system", _S), ("user", _U), ("assistant", _A), ("user", _U2)], True, parts)
+    with_gen = _render(tok, [("system", _S), ("user", _U)], True, parts)
+    without_gen = _render(tok, [("system", _S), ("user", _U)], False, parts)
     if not with_gen.startswith(without_gen):
         raise ValueError("the chat template's generation prompt is not a suffix of the rendered turns")
     assistant_prefix = with_gen[len(without_gen):]
@@ -56,13 +70,17 @@ def _pieces(tok: Any) -> ChatTemplate:
     sys_to_user, rest = rest.split(_U)
     user_to_asst, rest = rest.split(_A)
     asst_to_user, tail = rest.split(_U2)
+    if parts and user_to_asst.rstrip(" ").endswith(assistant_prefix) and tail.endswith(assistant_prefix):
+        # SmolVLM: "Assistant: " before a rendered reply, "Assistant:" as the generation prompt; the
+        # model writes the space itself, so the reply as generated starts with it
+        user_to_asst = user_to_asst.rstrip(" ")
     if not (tail.endswith(assistant_prefix) and user_to_asst.endswith(assistant_prefix)):
         raise ValueError("the chat template renders user turns inconsistently")
     user_suffix = tail[: len(tail) - len(assistant_prefix)]
 
     # Split system_suffix | user_prefix with a system-only render where the template allows one.
     try:
-        only_system = _render(tok, [("system", _S)], False)
+        only_system = _render(tok, [("system", _S)], False, parts)
         system_suffix = only_system.split(_S, 1)[1]
         if not sys_to_user.startswith(system_suffix):
             raise ValueError
@@ -75,10 +93,19 @@ def _pieces(tok: Any) -> ChatTemplate:
 
     # A default system prompt the template injects when none is given (SmolLM2, Qwen2.5 do).
     default_system = None
-    no_system = _render(tok, [("user", _U)], False)
+    no_system = _render(tok, [("user", _U)], False, parts)
     head = no_system.split(_U, 1)[0]
     if head.startswith(system_prefix) and system_suffix and system_suffix in head[len(system_prefix):]:
         default_system = head[len(system_prefix):].split(system_suffix, 1)[0]
+    start, image_user_prefix = "", None
+    if parts:
+        # What the template writes once before the first message, whichever it is (SmolVLM's
+        # <|im_start|>): fed first (ChatTemplate.bos), not with every system or user turn.
+        lead = head[: len(head) - len(user_prefix)] if head.endswith(user_prefix) else ""
+        if lead and default_system is None and system_prefix.startswith(lead):
+            start, system_prefix = lead, system_prefix[len(lead):]
+        # A user turn that opens with an image (the processor's placeholder where the frame's tokens go)
+        image_user_prefix = _image_user_prefix(tok, user_prefix)
     return ChatTemplate(
         system_prefix=system_prefix,
         system_suffix=system_suffix,
@@ -88,4 +115,28 @@ def _pieces(tok: Any) -> ChatTemplate:
         assistant_suffix=assistant_suffix,
         default_system=default_system,
         source="model",
+        bos=start,
+        image_user_prefix=image_user_prefix,
     )
+
+
+IMAGE_PLACEHOLDERS = ("<image>", "<|image_pad|>")  # what vision-language templates write for an image part
+
+
+def _image_user_prefix(tok: Any, user_prefix: str) -> str | None:
+    """What a user turn whose content opens with an image renders before the image, when it differs
+    from user_prefix (SmolVLM: "User:" before an image, "User: " before text); None when it is the
+    same, or when the template's image turn is not user_prefix less its trailing spaces."""
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": _U}]}]
+    try:
+        before = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False).split(_U, 1)[0]
+    except Exception:  # noqa: BLE001 - a template without image parts: the text prefix stands
+        return None
+    placeholder = next((p for p in IMAGE_PLACEHOLDERS if p in before), None)
+    if placeholder is None:
+        return None
+    head = before.split(placeholder, 1)[0]
+    stripped = user_prefix.rstrip(" ")
+    if head.endswith(user_prefix) or stripped == user_prefix or not head.endswith(stripped):
+        return None
+    return stripped

@@ -134,7 +134,7 @@ class Dialogue:
                 raise InputError("this model has no vision input; export a vision-language model to send images")
             embeds = dec.vision.encode(image)  # an unreadable image is refused here, before anything is fed
             vision = dec.manifest.vision  # the tokens its processor puts around an image (Qwen2-VL: <|vision_start|> ...)
-            head = self._pending + self.template.user_head() + list(vision.image_prefix)
+            head = self._pending + self.template.user_head(image=True) + list(vision.image_prefix)
             tail = list(vision.image_suffix) + self.template.user_tail(text)
             frame = (head, embeds, tail)
             prompt = head + [dec.manifest.vision.image_token_id] * len(embeds) + tail

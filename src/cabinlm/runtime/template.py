@@ -36,9 +36,11 @@ class Template:
         """A user turn up to the reply: user_head() + user_tail(text)."""
         return self.user_head() + self.user_tail(text)
 
-    def user_head(self) -> list[int]:
-        """What precedes a user turn's text (a camera frame's tokens go between the two)."""
-        return self.tok.encode(self.chat.user_prefix)
+    def user_head(self, image: bool = False) -> list[int]:
+        """What precedes a user turn's text (a camera frame's tokens go between the two); image: the
+        turn opens with a frame (ChatTemplate.image_user_prefix, where the template has one)."""
+        c = self.chat
+        return self.tok.encode(c.image_user_prefix if image and c.image_user_prefix is not None else c.user_prefix)
 
     def user_tail(self, text: str) -> list[int]:
         c = self.chat
