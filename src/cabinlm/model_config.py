@@ -160,7 +160,8 @@ def _architecture(c: dict[str, Any], where: str) -> str:
             f"{where}: architecture {found} is not supported; supported: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama family: SmolLM2, TinyLlama, Llama 3.x; Qwen2/Qwen2.5; Qwen3; "
             "Mistral; Phi-3 without long-context RoPE; Gemma 3 text), "
-            f"and {', '.join(SUPPORTED_VLM_ARCHITECTURES)} over one of them"
+            f"and {', '.join([*SUPPORTED_VLM_ARCHITECTURES, *MROPE_VLM_ARCHITECTURES, *IDEFICS3_VLM_ARCHITECTURES])} "
+            "over one of them"
         )
     return arch
 
@@ -360,7 +361,8 @@ def image_tokens_from_config(path: str | Path, frame: tuple[int, int] | None = N
     """Cache slots one camera frame takes (the image region): (image / patch)^2 patch tokens, plus
     the CLS token unless LLaVA's "default" feature strategy drops it (0 when there is no vision).
     Qwen2-VL: the merged patch grid of a frame of `frame` (height, width) pixels (default: what its
-    processor makes of a 640x480 camera frame), read with the folder's image processor."""
+    processor makes of a 640x480 camera frame), read with the folder's image processor. Idefics3 /
+    SmolVLM: (max_image_size / patch)^2 / scale_factor^2 (the processor without image splitting)."""
     d, where = read_config(path)
     v = d.get("vision_config")
     if not isinstance(v, dict):
