@@ -211,6 +211,8 @@ class QnnBuilder(Builder):
         for role, name in files.items():
             output.add(role, name)
         output.copy("tokenizer")
+        # a vision-language model's camera encoder runs as exported, on the CPU (ONNX Runtime), beside the HTP decoder
+        output.copy_if_present("vision_graph", "vision_data")
         sizes = {b: (out / b).stat().st_size for b in binaries}
         car = [files[r] for r in files if r.startswith("context_binary") and not r.endswith(SIMULATOR)]
         output.quality.update(seconds=compile_seconds, binary_bytes=sizes)
