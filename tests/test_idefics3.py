@@ -321,6 +321,26 @@ def test_a_session_saved_with_its_frame_resumes_with_the_same_replies(idefics3, 
     np.testing.assert_array_equal(second.decoder.cache.slot_token, first.decoder.cache.slot_token)
 
 
+def test_chat_cli_takes_frames_by_flag_and_json_lines_and_replies_as_the_library(idefics3, tmp_path):
+    """`cabinlm chat ART --image a.png` (the first turn's frame), then a JSON line with another frame:
+    the replies the library's Dialogue gives for the same turns and frames."""
+    from cabinlm.runtime import Dialogue, open_artifact
+
+    _, folder = idefics3
+    picture(50, 40, seed=1).save(tmp_path / "a.png")
+    picture(50, 40, seed=2).save(tmp_path / "b.jpg")
+    lines = "hello\n" + json.dumps({"text": "and now?", "image": str(tmp_path / "b.jpg")}) + "\nstill there?\n"
+    p = subprocess.run([sys.executable, "-m", "cabinlm", "chat", str(folder), "--json", "--max-new-tokens", "4",
+                        "--image", str(tmp_path / "a.png")], input=lines, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    got = [json.loads(line)["reply"] for line in p.stdout.splitlines()]
+    dec, tok = open_artifact(folder, verify=False)
+    d = Dialogue(dec, tok, max_new_tokens=4)
+    expected = [d.ask("hello", image=tmp_path / "a.png").reply, d.ask("and now?", image=tmp_path / "b.jpg").reply,
+                d.ask("still there?").reply]  # fmt: skip
+    assert got == expected and dec.cache.frames == 2
+
+
 def test_frames_replaced_over_a_long_stream_at_constant_memory(idefics3):
     """40 frames, each replacing the last in the image region, text between them evicting hundreds of
     tokens: the buffers never move and memory stays flat."""
