@@ -315,3 +315,50 @@ def fused_decoder_io(layout: CacheLayout, num_heads: int, vocab_size: int, prese
             outputs.append(TensorSpec(present_value_name(layer), kv, (1, h, n, d)))
         outputs.append(TensorSpec(qkv_name(layer), "float", (1, "tokens", (num_heads + 2 * h) * d)))
     return DecoderIO(tuple(inputs), tuple(outputs))
+
+
+# -- seats decoding together (a fused cpu build's batched graphs, engines/ort_fused) ----------------
+SEAT_TOKENS = "seat_tokens"
+SHARED_BY_SEATS = (INPUT_IDS, LOGIT_ROWS)  # the inputs every seat's rows share; every other input is one seat's
+
+
+def seat_name(name: str, seat: int) -> str:
+    """Seat `seat`'s own copy of a per-seat input in a batched graph: "key_cache.3" -> "key_cache.3.seat1"."""
+    return f"{name}.seat{seat}"
+
+
+HIDDEN = "hidden"  # the final norm's rows, which the LM head turns into logits
+
+
+def seats_io(io: DecoderIO, seats: int, hidden_size: int) -> DecoderIO:
+    """The contract of a graph that runs `seats` seats' chunks in one run, from the one-seat contract
+    `io` (fused_decoder_io(steps=True)). The seats' rows are stacked, seat 0's first, through every
+    weight matmul; the attention reads each seat's own inputs:
+
+      input_ids       int64  (tokens,)    every seat's chunk, seat after seat (tokens = the sum)
+      seat_tokens     int64  (seats,)     how many of those rows each seat has (each >= 1)
+      logit_rows      int64  (rows,)      rows of the stacked chunk that get logits
+      X.seat{s}       every other input X of `io`, seat s's own (its cache, rotation rows, bias,
+                      lengths, row slots ...); its "tokens" dimension is seat s's own ("tokens.seat{s}")
+    outputs
+      hidden          float  (rows, hidden_size)  the final norm of those rows: the LM head's input
+                                                  (head_io: one LM head graph for every batch size)
+      qkv.{l}         float  (1, tokens, width)   as `io`, the stacked rows"""
+    if seats < 2:
+        raise ValueError(f"a batched graph runs 2 or more seats, got {seats}")
+
+    def own(t: TensorSpec, s: int) -> TensorSpec:
+        dims = tuple(seat_name(d, s) if isinstance(d, str) else d for d in t.shape)
+        return TensorSpec(seat_name(t.name, s), t.dtype, dims)
+
+    inputs = [t for t in io.inputs if t.name in SHARED_BY_SEATS] + [TensorSpec(SEAT_TOKENS, "int64", (seats,))]
+    for s in range(seats):
+        inputs += [own(t, s) for t in io.inputs if t.name not in SHARED_BY_SEATS]
+    outputs = [TensorSpec(HIDDEN, "float", ("rows", hidden_size)) if t.name == LOGITS else t for t in io.outputs]
+    return DecoderIO(tuple(inputs), tuple(outputs))
+
+
+def head_io(hidden_size: int, vocab_size: int) -> DecoderIO:
+    """The LM head on its own (a fused build with batched graphs): hidden (rows, hidden_size) -> logits
+    (rows, vocab), the one-seat graph's head with the same weights."""
+    return DecoderIO((TensorSpec(HIDDEN, "float", ("rows", hidden_size)),), (TensorSpec(LOGITS, "float", ("rows", vocab_size)),))

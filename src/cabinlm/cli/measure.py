@@ -112,6 +112,11 @@ def bench(
     time_limit: float = typer.Option(1800, help="Seconds each engine may run before it is stopped."),
     model: Optional[str] = typer.Option(None, help="Model the baselines load [default: the artifact's source]."),
     trace_out: Optional[Path] = typer.Option(None, "--trace", help="Write every per-token sample (JSON) here."),
+    seats: int = typer.Option(
+        1, help="Seats talking at once (2 or more): N scripted dialogues on the one loaded model, rounds of a turn each, "
+        "decoded together (runtime.step_seats) and in turns, aggregate and per-seat decode tok/s, time to first token, "
+        "RSS; --tokens then bounds the tokens decoded per seat and mode.",
+    ),
     speculative: Optional[bool] = typer.Option(
         None, "--speculative/--no-speculative",
         help="Draft reply tokens by prompt lookup and verify them in chunks, as `cabinlm chat` does (the same "
@@ -145,6 +150,33 @@ def bench(
     check_output_file("plot", plot)
     check_output_file("trace", trace_out)
     m = load_manifest(artifact)  # a wrong path or a broken manifest fails here, before any run
+    if seats != 1:
+        from cabinlm.bench.seats import MODES, report as seats_report, run_in_child
+        from cabinlm.runtime.limits import check_seat_count
+
+        check_seat_count(seats)
+        if baseline or plot is not None or trace_out is not None:
+            raise OptionError("--seats takes no --baseline, --plot or --trace yet")
+        from cabinlm.bench.script import SYSTEM
+        from cabinlm.runtime.limits import check_system_prompt
+        from cabinlm.runtime.tokenizer import Tokenizer
+
+        system = SYSTEM
+        try:  # the scripted dialogue's system prompt, pinned where the cache's pinned slots hold it
+            check_system_prompt(SYSTEM, m, Tokenizer(Path(artifact) / m.files["tokenizer"].path), None)
+        except OptionError:
+            info(f"the bench's system prompt does not fit the {m.cache.sink + m.cache.pinned} pinned slots: none pinned")
+            system = ""
+        rounds = max(1, math.ceil(tokens / max_new))
+        info(f"cabinlm: {seats} seats at once through {artifact}, {rounds} rounds of one turn each (replies up to {max_new} "
+             f"tokens), {threads} threads; decoded together, then in turns")  # fmt: skip
+        runs = [run_in_child(artifact, seats, rounds, max_new, threads, seed, mode, time_limit, system) for mode in MODES]
+        if json_out:
+            typer.echo(json.dumps({"seats": [{k: v for k, v in r.items() if k != "replies"} for r in runs]}, indent=1))
+            return
+        for line in seats_report(runs):
+            typer.echo(line)
+        return
     for b in baseline:
         reason = bl.available(b.value)
         if reason:

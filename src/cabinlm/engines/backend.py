@@ -29,6 +29,7 @@ What the reply loop needs to know about a backend are properties, never its kind
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -132,6 +133,20 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def seat(self, table: SlotTable) -> Backend:
         """Another dialogue on the same loaded engine: weights shared, buffers its own."""
+
+    @property
+    def seat_batches(self) -> tuple[int, ...]:
+        """How many seats (2 or more) one graph run of run_seats can take: the build's batched graphs.
+        Empty: run_seats runs each seat alone."""
+        return ()
+
+    def run_seats(self, seats: Sequence[Backend], plans: Sequence[StepPlan], ids: Sequence[np.ndarray]) -> list[StepOutput]:
+        """Several seats' chunks (seats: backends of this loaded engine, made by seat(); plans and ids:
+        each seat's own, planned on its own table) in as few graph runs as the build allows, each
+        seat's last token's logits (1, vocab). Nothing is committed: each seat's output goes to that
+        seat's commit, exactly as its own run's would. A seat's output is what its own run gives (bit
+        for bit where the build says so: tests/test_batched_seats.py). Here: each seat alone."""
+        return [b.run(p, i, False, None) for b, p, i in zip(seats, plans, ids, strict=True)]
 
     def nbytes(self) -> int:
         """Bytes held by the cache buffers, read from the arrays themselves."""

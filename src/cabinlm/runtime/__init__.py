@@ -9,7 +9,7 @@ from pathlib import Path
 
 from cabinlm.manifest import Manifest, load_manifest, verify_checksums
 from cabinlm.engines.backend import Backend, BackendError
-from cabinlm.runtime.decoder import Decoder
+from cabinlm.runtime.decoder import Decoder, step_seats
 from cabinlm.runtime.dialogue import Dialogue, TurnResult
 from cabinlm.runtime.perplexity import PerplexityResult, stream_perplexity
 from cabinlm.runtime.sampler import Sampler
@@ -51,5 +51,6 @@ __all__ = [
     "load_manifest",
     "open_artifact",
     "open_runtime",
+    "step_seats",
     "stream_perplexity",
 ]

@@ -13,6 +13,7 @@ the backend's loaded graphs and weights; each has its own table and buffers.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +39,9 @@ class Decoder:
             _backend = open_backend(self.folder, self.manifest, self.cache, threads, session_config)
         self.backend = _backend
         self.vision = _vision
+        # Where steps go when seats decode together under a scheduler (serve.scheduler.SeatSteps): it
+        # runs them itself, with other seats' steps, through Decoder._step / step_seats. None: here.
+        self.together = None
         if _vision is None and self.manifest.vision is not None:
             from cabinlm.engines.onnxruntime.session import session_options
             from cabinlm.runtime.vision import VisionEncoder
@@ -59,6 +63,7 @@ class Decoder:
         other.cache = SlotTable(self.layout)
         other.backend = self.backend.seat(other.cache)
         other.vision = self.vision
+        other.together = self.together
         return other
 
     def reset(self) -> None:
@@ -76,6 +81,12 @@ class Decoder:
             raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
         if embeds is not None and self.manifest.vision is None:
             raise ValueError("this model has no vision input")
+        if self.together is not None:
+            return self.together.step(self, ids, pin, embeds, logits)
+        return self._step(ids, pin, embeds, logits)
+
+    def _step(self, ids: np.ndarray, pin: bool | str, embeds: np.ndarray | None, logits: str) -> np.ndarray:
+        """step() on this seat alone."""
         plan = self.cache.plan(len(ids), pin)
         out = self.backend.run(plan, ids, logits == "all", embeds)
         with defer_sigint():
@@ -107,6 +118,8 @@ class Decoder:
         K/V without writing the cache's slots (engines/backend.py), so rejected drafts need no
         rollback: the cache is what feeding the accepted tokens alone would have made it.
         Returns (logits (tokens, vocab), accepted)."""
+        if self.together is not None:
+            self.together.hold()  # a chunk with every row's logits runs alone, holding the model
         steps = self.backend.verifies_after_turnover
         plan = self.cache.plan(len(ids), steps=steps)
         out = self.backend.run(plan, ids, True, None)
@@ -134,3 +147,29 @@ class Decoder:
         if all_logits:
             return np.concatenate(parts, axis=0)
         return logits[-1].copy()
+
+
+def step_seats(decoders: Sequence[Decoder], chunks: Sequence, pins: Sequence[bool] | None = None) -> list[np.ndarray]:
+    """One step for several seats together: seat i's chunk chunks[i] (1..chunk tokens; a decode step is
+    one) planned on its own slot table (pinned where pins[i]), all run by the backend's run_seats (the
+    fused cpu build: one graph run per batch of seats, FusedSettings.seat_batches; elsewhere each seat
+    alone), then every seat's K/V committed and its table advanced, with Ctrl-C held over all the
+    commits: an interrupted step leaves every seat as it was. Returns each seat's last token's logits
+    (vocab,), what decoders[i].step(chunks[i], pin, logits="last") gives (bit for bit on the fused cpu
+    build: tests/test_batched_seats.py).
+
+    The decoders are seats of one loaded model (Decoder.seat), each at most once; which seats step
+    together may change from one step to the next (a seat joins or leaves between steps)."""
+    if not decoders:
+        return []
+    chunks = [np.ascontiguousarray(c, dtype=np.int64) for c in chunks]
+    pins = list(pins) if pins is not None else [False] * len(decoders)
+    if not len(decoders) == len(chunks) == len(pins):
+        raise ValueError(f"step_seats: {len(decoders)} seats, {len(chunks)} chunks, {len(pins)} pins")
+    plans = [d.cache.plan(len(c), p) for d, c, p in zip(decoders, chunks, pins)]
+    outs = decoders[0].backend.run_seats([d.backend for d in decoders], plans, chunks)
+    with defer_sigint():
+        for d, plan, out in zip(decoders, plans, outs):
+            d.backend.commit(plan, out)
+            d.cache.advance(plan)
+    return [out.logits[-1].copy() for out in outs]

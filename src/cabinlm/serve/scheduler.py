@@ -12,6 +12,9 @@ So a reply's time to first token is bounded by one prefill (plus one token per w
 another seat's whole reply, and N streaming seats decode round-robin at 1/N of the solo speed each.
 A prefill (a prompt, or a seat starting over from a long history) is not split.
 
+Where the build's seats decode together (a fused cpu build's batched graphs), SeatSteps below keeps
+these turns and lets the seat that passed the model on ride: its steps go with the holder's in one run.
+
 A plain threading.Lock is not used: its release-then-acquire lets the releasing thread take it again
 at once (no hand-over), which would starve every other seat.
 """
@@ -20,6 +23,8 @@ from __future__ import annotations
 
 import collections
 import threading
+
+import numpy as np
 
 
 class ModelTurns:
@@ -64,3 +69,176 @@ class ModelTurns:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+class _Posted:
+    """A step posted by a seat that rides (holds no model): run by the model's holder along with its own."""
+
+    __slots__ = ("dec", "ids", "pin", "done", "logits", "error", "lead")
+
+    def __init__(self, dec, ids: np.ndarray, pin: bool | str):
+        self.dec, self.ids, self.pin = dec, ids, pin
+        self.done = threading.Event()  # set once the step ran (logits or error), or the model is handed over (lead)
+        self.logits: np.ndarray | None = None  # (1, vocab): what the seat's own step would return
+        self.error: BaseException | None = None
+        self.lead = False  # the model was handed to this rider: it runs its step itself
+
+
+class SeatSteps(ModelTurns):
+    """ModelTurns for a build whose seats decode together (Backend.seat_batches): the same turns, in
+    the same order, with the same hand-over, and one thing more. A seat that passes its turn on
+    between two tokens (pass_turn, another request waiting) no longer queues for the model: it *rides*.
+    Its next steps (Decoder.step routes them here: Decoder.together) are posted, and whoever holds the
+    model runs them with its own step in one batched run (runtime.step_seats):
+
+        time ->   seat A:  [prefill A][tok A] (rides)   [tok A ........ A's steps go with B's, then C's]
+                  seat B:        waits  [prefill B + A's tok][tok B + A's][tok B] (rides) ...
+                  seat C:              waits                              [prefill C + A's + B's] ...
+
+    A rider's step is run as its own step would be, bit for bit (tests/test_batched_seats.py), so
+    replies are those of turns taken one after another. Admission does not change: a new turn still
+    waits for the model in arrival order (acquire) and takes it at the holder's next pass_turn; its
+    prefill chunks then carry the riders' decode steps, so their replies go on while it prefills. The
+    holder waits at most RIDER_WAIT_S for riders that have their step's result but have not posted
+    the next one yet (a rider between two tokens: sampling, streaming its text). When the holder's turn
+    ends with riders posted and no turn queued, the oldest rider takes the model. A step that cannot
+    ride (a camera frame's embeddings, every row's logits, a verified draft: Decoder.verify calls
+    hold()) takes the model in turn; the holder runs the posted steps before anything it runs alone."""
+
+    RIDER_WAIT_S = 0.004
+
+    def __init__(self, max_batch: int):
+        super().__init__()
+        self.max_batch = max_batch  # seats one run may take: the build's largest batch
+        self._posted: collections.deque[_Posted] = collections.deque()
+        self._riders = 0  # threads riding now (posted or between two of their steps)
+        self._changed = threading.Condition(self._mutex)  # a step posted, or a rider gone
+        self._local = threading.local()  # .riding: this thread passed its turn on and holds no model
+        self.batched_runs = 0  # runs of two or more seats' steps (reports, tests)
+
+    def _riding(self) -> bool:
+        return getattr(self._local, "riding", False)
+
+    def _stop_riding(self) -> None:
+        """Under the mutex: this thread rides no more (it holds the model, or its turn ended)."""
+        self._local.riding = False
+        self._riders -= 1
+        self._changed.notify_all()
+
+    def acquire(self) -> None:
+        super().acquire()
+        self._local.riding = False
+
+    def release(self) -> None:
+        with self._mutex:
+            if self._riding():  # a turn that ends while riding holds nothing
+                self._stop_riding()
+                return
+            if self._waiting:  # a turn waits: it takes the model (and the riders along)
+                self._waiting.popleft().set()
+            elif self._posted:  # none: the oldest rider takes it
+                rider = self._posted.popleft()
+                rider.lead = True
+                rider.done.set()
+            else:
+                self._held = False
+
+    def pass_turn(self) -> None:
+        """Between two tokens: if a turn waits, the model goes to it and this seat rides from here on."""
+        if self._riding():
+            return
+        with self._mutex:
+            if not self._waiting:
+                return
+            self._waiting.popleft().set()  # hand over; _held stays True
+            self._local.riding = True
+            self._riders += 1
+
+    def hold(self) -> None:
+        """The calling seat is about to run something alone (a verified draft): take the model in turn
+        if it rides; the riders' posted steps run first, together."""
+        self._take_model()
+        self._run_posted()
+
+    def _take_model(self) -> None:
+        if self._riding():
+            with self._mutex:
+                self._stop_riding()
+            super().acquire()
+
+    def step(self, dec, ids: np.ndarray, pin: bool | str, embeds: np.ndarray | None, logits: str) -> np.ndarray:
+        """Decoder.step of a seat under this scheduler (Decoder.together)."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        alone = embeds is not None or (logits == "all" and len(ids) > 1)
+        if alone:
+            self.hold()
+            return dec._step(ids, pin, embeds, logits)
+        if self._riding():
+            rider = _Posted(dec, ids, pin)
+            with self._mutex:
+                if self._held:
+                    self._posted.append(rider)
+                    self._changed.notify_all()
+                else:  # nobody holds the model: this seat takes it
+                    self._held = True
+                    self._stop_riding()
+            if self._riding():
+                rider.done.wait()
+                if not rider.lead:
+                    if rider.error is not None:
+                        raise rider.error
+                    return rider.logits
+                with self._mutex:  # handed the model (release): this seat holds it now
+                    self._stop_riding()
+        dec.cache.plan(len(ids), pin)  # a chunk the table refuses is refused before riders are taken
+        riders = self._ready(self._take(self.max_batch - 1))
+        if not riders:
+            return dec._step(ids, pin, None, logits)
+        return self._run([dec, *(r.dec for r in riders)], [ids, *(r.ids for r in riders)], [pin, *(r.pin for r in riders)],
+                         riders)[0][None]  # fmt: skip
+
+    def _take(self, room: int, wait: bool = True) -> list[_Posted]:
+        """Up to `room` posted steps, oldest first; wait: after waiting (at most RIDER_WAIT_S) for
+        every rider to post, so that the holder's step takes them along."""
+        with self._changed:
+            if wait:
+                self._changed.wait_for(lambda: len(self._posted) >= min(room, self._riders), timeout=self.RIDER_WAIT_S)
+            return [self._posted.popleft() for _ in range(min(room, len(self._posted)))]
+
+    @staticmethod
+    def _ready(riders: list[_Posted]) -> list[_Posted]:
+        """The riders whose chunk their table takes; the others get the table's error (as their own
+        step would raise it) and ride no further."""
+        ok = []
+        for r in riders:
+            try:
+                r.dec.cache.plan(len(r.ids), r.pin)
+            except Exception as e:  # noqa: BLE001 - handed to the rider's thread, which raises it
+                r.error = e
+                r.done.set()
+            else:
+                ok.append(r)
+        return ok
+
+    def _run(self, decoders, chunks, pins, riders: list[_Posted]) -> list[np.ndarray]:
+        """One step_seats over the holder's step (if any) and the riders'; every rider woken with its
+        logits, or with the error that stopped the run."""
+        from cabinlm.runtime.decoder import step_seats
+
+        try:
+            got = step_seats(decoders, chunks, pins)
+        except BaseException as e:
+            for r in riders:
+                r.error = e
+                r.done.set()
+            raise
+        for r, logits in zip(riders, got[len(got) - len(riders) :]):
+            r.logits = logits[None]
+            r.done.set()
+        self.batched_runs += len(decoders) > 1
+        return got
+
+    def _run_posted(self) -> None:
+        riders = self._ready(self._take(self.max_batch, wait=False))
+        if riders:
+            self._run([r.dec for r in riders], [r.ids for r in riders], [r.pin for r in riders], riders)

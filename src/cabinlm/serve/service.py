@@ -39,7 +39,7 @@ from cabinlm.runtime.limits import check_count
 from cabinlm.runtime.template import Template
 from cabinlm.serve.admission import Admission, SharedTokenizer
 from cabinlm.serve.history import SeatRecord, TurnPlan, plan_turn
-from cabinlm.serve.scheduler import ModelTurns
+from cabinlm.serve.scheduler import ModelTurns, SeatSteps
 from cabinlm.serve.schema import MAX_TOKENS_LIMIT, ChatRequest, RequestError, parse_chat_request
 from cabinlm.serve.seats import Seat, SeatManager
 from cabinlm.serve.store import SeatStore
@@ -153,7 +153,13 @@ class ChatService:
         self.seats = SeatManager(dialogues)
         self.store = store
         self.resumed = self.seats.resume(store) if store is not None else []
-        self.model = ModelTurns()
+        batches = first.backend.seat_batches
+        if batches and len(dialogues) > 1:  # the seats' steps ride together (scheduler.SeatSteps)
+            self.model: ModelTurns = SeatSteps(max(batches))
+            for d in dialogues:
+                d.decoder.together = self.model
+        else:
+            self.model = ModelTurns()
         self.started = time.time()
         # One worker per seat: every seat can have a turn in flight (they take the model in turns).
         self._executor = concurrent.futures.ThreadPoolExecutor(len(dialogues), thread_name_prefix="cabinlm-seat")

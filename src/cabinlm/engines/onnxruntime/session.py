@@ -8,6 +8,7 @@ import os
 import re
 from pathlib import Path
 
+import numpy as np
 import onnxruntime as ort
 
 from cabinlm.buildspec import BuildSpec, OptimizationLevel
@@ -153,3 +154,18 @@ def check_io(session: ort.InferenceSession, io: DecoderIO, where: Path, built: b
                 f"{where}: graph tensor {t.name!r} has shape {arg.shape}, the manifest says {list(t.shape)}; the graph "
                 f"and the manifest come from different exports or builds: {again}"
             )
+
+
+def mapped_weights(folder: Path, table) -> list[tuple[str, ort.OrtValue]]:
+    """The weights several graphs of a build share (table: engines/ort_static/spec.SharedWeights), as
+    OrtValues over one read-only memory map of its weights file: handed to every session
+    (SessionOptions.add_initializer), they are held in memory once. ValueError for a table that
+    reaches past the file."""
+    data = np.memmap(folder / table.file, dtype=np.uint8, mode="r")
+    out = []
+    for t in table.tensors:
+        if t.offset + t.length > len(data):
+            raise ValueError(f"shared weight {t.name} lies beyond the end of {table.file}")
+        arr = data[t.offset : t.offset + t.length].view(np.dtype(t.dtype)).reshape(t.shape)
+        out.append((t.name, ort.OrtValue.ortvalue_from_numpy(arr)))
+    return out

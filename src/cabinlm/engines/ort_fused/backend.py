@@ -18,7 +18,8 @@ Int8 KV has static per-channel scales (the manifest's kv_scales), held by the gr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -27,10 +28,11 @@ import onnxruntime as ort
 from cabinlm import io_spec as io
 from cabinlm.engines.registry import BackendKind
 from cabinlm.manifest import Manifest
-from cabinlm.engines.backend import Backend, StepOutput
+from cabinlm.engines.backend import Backend, BackendError, StepOutput
 from cabinlm.engines.onnxruntime.binding import Binding, ortvalue
-from cabinlm.engines.onnxruntime.session import check_io, open_session, session_options
+from cabinlm.engines.onnxruntime.session import check_io, mapped_weights, open_session, session_options
 from cabinlm.engines.ort_fused.rotated import RingTables, RotatedKeys
+from cabinlm.engines.ort_fused.spec import FusedSettings
 from cabinlm.runtime.slots import SlotTable, StepPlan
 
 
@@ -41,16 +43,50 @@ class FusedGraphs:
     manifest: Manifest
     decoder: ort.InferenceSession
     rotate: ort.InferenceSession | None  # the sink / pinned keys' refresh graph (numpy without it)
+    # seats decoding together: the batched graph of each batch size (FusedSettings.seat_batches)
+    seats: dict[int, ort.InferenceSession] = field(default_factory=dict)
+    head: ort.InferenceSession | None = None  # their LM head: hidden rows -> logits (io_spec.head_io)
+    weights: list[tuple[str, ort.OrtValue]] = field(default_factory=list)  # every graph's weights, one map, kept alive here
+    # batched graphs' bindings with their seats' caches bound, by the seats (FusedBackend._seat_binding)
+    seat_bindings: dict[tuple, tuple] = field(default_factory=dict)
 
 
 def load_fused(folder: Path, manifest: Manifest, threads: int | None, extra: dict[str, str] | None) -> FusedGraphs:
+    """The build's sessions. A build with batched graphs (FusedSettings.seat_batches) hands every
+    decoder session its weights from one read-only map of the weights file (held once); a build
+    without them lets ONNX Runtime load the weights file itself, as before."""
     spec = manifest.runtime_spec
-    decoder = open_session(folder / manifest.files["graph"].path, session_options(spec, threads, extra), spec)
+    facts = spec.facts_as(FusedSettings)
+    weights: list[tuple[str, ort.OrtValue]] = []
+    if facts is not None and facts.seat_batches:
+        try:
+            weights = mapped_weights(folder, facts.shared_weights)
+        except ValueError as e:
+            raise BackendError(f"{folder}: {e}; run `cabinlm build` again") from e
+
+    def options() -> ort.SessionOptions:
+        so = session_options(spec, threads, extra)
+        for name, ov in weights:
+            so.add_initializer(name, ov)
+        return so
+
+    decoder = open_session(folder / manifest.files["graph"].path, options(), spec)
     check_io(decoder, manifest.io, folder, built=True)
+    seats, head = {}, None
+    model = manifest.model
+    for b in facts.seat_batches if facts is not None else ():
+        for role in (f"graph_seats{b}", "graph_head"):
+            if role not in manifest.files:
+                raise BackendError(f"{folder}: the build has batched graphs but lists no {role}; run `cabinlm build` again")
+        seats[b] = open_session(folder / manifest.files[f"graph_seats{b}"].path, options(), spec)
+        check_io(seats[b], io.seats_io(manifest.io, b, model.hidden_size), folder, built=True)
+        if head is None:
+            head = open_session(folder / manifest.files["graph_head"].path, options(), spec)
+            check_io(head, io.head_io(model.hidden_size, model.vocab_size), folder, built=True)
     rotate = None
     if "rotate_graph" in manifest.files:
         rotate = open_session(folder / manifest.files["rotate_graph"].path, session_options(spec, 1), spec)
-    return FusedGraphs(manifest, decoder, rotate)
+    return FusedGraphs(manifest, decoder, rotate, seats, head, weights)
 
 
 class FusedBackend(Backend):
@@ -205,13 +241,22 @@ class FusedBackend(Backend):
         into rows F..F+n-1: empty slots or scratch rows, never a cached token's."""
         if embeds is not None:
             raise ValueError("this model has no vision input")
-        n, N = plan.tokens, self.layout.slots
         if not self.steps:
             self.rotated.refresh(plan)
         self.rotated.chunk_tables(plan)
         F = plan.extent
-        if n == 1:
+        if plan.tokens == 1:
             return self._run_one(ids, plan, F)
+        inputs = self._chunk_inputs(plan, ids, all_logits)
+        self._bind_ahead()
+        outs = self._prefill.run(inputs)
+        return StepOutput(outs[0], (F, outs[1:]))
+
+    def _chunk_inputs(self, plan: StepPlan, ids: np.ndarray, all_logits: bool) -> dict[str, np.ndarray]:
+        """A chunk's inputs besides the cache (bound once), the rotation tables already filled for the
+        plan (RotatedKeys.chunk_tables): what a chunk of any size, or a seat's rows of a batched run,
+        hands the graph."""
+        n, N, F = plan.tokens, self.layout.slots, plan.extent
         mask = plan.attention_mask
         bias = mask[None, None] if F == N else np.concatenate([mask[:, :F], mask[:, N:]], axis=1)[None, None]
         rows = self._rows[:n] if all_logits else self._rows[n - 1 : n]
@@ -241,9 +286,7 @@ class FusedBackend(Backend):
                            io.LOCAL_TOTAL_SEQUENCE_LENGTH: np.array(Fl + n, dtype=np.int32)})  # fmt: skip
             if self.local_steps:
                 inputs[io.LOCAL_ROW_SLOTS] = plan.local_slots if plan.steps else Fl + self._rows[:n]
-        self._bind_ahead()
-        outs = self._prefill.run(inputs)
-        return StepOutput(outs[0], (F, outs[1:]))
+        return inputs
 
     def _run_one(self, ids: np.ndarray, plan: StepPlan, F: int) -> StepOutput:
         """One token: the inputs bound at load are written in place."""
@@ -302,6 +345,88 @@ class FusedBackend(Backend):
         outs = self._decode.run(bias)
         self.rotated.ahead_done()
         return StepOutput(outs[0], (F, outs[1:]))
+
+    @property
+    def seat_batches(self) -> tuple[int, ...]:
+        return tuple(self.graphs.seats)
+
+    def run_seats(self, seats: Sequence[Backend], plans: Sequence[StepPlan], ids: Sequence[np.ndarray]) -> list[StepOutput]:
+        """The seats in runs of the largest batch that fits (4 seats of a (2, 4) build: one run; 3: a
+        run of 2, then one alone), each seat's rows through the batched graph as its own run would
+        compute them: the weight matmuls take every seat's rows (BlockQ4MatMul computes each row by
+        the same sequence whatever the rows beside it), the attention each seat's own node over its own
+        cache with the same inputs as its own chunk (_chunk_inputs)."""
+        if not len(seats) == len(plans) == len(ids):
+            raise ValueError(f"run_seats: {len(seats)} seats, {len(plans)} plans, {len(ids)} chunks")
+        if any(not isinstance(b, FusedBackend) or b.graphs is not self.graphs for b in seats):
+            raise ValueError("run_seats takes seats of this loaded build (Decoder.seat), not another's")
+        if len({id(b) for b in seats}) != len(seats):
+            raise ValueError("run_seats: a seat appears twice in one step")
+        outs: list[StepOutput] = []
+        start = 0
+        while start < len(seats):
+            fits = [b for b in self.seat_batches if b <= len(seats) - start]
+            if not fits:
+                outs.append(seats[start].run(plans[start], ids[start], False, None))
+                start += 1
+                continue
+            b = max(fits)
+            outs += self._run_batch(seats[start : start + b], plans[start : start + b], ids[start : start + b])
+            start += b
+        return outs
+
+    def _seat_binding(self, seats: Sequence[FusedBackend]):
+        """The batched graph's binding for these seats in this order, their caches bound once (as a
+        seat's own decode binding binds its cache at load): kept for the last few groups of seats."""
+        held = self.graphs.seat_bindings
+        key = tuple(id(b) for b in seats)
+        entry = held.get(key)
+        if entry is not None and all(a is b for a, b in zip(entry[0], seats)):
+            return entry[1]
+        binding = self.graphs.seats[len(seats)].io_binding()
+        for s, seat in enumerate(seats):
+            for name, ov in seat._cache_values:
+                binding.bind_ortvalue_input(io.seat_name(name, s), ov)
+        if len(held) >= 16:  # groups seen long ago (a serve's seats are few and fixed at start)
+            del held[next(iter(held))]
+        held[key] = (tuple(seats), binding)  # the seats kept alive with the binding of their buffers
+        return binding
+
+    def _run_batch(self, seats: Sequence[FusedBackend], plans: Sequence[StepPlan], ids: Sequence[np.ndarray]) -> list[StepOutput]:
+        """One run of the batched graph for len(seats) seats (io_spec.seats_io): seat s's inputs under
+        its own names, its cache bound in place (the kernel writes its chunk's K/V into seat s's rows F..,
+        as its own run would), the rows stacked seat after seat; the logits of each seat's last row."""
+        binding = self._seat_binding(seats)
+        session = self.graphs.seats[len(seats)]
+        counts = np.array([p.tokens for p in plans], dtype=np.int64)
+        ends = np.cumsum(counts)
+        inputs = {io.INPUT_IDS: np.concatenate([np.asarray(i, dtype=np.int64) for i in ids]),
+                  io.SEAT_TOKENS: counts, io.LOGIT_ROWS: ends - 1}  # fmt: skip
+        kept = []  # the arrays bound for this run, alive until it returns
+        for s, (seat, plan, chunk) in enumerate(zip(seats, plans, ids, strict=True)):
+            if plan.tokens != len(chunk):
+                raise ValueError(f"seat {s}: a plan of {plan.tokens} tokens for a chunk of {len(chunk)}")
+            if plan.steps and not seat.steps:
+                raise ValueError("this build's attention cannot run a chunk as one-token steps")
+            seat.rotated.chunk_tables(plan)
+            own = seat._chunk_inputs(plan, chunk, all_logits=True)
+            for name in io.SHARED_BY_SEATS:
+                own.pop(name)
+            for name, value in own.items():
+                inputs[io.seat_name(name, s)] = value
+        for name, value in inputs.items():
+            value = np.ascontiguousarray(value)
+            kept.append(value)
+            binding.bind_cpu_input(name, value)
+        for out in session.get_outputs():
+            binding.bind_output(out.name, "cpu")
+        session.run_with_iobinding(binding)
+        got = [o.numpy() for o in binding.get_outputs()]  # in declared order: hidden, then qkv.{l}
+        hidden, qkv = got[0], got[1:]
+        logits = self.graphs.head.run([io.LOGITS], {io.HIDDEN: hidden})[0]  # (seats, vocab)
+        starts = ends - counts
+        return [StepOutput(logits[s : s + 1], (plan.extent, [q[:, a:e] for q in qkv]))
+                for s, (plan, a, e) in enumerate(zip(plans, starts, ends))]  # fmt: skip
 
     def commit(self, plan: StepPlan, out: StepOutput) -> None:
         """Keep the sink / pinned tokens' un-rotated keys, then move the chunk's rows F.. into their

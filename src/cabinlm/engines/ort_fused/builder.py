@@ -4,6 +4,8 @@ Runtime's fusions done offline, then the build checked against the exported grap
 
 from __future__ import annotations
 
+import hashlib
+import tempfile
 from pathlib import Path
 from typing import ClassVar
 
@@ -19,6 +21,8 @@ from cabinlm.engines.ort_fused.kernels import FAST_MATMUL_ISAS, LIBRARY, MATMUL_
 from cabinlm.engines.ort_fused.kernels.compiler import registrable
 from cabinlm.engines.ort_fused.spec import FusedSettings, KernelLibrary
 from cabinlm.engines.ort_graph.builder import spec_for, targets_cpu
+from cabinlm.engines.ort_static.builder import weight_table
+from cabinlm.engines.ort_static.spec import SharedWeights
 from cabinlm.engines.output import BuildOutput
 from cabinlm.engines.registry import BackendKind
 from cabinlm.manifest import MANIFEST_NAME, Manifest
@@ -85,6 +89,100 @@ def _kernel_library(request: BuildRequest, folder: Path, insisted: bool, kept: s
     return lib
 
 
+# The batch sizes of a fused build's batched graphs (seats decoding together; FusedSettings.seat_batches):
+# a step of n ready seats runs the largest of these that fits, then the next (runtime: FusedBackend.run_seats).
+SEAT_BATCHES = (2, 4)
+
+
+def seats_graph_file(seats: int) -> str:
+    return f"decoder.seats{seats}.onnx"
+
+
+def _content_key(dtype: int, dims, data: bytes) -> tuple:
+    return dtype, tuple(dims), hashlib.sha256(data).hexdigest()
+
+
+def _share_weights(model: onnx.ModelProto, own_data: Path, base: SharedWeights, base_data: Path, tag: str) -> None:
+    """Point every external initializer of `model` (a batched graph, its weights written to own_data by
+    the offline optimization) at the one-seat graph's copy of the same bytes in base_data, under that
+    copy's name, so that one map of base_data serves both graphs. A weight with no identical twin in
+    the one-seat graph is a BuildError (the two graphs are built from the same initializers and
+    optimized alike, so there is none). An embedded initializer whose name the shared table holds is
+    renamed (the session would otherwise be handed the shared tensor of that name)."""
+    base_bytes = base_data.read_bytes()
+    own_bytes = own_data.read_bytes()
+    np_types = {"float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16, "int64": onnx.TensorProto.INT64,
+                "int32": onnx.TensorProto.INT32, "int8": onnx.TensorProto.INT8, "uint8": onnx.TensorProto.UINT8}  # fmt: skip
+    by_content = {}
+    for t in base.tensors:
+        by_content.setdefault(_content_key(np_types[t.dtype], t.shape, base_bytes[t.offset : t.offset + t.length]), t)
+    rename: dict[str, str] = {}
+    keep, seen = [], set()
+    shared_names = {t.name for t in base.tensors}
+    for init in model.graph.initializer:
+        if init.data_location == onnx.TensorProto.EXTERNAL:
+            info = {e.key: e.value for e in init.external_data}
+            offset, length = int(info.get("offset", 0)), int(info["length"])
+            twin = by_content.get(_content_key(init.data_type, init.dims, own_bytes[offset : offset + length]))
+            if twin is None:
+                raise BuildError(f"the {tag} graph's weight {init.name!r} ({list(init.dims)}) is not the one-seat graph's: "
+                                 "its graphs could not share one weights file; build with --attention graph and report this")
+            rename[init.name] = twin.name
+            if twin.name in seen:
+                continue  # the same bytes twice: one initializer of that name
+            seen.add(twin.name)
+            init.name = twin.name
+            del init.external_data[:]
+            for key, value in (("location", base.file), ("offset", str(twin.offset)), ("length", str(twin.length))):
+                entry = init.external_data.add()
+                entry.key, entry.value = key, value
+        elif init.name in shared_names:
+            rename[init.name] = init.name = f"{init.name}@{tag}"
+        keep.append(init)
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(keep)
+    for node in model.graph.node:
+        for k, name in enumerate(node.input):
+            if name in rename:
+                node.input[k] = rename[name]
+
+
+HEAD_GRAPH = "decoder.head.onnx"
+
+
+def _seat_graphs(request: BuildRequest, output: BuildOutput, graph: onnx.ModelProto, solo: onnx.ModelProto, kernel: str,
+                 matmul: str, registered: Path | None) -> tuple[tuple[int, ...], SharedWeights | None]:
+    """The batched graphs (graph.fused_model(seats=B) for B in SEAT_BATCHES), optimized offline like
+    the one-seat graph and pointed at its weights file, and the LM head they share (graph.head_model
+    of `solo`, the one-seat fused decoder); and that file's table, for the runtime's shared map. None where the attention is not cabinlm's kernel (GroupQueryAttention's steps refresh
+    the cache's sink / pinned rows themselves: a per-seat side graph this first step does not have)."""
+    for name in (HEAD_GRAPH, *map(seats_graph_file, SEAT_BATCHES)):
+        output.path(name).unlink(missing_ok=True)  # an earlier build's, in the same folder
+    if kernel != "cabinlm":
+        return (), None
+    base = weight_table(onnx.load(str(output.path(OPT_GRAPH)), load_external_data=False), OPT_DATA)
+    manifest = request.manifest
+
+    def write(model: onnx.ModelProto, file: str, role: str) -> None:
+        with tempfile.TemporaryDirectory(dir=output.folder) as tmp:
+            optimize_offline(model.SerializeToString(), Path(tmp), registered)
+            shared = onnx.load(str(Path(tmp) / OPT_GRAPH), load_external_data=False)
+            data = Path(tmp) / OPT_DATA
+            if not data.exists():  # every weight small enough to stay in the graph
+                data.write_bytes(b"")
+            _share_weights(shared, data, base, output.path(OPT_DATA), role)
+        onnx.save_model(shared, str(output.path(file)))
+        output.add(role, file)
+
+    write(fused_graph.head_model(solo, manifest), HEAD_GRAPH, "graph_head")
+    for b in SEAT_BATCHES:
+        write(fused_graph.fused_model(graph, manifest, request.options.accuracy_level, request.options.minimums, kernel,
+                                      matmul, seats=b), seats_graph_file(b), f"graph_seats{b}")  # fmt: skip
+    request.log(f"seats decode together: batched graphs for {', '.join(map(str, SEAT_BATCHES))} seats (one attention per "
+                "seat over its own cache) and their LM head, every graph reading one map of the weights")  # fmt: skip
+    return SEAT_BATCHES, base
+
+
 class FusedBuilder(Builder):
     kind: ClassVar[BackendKind] = BackendKind.FUSED
     preference: ClassVar[int] = 10  # the cpu profile's engine wherever it applies
@@ -123,9 +221,6 @@ class FusedBuilder(Builder):
             output.path(library.file).unlink()  # compiled, then not taken: the build does not carry it
             library = None
         model = fused_graph.fused_model(graph, manifest, opts.accuracy_level, opts.minimums, kernel, matmul)
-        facts = FusedSettings(accuracy_level=opts.accuracy_level, minimums=opts.minimums.value,
-                              attention_kernel=kernel, matmul_kernel=matmul, kernels=library,
-                              step_rows=kernel == "cabinlm")  # fmt: skip
         op = "cabinlm's Int8KVAttention" if kernel == "cabinlm" else "GroupQueryAttention"
         mm = "BlockQ4MatMul for the Q4_1 matrices, " if any(n.op_type in (MATMUL_OP, SWIGLU_MATMUL_OP) for n in model.graph.node) else ""
         log(f"fused the decoder: {len(model.graph.node)} nodes (the export has {len(graph.graph.node)}), "
@@ -141,7 +236,6 @@ class FusedBuilder(Builder):
             log(f"{on_nbits} Q4_1 matrices on MatMulNBits: " + ("4-bit blocks, minimums added exactly (block sums)"
                 if opts.minimums.value == "exact"
                 else "8-bit blocks with integer zero points (each minimum rounded to 1/34 of its block's step)"))  # fmt: skip
-        del graph
 
         output.path(fused_graph.ROTATE_GRAPH).unlink(missing_ok=True)  # an earlier build's, in the same folder
         if kernel != "cabinlm":  # GroupQueryAttention reads the sink / pinned keys from the cache: the runtime refreshes them
@@ -151,7 +245,11 @@ class FusedBuilder(Builder):
             output.add("kernel_library", library.file)  # listed with its sha256, as fused.kernels records it
         with registrable(output.path(library.file) if library else None, library) as registered:  # a cross build's: this machine's twin
             optimize_offline(model.SerializeToString(), output.folder, registered)
-        del model
+            batches, shared = _seat_graphs(request, output, graph, model, kernel, matmul, registered)
+        del graph, model
+        facts = FusedSettings(accuracy_level=opts.accuracy_level, minimums=opts.minimums.value,
+                              attention_kernel=kernel, matmul_kernel=matmul, kernels=library,
+                              step_rows=kernel == "cabinlm", seat_batches=batches, shared_weights=shared)  # fmt: skip
         output.add("graph", OPT_GRAPH)
         output.add("graph_data", OPT_DATA)
         log(f"optimized the graph offline for {request.profile.execution_provider}")

@@ -132,7 +132,7 @@ class _Builder:
 
 def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int = 4,
                 minimums: str = "int8", attention_kernel: str = "onnxruntime",
-                matmul_kernel: str = "onnxruntime") -> onnx.ModelProto:
+                matmul_kernel: str = "onnxruntime", seats: int = 0) -> onnx.ModelProto:
     """The fused decoder (module docstring) built from the exported graph's initializers.
 
     minimums: how GGUF Q4_1 blocks (which carry a block minimum) run. "exact": 4-bit MatMulNBits plus
@@ -147,7 +147,17 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
     matmul_kernel (builders.MatmulKernel): "cabinlm" runs each Q4_1 matrix whose scales and minimums
     are float16 (a GGUF's always are) on ai.cabinlm::BlockQ4MatMul (kernels/block_q4_matmul.cc),
     its 4-bit codes and minimums as exported, the down projection as BlockQ4SwiGLUMatMul (the SwiGLU
-    computed in its kernel); `minimums` then applies to any other Q4_1 matrix."""
+    computed in its kernel); `minimums` then applies to any other Q4_1 matrix.
+
+    seats: 0, the one-seat graph; 2 or more, the batched graph of that many seats (io_spec.seats_io,
+    cabinlm's attention kernel only): the seats' rows stacked through every weight matmul, norm and
+    activation (each computes row by row, so a seat's row is what it is alone), and per layer one
+    attention node per seat over that seat's own inputs:
+
+        qkv (1, tokens, width) ─ Split(seat_tokens, axis 1) ─┬─ rows of seat 0 ─ Int8KVAttention(key_cache.l.seat0, ...) ─┐
+                                                             ├─ ...                                                   ├─ Concat ─ W_o
+                                                             └─ rows of seat B-1 ─ Int8KVAttention(... .seat{B-1}) ───┘
+    Its weights are the one-seat graph's, under the same names (the build points both at one file)."""
     from cabinlm.engines.ort_fused.spec import AttentionKernel, MatmulKernel, Minimums
     from cabinlm.engines.ort_fused import kernels
 
@@ -319,11 +329,15 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
     no_rows = None  # the local layers' empty rotation rows for the sink / pinned keys (made once)
     if own_kernel and not quantized_kv:
         raise BuildError(f"cabinlm's attention kernel takes int8 KV, not {lay.kv_dtype.value}; use --attention-kernel onnxruntime")
+    if seats and (not own_kernel or seats < 2):
+        raise BuildError(f"a batched graph takes 2 or more seats on cabinlm's attention kernel, got {seats} seats on "
+                         f"{attention_kernel.value}")
     kv_scales = {}
     if quantized_kv:
         kv_scales = {k: manifest.kv_scales.array(k) for k in ("rotated_keys", "values")}
     I = spec.intermediate_size
     residual = None
+    seat_inputs = mf.fused_decoder_io(lay, H, spec.vocab_size, present=False, steps=True).inputs if seats else ()
     for i in range(lay.layers):
         p = f"layers.{i}"
         norm = float_weight(mf.weight_name(i, "input_norm.weight"))
@@ -362,7 +376,15 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
                 if no_rows is None:
                     no_rows = b.const(np.zeros((1, 0, Dh // 2), np.float32))
                 ins += [io_spec.KEY_SOURCE, no_rows, no_rows, b.const(np.array([0], np.int64)), io_spec.LOCAL_ROW_SLOTS]
-            att = b.op(kernels.ATTENTION_OP, *ins, domain=kernels.DOMAIN, hint=f"{p}/attention")
+            if not seats:
+                att = b.op(kernels.ATTENTION_OP, *ins, domain=kernels.DOMAIN, hint=f"{p}/attention")
+            else:  # each seat's rows over its own cache, rotation rows, bias, lengths and slots; weights shared
+                per_seat = set(ins[1:]) & {t.name for t in seat_inputs}
+                rows = b.op("Split", q_in, io_spec.SEAT_TOKENS, outputs=seats, axis=1, hint=f"{p}/seat_rows")
+                att = b.op("Concat", *[b.op(kernels.ATTENTION_OP, rows[s], *[io_spec.seat_name(n, s) if n in per_seat else n
+                                                                             for n in ins[1:]],
+                                            domain=kernels.DOMAIN, hint=f"{p}/attention.seat{s}") for s in range(seats)],
+                           axis=1, hint=f"{p}/seats")  # fmt: skip
         else:
             gqa_in = [qkv, "", "", mf.key_cache_name(i), mf.value_cache_name(i), *lengths, ""]
             attrs = dict(num_heads=H, kv_num_heads=Hkv, scale=float(spec.softmax_scale), do_rotary=1, rotary_interleaved=0,
@@ -391,8 +413,11 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
         x = out_norm(x, i, "mlp_out_norm")
     x = b.op("Squeeze", b.op("Add", x, residual), b.const(np.array([0], np.int64)))
     x = b.op("Gather", x, mf.LOGIT_ROWS, axis=0, hint="logit_rows")
-    h = b.op("SimplifiedLayerNormalization", x, float_weight("final_norm.weight"), axis=-1, epsilon=eps, stash_type=1)
-    if W.has("lm_head.q"):
+    h = b.op("SimplifiedLayerNormalization", x, float_weight("final_norm.weight"), axis=-1, epsilon=eps, stash_type=1,
+             out=io_spec.HIDDEN)  # fmt: skip
+    if seats:
+        pass  # a batched graph ends at the rows' final norm: the LM head runs apart (head_model)
+    elif W.has("lm_head.q"):
         linear(h, "lm_head", out=mf.LOGITS)
     else:
         table = "lm_head" if W.has("lm_head") else "embed_tokens"
@@ -403,6 +428,8 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
     if not own_kernel:  # the next step's sink / pinned keys on the side (own kernel: rotated inside it, per row)
         _rotation(b, lay, mf.REFRESH_SOURCE, mf.REFRESH_POSITION_IDS, mf.REFRESH_COS, mf.REFRESH_SIN, mf.REFRESH_KEYS)
     io = mf.fused_decoder_io(lay, H, spec.vocab_size, present=not own_kernel, steps=own_kernel)
+    if seats:
+        io = io_spec.seats_io(io, seats, D)
     elem = {"float": TensorProto.FLOAT, "int64": TensorProto.INT64, "int32": TensorProto.INT32,
             "int8": TensorProto.INT8}  # fmt: skip
     inputs = [helper.make_tensor_value_info(t.name, elem[t.dtype], list(t.shape)) for t in io.inputs]
@@ -412,6 +439,35 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
     if own_kernel or own_ops:
         opsets.append(helper.make_opsetid(kernels.DOMAIN, 1))
     return helper.make_model(g, opset_imports=opsets, producer_name="cabinlm", ir_version=10)
+
+
+def head_model(decoder: onnx.ModelProto, manifest: Manifest) -> onnx.ModelProto:
+    """The one-seat fused decoder's LM head on its own (its nodes from `hidden` to `logits`, its
+    initializers under the same names): what the batched graphs' rows go through, one graph for every
+    batch size, so that the head's matrix is packed by ONNX Runtime once for them all (a session
+    packs its own copy of a MatMulNBits matrix; the layers' BlockQ4MatMul weights are read in place)."""
+    producer = {o: n for n in decoder.graph.node for o in n.output}
+    inits = {i.name: i for i in decoder.graph.initializer}
+    nodes: set[int] = set()  # ids of the head's nodes
+    todo, needed = [mf.LOGITS], set()
+    while todo:
+        name = todo.pop()
+        if name == io_spec.HIDDEN or name in inits or name == "" or name in needed:
+            continue
+        needed.add(name)
+        node = producer.get(name)
+        if node is None:
+            raise BuildError(f"the fused decoder's LM head reads {name!r}, not only the final norm's rows")
+        if id(node) not in nodes:
+            nodes.add(id(node))
+            todo.extend(node.input)
+    order = [n for n in decoder.graph.node if id(n) in nodes]  # the decoder's own (topological) order
+    used = {i for n in order for i in n.input}
+    io = io_spec.head_io(manifest.model.hidden_size, manifest.model.vocab_size)
+    inputs = [helper.make_tensor_value_info(t.name, TensorProto.FLOAT, list(t.shape)) for t in io.inputs]
+    outputs = [helper.make_tensor_value_info(t.name, TensorProto.FLOAT, list(t.shape)) for t in io.outputs]
+    g = helper.make_graph(order, "cabinlm_lm_head", inputs, outputs, [inits[n] for n in sorted(used & set(inits))])
+    return helper.make_model(g, opset_imports=list(decoder.opset_import), producer_name="cabinlm", ir_version=10)
 
 
 ROTATE_GRAPH = "decoder.rotate.onnx"

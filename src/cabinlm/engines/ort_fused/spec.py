@@ -9,6 +9,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from cabinlm.engines.ort_static.spec import SharedWeights
+
 
 class AttentionKernel(str, enum.Enum):
     """Fused cpu builds: which kernel computes the attention over the cache."""
@@ -106,6 +108,13 @@ class FusedSettings:
     # builds without them, and for builds made before the library came with the build (the runtime
     # refuses those with "run `cabinlm build` again").
     kernels: KernelLibrary | None = None
+    # Seats decoding together: the batch sizes B >= 2 of the build's batched graphs (files
+    # "graph_seats{B}", io_spec.seats_io: B seats' rows through every weight matmul in one run, the
+    # attention per seat over its own cache), cabinlm's attention kernel only. Every graph of the build
+    # then reads its weights from one memory map of the weights file (`shared_weights`: where each lies
+    # in it), so they are held once. Builds before it: none.
+    seat_batches: tuple[int, ...] = ()
+    shared_weights: SharedWeights | None = None
 
     @property
     def own_kernels(self) -> bool:
@@ -125,10 +134,21 @@ class FusedSettings:
             raise ValueError(f"step_rows: true only with cabinlm's attention kernel, got {self.step_rows!r}")
         if self.kernels is not None and not self.own_kernels:
             raise ValueError("kernels: a build without cabinlm's kernels lists no kernel library")
+        batches = tuple(self.seat_batches) if isinstance(self.seat_batches, (list, tuple)) else self.seat_batches
+        object.__setattr__(self, "seat_batches", batches)
+        if not isinstance(batches, tuple) or any(isinstance(b, bool) or not isinstance(b, int) or not 2 <= b <= 64
+                                                 for b in batches) or list(batches) != sorted(set(batches)):  # fmt: skip
+            raise ValueError(f"seat_batches must be increasing batch sizes 2..64, got {self.seat_batches!r}")
+        if batches and not self.step_rows:
+            raise ValueError("seat_batches: batched graphs take cabinlm's attention kernel with step rows")
+        if bool(batches) != (self.shared_weights is not None):
+            raise ValueError("seat_batches and shared_weights come together (the batched graphs share the weights)")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["kernels"] = self.kernels.to_dict() if self.kernels is not None else None
+        d["seat_batches"] = list(self.seat_batches)
+        d["shared_weights"] = self.shared_weights.to_dict() if self.shared_weights is not None else None
         return d
 
     @classmethod
@@ -136,4 +156,6 @@ class FusedSettings:
         if not isinstance(d, dict):
             raise TypeError(f"build.fused: expected an object, got {type(d).__name__}")
         kernels = d.get("kernels")  # absent: a build made before the library came with the build
-        return cls(**{**d, "kernels": KernelLibrary.from_dict(kernels) if kernels is not None else None})
+        shared = d.get("shared_weights")  # absent (with seat_batches): a build made before seats decoded together
+        return cls(**{**d, "kernels": KernelLibrary.from_dict(kernels) if kernels is not None else None,
+                      "shared_weights": SharedWeights.from_dict(shared) if shared is not None else None})

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import onnxruntime as ort
 
 from cabinlm.engines.backend import BackendError
+from cabinlm.engines.onnxruntime.session import mapped_weights
 from cabinlm.engines.ort_graph.backend import ExportedGraphBackend, load_graphs
 from cabinlm.engines.ort_static.spec import SharedWeights
 from cabinlm.engines.registry import BackendKind
@@ -23,15 +23,7 @@ def shared_weights(folder: Path, manifest: Manifest) -> list[tuple[str, ort.OrtV
     table = manifest.runtime_spec.facts_as(SharedWeights)
     if table is None:
         raise BackendError(f"{folder}: the manifest names a static pair without its weight table; run `cabinlm build` again")
-    data = np.memmap(folder / table.file, dtype=np.uint8, mode="r")
-    out = []
-    for t in table.tensors:
-        if t.offset + t.length > len(data):
-            raise ValueError(f"shared weight {t.name} lies beyond the end of {table.file}")
-        arr = data[t.offset : t.offset + t.length].view(np.dtype(t.dtype)).reshape(t.shape)
-        out.append((t.name, ort.OrtValue.ortvalue_from_numpy(arr)))
-    return out
-
+    return mapped_weights(folder, table)
 
 
 class StaticPairBackend(ExportedGraphBackend):

@@ -1,0 +1,356 @@
+"""Seats decoding together (issue 35): a fused cpu build's batched graphs run B seats' rows through
+every weight matmul in one graph run, each seat's attention over its own cache
+(engines/ort_fused/graph.py fused_model(seats=B), FusedBackend.run_seats, runtime step_seats).
+
+Every case compares seats stepping together with the same seats stepping alone, bit for bit: the
+logits of every step, hence the greedy tokens. The earlier cases fix which seats step together; the
+later ones change it between steps (a seat joining or leaving, batches of 2 and 4 and a seat alone in
+one step), save a seat mid-dialogue and restore it, and mix prefill chunks of different lengths and
+pinned spans in one run."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import onnx
+import pytest
+
+from cabinlm.engines.build import build_artifact
+from cabinlm.engines.ort_fused.spec import FusedSettings
+from cabinlm.manifest import load_manifest
+from cabinlm.profiles import load_profile
+from cabinlm.runtime import Decoder, step_seats
+from cabinlm.runtime.persist import load_session, save_session
+
+LAYOUT = dict(sink=2, pinned=10, window=16, chunk=4)  # the window turns over every 16 tokens
+
+
+@pytest.fixture(scope="module", params=["llama-int4", "qwen2-fp32"])
+def build(request, load, tiny_llama_dir, tiny_qwen2_dir, export_to, tmp_path_factory):
+    """A tiny model's fused cpu build with int8 KV (cabinlm's attention kernel, so batched graphs):
+    Llama with int4 weights (MatMulNBits, int8 activations) and Qwen2 (q/k/v bias) with fp32 weights."""
+    arch, weights = request.param.split("-")
+    src = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
+    art = export_to(load(str(src)), kv="int8", weights=weights, **LAYOUT)
+    return build_artifact(art, load_profile("cpu"), tmp_path_factory.mktemp("fused-seats") / "build")
+
+
+def seats(build, n: int) -> list[Decoder]:
+    first = Decoder(build)
+    return [first] + [first.seat() for _ in range(n - 1)]
+
+
+class Pair:
+    """The same seat twice: `together` steps with other seats (step_seats), `alone` on its own
+    (Decoder.step), on one loaded model. check() feeds both and asserts the same logits, bit for bit."""
+
+    def __init__(self, together: Decoder, alone: Decoder):
+        self.together, self.alone = together, alone
+        self.last: np.ndarray | None = None
+
+    def alone_step(self, chunk, pin=False) -> np.ndarray:
+        return self.alone.step(np.asarray(chunk, np.int64), pin=pin, logits="last")[-1]
+
+
+def step_together(pairs: list[Pair], chunks, pins=None) -> None:
+    """One step of these pairs' `together` seats in one step_seats call, each `alone` seat on its own;
+    every seat's logits must be its alone twin's."""
+    pins = pins or [False] * len(pairs)
+    got = step_seats([p.together for p in pairs], chunks, pins)
+    for p, g, chunk, pin in zip(pairs, got, chunks, pins):
+        want = p.alone_step(chunk, pin)
+        np.testing.assert_array_equal(g, want)
+        p.last = want
+
+
+def test_the_build_records_its_batched_graphs_and_they_read_the_one_seat_graphs_weights(build):
+    m = load_manifest(build)
+    facts = m.runtime_spec.facts_as(FusedSettings)
+    assert facts.attention_kernel == "cabinlm" and facts.seat_batches == (2, 4)
+    assert {"graph_seats2", "graph_seats4", "graph_head"} <= set(m.files)
+    assert [p.name for p in build.glob("*.data")] == ["decoder.opt.onnx.data"]  # one weights file for every graph
+    table = {t.name: t for t in facts.shared_weights.tensors}
+    for role in ("graph_seats2", "graph_seats4", "graph_head"):
+        graph = onnx.load(str(build / m.files[role].path), load_external_data=False)
+        external = [i for i in graph.graph.initializer if i.data_location == onnx.TensorProto.EXTERNAL]
+        assert external
+        for init in external:  # the same bytes of the same file the one-seat graph reads
+            info = {e.key: e.value for e in init.external_data}
+            t = table[init.name]
+            assert (info["location"], int(info["offset"]), int(info["length"])) == (facts.shared_weights.file, t.offset, t.length)
+    dec = Decoder(build)
+    graphs = dec.backend.graphs
+    assert sorted(graphs.seats) == [2, 4] and graphs.head is not None and dec.backend.seat_batches == (2, 4)
+    assert len(graphs.weights) == len(facts.shared_weights.tensors)
+
+
+def test_four_seats_decoding_together_give_each_seats_own_logits_through_pins_and_eviction(build):
+    """Four seats, each with its own pinned system prompt and prompt, then 70 decode steps together
+    (the window turns over four times): every step's logits are the seat's own, bit for bit, and so
+    are the greedy tokens; the seats' caches stay apart (different prompts, different replies)."""
+    together, alone = seats(build, 4), seats(build, 4)
+    pairs = [Pair(t, a) for t, a in zip(together, alone)]
+    rng = np.random.default_rng(1)
+    for _ in range(2):  # system prompts, pinned: two chunks of 1..4 tokens each
+        step_together(pairs, [rng.integers(3, 300, 1 + i) for i in range(4)], [True] * 4)
+    step_together(pairs, [rng.integers(3, 300, 1 + i) for i in range(4)])  # prompts: chunks of 1..4
+    tokens = [[int(p.last.argmax())] for p in pairs]
+    for _ in range(70):
+        step_together(pairs, tokens)
+        tokens = [[int(p.last.argmax())] for p in pairs]
+    assert all(p.together.cache.evicted > 3 * LAYOUT["window"] for p in pairs)
+    assert len({p.together.cache.evicted for p in pairs}) > 1  # the seats are at different points of their streams
+    for p in pairs:
+        np.testing.assert_array_equal(p.together.cache.slot_token, p.alone.cache.slot_token)
+        for name, buf in p.together.backend.buffers().items():
+            np.testing.assert_array_equal(buf, p.alone.backend.buffers()[name], err_msg=name)
+
+
+def test_seats_join_and_leave_between_steps(build):
+    """Which seats step together changes every step: 1, 2, 3 (a batch of 2 and a seat alone), 4 and 5
+    (4 and 1) seats in random order, a seat pinning a new span while the others decode, a seat
+    reset (a new conversation) and rejoining."""
+    together, alone = seats(build, 5), seats(build, 5)
+    pairs = [Pair(t, a) for t, a in zip(together, alone)]
+    rng = np.random.default_rng(2)
+    for p in pairs:
+        step_together([p], [rng.integers(3, 300, 3)], [True])
+    for step in range(80):
+        k = int(rng.integers(1, 6))
+        chosen = [pairs[i] for i in rng.permutation(5)[:k]]
+        pins = [bool(rng.random() < 0.05) for _ in chosen]
+        chunks = [rng.integers(3, 300, int(rng.integers(1, 3))) if pin else [int(p.last.argmax())] for p, pin in zip(chosen, pins)]
+        step_together(chosen, chunks, pins)
+        if step == 40:  # seat 2 starts a new conversation and rejoins
+            pairs[2].together.reset()
+            pairs[2].alone.reset()
+            step_together([pairs[2]], [rng.integers(3, 300, 2)], [True])
+    assert all(p.together.cache.evicted > 0 for p in pairs)
+
+
+def test_a_seat_saved_after_stepping_together_resumes_in_another_model_and_steps_on_together(build, tmp_path):
+    """A seat's session written after batched steps (the window turned over) holds its solo twin's
+    cache; restored into a seat of another loaded model, it steps on together with that model's other
+    seats as its twin steps alone. Seats of two loaded models never share a step."""
+    from cabinlm.runtime import Dialogue, Tokenizer
+
+    tok = Tokenizer(build / load_manifest(build).files["tokenizer"].path)
+    together, alone = seats(build, 3), seats(build, 5)
+    dialogues = [Dialogue(d, tok, system="") for d in together + alone]  # each seat started as a dialogue starts it
+    pairs = [Pair(t, a) for t, a in zip(together, alone)]
+    rng = np.random.default_rng(3)
+    step_together(pairs, [rng.integers(3, 300, 4) for _ in pairs], [True] * 3)
+    for _ in range(30):
+        step_together(pairs, [[int(p.last.argmax())] for p in pairs])
+    assert pairs[1].together.cache.evicted > 0
+    save_session(tmp_path / "seat1", dialogues[1])
+    other = seats(build, 3)  # another loaded model
+    load_session(tmp_path / "seat1", Dialogue(other[0], tok, system=""))
+    for name, buf in other[0].backend.buffers().items():
+        np.testing.assert_array_equal(buf, pairs[1].alone.backend.buffers()[name], err_msg=name)
+    with pytest.raises(ValueError, match="this loaded build"):
+        step_seats([pairs[0].together, other[0]], [[1], [1]])
+    group = [Pair(other[0], pairs[1].alone), Pair(other[1], alone[3]), Pair(other[2], alone[4])]
+    group[0].last = pairs[1].last
+    for d in other[1:]:
+        Dialogue(d, tok, system="")
+    step_together(group[1:], [rng.integers(3, 300, 3) for _ in group[1:]], [True, True])
+    for _ in range(25):
+        step_together(group, [[int(p.last.argmax())] for p in group])
+
+
+def test_prefill_chunks_and_pins_of_different_lengths_share_one_run(build):
+    """A batched run takes each seat's own number of rows (seat_tokens): one seat's 4-token prefill
+    chunk, another's pinned span, two decode steps, in one run; each seat's last row's logits are its
+    own chunk's, and the caches are what their own chunks leave."""
+    together, alone = seats(build, 4), seats(build, 4)
+    pairs = [Pair(t, a) for t, a in zip(together, alone)]
+    rng = np.random.default_rng(4)
+    for _ in range(20):
+        sizes = rng.integers(1, LAYOUT["chunk"] + 1, 4)
+        pins = [bool(rng.random() < 0.1) for _ in pairs]
+        step_together(pairs, [rng.integers(3, 300, int(n)) for n in sizes], pins)
+    for p in pairs:
+        for name, buf in p.together.backend.buffers().items():
+            np.testing.assert_array_equal(buf, p.alone.backend.buffers()[name], err_msg=name)
+
+
+def test_bad_steps_are_refused_before_anything_runs(build):
+    a, b = seats(build, 2)
+    with pytest.raises(ValueError, match="twice"):
+        step_seats([a, a], [[1], [2]])
+    with pytest.raises(ValueError, match="2 seats, 1 chunks"):
+        step_seats([a, b], [[1]])
+    assert a.cache.seen == b.cache.seen == 0  # nothing was planned into the tables
+    assert step_seats([], []) == []
+
+
+@pytest.mark.parametrize("batches", [(1,), (4, 2), (2, 2), (True,), (65,)])
+def test_seat_batches_out_of_range_are_refused(build, batches):
+    facts = load_manifest(build).runtime_spec.facts_as(FusedSettings)
+    with pytest.raises(ValueError, match="seat_batches"):
+        FusedSettings.from_dict({**facts.to_dict(), "seat_batches": list(batches)})
+
+
+def test_a_build_without_cabinlms_attention_kernel_steps_its_seats_one_by_one(load, tiny_llama_dir, export_to, tmp_path):
+    """fp32 KV (GroupQueryAttention): no batched graphs; step_seats still steps every seat, each alone."""
+    art = export_to(load(str(tiny_llama_dir)), kv="fp32", **LAYOUT)
+    out = build_artifact(art, load_profile("cpu"), tmp_path / "gqa")
+    facts = load_manifest(out).runtime_spec.facts_as(FusedSettings)
+    assert facts.seat_batches == () and facts.shared_weights is None
+    together, alone = seats(out, 3), seats(out, 3)
+    pairs = [Pair(t, a) for t, a in zip(together, alone)]
+    step_together(pairs, [[5, 6], [7], [8, 9, 10]], [True, False, False])
+    for _ in range(20):
+        step_together(pairs, [[int(p.last.argmax())] for p in pairs])
+
+
+def test_smollm2_seats_decode_together_as_they_do_alone(smollm2_fused):
+    """SmolLM2 as `make demo` builds it (BlockQ4MatMul over the GGUF's Q4_1 blocks, the int8 head,
+    cabinlm's attention kernel), in a small cache (window 252): four seats with different prompts
+    decode together past the window's turnover, every step's logits bit for bit their own."""
+    from cabinlm.runtime import Tokenizer
+
+    tok = Tokenizer(smollm2_fused / load_manifest(smollm2_fused).files["tokenizer"].path)
+    together, alone = seats(smollm2_fused, 4), seats(smollm2_fused, 4)
+    pairs = [Pair(t, a) for t, a in zip(together, alone)]
+    topics = ["the route to the airport", "the weather tonight", "a song for a long drive", "the tyre pressure"]
+    prompts = [tok.encode(f"Tell me about {t}. " * 12) for t in topics]
+    step_together(pairs, [tok.encode("You are a car assistant.")] * 4, [True] * 4)
+    for start in range(0, max(map(len, prompts)), 32):  # prefill together, seats with text left only
+        live = [(p, ids[start : start + 32]) for p, ids in zip(pairs, prompts) if ids[start : start + 32]]
+        step_together([p for p, _ in live], [c for _, c in live])
+    need = max(253 - p.together.cache.window_fill for p in pairs)
+    tokens = [[int(p.last.argmax())] for p in pairs]
+    for _ in range(need + 8):
+        step_together(pairs, tokens)
+        tokens = [[int(p.last.argmax())] for p in pairs]
+    assert all(p.together.cache.evicted > 0 for p in pairs)
+
+
+# -- the server's scheduler: seats that pass their turn ride along (serve.scheduler.SeatSteps) --------
+
+
+def test_seats_taking_turns_under_the_server_scheduler_ride_together_with_their_own_replies(build):
+    """Three seats in three threads, each a turn as the server runs it (hold the model, prefill, then
+    greedy tokens with pass_turn between them), queued in order: each turn takes the model at the
+    holder's next token, the seat that passed it on then rides, and the riders' steps go with the
+    holder's (its prefill chunks too) in batched runs; every seat's tokens are those it decodes alone."""
+
+    from cabinlm.serve.scheduler import SeatSteps
+
+    rng = np.random.default_rng(5)
+    prompts = [[rng.integers(3, 300, int(rng.integers(1, 5))) for _ in range(3)] for _ in range(3)]
+
+    def turn(d: Decoder, chunks, n: int, model=None) -> list[int]:
+        with model if model is not None else _Nothing():
+            for c in chunks[:-1]:
+                d.step(c, pin=True)
+            logits = d.step(chunks[-1], logits="last")[-1]
+            out = []
+            for _ in range(n):
+                out.append(int(logits.argmax()))
+                if model is not None:
+                    model.pass_turn()
+                logits = d.step(np.array([out[-1]]))[-1]
+            return out
+
+    expected = [turn(d, p, 40) for d, p in zip(seats(build, 3), prompts)]
+    model = SeatSteps(4)
+    ds = seats(build, 3)
+    for d in ds:
+        d.together = model
+    got: list = [None] * 3
+    errors = []
+
+    def run(i: int) -> None:
+        try:
+            got[i] = turn(ds[i], prompts[i], 40, model)
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    model.acquire()  # the three turns queue up (in order) while another holds the model
+    threads = []
+    for i in range(3):
+        threads.append(threading.Thread(target=run, args=(i,)))
+        threads[-1].start()
+        deadline = time.monotonic() + 10
+        while model.waiting < i + 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+    assert model.waiting == 3
+    model.release()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert got == expected
+    assert model.batched_runs > 10
+    assert not model._held and not model._posted  # everything ran, the model is free
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def test_three_clients_at_once_on_a_fused_server_get_the_replies_chat_gives_each_alone(load, tiny_qwen2_dir, export_to,
+                                                                                       tmp_path):  # fmt: skip
+    """`cabinlm serve --seats 3` on a fused build with batched graphs (its seats' steps ride together,
+    serve.scheduler.SeatSteps), three openai clients sending their turns at the same moment, greedy,
+    the window (40 tokens) turning over: every reply is what `cabinlm chat` gives that conversation
+    alone, byte for byte."""
+    pytest.importorskip("openai")
+    from test_serve import DRIVER, PASSENGER, PASSENGER_SYSTEM, Server, ask, chat_replies
+
+    art = export_to(load(str(tiny_qwen2_dir)), sink=4, pinned=28, window=40, chunk=8, kv="int8")
+    fused = build_artifact(art, load_profile("cpu"), tmp_path / "fused")
+    assert load_manifest(fused).runtime_spec.facts_as(FusedSettings).seat_batches == (2, 4)
+    rear = ["is there a rest area", "how long until we stop", "play a story", "turn the light on"]
+    talks = {"driver": (DRIVER, None), "passenger": (PASSENGER, PASSENGER_SYSTEM), "rear": (rear, None)}
+    expected = {seat: chat_replies(fused, turns, 12, system) for seat, (turns, system) in talks.items()}
+    got: dict[str, list[str]] = {seat: [] for seat in talks}
+    errors = []
+    start = threading.Barrier(3, timeout=60)
+
+    def talk(seat: str) -> None:
+        turns, system = talks[seat]
+        try:
+            client = server.client()
+            for i in range(len(turns)):
+                start.wait()  # the three requests of each turn leave together
+                got[seat].append(ask(client, turns[: i + 1], got[seat], seat, system, max_tokens=12, stream=seat == "rear")[0])
+        except Exception as e:  # reported by the main thread
+            errors.append(e)
+
+    with Server(fused, tmp_path / "server.log", "--seats", 3) as server:
+        threads = [threading.Thread(target=talk, args=(seat,)) for seat in talks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=240)
+        assert not errors, errors
+    assert got == expected
+
+
+def test_bench_seats_reports_both_modes_with_the_same_replies(build):
+    """`cabinlm bench --seats 3`: the seats' dialogues decoded together and in turns, each mode in a
+    process of its own, the same greedy replies in both; the figures a report needs are there."""
+    import json
+
+    from cabinlm.bench.seats import run_in_child
+    from test_cli import assert_clean_error, cabinlm
+
+    runs = [run_in_child(build, 3, 2, 6, 1, 0, mode, 300, system="") for mode in ("together", "turns")]
+    assert runs[0]["replies"] == runs[1]["replies"] and len(runs[0]["replies"]) == 3 * 2
+    for r in runs:
+        assert r["seats"] == 3 and r["decoded_tokens"] == sum(map(len, r["replies"])) - sum(len(x) == 6 for x in r["replies"])
+        assert len(r["per_seat_decode_tok_s"]) == 3 and r["aggregate_decode_tok_s"] > 0 and r["rss_end_mb"] > 0
+    p = cabinlm("bench", build, "--seats", 2, "--tokens", 8, "--max-new", 4, "--threads", 1, "--json")
+    assert p.returncode == 0, p.stderr
+    assert [r["mode"] for r in json.loads(p.stdout)["seats"]] == ["together", "turns"]
+    assert_clean_error(cabinlm("bench", build, "--seats", 2, "--baseline", "hf"), "--seats takes no --baseline")
+    assert_clean_error(cabinlm("bench", build, "--seats", 0), "seats")
