@@ -303,7 +303,8 @@ def test_streaming_with_a_pinned_frame_follows_the_reference_of_the_semantics(id
     both(list(v.image_prefix))
     both(dec.vision.encode(picture(64, 48, seed=8)), frame=True)
     stream(list(v.image_suffix) + text[150:260])
-    assert dec.cache.frames == 2 and len(ref.entries) == int((dec.cache.slot_token >= 0).sum())
+    assert dec.cache.frames == 2 and dec.cache.evicted > 150  # measured 163
+    assert len(ref.entries) == int((dec.cache.slot_token >= 0).sum())
     assert worst < 1e-4, worst  # measured 7.6e-6 (logits up to ~5)
 
 
