@@ -369,6 +369,22 @@ def test_the_chat_pieces_render_what_the_processors_template_renders(idefics3):
                                                   tok.convert_tokens_to_ids("<end_of_utterance>")])  # fmt: skip
 
 
+def test_a_chat_template_kept_by_the_processor_alone_is_read(tmp_path, load):
+    """SmolVLM's Hub folders keep the template in chat_template.json (the processor's legacy file),
+    which AutoTokenizer does not read; the export reads it as AutoProcessor does."""
+    from cabinlm.export import ExportOptions, export_loaded
+
+    folder = make_tiny_idefics3(tmp_path / "m", family="smolvlm", seed=1)
+    (folder / "chat_template.jinja").unlink()
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": SMOLVLM_TEMPLATE}))
+    loaded = load(str(folder))
+    art = export_loaded(loaded, tmp_path / "out", ExportOptions(sink=4, pinned=24, window=64, chunk=16, verify=False))
+    assert (art.chat.source, art.chat.bos, art.chat.image_user_prefix) == ("model", "<|im_start|>", "User:")
+
+
 def test_a_chat_turn_with_a_frame_replies_as_transformers_greedy(idefics3):
     """Dialogue.ask(text, image=...): the prompt ids are the processor's for the template's image turn
     (<|im_start|>User:<image>text<end_of_utterance>\\nAssistant:, the image expanded), the reply

@@ -107,6 +107,11 @@ def load_model(source: str, log: Callable[[str], None] = lambda s: None) -> Load
         raise ModelError(f"{where}: the tokenizer has no fast (tokenizers) backend; cabinlm needs tokenizer.json")
     if is_vlm(config.to_dict()):
         image_processor_config(folder)  # a missing or unreadable image processor is refused before the weights load
+        if not getattr(tokenizer, "chat_template", None):
+            template = processor_chat_template(folder)
+            if template is not None:
+                tokenizer.chat_template = template
+                log(f"chat template: the processor's ({template[:40]!r}...)")
     log(f"loading {where} as float32")
     try:
         if is_vlm(config.to_dict()):
@@ -129,6 +134,27 @@ def load_model(source: str, log: Callable[[str], None] = lambda s: None) -> Load
         )
     return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, source=spec.source, folder=folder,
                        gguf=folder / gguf if gguf else None)  # fmt: skip
+
+
+def processor_chat_template(folder: Path) -> str | None:
+    """A vision-language folder's chat template where its processor keeps it and the tokenizer does not
+    read it: chat_template.json ({"chat_template": ...}, as SmolVLM's and older processors save it) or
+    processor_config.json's "chat_template" (AutoProcessor reads both; AutoTokenizer only
+    chat_template.jinja and tokenizer_config.json)."""
+    import json
+
+    for name in ("chat_template.json", "processor_config.json"):
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            d = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise ModelError(f"{path}: cannot read it as JSON ({e})") from e
+        template = d.get("chat_template") if isinstance(d, dict) else None
+        if isinstance(template, str) and template:
+            return template
+    return None
 
 
 # GGUF tensor name (per layer) -> transformers module path, for the block import.
