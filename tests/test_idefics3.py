@@ -32,7 +32,8 @@ SMOLVLM_TEMPLATE = (
 SIDE, LONGEST, TOKENS = 32, 64, 16  # max_image_size, size's longest_edge, image tokens: (32 / 4)^2 / 2^2
 
 
-def make_tiny_idefics3(folder: Path, family: str = "idefics3", seed: int = 0, **image_processor) -> Path:
+def make_tiny_idefics3(folder: Path, family: str = "idefics3", seed: int = 0, image_seq_len: int = TOKENS,
+                       **image_processor) -> Path:
     """A random-weight Idefics3 ("idefics3") or SmolVLM ("smolvlm") folder: a SigLIP-style tower (image
     32, patch 4: 8 x 8 patches), the pixel shuffle (scale 2) and connector, a tiny Llama text model, a BPE
     tokenizer with <fake_token_around_image> <image> <end_of_utterance> <global-img> and SmolVLM's chat
@@ -64,7 +65,7 @@ def make_tiny_idefics3(folder: Path, family: str = "idefics3", seed: int = 0, **
     images = processor_class(**{"size": {"longest_edge": LONGEST}, "max_image_size": {"longest_edge": SIDE},
                                 "do_image_splitting": False, **image_processor})  # fmt: skip
     if family == "idefics3":
-        tf.Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=TOKENS,
+        tf.Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=image_seq_len,
                              chat_template=SMOLVLM_TEMPLATE).save_pretrained(folder)  # fmt: skip
     else:
         images.save_pretrained(folder)
@@ -176,6 +177,27 @@ def test_the_vision_graph_gives_transformers_image_features(idefics3):
     assert ours.shape == ref.shape == (TOKENS, 64)
     np.testing.assert_allclose(ours, ref, atol=1e-4)  # measured 4e-6 (values up to ~6)
     assert np.abs(dec.vision.encode(picture(64, 48, seed=4)) - ref).max() > 0.1  # another frame: other features
+
+
+def test_a_processor_square_smaller_than_the_towers_image_size_takes_the_towers_own_position_buckets(tmp_path, load, export_to):
+    """max_image_size 16 on a tower of image_size 32 (the processor's choice: 4 image tokens): the
+    tower buckets the 4 x 4 patches' positions into its 8 x 8 table; the graph holds those rows."""
+    from cabinlm.export.idefics3 import position_rows
+
+    folder = make_tiny_idefics3(tmp_path / "m", seed=1, image_seq_len=4, max_image_size={"longest_edge": 16},
+                                size={"longest_edge": 40})  # fmt: skip
+    loaded = load(str(folder))
+    assert position_rows(loaded.model.model.vision_model.embeddings, 16).tolist() == [
+        r * 8 + c for r in (0, 2, 4, 6) for c in (0, 2, 4, 6)]
+    dec = Decoder(export_to(loaded, sink=4, pinned=24, window=64, chunk=16))
+    img = picture(50, 30, seed=3)
+    px = hf_pixels(folder, img)
+    np.testing.assert_allclose(preprocess(load_image(img), dec.manifest.vision), px["pixel_values"][0].numpy(), atol=1e-5)
+    with torch.no_grad():
+        ref = loaded.model.model.get_image_features(px["pixel_values"], px["pixel_attention_mask"]).pooler_output[0].numpy()
+    ours = dec.vision.encode(img)
+    assert ours.shape == ref.shape == (4, 64)
+    np.testing.assert_allclose(ours, ref, atol=1e-4)
 
 
 # -- the decoder with the frame pinned, against transformers -----------------------------------------
