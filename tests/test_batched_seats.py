@@ -109,8 +109,8 @@ def test_four_seats_decoding_together_give_each_seats_own_logits_through_pins_an
 
 
 def test_seats_join_and_leave_between_steps(build):
-    """Which seats step together changes every step: 1, 2, 3 (a batch of 2 and a seat alone), 4 and 5
-    (4 and 1) seats in random order, a seat pinning a new span while the others decode, a seat
+    """Which seats step together changes every step: 1, 2, 3 (the graph for 4, its fourth place idle),
+    4 and 5 (4, then 1 alone) seats in random order, a seat pinning a new span while the others decode, a seat
     reset (a new conversation) and rejoining."""
     together, alone = seats(build, 5), seats(build, 5)
     pairs = [Pair(t, a) for t, a in zip(together, alone)]
@@ -128,6 +128,9 @@ def test_seats_join_and_leave_between_steps(build):
             pairs[2].alone.reset()
             step_together([pairs[2]], [rng.integers(3, 300, 2)], [True])
     assert all(p.together.cache.evicted > 0 for p in pairs)
+    graphs = together[0].backend.graphs  # 3 seats ran in the graph for 4, the idle seat in the fourth place
+    assert graphs.idle is not None and graphs.idle_table.seen == 0 and graphs.idle.keys.ctypes.data not in {
+        d.backend.keys.ctypes.data for d in together + alone}
 
 
 def test_a_seat_saved_after_stepping_together_resumes_in_another_model_and_steps_on_together(build, tmp_path):

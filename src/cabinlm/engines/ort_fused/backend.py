@@ -49,6 +49,8 @@ class FusedGraphs:
     weights: list[tuple[str, ort.OrtValue]] = field(default_factory=list)  # every graph's weights, one map, kept alive here
     # batched graphs' bindings with their seats' caches bound, by the seats (FusedBackend._seat_binding)
     seat_bindings: dict[tuple, tuple] = field(default_factory=dict)
+    idle: FusedBackend | None = None  # the place no seat takes in a batched run (FusedBackend._idle_step)
+    idle_table: SlotTable | None = None  # its table: always empty
 
 
 def load_fused(folder: Path, manifest: Manifest, threads: int | None, extra: dict[str, str] | None) -> FusedGraphs:
@@ -64,14 +66,15 @@ def load_fused(folder: Path, manifest: Manifest, threads: int | None, extra: dic
         except ValueError as e:
             raise BackendError(f"{folder}: {e}; run `cabinlm build` again") from e
 
-    def options(batched: bool = False) -> ort.SessionOptions:
+    def options(head: bool = False) -> ort.SessionOptions:
         so = session_options(spec, threads, extra)
         for name, ov in weights:
             so.add_initializer(name, ov)
-        if batched:
+        if head:
             # Each session has a thread pool of its own whose threads spin for a while after a run: a
-            # batched step runs two sessions (the layers, then the LM head), and spinning threads of one
-            # took the cores from the other (a step of 4 seats on 2 cores: 26 ms spinning, 10 ms not).
+            # batched step runs the layers' session, then the head's, and the head's threads spinning
+            # into the next step took the cores from the layers (4 seats on 2 cores: 26 ms a step with
+            # both spinning, 7 ms with the head's threads asleep after its run, 10 ms with neither spinning).
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         return so
 
@@ -83,10 +86,10 @@ def load_fused(folder: Path, manifest: Manifest, threads: int | None, extra: dic
         for role in (f"graph_seats{b}", "graph_head"):
             if role not in manifest.files:
                 raise BackendError(f"{folder}: the build has batched graphs but lists no {role}; run `cabinlm build` again")
-        seats[b] = open_session(folder / manifest.files[f"graph_seats{b}"].path, options(batched=True), spec)
+        seats[b] = open_session(folder / manifest.files[f"graph_seats{b}"].path, options(), spec)
         check_io(seats[b], io.seats_io(manifest.io, b, model.hidden_size), folder, built=True)
         if head is None:
-            head = open_session(folder / manifest.files["graph_head"].path, options(batched=True), spec)
+            head = open_session(folder / manifest.files["graph_head"].path, options(head=True), spec)
             check_io(head, io.head_io(model.hidden_size, model.vocab_size), folder, built=True)
     rotate = None
     if "rotate_graph" in manifest.files:
@@ -117,6 +120,7 @@ class FusedBackend(Backend):
             self.ring = RingTables(lay, *m.rotary.for_layer(True))
         self._heads = m.model.num_heads
         self._rows = np.arange(lay.chunk, dtype=np.int64)
+        self._idle_ids = np.zeros(1, dtype=np.int64)  # the idle seat's token (any id: its output is dropped)
         # cabinlm's attention kernel rotating the sink / pinned keys itself, per row (io_spec
         # fused_decoder_io(steps=True)): no refresh of their cache rows, and chunks may run as steps
         names = {t.name for t in m.io.inputs}
@@ -356,11 +360,13 @@ class FusedBackend(Backend):
         return tuple(self.graphs.seats)
 
     def run_seats(self, seats: Sequence[Backend], plans: Sequence[StepPlan], ids: Sequence[np.ndarray]) -> list[StepOutput]:
-        """The seats in runs of the largest batch that fits (4 seats of a (2, 4) build: one run; 3: a
-        run of 2, then one alone), each seat's rows through the batched graph as its own run would
-        compute them: the weight matmuls take every seat's rows (BlockQ4MatMul computes each row by
-        the same sequence whatever the rows beside it), the attention each seat's own node over its own
-        cache with the same inputs as its own chunk (_chunk_inputs)."""
+        """The seats in runs of the largest batch while more seats are left than it holds, then the
+        rest (2 or more) in the smallest batch that holds it, the places left taken by the idle seat
+        (_idle_step), or a rest of one seat alone (a (2, 4) build: 3 seats, one run of the graph for
+        4; 5: 4, then one alone; 7: 4, then 3 in the graph for 4). Each seat's rows go through the batched graph as its own run would compute them: the
+        weight matmuls take every seat's rows (BlockQ4MatMul computes each row by the same sequence
+        whatever the rows beside it), the attention is each seat's own node over its own cache with
+        the same inputs as its own chunk (_chunk_inputs)."""
         if not len(seats) == len(plans) == len(ids):
             raise ValueError(f"run_seats: {len(seats)} seats, {len(plans)} plans, {len(ids)} chunks")
         if any(not isinstance(b, FusedBackend) or b.graphs is not self.graphs for b in seats):
@@ -370,15 +376,30 @@ class FusedBackend(Backend):
         outs: list[StepOutput] = []
         start = 0
         while start < len(seats):
-            fits = [b for b in self.seat_batches if b <= len(seats) - start]
-            if not fits:
+            rest = len(seats) - start
+            if rest == 1 or not self.seat_batches:
                 outs.append(seats[start].run(plans[start], ids[start], False, None))
                 start += 1
                 continue
-            b = max(fits)
-            outs += self._run_batch(seats[start : start + b], plans[start : start + b], ids[start : start + b])
-            start += b
+            b = min([b for b in self.seat_batches if b >= rest] or [max(self.seat_batches)])
+            n = min(b, rest)
+            pad = [self._idle_step() for _ in range(b - n)]
+            got = self._run_batch([*seats[start : start + n], *(p[0] for p in pad)], [*plans[start : start + n], *(p[1] for p in pad)],
+                                  [*ids[start : start + n], *(p[2] for p in pad)])  # fmt: skip
+            outs += got[:n]
+            start += n
         return outs
+
+    def _idle_step(self) -> tuple[FusedBackend, StepPlan, np.ndarray]:
+        """A place of a batched run no seat takes: the idle seat (made once per loaded build, cache
+        buffers of its own, never committed, its table never advanced) feeding one token into its empty
+        cache, so its attention reads no slot; its output is dropped. Its rows cost one row of each
+        weight matmul."""
+        graphs = self.graphs
+        if graphs.idle is None:
+            graphs.idle = FusedBackend(graphs, SlotTable(self.layout))
+            graphs.idle_table = SlotTable(self.layout)
+        return graphs.idle, graphs.idle_table.plan(1), self._idle_ids
 
     def _seat_binding(self, seats: Sequence[FusedBackend]):
         """The batched graph's binding for these seats in this order, their caches bound once (as a
