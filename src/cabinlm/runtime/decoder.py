@@ -107,6 +107,8 @@ class Decoder:
         is token for token what plain decoding gives (greedy) or distributed as it."""
         if not self.backend.verifies_drafts:
             return 0
+        if self.together is not None and self.together.crowded():
+            return 0  # other seats' steps ride with this one's: a verified chunk would run alone
         if self.backend.verifies_after_turnover:
             return self.layout.chunk - 1 if self.cache.sink_fill == self.layout.sink else 0
         return min(self.layout.chunk - 1, self.layout.window - self.cache.window_fill - 1)

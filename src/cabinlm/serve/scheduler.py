@@ -154,6 +154,13 @@ class SeatSteps(ModelTurns):
             self._local.riding = True
             self._riders += 1
 
+    def crowded(self) -> bool:
+        """Other seats' steps go with the holder's now (riders), or a turn waits: a seat then does not
+        draft (Decoder.draft_room), since a verified draft runs alone and the riders would wait for it;
+        alone again, it drafts again. Replies do not change (drafting gives plain decoding's tokens)."""
+        with self._mutex:
+            return self._riders > 0 or bool(self._waiting) or bool(self._posted)
+
     def hold(self) -> None:
         """The calling seat is about to run something alone (a verified draft): take the model in turn
         if it rides; the riders' posted steps run first, together."""
