@@ -2,12 +2,10 @@
 seats talk to one assistant. Each round, every seat gets its next user turn (bench/script.py, a seed
 per seat), its prompt is fed (prefill, seat after seat), then the seats decode their greedy replies:
 
-    together   every seat's next prompt chunk, then its next token, in one step (runtime.step_seats:
-               the fused cpu build's batched graphs), a seat leaving the step when its prompt is in or
-               its reply ends (a stop id or --max-new)
-    turns      the prompts seat after seat, then the same token steps one seat after another, as
-               `cabinlm serve` ran seats before they decoded together (ModelTurns hands the model over
-               at every token)
+    together   every seat's next token in one step (runtime.step_seats: the fused cpu build's batched
+               graphs), a seat leaving the step when its reply ends (a stop id or --max-new)
+    turns      the same steps one seat after another, as `cabinlm serve` ran seats before they
+               decoded together (ModelTurns hands the model over at every token)
 
 Both modes give every seat the same tokens (the steps are the seats' own steps); what differs is the
 time. Reported per mode: aggregate decode tokens/s (every seat's decoded tokens over the decode
@@ -82,21 +80,12 @@ def run_seats(artifact: Path, seats: int, rounds: int, max_new: int, threads: in
         if r == 1:
             run.decoded, run.decode_s, run.prefill_s, run.ttft_s, run.replies = [0] * seats, 0.0, 0.0, [], []
         t0 = time.perf_counter()
-        prompts = [pending[i] + d.render_user(next(scripts[i])) for i, d in enumerate(dialogues)]
-        nxt = [0] * seats
-        if mode == "together":  # the prompts' chunks together, each seat's next chunk in one step
-            C, left = rt.manifest.cache.chunk, list(range(seats))
-            for start in range(0, max(map(len, prompts)), C):
-                got = step_seats([dialogues[i].decoder for i in left], [prompts[i][start : start + C] for i in left])
-                for i, logits in zip(left, got):
-                    if start + C >= len(prompts[i]):  # its prompt is in: its first reply token is chosen
-                        nxt[i] = int(np.argmax(logits))
-                        run.ttft_s.append(time.perf_counter() - t0)
-                left = [i for i in left if start + C < len(prompts[i])]
-        else:  # seat after seat
-            for i, d in enumerate(dialogues):
-                nxt[i] = int(np.argmax(d.decoder.feed(prompts[i])))
-                run.ttft_s.append(time.perf_counter() - t0)
+        nxt: list[int] = []
+        for i, d in enumerate(dialogues):  # the prompts, seat after seat
+            ids = pending[i] + d.render_user(next(scripts[i]))
+            logits = d.decoder.feed(ids)
+            nxt.append(int(np.argmax(logits)))
+            run.ttft_s.append(time.perf_counter() - t0)
         t1 = time.perf_counter()
         run.prefill_s += t1 - t0
         replies: list[list[int]] = [[] for _ in range(seats)]
