@@ -14,14 +14,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from cabinlm.errors import ModelError
 from cabinlm.runtime import Decoder
 from cabinlm.runtime.vision import load_image, preprocess
 
-TEXT = ("The driver asked the assistant about the weather, the route and the charging stations on the way. "
-        "Keep a safe distance and take a break every two hours.")  # fmt: skip
+import vlm_checks as vlm
+from test_cli import cabinlm
+from vlm_checks import TEXT, hf_greedy, hf_inputs, picture
+from vlm_reference import FrameStreamingReference
+
 # SmolVLM's chat template (its Hub folders' chat_template.json; transformers' smolvlm DEFAULT_CHAT_TEMPLATE)
 SMOLVLM_TEMPLATE = (
     "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}{% if message['content'][0]['type'] == 'image' %}"
@@ -30,6 +32,7 @@ SMOLVLM_TEMPLATE = (
     "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
 SIDE, LONGEST, TOKENS = 32, 64, 16  # max_image_size, size's longest_edge, image tokens: (32 / 4)^2 / 2^2
+PICTURE = (64, 48)  # most test frames' (width, height): resized twice, to 64x48 and to the 32x32 square
 
 
 def make_tiny_idefics3(folder: Path, family: str = "idefics3", seed: int = 0, image_seq_len: int = TOKENS,
@@ -84,31 +87,12 @@ def idefics3(tiny_idefics3_dir, load, export_to):
     return loaded, export_to(loaded, sink=4, pinned=24, window=64, chunk=16)
 
 
-def picture(w: int, h: int, mode: str = "RGB", seed: int = 0) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    img = Image.fromarray((rng.random((h, w, 4)) * 255).astype(np.uint8), "RGBA")
-    return img if mode == "RGBA" else img.convert(mode)
-
-
-def hf_pixels(folder, img) -> dict:
-    from transformers import AutoImageProcessor
-
-    return AutoImageProcessor.from_pretrained(folder)(images=img, return_tensors="pt")
-
-
 def hf_logits(loaded, ids: list[int], img) -> np.ndarray:
-    px = hf_pixels(loaded.folder, img)
+    px = hf_inputs(loaded.folder, img)
     with torch.no_grad():
         out = loaded.model(input_ids=torch.tensor([ids]), pixel_values=px["pixel_values"],
                            pixel_attention_mask=px["pixel_attention_mask"])  # fmt: skip
     return out.logits[0].numpy()
-
-
-def nll_of(logits: np.ndarray, targets: list[int]) -> np.ndarray:
-    z = logits.astype(np.float64)
-    m = z.max(-1, keepdims=True)
-    lse = (m + np.log(np.exp(z - m).sum(-1, keepdims=True)))[:, 0]
-    return lse - z[np.arange(len(targets)), targets]
 
 
 def frame_ids(v) -> list[int]:
@@ -130,7 +114,7 @@ def test_a_frame_of_any_size_is_prepared_as_the_transformers_processor_does(idef
     assert (spec.image_size, spec.image_tokens, spec.preprocess.longest_edge) == (SIDE, TOKENS, LONGEST)
     img = picture(*size, mode=mode, seed=1)
     ours = preprocess(load_image(img), spec)
-    ref = hf_pixels(loaded.folder, load_image(img))
+    ref = hf_inputs(loaded.folder, load_image(img))
     assert ref["pixel_values"].shape == (1, 1, 3, SIDE, SIDE) and bool(ref["pixel_attention_mask"].all())
     assert ours.shape == (1, 3, SIDE, SIDE)
     np.testing.assert_allclose(ours, ref["pixel_values"][0].numpy(), atol=1e-5)  # measured 1.2e-7
@@ -168,15 +152,8 @@ def test_the_processor_expands_one_image_as_the_artifacts_prefix_image_tokens_an
 
 def test_the_vision_graph_gives_transformers_image_features(idefics3):
     loaded, folder = idefics3
-    dec = Decoder(folder)
-    img = picture(64, 48, seed=3)
-    px = hf_pixels(loaded.folder, img)
-    with torch.no_grad():
-        ref = loaded.model.model.get_image_features(px["pixel_values"], px["pixel_attention_mask"]).pooler_output[0].numpy()
-    ours = dec.vision.encode(img)
-    assert ours.shape == ref.shape == (TOKENS, 64)
-    np.testing.assert_allclose(ours, ref, atol=1e-4)  # measured 4e-6 (values up to ~6)
-    assert np.abs(dec.vision.encode(picture(64, 48, seed=4)) - ref).max() > 0.1  # another frame: other features
+    shape = (TOKENS, 64)  # (image tokens, the text model's hidden size)
+    vlm.check_the_vision_graph_gives_transformers_image_features(loaded, folder, PICTURE, "pixel_attention_mask", shape)
 
 
 def test_a_processor_square_smaller_than_the_towers_image_size_takes_the_towers_own_position_buckets(tmp_path, load, export_to):
@@ -191,7 +168,7 @@ def test_a_processor_square_smaller_than_the_towers_image_size_takes_the_towers_
         r * 8 + c for r in (0, 2, 4, 6) for c in (0, 2, 4, 6)]
     dec = Decoder(export_to(loaded, sink=4, pinned=24, window=64, chunk=16))
     img = picture(50, 30, seed=3)
-    px = hf_pixels(folder, img)
+    px = hf_inputs(folder, img)
     np.testing.assert_allclose(preprocess(load_image(img), dec.manifest.vision), px["pixel_values"][0].numpy(), atol=1e-5)
     with torch.no_grad():
         ref = loaded.model.model.get_image_features(px["pixel_values"], px["pixel_attention_mask"]).pooler_output[0].numpy()
@@ -205,97 +182,21 @@ def test_a_processor_square_smaller_than_the_towers_image_size_takes_the_towers_
 
 @pytest.mark.parametrize("head", ["", "<|im_start|>User:"])
 def test_a_turn_with_a_frame_gives_transformers_logits(idefics3, head):
-    """The frame at the stream's start (its first tokens then sit in the sink) or after text; chunks of
-    16 tokens; every token's logits."""
     loaded, folder = idefics3
-    dec = Decoder(folder)
-    v = dec.manifest.vision
-    tok = loaded.tokenizer.backend_tokenizer
-    head_ids = tok.encode(head, add_special_tokens=False).ids + list(v.image_prefix)
-    tail = list(v.image_suffix) + tok.encode("what is on the road ahead?<end_of_utterance>\nAssistant:",
-                                             add_special_tokens=False).ids  # fmt: skip
-    img = picture(64, 48, seed=5)
-    ids = head_ids + [v.image_token_id] * v.image_tokens + tail
-    ref = hf_logits(loaded, ids, img)
-    ours = [dec.feed(head_ids, all_logits=True)]
-    dec.cache.begin_frame()
-    ours.append(dec.feed([v.image_token_id] * v.image_tokens, pin="image", all_logits=True, embeds=dec.vision.encode(img)))
-    ours.append(dec.feed(tail, all_logits=True))
-    np.testing.assert_allclose(np.concatenate(ours), ref, atol=1e-4)  # measured 3e-6
-    other = hf_logits(loaded, ids, picture(64, 48, seed=6))
-    assert np.abs(other[-1] - ref[-1]).max() > 1e-2  # the comparison can tell frames apart
-
-
-class StreamingReference:
-    """The cache semantics with a pinned frame, written for this test in plain PyTorch from DESIGN.md
-    with the transformers model's own sub-modules (nothing shared with the graph or the slot table):
-    each cached token keeps the K/V it was given when fed; at every chunk the cached tokens, in stream
-    order, get positions 0..L-1 and the chunk's tokens L..L+n-1 (ranks), RoPE is applied with them,
-    every chunk token attends to every cached token and causally to the chunk; then the chunk joins
-    the cache, the first `sink` tokens and the current frame stay, the oldest others beyond `window`
-    are dropped, and a new frame drops the previous frame's tokens."""
-
-    def __init__(self, model, sink: int, window: int):
-        self.m, self.sink, self.window = model, sink, window
-        self.lm = model.model.text_model
-        cfg = model.config.text_config
-        self.H, self.Hkv, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
-        self.inv_freq = self.lm.rotary_emb.inv_freq.double()
-        self.entries: list[tuple[bool, bool, list]] = []  # (in the sink, a frame token, [(k, v)] per layer)
-        self.seen = 0
-
-    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:  # x (heads, n, D), pos (n,)
-        f = pos.double()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat([f, f], dim=-1)
-        cos, sin = emb.cos().float(), emb.sin().float()
-        x1, x2 = x[..., : self.D // 2], x[..., self.D // 2 :]
-        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-    @torch.no_grad()
-    def feed(self, x: torch.Tensor, frame: bool = False) -> torch.Tensor:
-        """x (n, hidden): the chunk's input rows (token embeddings, or the frame's image embeddings)."""
-        if frame and not (self.entries and self.entries[-1][1]):  # a new frame: the previous one leaves
-            self.entries = [e for e in self.entries if e[0] or not e[1]]
-        n, cached = len(x), len(self.entries)
-        pos = torch.arange(cached + n)
-        new_kv = [[] for _ in range(n)]
-        allowed = torch.cat([torch.ones(n, cached, dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril()], dim=1)
-        G = self.H // self.Hkv
-        for li, layer in enumerate(self.lm.layers):
-            a = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = a.q_proj(h).view(n, self.H, self.D).transpose(0, 1)
-            k = a.k_proj(h).view(n, self.Hkv, self.D).transpose(0, 1)
-            v = a.v_proj(h).view(n, self.Hkv, self.D).transpose(0, 1)
-            for t in range(n):
-                new_kv[t].append((k[:, t], v[:, t]))
-            K = torch.stack([e[2][li][0] for e in self.entries] + [k[:, t] for t in range(n)], dim=1)
-            V = torch.stack([e[2][li][1] for e in self.entries] + [v[:, t] for t in range(n)], dim=1)
-            K = self._rope(K, pos).repeat_interleave(G, dim=0)
-            Q = self._rope(q, pos[cached:])
-            scores = (Q @ K.transpose(1, 2) * a.scaling).masked_fill(~allowed, float("-inf"))
-            out = (scores.softmax(-1) @ V.repeat_interleave(G, dim=0)).transpose(0, 1).reshape(n, -1)
-            x = x + a.o_proj(out)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        logits = self.m.lm_head(self.lm.norm(x))
-        for t in range(n):
-            self.entries.append((self.seen + t < self.sink, frame, new_kv[t]))
-        self.seen += n
-        unpinned = [i for i, e in enumerate(self.entries) if not (e[0] or e[1])]
-        drop = set(unpinned[: max(0, len(unpinned) - self.window)])
-        self.entries = [e for i, e in enumerate(self.entries) if i not in drop]
-        return logits
+    question = "what is on the road ahead?<end_of_utterance>\nAssistant:"
+    vlm.check_a_turn_with_a_frame_gives_transformers_logits(loaded, folder, hf_logits, head, question, PICTURE)
 
 
 def test_streaming_with_a_pinned_frame_follows_the_reference_of_the_semantics(idefics3):
     """Beyond the cache: one-token steps and 16-token chunks with the frame pinned while the window
     evicts the text around it (the tokens around the image too), then a second frame replacing the
-    first, against StreamingReference."""
+    first, against vlm_reference.py's FrameStreamingReference (positions are ranks)."""
     loaded, folder = idefics3
     dec = Decoder(folder)
     v = dec.manifest.vision
-    ref = StreamingReference(loaded.model, dec.layout.sink, dec.layout.window)
-    embed = loaded.model.model.text_model.embed_tokens
+    lm = loaded.model.model.text_model
+    ref = FrameStreamingReference(loaded.model, lm, dec.layout.sink, dec.layout.window, lm.rotary_emb.inv_freq)
+    embed = lm.embed_tokens
     tok = loaded.tokenizer.backend_tokenizer
     text = tok.encode(TEXT * 3, add_special_tokens=False).ids
     worst = 0.0
@@ -319,51 +220,26 @@ def test_streaming_with_a_pinned_frame_follows_the_reference_of_the_semantics(id
             i += n
 
     both(tok.encode("<|im_start|>User:", add_special_tokens=False).ids + list(v.image_prefix))
-    both(dec.vision.encode(picture(64, 48, seed=7)), frame=True)
+    both(dec.vision.encode(picture(*PICTURE, seed=7)), frame=True)
     stream(list(v.image_suffix) + text[:150])
     assert dec.cache.evicted > 60
     both(list(v.image_prefix))
-    both(dec.vision.encode(picture(64, 48, seed=8)), frame=True)
+    both(dec.vision.encode(picture(*PICTURE, seed=8)), frame=True)
     stream(list(v.image_suffix) + text[150:260])
     assert dec.cache.frames == 2 and dec.cache.evicted > 150  # measured 163
     assert len(ref.entries) == int((dec.cache.slot_token >= 0).sum())
     assert worst < 1e-4, worst  # measured 7.6e-6 (logits up to ~5)
 
 
-def cabinlm(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cabinlm", *map(str, args)], capture_output=True, text=True, timeout=300)
-
-
 def test_perplexity_with_a_frame_equals_transformers_and_a_wrong_frame_does_not(idefics3, tmp_path):
     loaded, folder = idefics3
-    v = Decoder(folder).manifest.vision
-    frame, wrong = tmp_path / "cabin.png", tmp_path / "other.png"
-    picture(64, 48, seed=8).save(frame)
-    picture(64, 48, seed=9).save(wrong)
-    (tmp_path / "t.txt").write_text(TEXT)
-    text = loaded.tokenizer.backend_tokenizer.encode(TEXT).ids[:60]  # the stream fits the cache: exactly the model
-    ids = frame_ids(v) + text
-    first = len(ids) - len(text)  # the text's first token
-    ref = nll_of(hf_logits(loaded, ids, load_image(frame))[first:-1], text[1:])  # text tokens 2..N
-    for image, out in ((frame, tmp_path / "nll.npy"), (wrong, tmp_path / "wrong.npy")):
-        p = cabinlm("perplexity", folder, "--image", image, "--text", tmp_path / "t.txt", "--nll-out", out,
-                    "--max-tokens", 60, "--json")
-        assert p.returncode == 0, p.stderr
-        assert json.loads(p.stdout)["tokens"] == len(text)
-    ours, theirs_wrong = np.load(tmp_path / "nll.npy"), np.load(tmp_path / "wrong.npy")
-    assert ours.shape == ref.shape == (len(text) - 1,)
-    np.testing.assert_allclose(ours, ref, atol=1e-4)  # fp32 throughout
-    assert np.abs(theirs_wrong - ref).mean() > 0.1  # another frame: clearly different
+    one_frame = frame_ids(Decoder(folder).manifest.vision)
+    vlm.check_perplexity_with_a_frame(loaded, folder, hf_logits, one_frame, PICTURE, tmp_path)
 
 
 def test_perplexity_refuses_a_file_that_is_no_image_in_one_line(idefics3, tmp_path):
     _, folder = idefics3
-    (tmp_path / "t.txt").write_text(TEXT)
-    (tmp_path / "no.png").write_bytes(b"not a picture")
-    p = cabinlm("perplexity", folder, "--image", tmp_path / "no.png", "--text", tmp_path / "t.txt")
-    assert p.returncode != 0 and "Traceback" not in p.stderr
-    assert [line for line in p.stderr.splitlines() if line.startswith("error:")] == [
-        f"error: {tmp_path / 'no.png'}: not an image Pillow can read (PNG, JPEG, BMP, ...)"]
+    vlm.check_perplexity_refuses_a_file_that_is_no_image(folder, tmp_path)
 
 
 # -- chat, sessions, serve ---------------------------------------------------------------------------
@@ -422,45 +298,23 @@ def test_a_chat_turn_with_a_frame_replies_as_transformers_greedy(idefics3):
                                        do_image_splitting=False)  # fmt: skip
     proc = Idefics3Processor(image_processor=images, tokenizer=loaded.tokenizer, image_seq_len=TOKENS,
                              chat_template=SMOLVLM_TEMPLATE)  # fmt: skip
-    img = picture(64, 48, seed=11)
+    img = picture(*PICTURE, seed=11)
     msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is on the road ahead?"}]}]
     prompt = list(proc(images=[img], text=[proc.apply_chat_template(msgs, add_generation_prompt=True)])["input_ids"][0])
     result = d.ask("what is on the road ahead?", image=img)
-    ids, reply = list(prompt), []
-    for _ in range(6):
-        t = int(hf_logits(loaded, ids, img)[-1].argmax())
-        if t in dec.manifest.stop_ids:
-            break
-        ids.append(t)
-        reply.append(t)
+    reply = hf_greedy(hf_logits, loaded, prompt, img, dec.manifest.stop_ids, 6)
     assert d.template.start(None) == prompt[:1]  # <|im_start|>, fed when the dialogue starts
     assert result.prompt_tokens == len(prompt) - 1 and result.new_tokens == len(reply) > 0
     assert result.reply == loaded.tokenizer.backend_tokenizer.decode(reply, skip_special_tokens=False)
-    d.ask("and now?", image=picture(64, 48, seed=12))
+    d.ask("and now?", image=picture(*PICTURE, seed=12))
     assert dec.cache.frames == 2
 
 
 def test_a_session_saved_with_its_frame_resumes_with_the_same_replies(idefics3, tmp_path):
     """A dialogue with a frame pinned (and the window turned over) saved to a session file; another
     dialogue loads it and answers the next turns as the first goes on to."""
-    from cabinlm.runtime import Dialogue, open_artifact
-    from cabinlm.runtime.persist import load_session, save_session
-
     _, folder = idefics3
-    dialogues = []
-    for _ in range(2):
-        dec, tok = open_artifact(folder, verify=False)
-        dialogues.append(Dialogue(dec, tok, max_new_tokens=8))
-    first, second = dialogues
-    first.ask("the cabin camera, please", image=picture(64, 48, seed=13))
-    for i in range(6):
-        first.ask(f"turn {i}: anything new on the road ahead?")
-    assert first.decoder.cache.evicted > 0
-    save_session(tmp_path / "s.session", first)
-    load_session(tmp_path / "s.session", second)
-    for text in ("and the weather?", "how far to the charging station?"):
-        assert second.ask(text).reply == first.ask(text).reply
-    np.testing.assert_array_equal(second.decoder.cache.slot_token, first.decoder.cache.slot_token)
+    vlm.check_a_session_saved_with_its_frame_resumes_with_the_same_replies(folder, PICTURE, tmp_path)
 
 
 def test_chat_cli_takes_frames_by_flag_and_json_lines_and_replies_as_the_library(idefics3, tmp_path):
@@ -486,61 +340,35 @@ def test_chat_cli_takes_frames_by_flag_and_json_lines_and_replies_as_the_library
 def test_frames_replaced_over_a_long_stream_at_constant_memory(idefics3):
     """40 frames, each replacing the last in the image region, text between them evicting hundreds of
     tokens: the buffers never move and memory stays flat."""
-    import gc
-
-    from cabinlm.runtime.memory import rss_mb
-    from cabinlm.runtime.perplexity import feed_frame
-
     loaded, folder = idefics3
-    dec = Decoder(folder)
-    text = loaded.tokenizer.backend_tokenizer.encode(TEXT, add_special_tokens=False).ids
-    frames = [dec.vision.encode(picture(64, 48, seed=s)) for s in range(4)]
-    kv = dec.backend
-    addresses = (kv.keys.ctypes.data, kv.values.ctypes.data)
-    samples = []
-    dec.feed(text[:2])
-    for i in range(40):
-        feed_frame(dec, frames[i % 4])
-        dec.feed(text[(i * 7) % 50 : (i * 7) % 50 + 23])
-        if i in (10, 39):
-            gc.collect()
-            samples.append(rss_mb())
-    assert dec.cache.frames == 40 and dec.cache.evicted > 500
-    assert (kv.keys.ctypes.data, kv.values.ctypes.data) == addresses
-    assert samples[1] - samples[0] < 8.0, samples
+    vlm.forty_frames_at_constant_memory(loaded, folder, PICTURE)
 
 
 def test_images_reach_an_idefics3_artifact_through_serve(idefics3, tmp_path):
-    """serve's image_url (a data URL, then a file path) gives the replies the library's Dialogue gives."""
+    """serve's image_url (a data URL, then a file path) gives the replies the library's Dialogue gives;
+    each request sends the conversation so far (test_serve's ask, the user messages' content parts)."""
     import base64
 
-    from test_serve import REPLY, Server, cabin, library
+    from test_serve import Server, ask, cabin, library
 
     _, art = idefics3
     frames = []
     for seed in (1, 2):
         frames.append(tmp_path / f"frame{seed}.png")
         picture(52, 40, seed=seed).save(frames[-1])
-    data_url = "data:image/png;base64," + base64.b64encode(frames[0].read_bytes()).decode()
-
-    def user(text: str, image: str | None) -> dict:
-        parts = [{"type": "text", "text": text}]
-        return {"role": "user", "content": parts + ([{"type": "image_url", "image_url": {"url": image}}] if image else [])}
-
+    texts, images = ["what is ahead", "and now", "and this one"], [frames[0], None, frames[1]]
     d = library(art)
-    expected = [d.ask("what is ahead", image=frames[0]).reply, d.ask("and now", image=None).reply,
-                d.ask("and this one", image=frames[1]).reply]  # fmt: skip
+    expected = [d.ask(text, image=image).reply for text, image in zip(texts, images, strict=True)]
+    urls = ["data:image/png;base64," + base64.b64encode(frames[0].read_bytes()).decode(), None, f"file://{frames[1]}"]
+    turns = [[{"type": "text", "text": text}] + ([{"type": "image_url", "image_url": {"url": url}}] if url else [])
+             for text, url in zip(texts, urls, strict=True)]  # fmt: skip
     with Server(art, tmp_path / "server.log", model="smolvlm") as server:
         client = server.client()
-        sent = [user("what is ahead", data_url), user("and now", None), user("and this one", f"file://{frames[1]}")]
         replies, kinds = [], []
         for i in range(3):
-            messages = []
-            for j in range(i):
-                messages += [sent[j], {"role": "assistant", "content": replies[j]}]
-            r = client.chat.completions.create(model="smolvlm", messages=messages + [sent[i]], max_tokens=REPLY)
-            replies.append(r.choices[0].message.content)
-            kinds.append(cabin(r.usage)["history"])
+            reply, usage = ask(client, turns[: i + 1], replies, "default", model="smolvlm")
+            replies.append(reply)
+            kinds.append(cabin(usage)["history"])
         assert replies == expected and kinds == ["extended"] * 3
 
 
@@ -550,19 +378,8 @@ def test_images_reach_an_idefics3_artifact_through_serve(idefics3, tmp_path):
 def test_the_cpu_build_scores_a_frame_as_the_export(idefics3, tmp_path):
     """`cabinlm build --profile cpu`: the exported graph optimized offline (as LLaVA's: the fused
     decoder takes text models only)."""
-    from cabinlm.engines.build import build_artifact
-    from cabinlm.profiles import load_profile
-    from cabinlm.runtime import stream_perplexity
-
     loaded, folder = idefics3
-    built = build_artifact(folder, load_profile("cpu"), tmp_path / "build-cpu")
-    ids = loaded.tokenizer.backend_tokenizer.encode(TEXT).ids[:40]
-    results = []
-    for art in (folder, built):
-        dec = Decoder(art)
-        results.append(stream_perplexity(dec, ids, frame=dec.vision.encode(picture(64, 48, seed=10))).nll)
-    assert Decoder(built).manifest.build is not None
-    np.testing.assert_allclose(results[1], results[0], atol=1e-5)
+    vlm.check_the_cpu_build_scores_a_frame_as_the_export(loaded, folder, PICTURE, tmp_path)
 
 
 @pytest.mark.parametrize("profile", ["sa8775p", "sa8295p"])
@@ -590,7 +407,7 @@ def test_the_snapdragon_builds_run_a_frame_in_the_htp_simulator_as_the_export(id
     nll = {}
     for name, folder, seed in (("export", art, 10), ("htp", built, 10), ("htp, another frame", built, 11)):
         dec = Decoder(folder)
-        nll[name] = stream_perplexity(dec, ids, frame=dec.vision.encode(picture(64, 48, seed=seed))).nll
+        nll[name] = stream_perplexity(dec, ids, frame=dec.vision.encode(picture(*PICTURE, seed=seed))).nll
     assert type(Decoder(built).backend).__name__ == "QnnBackend"
     close = np.abs(nll["htp"] - nll["export"])
     assert close.max() < 0.2 and close.mean() < 0.02, close  # fp16 on the HTP: measured 0.06 at most

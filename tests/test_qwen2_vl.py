@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -21,14 +19,12 @@ from cabinlm.runtime import Decoder
 from cabinlm.runtime.slots import SlotTable
 from cabinlm.runtime.vision import load_image, preprocess
 
-TEXT = ("The driver asked the assistant about the weather, the route and the charging stations on the way. "
-        "Keep a safe distance and take a break every two hours.")  # fmt: skip
+import vlm_checks as vlm
+from vlm_checks import TEXT, hf_greedy, hf_inputs, picture
+from vlm_reference import FrameStreamingReference
 
-
-def picture(w: int, h: int, mode: str = "RGB", seed: int = 0) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    img = Image.fromarray((rng.random((h, w, 4)) * 255).astype(np.uint8), "RGBA")
-    return img if mode == "RGBA" else img.convert(mode)
+# the test frames' (width, height): the artifact's frame, smart_resize of 640x480 under max_pixels 1024
+PICTURE = (32, 24)
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
@@ -38,12 +34,6 @@ def qwen(request, load, export_to):
     folder = request.getfixturevalue("tiny_qwen2_vl_dir" if request.param == "qwen2_vl" else "tiny_qwen2_5_vl_dir")
     loaded = load(str(folder))
     return loaded, export_to(loaded, sink=4, pinned=12, window=64, chunk=16)
-
-
-def hf_inputs(folder, img):
-    from transformers import AutoImageProcessor
-
-    return AutoImageProcessor.from_pretrained(folder)(images=img, return_tensors="pt")
 
 
 def hf_logits(loaded, ids: list[int], img) -> np.ndarray:
@@ -58,13 +48,6 @@ def hf_logits(loaded, ids: list[int], img) -> np.ndarray:
     return out.logits[0].numpy()
 
 
-def nll_of(logits: np.ndarray, targets: list[int]) -> np.ndarray:
-    z = logits.astype(np.float64)
-    m = z.max(-1, keepdims=True)
-    lse = (m + np.log(np.exp(z - m).sum(-1, keepdims=True)))[:, 0]
-    return lse - z[np.arange(len(targets)), targets]
-
-
 # -- the image processor and the vision tower ------------------------------------------------------
 
 
@@ -73,7 +56,7 @@ def test_a_frame_of_the_artifacts_size_is_prepared_as_the_transformers_processor
     _, folder = qwen
     spec = Decoder(folder).manifest.vision
     assert spec.frame == (24, 32) and spec.grid == (3, 4)  # smart_resize of 640x480 under max_pixels 1024
-    img = picture(32, 24, mode=mode, seed=1)
+    img = picture(*PICTURE, mode=mode, seed=1)
     ours = preprocess(load_image(img), spec)
     ref = hf_inputs(qwen[0].folder, load_image(img))
     assert ref["image_grid_thw"].tolist() == [[1, 6, 8]]
@@ -95,15 +78,7 @@ def test_a_frame_of_another_size_is_resized_to_the_artifacts_frame_with_the_proc
 
 def test_the_vision_graph_gives_transformers_image_embeddings(qwen):
     loaded, folder = qwen
-    dec = Decoder(folder)
-    img = picture(32, 24, seed=3)
-    px = hf_inputs(loaded.folder, img)
-    with torch.no_grad():
-        ref = loaded.model.model.get_image_features(px["pixel_values"], px["image_grid_thw"]).pooler_output[0].numpy()
-    ours = dec.vision.encode(img)
-    assert ours.shape == ref.shape == (12, 64)
-    np.testing.assert_allclose(ours, ref, atol=1e-4)  # measured 7e-6 (values up to ~9)
-    assert np.abs(dec.vision.encode(picture(32, 24, seed=4)) - ref).max() > 0.1  # another frame: other embeddings
+    vlm.check_the_vision_graph_gives_transformers_image_features(loaded, folder, PICTURE, "image_grid_thw", (12, 64))
 
 
 # -- the M-RoPE rank rule (numpy, against transformers' get_rope_index and a reference of the rule) --
@@ -209,89 +184,30 @@ def test_a_restored_table_knows_where_its_frame_starts():
 
 @pytest.mark.parametrize("head", ["", "<|im_start|>user\n"])
 def test_a_turn_with_a_frame_gives_transformers_logits(qwen, head):
-    """The frame at the stream's start (its first tokens then sit in the sink) or after text; chunks of
-    16 tokens; every token's logits."""
     loaded, folder = qwen
-    dec = Decoder(folder)
-    v = dec.manifest.vision
-    tok = loaded.tokenizer.backend_tokenizer
-    head_ids = tok.encode(head, add_special_tokens=False).ids + list(v.image_prefix)
-    tail = list(v.image_suffix) + tok.encode(" what is on the road ahead?<|im_end|>\n", add_special_tokens=False).ids
-    img = picture(32, 24, seed=5)
-    ids = head_ids + [v.image_token_id] * v.image_tokens + tail
-    ref = hf_logits(loaded, ids, img)
-    ours = [dec.feed(head_ids, all_logits=True)]
-    dec.cache.begin_frame()
-    ours.append(dec.feed([v.image_token_id] * v.image_tokens, pin="image", all_logits=True, embeds=dec.vision.encode(img)))
-    ours.append(dec.feed(tail, all_logits=True))
-    np.testing.assert_allclose(np.concatenate(ours), ref, atol=1e-4)  # measured 5e-6 (logits up to ~5)
-    other = hf_logits(loaded, ids, picture(32, 24, seed=6))
-    assert np.abs(other[-1] - ref[-1]).max() > 1e-2  # the comparison can tell frames apart
+    question = " what is on the road ahead?<|im_end|>\n"
+    vlm.check_a_turn_with_a_frame_gives_transformers_logits(loaded, folder, hf_logits, head, question, PICTURE)
 
 
-class MRopeStreamingReference:
-    """The cache semantics with a pinned frame, written for this test in plain PyTorch from
-    DESIGN.md with the transformers model's own sub-modules (nothing shared with the graph or the
-    slot table): each cached token keeps the K/V it was given when fed; at every chunk the cached
-    tokens then the chunk, in stream order, get the rule's positions (rule_positions), RoPE is applied
-    with them (M-RoPE: frequency pair j turns with the component of its section), every chunk token
-    attends to every cached token and causally to the chunk; then the chunk joins the cache, the first
-    `sink` tokens and the frame stay, the oldest others beyond `window` are dropped."""
+class MRopeStreamingReference(FrameStreamingReference):
+    """vlm_reference.py's cache semantics with M-RoPE: the cached tokens then the chunk, in stream
+    order, get the rule's positions (rule_positions), and frequency pair j turns with the component
+    of its section."""
 
     def __init__(self, model, sink: int, window: int, grid: tuple[int, int]):
-        self.m, self.sink, self.window, self.grid = model, sink, window, grid
         cfg = model.config.text_config
-        self.H, self.Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.D = cfg.hidden_size // self.H
-        theta = cfg.rope_parameters["rope_theta"]
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.D, 2, dtype=torch.float64) / self.D))
-        self.section = cfg.rope_parameters["mrope_section"]
-        self.entries: list[tuple[int, bool, bool, list]] = []  # (stream index, pinned, frame token, [(k, v)] per layer)
-        self.seen = 0
+        D, theta = cfg.hidden_size // cfg.num_attention_heads, cfg.rope_parameters["rope_theta"]
+        inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+        super().__init__(model, model.model.language_model, sink, window, inv_freq)
+        self.grid, self.section = grid, cfg.rope_parameters["mrope_section"]
 
-    def _rope(self, x: torch.Tensor, pos: np.ndarray) -> torch.Tensor:  # x (heads, n, D), pos (3, n)
+    def positions(self, frame: list[bool]) -> np.ndarray:  # (3, cached + n)
+        return rule_positions(frame, self.grid)
+
+    def rope(self, x: torch.Tensor, pos: np.ndarray) -> torch.Tensor:  # x (heads, n, D), pos (3, n)
         comp = torch.from_numpy(np.repeat(np.arange(3), self.section))  # each frequency pair's component
         p = torch.from_numpy(pos).double()[comp]  # (D/2, n)
-        f = (p * self.inv_freq[:, None]).T  # (n, D/2)
-        emb = torch.cat([f, f], dim=-1)
-        cos, sin = emb.cos().float(), emb.sin().float()
-        x1, x2 = x[..., : self.D // 2], x[..., self.D // 2 :]
-        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-    @torch.no_grad()
-    def feed(self, x: torch.Tensor, frame: bool = False) -> torch.Tensor:
-        """x (n, hidden): the chunk's input rows (token embeddings, or the frame's image embeddings)."""
-        lm, n, cached = self.m.model.language_model, len(x), len(self.entries)
-        pos = rule_positions([e[2] for e in self.entries] + [frame] * n, self.grid)
-        new_kv = [[] for _ in range(n)]
-        causal = torch.ones(n, n, dtype=torch.bool).tril()
-        allowed = torch.cat([torch.ones(n, cached, dtype=torch.bool), causal], dim=1)
-        G = self.H // self.Hkv
-        for li, layer in enumerate(lm.layers):
-            a = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = a.q_proj(h).view(n, self.H, self.D).transpose(0, 1)
-            k = a.k_proj(h).view(n, self.Hkv, self.D).transpose(0, 1)
-            v = a.v_proj(h).view(n, self.Hkv, self.D).transpose(0, 1)
-            for t in range(n):
-                new_kv[t].append((k[:, t], v[:, t]))
-            K = torch.stack([e[3][li][0] for e in self.entries] + [k[:, t] for t in range(n)], dim=1)
-            V = torch.stack([e[3][li][1] for e in self.entries] + [v[:, t] for t in range(n)], dim=1)
-            K = self._rope(K, pos).repeat_interleave(G, dim=0)
-            Q = self._rope(q, pos[:, cached:])
-            scores = (Q @ K.transpose(1, 2) * a.scaling).masked_fill(~allowed, float("-inf"))
-            out = (scores.softmax(-1) @ V.repeat_interleave(G, dim=0)).transpose(0, 1).reshape(n, -1)
-            x = x + a.o_proj(out)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        logits = self.m.lm_head(lm.norm(x))
-        for t in range(n):
-            idx = self.seen + t
-            self.entries.append((idx, frame or idx < self.sink, frame, new_kv[t]))
-        self.seen += n
-        unpinned = [i for i, e in enumerate(self.entries) if not e[1]]
-        drop = set(unpinned[: max(0, len(unpinned) - self.window)])
-        self.entries = [e for i, e in enumerate(self.entries) if i not in drop]
-        return logits
+        return self.rotate(x, (p * self.inv_freq[:, None]).T)  # angles (n, D/2)
 
 
 def test_streaming_with_a_pinned_frame_follows_the_reference_of_the_semantics(qwen):
@@ -303,7 +219,7 @@ def test_streaming_with_a_pinned_frame_follows_the_reference_of_the_semantics(qw
     lay = dec.layout
     ref = MRopeStreamingReference(loaded.model, lay.sink, lay.window, v.grid)
     embed = loaded.model.model.language_model.embed_tokens
-    img = picture(32, 24, seed=7)
+    img = picture(*PICTURE, seed=7)
     frame = dec.vision.encode(img)
     tok = loaded.tokenizer.backend_tokenizer
     head = tok.encode("<|im_start|>user\n", add_special_tokens=False).ids + list(v.image_prefix)
@@ -331,40 +247,16 @@ def test_streaming_with_a_pinned_frame_follows_the_reference_of_the_semantics(qw
 # -- `cabinlm perplexity ART --image FRAME` ----------------------------------------------------------
 
 
-def cabinlm(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cabinlm", *map(str, args)], capture_output=True, text=True, timeout=300)
-
-
 def test_perplexity_with_a_frame_equals_transformers_and_a_wrong_frame_does_not(qwen, tmp_path):
     loaded, folder = qwen
     v = loaded.model.config
-    frame, wrong = tmp_path / "cabin.png", tmp_path / "other.png"
-    picture(32, 24, seed=8).save(frame)
-    picture(32, 24, seed=9).save(wrong)
-    (tmp_path / "t.txt").write_text(TEXT)
-    text = loaded.tokenizer.backend_tokenizer.encode(TEXT).ids[:60]  # the stream fits the cache: exactly the model
-    ids = [v.vision_start_token_id] + [v.image_token_id] * 12 + [v.vision_end_token_id] + text
-    first = len(ids) - len(text)  # the text's first token
-    ref = nll_of(hf_logits(loaded, ids, load_image(frame))[first:-1], text[1:])  # text tokens 2..N
-    for image, out in ((frame, tmp_path / "nll.npy"), (wrong, tmp_path / "wrong.npy")):
-        p = cabinlm("perplexity", folder, "--image", image, "--text", tmp_path / "t.txt", "--nll-out", out,
-                    "--max-tokens", 60, "--json")
-        assert p.returncode == 0, p.stderr
-        assert json.loads(p.stdout)["tokens"] == len(text)
-    ours, theirs_wrong = np.load(tmp_path / "nll.npy"), np.load(tmp_path / "wrong.npy")
-    assert ours.shape == ref.shape == (len(text) - 1,)
-    np.testing.assert_allclose(ours, ref, atol=1e-4)  # fp32 throughout; measured ~3e-6
-    assert np.abs(theirs_wrong - ref).mean() > 0.1  # another frame: measured 0.45 on average (2.1 at most)
+    frame_ids = [v.vision_start_token_id] + [v.image_token_id] * 12 + [v.vision_end_token_id]
+    vlm.check_perplexity_with_a_frame(loaded, folder, hf_logits, frame_ids, PICTURE, tmp_path)
 
 
 def test_perplexity_refuses_an_image_for_a_text_model_and_a_file_that_is_no_image(qwen, tmp_path):
     _, folder = qwen
-    (tmp_path / "t.txt").write_text(TEXT)
-    (tmp_path / "no.png").write_bytes(b"not a picture")
-    p = cabinlm("perplexity", folder, "--image", tmp_path / "no.png", "--text", tmp_path / "t.txt")
-    assert p.returncode != 0 and "Traceback" not in p.stderr
-    assert [line for line in p.stderr.splitlines() if line.startswith("error:")] == [
-        f"error: {tmp_path / 'no.png'}: not an image Pillow can read (PNG, JPEG, BMP, ...)"]
+    vlm.check_perplexity_refuses_a_file_that_is_no_image(folder, tmp_path)
 
 
 # -- refusals, one line each ------------------------------------------------------------------------
@@ -414,19 +306,8 @@ def test_a_frame_size_the_processor_would_change_is_refused_and_one_it_keeps_is_
 def test_the_cpu_build_keeps_the_multimodal_rotation_and_scores_as_the_export(qwen, tmp_path):
     """`cabinlm build --profile cpu` (the exported graph, optimized offline) leaves the cached keys'
     rotation as exported: ONNX Runtime's RotaryEmbedding takes one position per token, M-RoPE three."""
-    from cabinlm.engines.build import build_artifact
-    from cabinlm.profiles import load_profile
-    from cabinlm.runtime import stream_perplexity
-
     loaded, folder = qwen
-    built = build_artifact(folder, load_profile("cpu"), tmp_path / "build-cpu")
-    ids = loaded.tokenizer.backend_tokenizer.encode(TEXT).ids[:40]
-    results = []
-    for art in (folder, built):
-        dec = Decoder(art)
-        results.append(stream_perplexity(dec, ids, frame=dec.vision.encode(picture(32, 24, seed=10))).nll)
-    assert Decoder(built).manifest.build is not None
-    np.testing.assert_allclose(results[1], results[0], atol=1e-5)
+    vlm.check_the_cpu_build_scores_a_frame_as_the_export(loaded, folder, PICTURE, tmp_path)
 
 
 def test_frames_replaced_over_a_long_stream_at_constant_memory_and_a_resumed_cache_goes_on_alike(qwen):
@@ -434,29 +315,10 @@ def test_frames_replaced_over_a_long_stream_at_constant_memory_and_a_resumed_cac
     of tokens: the buffers never move, memory stays flat, and a second decoder given the first's slot
     state (SlotTable.restore: where the frame starts is derived again) and buffers, as a session file
     restores them, gives the same logits from there on, bit for bit."""
-    import gc
-
-    from cabinlm.runtime.memory import rss_mb
     from cabinlm.runtime.perplexity import feed_frame
 
     loaded, folder = qwen
-    dec = Decoder(folder)
-    tok = loaded.tokenizer.backend_tokenizer
-    text = tok.encode(TEXT, add_special_tokens=False).ids
-    frames = [dec.vision.encode(picture(32, 24, seed=s)) for s in range(4)]
-    kv = dec.backend
-    addresses = (kv.keys.ctypes.data, kv.values.ctypes.data)
-    samples = []
-    dec.feed(text[:2])  # the first frame after two tokens: its first tokens sit in the sink
-    for i in range(40):
-        feed_frame(dec, frames[i % 4])
-        dec.feed(text[(i * 7) % 50 : (i * 7) % 50 + 23])
-        if i in (10, 39):
-            gc.collect()
-            samples.append(rss_mb())
-    assert dec.cache.frames == 40 and dec.cache.evicted > 500
-    assert (kv.keys.ctypes.data, kv.values.ctypes.data) == addresses
-    assert samples[1] - samples[0] < 8.0, samples
+    dec, text, frames = vlm.forty_frames_at_constant_memory(loaded, folder, PICTURE)
     resumed = Decoder(folder)
     resumed.cache.restore(dec.cache.state())
     for name, buf in dec.backend.buffers().items():
@@ -481,20 +343,14 @@ def test_a_chat_turn_with_a_frame_replies_as_transformers_greedy(qwen):
     d = Dialogue(dec, tok, max_new_tokens=6)
     btok = loaded.tokenizer.backend_tokenizer
     for turn, seed in enumerate((11, 12)):
-        img = picture(32, 24, seed=seed)
+        img = picture(*PICTURE, seed=seed)
         prompt = (btok.encode("<|im_start|>user\n", add_special_tokens=False).ids + list(v.image_prefix)
                   + [v.image_token_id] * v.image_tokens + list(v.image_suffix)
                   + btok.encode("what is on the road ahead?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False).ids)  # fmt: skip
         result = d.ask("what is on the road ahead?", image=img)
         if turn:
             continue  # the second turn's transformers sequence would need the first turn too; fed to replace the frame
-        ids, reply = list(prompt), []
-        for _ in range(6):
-            t = int(hf_logits(loaded, ids, img)[-1].argmax())
-            if t in dec.manifest.stop_ids:
-                break
-            ids.append(t)
-            reply.append(t)
+        reply = hf_greedy(hf_logits, loaded, prompt, img, dec.manifest.stop_ids, 6)
         assert result.prompt_tokens == len(prompt)
         assert result.reply == btok.decode(reply, skip_special_tokens=False)
     assert dec.cache.frames == 2
@@ -503,24 +359,8 @@ def test_a_chat_turn_with_a_frame_replies_as_transformers_greedy(qwen):
 def test_a_session_saved_with_its_frame_resumes_with_the_same_replies(qwen, tmp_path):
     """A dialogue with a frame pinned (and the window turned over) saved to a session file; a new
     process's dialogue loads it and answers the next turns as the first goes on to."""
-    from cabinlm.runtime import Dialogue, open_artifact
-    from cabinlm.runtime.persist import load_session, save_session
-
     _, folder = qwen
-    dialogues = []
-    for _ in range(2):
-        dec, tok = open_artifact(folder, verify=False)
-        dialogues.append(Dialogue(dec, tok, max_new_tokens=8))
-    first, second = dialogues
-    first.ask("the cabin camera, please", image=picture(32, 24, seed=13))
-    for i in range(6):
-        first.ask(f"turn {i}: anything new on the road ahead?")
-    assert first.decoder.cache.evicted > 0
-    save_session(tmp_path / "s.session", first)
-    load_session(tmp_path / "s.session", second)
-    assert second.decoder.cache.frame_start == first.decoder.cache.frame_start >= 0
-    for text in ("and the weather?", "how far to the charging station?"):
-        assert second.ask(text).reply == first.ask(text).reply
+    vlm.check_a_session_saved_with_its_frame_resumes_with_the_same_replies(folder, PICTURE, tmp_path)
 
 
 @pytest.mark.parametrize("profile", ["sa8775p", "sa8295p", "orin-x"])

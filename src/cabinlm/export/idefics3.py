@@ -26,7 +26,7 @@ from onnx import TensorProto
 from cabinlm.errors import ModelError
 from cabinlm.export.graph import GraphBuilder
 from cabinlm.export.image_processor import IDEFICS3_IMAGE_PREFIX, IDEFICS3_IMAGE_SUFFIX, Idefics3Processor
-from cabinlm.export.vision import IMAGE_EMBEDS, PIXELS, _t, encoder_layers, layer_norm
+from cabinlm.export.vision import IMAGE_EMBEDS, _t, encoder_layers, layer_norm, patch_tokens
 
 ARCHITECTURES = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
 
@@ -63,16 +63,11 @@ def build_idefics3_vision(model, proc: Idefics3Processor, opset: int = 17) -> tu
     if p != vcfg.patch_size or r != cfg.scale_factor:
         raise ModelError(f"the processor was read for patch {p} / scale {r}, the model has {vcfg.patch_size} / {cfg.scale_factor}")
     grid = S // p
-    N, I, D = grid * grid, proc.image_tokens, cfg.text_config.hidden_size
+    I, D = proc.image_tokens, cfg.text_config.hidden_size
 
     g = GraphBuilder("cabinlm_vision", opset=opset)
-    g.input(PIXELS, TensorProto.FLOAT, (1, 3, S, S))
     emb = tower.embeddings
-    conv_in = [PIXELS, g.weight("patch_embedding.weight", _t(emb.patch_embedding.weight))]
-    if emb.patch_embedding.bias is not None:
-        conv_in.append(g.weight("patch_embedding.bias", _t(emb.patch_embedding.bias)))
-    x = g.op("Conv", *conv_in, kernel_shape=[p, p], strides=[p, p], name="patches")  # (1, E, S/p, S/p)
-    x = g.op("Transpose", g.op("Reshape", x, g.ints([E, N])), perm=[1, 0], name="patch_tokens")  # (N, E) row-major
+    x = patch_tokens(g, emb, S, p, E)  # (N, E) row-major, N = grid^2
     rows = _t(emb.position_embedding.weight)[position_rows(emb, S)]
     x = g.op("Add", x, g.weight("position_embedding", np.ascontiguousarray(rows)), name="embeddings")
     x = encoder_layers(g, x, tower.encoder.layers, vcfg)

@@ -10,12 +10,29 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cabinlm.errors import ModelError
 
 IMAGE_PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
+
+def processor_files(folder: Path, names: tuple[str, ...]) -> Iterator[tuple[Path, Any]]:
+    """(path, its JSON value) for each of these files the folder holds, in this order, each read when
+    the loop reaches it: a file that is no JSON is refused naming it, one the loop does not reach is
+    not read."""
+    for name in names:
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            d = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise ModelError(f"{path}: cannot read it as JSON ({e})") from e
+        yield path, d
 
 
 def image_processor_config(folder: Path) -> tuple[dict, Path]:
@@ -25,17 +42,10 @@ def image_processor_config(folder: Path) -> tuple[dict, Path]:
     "image_processor" (and may write no preprocessor_config.json); earlier versions wrote the image
     processor alone to preprocessor_config.json (and a processor_config.json, if any, without it).
     Read in transformers' own order: the nested settings first, then the file of their own."""
-    for name in IMAGE_PROCESSOR_FILES:
-        path = folder / name
-        if not path.is_file():
-            continue
-        try:
-            d = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-            raise ModelError(f"{path}: cannot read it as JSON ({e})") from e
+    for path, d in processor_files(folder, IMAGE_PROCESSOR_FILES):
         if not isinstance(d, dict):
             raise ModelError(f"{path}: expected a JSON object, got {type(d).__name__}")
-        if name == "processor_config.json":
+        if path.name == "processor_config.json":
             if "image_processor" not in d:
                 continue  # a processor without a nested image processor: its own file holds it
             d = d["image_processor"]
@@ -207,14 +217,9 @@ class Idefics3Processor:
 
 def _processor_field(folder: Path, key: str):
     """A processor's own field (not its image processor's): processor_config.json's top level."""
-    path = folder / "processor_config.json"
-    if not path.is_file():
-        return None
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise ModelError(f"{path}: cannot read it as JSON ({e})") from e
-    return d.get(key) if isinstance(d, dict) else None
+    for _, d in processor_files(folder, ("processor_config.json",)):
+        return d.get(key) if isinstance(d, dict) else None
+    return None
 
 
 def read_idefics3_processor(folder: Path, vision_config: dict, scale_factor, frame: tuple[int, int] | None = None) -> Idefics3Processor:

@@ -18,7 +18,7 @@ from cabinlm.errors import ModelError
 from cabinlm.export import gguf_quants, wquant
 from cabinlm.export.aliases import ALIASES, DEFAULT_MODEL, cache_dir, fetch_alias  # noqa: F401 - re-exported
 from cabinlm.export.decoder import DecoderWeights, LayerWeights
-from cabinlm.export.image_processor import image_processor_config
+from cabinlm.export.image_processor import image_processor_config, processor_files
 from cabinlm.export.wquant import QuantMatrix
 from cabinlm.manifest import STATIC_ROPE_TYPES, ModelSpec
 from cabinlm.model_config import idefics3_family, is_vlm, mrope_family, spec_from_config, spec_from_dict
@@ -141,16 +141,7 @@ def processor_chat_template(folder: Path) -> str | None:
     read it: chat_template.json ({"chat_template": ...}, as SmolVLM's and older processors save it) or
     processor_config.json's "chat_template" (AutoProcessor reads both; AutoTokenizer only
     chat_template.jinja and tokenizer_config.json)."""
-    import json
-
-    for name in ("chat_template.json", "processor_config.json"):
-        path = folder / name
-        if not path.is_file():
-            continue
-        try:
-            d = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-            raise ModelError(f"{path}: cannot read it as JSON ({e})") from e
+    for _, d in processor_files(folder, ("chat_template.json", "processor_config.json")):
         template = d.get("chat_template") if isinstance(d, dict) else None
         if isinstance(template, str) and template:
             return template

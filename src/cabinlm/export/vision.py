@@ -56,6 +56,20 @@ def linear(g: GraphBuilder, x: str, lin, name: str) -> str:
     return g.op("Add", y, g.weight(f"{name}.bias", _t(lin.bias)), name=name) if lin.bias is not None else y
 
 
+def patch_tokens(g: GraphBuilder, embeddings, image_size: int, patch: int, hid: int) -> str:
+    """The graph's input pixel_values (1, 3, S, S) through the tower's patch embedding (a Conv of
+    kernel and stride p, its bias if it has one) as rows (N, hid), N = (S / p)^2 patches in row-major
+    order (CLIP / SigLIP: LLaVA's towers, Idefics3's)."""
+    S, p = image_size, patch
+    g.input(PIXELS, TensorProto.FLOAT, (1, 3, S, S))
+    conv = embeddings.patch_embedding
+    conv_in = [PIXELS, g.weight("patch_embedding.weight", _t(conv.weight))]
+    if conv.bias is not None:
+        conv_in.append(g.weight("patch_embedding.bias", _t(conv.bias)))
+    x = g.op("Conv", *conv_in, kernel_shape=[p, p], strides=[p, p], name="patches")  # (1, hid, S/p, S/p)
+    return g.op("Transpose", g.op("Reshape", x, g.ints([hid, (S // p) ** 2])), perm=[1, 0], name="patch_tokens")
+
+
 def encoder_layers(g: GraphBuilder, x: str, layers, vcfg) -> str:
     """CLIP / SigLIP pre-LN encoder layers over x (N, hid), full attention over the N tokens (LLaVA's
     towers, Idefics3's): LayerNorm, q k v (q scaled by hd^-0.5), softmax, out_proj, + x; LayerNorm,
@@ -102,13 +116,8 @@ def build_vision(model, opset: int = 17) -> tuple[GraphBuilder, VisionGeometry]:
         raise ValueError("vision_feature_select_strategy 'default' drops a CLS token this vision tower does not have")
 
     g = GraphBuilder("cabinlm_vision", opset=opset)
-    g.input(PIXELS, TensorProto.FLOAT, (1, 3, S, S))
     emb = tower.embeddings
-    conv_in = [PIXELS, g.weight("patch_embedding.weight", _t(emb.patch_embedding.weight))]
-    if emb.patch_embedding.bias is not None:
-        conv_in.append(g.weight("patch_embedding.bias", _t(emb.patch_embedding.bias)))
-    x = g.op("Conv", *conv_in, kernel_shape=[p, p], strides=[p, p], name="patches")  # (1, hid, S/p, S/p)
-    x = g.op("Transpose", g.op("Reshape", x, g.ints([hid, patches])), perm=[1, 0], name="patch_tokens")  # (N, hid)
+    x = patch_tokens(g, emb, S, p, hid)  # (N, hid)
     if is_clip:
         x = g.op("Concat", g.weight("class_embedding", _t(emb.class_embedding).reshape(1, hid)), x, axis=0)
     x = g.op("Add", x, g.weight("position_embedding", _t(emb.position_embedding.weight)), name="embeddings")
