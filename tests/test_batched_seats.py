@@ -357,3 +357,37 @@ def test_bench_seats_reports_both_modes_with_the_same_replies(build):
     assert [r["mode"] for r in json.loads(p.stdout)["seats"]] == ["together", "turns"]
     assert_clean_error(cabinlm("bench", build, "--seats", 2, "--baseline", "hf"), "--seats takes no --baseline")
     assert_clean_error(cabinlm("bench", build, "--seats", 0), "seats")
+
+
+def test_the_profile_says_which_batches_a_build_carries(load, tiny_llama_dir, export_to, tmp_path):
+    """seat_batches in a profile: [3] builds one batched graph, for 3 seats (2 seats then run in it
+    with an idle place, 4 as 3 and one alone), every step still each seat's own; [] builds none; the
+    Snapdragon and TensorRT profiles say none; a bad value is one error naming the field."""
+    from importlib import resources
+
+    from cabinlm.profiles import ProfileError
+    from cabinlm.profiles.schema import parse_profile
+
+    text = (resources.files("cabinlm.profiles") / "builtin" / "cpu.toml").read_text()
+    assert "seat_batches = [2, 4]" in text
+    art = export_to(load(str(tiny_llama_dir)), kv="int8", **LAYOUT)
+    (tmp_path / "three.toml").write_text(text.replace("seat_batches = [2, 4]", "seat_batches = [3]"))
+    out = build_artifact(art, load_profile(str(tmp_path / "three.toml")), tmp_path / "three")
+    m = load_manifest(out)
+    assert m.runtime_spec.facts_as(FusedSettings).seat_batches == (3,)
+    assert sorted(p.name for p in out.glob("decoder.seats*.onnx")) == ["decoder.seats3.onnx"]
+    together, alone = seats(out, 4), seats(out, 4)
+    pairs = [Pair(t, a) for t, a in zip(together, alone)]
+    rng = np.random.default_rng(6)
+    step_together(pairs, [rng.integers(3, 300, 3) for _ in pairs], [True] * 4)
+    for k in (2, 3, 4, 2, 4, 3) * 5:
+        step_together(pairs[:k], [[int(p.last.argmax())] for p in pairs[:k]])
+    (tmp_path / "none.toml").write_text(text.replace("seat_batches = [2, 4]", "seat_batches = []"))
+    out = build_artifact(art, load_profile(str(tmp_path / "none.toml")), tmp_path / "none")
+    assert load_manifest(out).runtime_spec.facts_as(FusedSettings).seat_batches == () and not list(out.glob("decoder.seats*"))
+    for name in ("sa8295p", "sa8775p", "orin-x", "thor"):
+        assert load_profile(name).seat_batches == ()
+    assert load_profile("sa8775p").cpu_engine().seat_batches == (2, 4)
+    for bad in ("[1]", "[4, 2]", "[2, 2]", "[65]", "[true]", "4", '"2,4"'):
+        with pytest.raises(ProfileError, match="seat_batches"):
+            parse_profile(text.replace("seat_batches = [2, 4]", f"seat_batches = {bad}"), "bad.toml")

@@ -53,7 +53,8 @@ CPU_ARCHS = ("x86_64", "aarch64")  # cpu_arch: CPU architectures as Linux names 
 # What a profile's CPU engine (`cabinlm build --engine cpu`, DeviceProfile.cpu_engine) takes from the
 # built-in cpu profile: ONNX Runtime's CPU provider and what it runs. The rest is the chip's own.
 _CPU_ENGINE_FIELDS = ("engine", "execution_provider", "engine_version", "max_opset", "kv_dtypes", "default_kv",
-                      "weight_dtype", "static_shapes", "default_sink", "default_chunk", "runtime_overhead_bytes")  # fmt: skip
+                      "weight_dtype", "static_shapes", "default_sink", "default_chunk", "runtime_overhead_bytes",
+                      "seat_batches")  # fmt: skip
 
 
 def _fail(source: str, name: str, value: Any, why: str, fix: str) -> ProfileError:
@@ -106,6 +107,11 @@ class DeviceProfile:
     cpu: str = ""
     cpu_arch: str | None = None
     cpu_march: str | None = None
+    # Seats decoding together: the batch sizes (2 or more) of the batched graphs a build for this
+    # profile carries (engines/ort_fused: the fused cpu build, the only engine with batched graphs
+    # today); empty: none, each seat's step runs alone. Each batch size is one more graph file (the
+    # weights shared); a profile for a build without them says so with seat_batches = [].
+    seat_batches: tuple[int, ...] = (2, 4)
     source: str = "<memory>"  # the file it was read from, for messages
 
     def __post_init__(self) -> None:
@@ -141,6 +147,11 @@ class DeviceProfile:
             self.bandwidth_gbs > 0
         ):
             raise bad("bandwidth_gbs", "expected a positive number (GB/s)", "e.g. bandwidth_gbs = 204.8")
+        batches = self.seat_batches
+        if not isinstance(batches, tuple) or any(isinstance(b, bool) or not isinstance(b, int) or not 2 <= b <= 64
+                                                 for b in batches) or list(batches) != sorted(set(batches)):  # fmt: skip
+            raise bad("seat_batches", "expected increasing batch sizes from 2 to 64, or none",
+                      "e.g. seat_batches = [2, 4], or [] for no batched graphs")  # fmt: skip
         if not 7 <= self.max_opset <= 30:
             raise bad("max_opset", "outside the ONNX opsets 7..30", "e.g. max_opset = 17")
         if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
@@ -281,8 +292,9 @@ class DeviceProfile:
         if values.get("htp_process_limit_bytes") is not None:
             values["htp_process_limit_bytes"] = _size(values["htp_process_limit_bytes"], "htp_process_limit_bytes", source,
                                                       values["memory_total_bytes"])  # fmt: skip
-        if isinstance(values.get("kv_dtypes"), list):
-            values["kv_dtypes"] = tuple(values["kv_dtypes"])
+        for name in ("kv_dtypes", "seat_batches"):
+            if isinstance(values.get(name), list):
+                values[name] = tuple(values[name])
         return cls(**values, source=source)
 
 

@@ -89,11 +89,6 @@ def _kernel_library(request: BuildRequest, folder: Path, insisted: bool, kept: s
     return lib
 
 
-# The batch sizes of a fused build's batched graphs (seats decoding together; FusedSettings.seat_batches):
-# a step of n ready seats runs the largest of these that fits, then the next (runtime: FusedBackend.run_seats).
-SEAT_BATCHES = (2, 4)
-
-
 def seats_graph_file(seats: int) -> str:
     return f"decoder.seats{seats}.onnx"
 
@@ -152,13 +147,18 @@ HEAD_GRAPH = "decoder.head.onnx"
 
 def _seat_graphs(request: BuildRequest, output: BuildOutput, graph: onnx.ModelProto, solo: onnx.ModelProto, kernel: str,
                  matmul: str, registered: Path | None) -> tuple[tuple[int, ...], SharedWeights | None]:
-    """The batched graphs (graph.fused_model(seats=B) for B in SEAT_BATCHES), optimized offline like
-    the one-seat graph and pointed at its weights file, and the LM head they share (graph.head_model
-    of `solo`, the one-seat fused decoder); and that file's table, for the runtime's shared map. None where the attention is not cabinlm's kernel (GroupQueryAttention's steps refresh
-    the cache's sink / pinned rows themselves: a per-seat side graph this first step does not have)."""
-    for name in (HEAD_GRAPH, *map(seats_graph_file, SEAT_BATCHES)):
+    """The batched graphs (graph.fused_model(seats=B) for B in the profile's seat_batches), optimized
+    offline like the one-seat graph and pointed at its weights file, and the LM head they share
+    (graph.head_model of `solo`, the one-seat fused decoder); and that file's table, for the runtime's
+    shared map. None where the profile asks for none, or the attention is not cabinlm's kernel
+    (GroupQueryAttention's steps refresh the cache's sink / pinned rows themselves: a per-seat side
+    graph this first step does not have)."""
+    for name in (HEAD_GRAPH, *(p.name for p in output.folder.glob("decoder.seats*.onnx"))):
         output.path(name).unlink(missing_ok=True)  # an earlier build's, in the same folder
-    if kernel != "cabinlm":
+    batches = request.profile.seat_batches
+    if kernel != "cabinlm" or not batches:
+        if batches:
+            request.log("no batched graphs: they take cabinlm's attention kernel (seats' steps run one after another)")
         return (), None
     base = weight_table(onnx.load(str(output.path(OPT_GRAPH)), load_external_data=False), OPT_DATA)
     manifest = request.manifest
@@ -175,12 +175,12 @@ def _seat_graphs(request: BuildRequest, output: BuildOutput, graph: onnx.ModelPr
         output.add(role, file)
 
     write(fused_graph.head_model(solo, manifest), HEAD_GRAPH, "graph_head")
-    for b in SEAT_BATCHES:
+    for b in batches:
         write(fused_graph.fused_model(graph, manifest, request.options.accuracy_level, request.options.minimums, kernel,
                                       matmul, seats=b), seats_graph_file(b), f"graph_seats{b}")  # fmt: skip
-    request.log(f"seats decode together: batched graphs for {', '.join(map(str, SEAT_BATCHES))} seats (one attention per "
+    request.log(f"seats decode together: batched graphs for {', '.join(map(str, batches))} seats (one attention per "
                 "seat over its own cache) and their LM head, every graph reading one map of the weights")  # fmt: skip
-    return SEAT_BATCHES, base
+    return batches, base
 
 
 class FusedBuilder(Builder):
