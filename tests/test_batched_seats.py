@@ -391,3 +391,19 @@ def test_the_profile_says_which_batches_a_build_carries(load, tiny_llama_dir, ex
     for bad in ("[1]", "[4, 2]", "[2, 2]", "[65]", "[true]", "4", '"2,4"'):
         with pytest.raises(ProfileError, match="seat_batches"):
             parse_profile(text.replace("seat_batches = [2, 4]", f"seat_batches = {bad}"), "bad.toml")
+
+
+def test_the_seat_limit_counts_what_seats_decoding_together_hold_once(build, load, tiny_llama_dir, export_to, tmp_path):
+    """runtime.limits.seat_limit: a build with batched graphs holds, beyond its files, the LM head's
+    packed copy in the head graph's session and the idle seat; an export holds neither."""
+    from cabinlm.runtime import limits
+
+    m = load_manifest(build)
+    extra = limits.together_bytes(m)
+    assert extra == int(1.35 * m.model.vocab_size * m.model.hidden_size) + limits.seat_bytes(m)
+    files = sum(f.bytes for f in m.files.values())
+    per_seat = limits.seat_bytes(m)
+    assert limits.seat_limit(m, files + extra + 3 * per_seat).seats == 3
+    assert limits.seat_limit(m, files + 3 * per_seat).seats == 1  # the idle seat and the head copy: more than a seat
+    art = export_to(load(str(tiny_llama_dir)), kv="int8", **LAYOUT)
+    assert limits.together_bytes(load_manifest(art)) == 0

@@ -58,7 +58,7 @@ class SeatLimit:
 
     seats: int
     per_seat_bytes: int  # an upper estimate of one seat's buffers
-    weights_bytes: int  # the artifact's files, loaded once for all seats
+    weights_bytes: int  # the artifact's files, loaded once for all seats (+ what seats decoding together add)
     available_bytes: int | None  # None: unknown here (no /proc/meminfo)
 
 
@@ -70,12 +70,27 @@ def seat_bytes(manifest: Manifest) -> int:
     return 2 * lay.cache_bytes + lay.chunk * vocab * 4 + (1 << 20)
 
 
+def together_bytes(manifest: Manifest) -> int:
+    """What a build whose seats decode together (FusedSettings.seat_batches) holds once beyond its files:
+    ONNX Runtime's packed copy of the LM head in the head graph's session, estimated as 1.35 x vocab x
+    hidden bytes (the 8-bit head's codes; on SmolLM2 the copy measured 38 MB for 28 MB of codes,
+    docs/benchmarks.md section 20), and the idle seat that fills a batched run's empty places (one
+    seat_bytes). 0 for any other build."""
+    from cabinlm.engines.ort_fused.spec import FusedSettings
+
+    facts = manifest.runtime_spec.facts_as(FusedSettings) if manifest.build is not None else None
+    if facts is None or not facts.seat_batches:
+        return 0
+    spec = manifest.model
+    return int(1.35 * spec.vocab_size * spec.hidden_size) + seat_bytes(manifest)
+
+
 def seat_limit(manifest: Manifest, available: int | None = None) -> SeatLimit:
     """The most seats `manifest`'s model can hold here: what available memory (default: read from the
     OS now) leaves after the weights, per seat_bytes, and never more than MAX_SEATS (nor fewer than 1:
     whether the model itself fits is for loading it to find out)."""
     per_seat = seat_bytes(manifest)
-    weights = sum(f.bytes for f in manifest.files.values())
+    weights = sum(f.bytes for f in manifest.files.values()) + together_bytes(manifest)
     available = available_bytes() if available is None else available
     seats = MAX_SEATS if available is None else max(1, min(MAX_SEATS, (available - weights) // per_seat))
     return SeatLimit(seats, per_seat, weights, available)
