@@ -15,6 +15,11 @@ ONNX Runtime CPU profiles (the cpu profile) count what the build being planned h
 builds hold the same weights in different layouts (docs/benchmarks.md, "Planner against peak RSS"):
 
     total = held weights + KV + activations x ACTIVATION_FACTOR[build] + ORT_CPU_RUNTIME_BYTES + tokenizer
+            + the head graph's packed LM head (a fused build with batched graphs, FusedSettings.seat_batches:
+              held from load on, whether or not seats decode together)
+
+A build with batched graphs also says what seats decoding together add while they do (the largest
+batch's activations and the idle seat's cache: batch_bytes), beside the total, which plans one dialogue.
 
 held weights (held_weights): the matrices at the build's bits per weight, block scales, zero points
 and minimums included (a fused build's int4 GGUF blocks in cabinlm's BlockQ4 layout or as 8-bit
@@ -45,6 +50,8 @@ from cabinlm.profiles.weights import (  # noqa: F401 - PlanError re-exported: ca
     MIB,
     ORT_CPU_BUILDS,
     ORT_CPU_RUNTIME_BYTES,
+    batched_seats,
+    packed_head_bytes,
     TOKENIZER_BYTES_PER_FILE_BYTE,
     HeldWeights,
     PlanError,
@@ -133,6 +140,13 @@ class Plan:
     build: str = ""
     weights_layout: str = ""
     tokenizer_bytes: int = 0
+    # A fused build's batched graphs (seats decoding together; () elsewhere): together_bytes, the head
+    # graph's packed LM head, is held from load on (in the total); batch_bytes, the largest batch's
+    # activations and the idle seat's cache (runtime/decoder.py fills a batch's empty places with it),
+    # only while seats decode together (not in the total, which plans one dialogue).
+    seat_batches: tuple[int, ...] = ()
+    together_bytes: int = 0
+    batch_bytes: int = 0
 
     @property
     def headroom_bytes(self) -> int:
@@ -179,6 +193,7 @@ def plan(
     build: str | None = None,
     held: HeldWeights | None = None,
     tokenizer_bytes: int | None = None,
+    seat_batches: tuple[int, ...] | None = None,
 ) -> Plan:
     """The memory breakdown and the largest window that fits `profile`'s budget.
 
@@ -192,7 +207,8 @@ def plan(
     held_weights(weights, build)); tokenizer_bytes (default: tokenizer_estimate). Their runtime term is
     ORT_CPU_RUNTIME_BYTES, measured, not the profile's runtime_overhead_bytes; activations are scaled
     by ACTIVATION_FACTOR[build]. Other profiles count weights at precision x count and the profile's
-    runtime_overhead_bytes, as before.
+    runtime_overhead_bytes, as before. seat_batches: the batched graphs of the build (default: what
+    `cabinlm build --profile` gives the build kind, weights.batched_seats); their term is together_bytes.
     """
     kv = resolve_kv(profile, kv)
     sink = profile.default_sink if sink is None else sink
@@ -220,6 +236,8 @@ def plan(
     vision_dtype = WeightFormat.FP32 if fmt is WeightFormat.FP32 else WeightFormat.FP16
     vision = weight_bytes(vision_params, vision_dtype)
     fixed = weights + vision + overhead + tokenizer
+    batches = batched_seats(profile, kind, kv) if seat_batches is None else tuple(seat_batches)
+    head_copy = packed_head_bytes(spec) if batches else 0
     htp = profile.htp_arch is not None
     binaries = binary_bytes = 0
     if htp:
@@ -235,7 +253,11 @@ def plan(
                              **spec.local_geometry(sink + pinned + image_tokens + w + chunk))  # as export's make_layout
         kv_total = layout.cache_bytes + layout.key_scale_bytes
         act = int(activation_bytes(spec, layout) * act_factor)
-        total = fixed + kv_total + act
+        batch = 0
+        if batches:  # a decode step of the largest batch: its rows through the layers, each seat's own cache
+            rows = dataclasses.replace(layout, chunk=max(batches))
+            batch = int(activation_bytes(spec, rows) * act_factor) + kv_total
+        total = fixed + kv_total + act + head_copy
         process = binary_bytes + kv_total + act if htp else 0
         limit = profile.htp_process_limit_bytes or 0
         return Plan(
@@ -249,6 +271,7 @@ def plan(
             max_window_by_positions=max(max_by_positions, 0), htp_binaries=binaries, htp_binary_bytes=binary_bytes,
             htp_process_bytes=process, htp_process_limit_bytes=limit, build=kind or "",
             weights_layout=held.layout if kind else "", tokenizer_bytes=tokenizer,
+            seat_batches=batches, together_bytes=head_copy, batch_bytes=batch,
         )  # fmt: skip
 
     if window is not None:
@@ -320,6 +343,7 @@ def format_plan(p: Plan) -> str:
         ("runtime overhead" + (" (Python, numpy, ONNX Runtime and its session)" if p.build else ""),
          p.runtime_overhead_bytes),
         *([("tokenizer", p.tokenizer_bytes)] if p.build else []),
+        *([("LM head packed again for the batched graphs", p.together_bytes)] if p.seat_batches else []),
         ("total", p.total_bytes),
         (f"budget of {p.profile}", p.budget_bytes),
     ]
@@ -328,6 +352,10 @@ def format_plan(p: Plan) -> str:
     if p.htp_process_limit_bytes:
         lines.append(f"{'HTP process (binaries + KV + activations)':<{width}}  {mib(p.htp_process_bytes)}  of "
                      f"{p.htp_process_limit_bytes / MIB:.1f} MiB a 32-bit NPU process maps")  # fmt: skip
+    if p.seat_batches:
+        lines.append(f"seats decoding together (graphs for {', '.join(map(str, p.seat_batches))} seats) add up to "
+                     f"{p.batch_bytes / MIB:.1f} MiB while they do (the largest batch's activations and an idle "
+                     "seat), beside each seat's own KV and activations; `--seats` counts them against memory")
     verdict = "fits" if p.fits else "does NOT fit"
     lines.append(f"{verdict}: window {p.window}, headroom {p.headroom_bytes / MIB:.1f} MiB")
     return "\n".join(lines)

@@ -155,6 +155,23 @@ TOKENIZER_BYTES_PER_FILE_BYTE = 9
 ACTIVATION_FACTOR = {EXPORT: 2.0, GRAPH: 3.0, FUSED: 1.0, STATIC: 3.0}
 
 
+# Seats decoding together (a fused build's batched graphs, FusedSettings.seat_batches): the LM head is
+# a graph of its own, and ONNX Runtime keeps a packed copy of its 8-bit matrix in that session (38 MB for
+# SmolLM2's 28 MB of head codes, docs/benchmarks.md section 20): bytes per head code.
+PACKED_HEAD_BYTES_PER_CODE = 1.35
+
+
+def packed_head_bytes(spec: ModelSpec) -> int:
+    """The head graph's packed copy of the LM head (vocab x hidden codes), held once per process."""
+    return int(PACKED_HEAD_BYTES_PER_CODE * spec.vocab_size * spec.hidden_size)
+
+
+def batched_seats(profile: DeviceProfile, kind: str | None, kv: KVDType) -> tuple[int, ...]:
+    """The batched graphs `cabinlm build --profile` gives a build of this kind: the profile's
+    seat_batches for a fused build over int8 KV (they take cabinlm's attention kernel), else none."""
+    return tuple(profile.seat_batches) if kind == FUSED and kv is KVDType.INT8 else ()
+
+
 def tokenizer_estimate(spec: ModelSpec) -> int:
     return spec.vocab_size * TOKENIZER_BYTES_PER_TOKEN
 
@@ -172,7 +189,7 @@ def default_build(profile: DeviceProfile, kv: KVDType) -> str | None:
 
 def build_facts(manifest: Any) -> dict[str, Any]:
     """What plan() needs to know of an artifact (an export or a build): its weights format, the build
-    kind, and the weights layout held (held_weights), from the manifest alone."""
+    kind, the weights layout held (held_weights) and the batched graphs it carries, from the manifest alone."""
     build = manifest.build
     kind = EXPORT if build is None else build.backend.value
     fmt = WeightFormat(manifest.weights)
@@ -202,4 +219,5 @@ def build_facts(manifest: Any) -> dict[str, Any]:
         bits = max(0.0, (data.bytes - bare.nbytes(spec)) * 8 / max(matrices, 1))
         held = dataclasses.replace(held, matrix_bits=round(bits, 2), layout=f"as built: {bits:.2f} bits per matrix weight "
                                    "(the weights file's size: GGUF blocks of several widths)")  # fmt: skip
-    return {"weights": fmt, "build": kind, "held": held}
+    # the batched graphs the build carries (none for an export, or a build made before seats decoded together)
+    return {"weights": fmt, "build": kind, "held": held, "seat_batches": tuple(fused.get("seat_batches") or ())}

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from cabinlm.errors import OptionError
 from cabinlm.manifest import Manifest
+from cabinlm.profiles.weights import packed_head_bytes
 from cabinlm.runtime.memory import available_bytes
 from cabinlm.runtime.template import Template, system_overflow
 from cabinlm.runtime.tokenizer import Tokenizer
@@ -72,17 +73,15 @@ def seat_bytes(manifest: Manifest) -> int:
 
 def together_bytes(manifest: Manifest) -> int:
     """What a build whose seats decode together (FusedSettings.seat_batches) holds once beyond its files:
-    ONNX Runtime's packed copy of the LM head in the head graph's session, estimated as 1.35 x vocab x
-    hidden bytes (the 8-bit head's codes; on SmolLM2 the copy measured 38 MB for 28 MB of codes,
-    docs/benchmarks.md section 20), and the idle seat that fills a batched run's empty places (one
+    ONNX Runtime's packed copy of the LM head in the head graph's session (profiles/weights.packed_head_bytes,
+    as the planner counts it), and the idle seat that fills a batched run's empty places (one
     seat_bytes). 0 for any other build."""
     from cabinlm.engines.ort_fused.spec import FusedSettings
 
     facts = manifest.runtime_spec.facts_as(FusedSettings) if manifest.build is not None else None
     if facts is None or not facts.seat_batches:
         return 0
-    spec = manifest.model
-    return int(1.35 * spec.vocab_size * spec.hidden_size) + seat_bytes(manifest)
+    return packed_head_bytes(manifest.model) + seat_bytes(manifest)
 
 
 def seat_limit(manifest: Manifest, available: int | None = None) -> SeatLimit:
