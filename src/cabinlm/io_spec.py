@@ -117,7 +117,7 @@ CACHED_KEY_ROPE_PARTS = ("half", "rot", "xcos", "rsin")  # Split, Concat, Mul (x
 
 
 def decoder_io(layout: CacheLayout, vocab_size: int, index_dtype: str = "int64", embed_dim: int = 0,
-               mrope: bool = False) -> DecoderIO:
+               mrope: bool = False, cache_dtype: str | None = None) -> DecoderIO:
     """The graph contract for a layout.
 
     inputs (index = int64, or int32 for TensorRT targets, whose bindings need INT32 before 9.0)
@@ -142,6 +142,9 @@ def decoder_io(layout: CacheLayout, vocab_size: int, index_dtype: str = "int64",
       new_value_scale.{l} fp16   (kv_heads, tokens, 1)        the chunk's value scales
     Key scales are per (layer, kv head, channel), calibrated at export and held by the graph:
     keys are stored un-rotated, so their channels keep stable ranges whatever the position.
+    cache_dtype (a build's own cache, e.g. "uint8" for the HTP's 8-bit KV, engines/qnn_htp): the
+    key_cache / value_cache / new_key / new_value type, one static scale per tensor held by the
+    graph, so no value_scale inputs or outputs.
     and, for vision-language models (embed_dim = the language model's hidden size):
       image_embeds        float  (tokens, embed_dim)          rows used where image_mask is true
       image_mask          bool   (tokens, 1)                  true: the token is an image token
@@ -149,7 +152,7 @@ def decoder_io(layout: CacheLayout, vocab_size: int, index_dtype: str = "int64",
       position_ids        index  (3, tokens)                  the chunk's (docs/vlm.md: ranks, grid offsets)
       cache_position_ids  index  (3, slots)                   each slot's
     """
-    kv = layout.kv_dtype.onnx_name
+    kv = cache_dtype or layout.kv_dtype.onnx_name
     h, d = layout.kv_heads, layout.head_dim
     if index_dtype not in ("int64", "int32"):
         raise ValueError(f"index_dtype must be int64 or int32, got {index_dtype!r}")
@@ -171,7 +174,7 @@ def decoder_io(layout: CacheLayout, vocab_size: int, index_dtype: str = "int64",
         inputs.append(TensorSpec(value_cache_name(layer), kv, (h, n, d)))
         outputs.append(TensorSpec(new_key_name(layer), kv, (h, "tokens", d)))
         outputs.append(TensorSpec(new_value_name(layer), kv, (h, "tokens", d)))
-    if layout.quantized:
+    if layout.quantized and cache_dtype is None:
         for layer in range(layout.layers):
             inputs.append(TensorSpec(value_scale_name(layer), "float16", (h, layout.layer_slots(layer), 1)))
             outputs.append(TensorSpec(new_value_scale_name(layer), "float16", (h, "tokens", 1)))

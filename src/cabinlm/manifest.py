@@ -68,6 +68,7 @@ from cabinlm.io_spec import (  # noqa: F401 - re-exported: the manifest is where
 )
 from cabinlm.buildspec import BackendKind, BuildSpec
 from cabinlm.engines.ort_fused.spec import FusedSettings
+from cabinlm.engines.qnn_htp.spec import QnnSettings
 from cabinlm.layout import CacheLayout, KVDType  # noqa: F401 - re-exported
 from cabinlm.vision_spec import ImagePreprocess, VisionSpec  # noqa: F401 - re-exported
 
@@ -332,8 +333,10 @@ class Manifest:
             steps = fused is not None and fused.step_rows
             return fused_decoder_io(self.cache, self.model.num_heads, self.model.vocab_size, present, steps)
         embed_dim = self.vision.embed_dim if self.vision else 0
+        qnn = spec.facts_as(QnnSettings) if spec.backend == BackendKind.QNN_HTP else None
         return decoder_io(self.cache, self.model.vocab_size, self.index_dtype, embed_dim,
-                          mrope=self.vision is not None and self.vision.mrope)
+                          mrope=self.vision is not None and self.vision.mrope,
+                          cache_dtype=qnn.kv_cache if qnn is not None and qnn.kv_cache != "fp16" else None)  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         return {

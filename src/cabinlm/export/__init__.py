@@ -5,6 +5,8 @@ The only part of cabinlm that imports torch and transformers.
 
 from __future__ import annotations
 
+import hashlib
+
 import shutil
 import tempfile
 import time
@@ -108,7 +110,9 @@ def export_loaded(
             rotated_keys=kvquant.key_scales_from_amax(stats["rotated_keys"] * kvquant.ROTATED_KEY_HEADROOM, layout.kv_dtype).tolist(),
             values=kvquant.key_scales_from_amax(stats["values"], layout.kv_dtype).tolist(),
         ).check(layout)
-        calibration = {"source": calib_source, "tokens": len(calib_ids), "method": "absmax per channel (keys), per token (values)"}
+        calibration = {"source": calib_source, "tokens": len(calib_ids), "method": "absmax per channel (keys), per token (values)",
+                       # which calibration text it was, as tokens: the checksum of the ids (int64, little-endian)
+                       "ids_sha256": hashlib.sha256(np.asarray(calib_ids, dtype="<i8").tobytes()).hexdigest()}
         log(f"calibrated {layout.kv_dtype.value} key scales on {len(calib_ids)} tokens ({calib_source})")
     embed_dim = geometry.embed_dim if loaded.vlm else 0
     builder = build_decoder(loaded.spec, layout, weights, opset=opset, index_dtype=opts.index_dtype, embed_dim=embed_dim,

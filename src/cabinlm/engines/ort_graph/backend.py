@@ -71,15 +71,18 @@ def load_graphs(folder: Path, manifest: Manifest, threads: int | None, extra: di
     return LoadedGraphs(manifest, s, s, False, weights)
 
 
-def allocate(layout) -> dict[str, np.ndarray]:
-    """This backend's cache buffers for a layout (the module docstring's table)."""
-    dtype = np.dtype(layout.kv_dtype.numpy_name)
+def allocate(layout, cache_dtype: str | None = None) -> dict[str, np.ndarray]:
+    """This backend's cache buffers for a layout (the module docstring's table). cache_dtype "uint8":
+    a build's own 8-bit cache (io_spec.decoder_io's cache_dtype; the HTP's), zero point 128 (the
+    value an empty slot holds), one static scale per tensor in the graph: no value scales."""
+    dtype = np.dtype(cache_dtype or layout.kv_dtype.numpy_name)
+    fill = 128 if cache_dtype == "uint8" else 0
     bufs = {}
     kinds = [("", layout.buffer_shape)] + ([("local_", layout.local_buffer_shape)] if layout.local_layers else [])
     for prefix, (L, H, N, D) in kinds:
-        bufs[f"{prefix}keys"] = np.zeros((L, H, N, D), dtype=dtype)
-        bufs[f"{prefix}values"] = np.zeros((L, H, N, D), dtype=dtype)
-        if layout.quantized:
+        bufs[f"{prefix}keys"] = np.full((L, H, N, D), fill, dtype=dtype)
+        bufs[f"{prefix}values"] = np.full((L, H, N, D), fill, dtype=dtype)
+        if layout.quantized and cache_dtype is None:
             bufs[f"{prefix}value_scales"] = np.zeros((L, H, N, 1), dtype=np.float16)
     return bufs
 
@@ -94,13 +97,15 @@ class ExportedGraphBackend(Backend):
     """io_spec.decoder_io on ONNX Runtime; static pairs pad a prompt's last chunk to the graph's size."""
 
     kind = BackendKind.EXPORTED_GRAPH
+    # A build's own cache type (allocate's cache_dtype; QnnBackend's uint8), None: the layout's KV dtype
+    cache_dtype: str | None = None
 
     def __init__(self, graphs: LoadedGraphs, table: SlotTable):
         super().__init__(graphs.manifest, table)
         self.graphs = graphs
         m = self.manifest
         lay = self.layout
-        self.bufs = allocate(lay)
+        self.bufs = allocate(lay, self.cache_dtype)
         self.keys, self.values = self.bufs["keys"], self.bufs["values"]
         self.value_scales = self.bufs.get("value_scales")
         self._index = np.dtype(m.index_dtype)
@@ -112,8 +117,8 @@ class ExportedGraphBackend(Backend):
         self._bind()
 
     def _bind(self) -> None:
-        lay, kv_onnx = self.layout, self.layout.kv_dtype.onnx_name
-        kv = np.dtype(lay.kv_dtype.numpy_name)
+        lay, kv_onnx = self.layout, self.cache_dtype or self.layout.kv_dtype.onnx_name
+        kv = np.dtype(self.cache_dtype or lay.kv_dtype.numpy_name)
         cache = []  # OrtValues over this dialogue's buffers, shared by both bindings
         for i in range(lay.layers):
             cache += [(io.key_cache_name(i), ortvalue(layer_view(self.bufs, "keys", lay, i), kv_onnx)),
@@ -125,7 +130,7 @@ class ExportedGraphBackend(Backend):
         outs = [(io.LOGITS, ("rows", V), np.dtype(np.float32), "float")]
         outs += [(io.new_key_name(i), (H, "tokens", D), kv, kv_onnx) for i in range(lay.layers)]
         outs += [(io.new_value_name(i), (H, "tokens", D), kv, kv_onnx) for i in range(lay.layers)]
-        if lay.quantized:
+        if self.value_scales is not None:
             f16 = np.dtype(np.float16)
             outs += [(io.new_value_scale_name(i), (H, "tokens", 1), f16, "float16") for i in range(lay.layers)]
         self._decode = Binding(self.graphs.decode, cache, outs, tokens=1, rows=1)

@@ -3,7 +3,8 @@
 NPU; on an x86 host the same calls run them in Qualcomm's HTP simulator (slow: seconds per token).
 
 The graph contract is the static pair's (engines/ort_static): the cache lives in this
-backend's host buffers, bound once; each run hands the chunk's K/V back, and commit writes the
+backend's host buffers, bound once (fp16, or for an int8-KV build uint8 with zero point 128 and one
+scale per tensor held by the binaries: half the bytes, no value scales); each run hands the chunk's K/V back, and commit writes the
 accepted tokens' K/V into their slots. Nothing in a session can run on the CPU (fallback is off and
 the context models are EPContext nodes only), so `device` is "qnn-htp" because that is what ran.
 """
@@ -54,6 +55,12 @@ class QnnBackend(ExportedGraphBackend):
     """The static pair's contract on the HTP (module docstring)."""
 
     kind = BackendKind.QNN_HTP
+
+    @property
+    def cache_dtype(self) -> str | None:  # type: ignore[override]
+        """uint8 for a build with the HTP's 8-bit cache (build.qnn.kv_cache): half the bytes of fp16."""
+        qnn = self.graphs.manifest.runtime_spec.facts_as(QnnSettings)
+        return "uint8" if qnn is not None and qnn.kv_cache == "uint8" else None
 
     @property
     def device(self) -> str:

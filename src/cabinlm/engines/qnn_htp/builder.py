@@ -31,7 +31,7 @@ from cabinlm.engines.builder import Builder, BuildError, BuildRequest
 from cabinlm.engines.onnxruntime.offline import fix_tokens, read_graph
 from cabinlm.engines.output import BuildOutput
 from cabinlm.engines.qnn_htp import plugin as qnn_plugin
-from cabinlm.engines.qnn_htp.graph import htp_ready
+from cabinlm.engines.qnn_htp.graph import KV_ZERO_POINT, htp_ready, per_tensor_kv_scales, uint8_kv
 from cabinlm.engines.qnn_htp.spec import QNN_PROVIDER, SIMULATOR, QnnSettings, shares_weights
 from cabinlm.engines.registry import BackendKind
 from cabinlm.manifest import Manifest
@@ -149,10 +149,9 @@ class QnnBuilder(Builder):
             return ("multimodal RoPE (Qwen2-VL's three position components) is not compiled for the HTP yet; "
                     "the cpu profile runs it (the exported graph)")  # fmt: skip
         kv = request.manifest.cache.kv_dtype.value
-        if kv != "fp16":
-            return (f"it holds {kv} KV; this cabinlm version compiles fp16 KV for the HTP (the exported int8 KV's "
-                    f"DequantizeLinear over the cache is not an HTP op): re-export with --kv fp16 (the default of "
-                    f"{request.profile.name})")  # fmt: skip
+        if kv not in ("fp16", "int8"):
+            return (f"it holds {kv} KV; the HTP builds take fp16 KV, or int8 KV (compiled as a uint8 cache with one "
+                    f"scale per tensor): re-export with --kv fp16 or --kv int8")  # fmt: skip
         return None
 
     def build(self, request: BuildRequest, output: BuildOutput) -> BuildSpec:
@@ -171,6 +170,11 @@ class QnnBuilder(Builder):
         log(f"made the graph HTP-ready: {rewrites['rms_norms']} RMSNorms fused (fp16-safe), "
             f"{rewrites['matmul_4bit']} 4-bit and {rewrites['matmul_8bit']} 8-bit weight matrices as MatMulNBits"
             + (", the token table as a float gather" if rewrites["float_embedding"] else ""))  # fmt: skip
+        kv_scales: dict[str, float] = {}
+        if lay.quantized:  # int8 KV (check): the uint8 cache, one calibrated scale per tensor (graph.uint8_kv)
+            kv_scales = per_tensor_kv_scales(manifest.kv_scales.array("keys"), manifest.kv_scales.array("values"), lay.layers)
+            uint8_kv(model, kv_scales)
+            log(f"the KV cache as uint8 (zero point {KV_ZERO_POINT}, one calibrated scale per tensor, the same in and out)")
         share = shares_weights(profile.htp_arch)
         with tempfile.TemporaryDirectory(prefix="cabinlm-htp-") as tmp:
             sources = []
@@ -206,7 +210,7 @@ class QnnBuilder(Builder):
             qairt_version=sdk.removeprefix("v"), soc_model=profile.soc_model, htp_arch=profile.htp_arch,
             chip=profile.chip, activations="fp16", weights=weights, weight_sharing=share,
             binaries=tuple(binaries), compile_seconds=compile_seconds, peak_host_bytes=int(peak),
-            rewrites=dict(rewrites), check=check,
+            rewrites=dict(rewrites), check=check, kv_cache="uint8" if kv_scales else "fp16", kv_scales=kv_scales,
         )  # fmt: skip
         for role, name in files.items():
             output.add(role, name)
@@ -241,7 +245,8 @@ def _check_decode(src: Path, ctx: Path, manifest: Manifest, profile, min_correla
     mask = np.full((1, lay.slots + 1), io.MASK_VALUE, np.float32)
     mask[0, -1] = 0
     feed[io.ATTENTION_MASK] = mask
-    kv = np.dtype(lay.kv_dtype.numpy_name)
+    uint8 = lay.quantized  # the HTP's int8 KV is the uint8 cache of graph.uint8_kv: no value scales
+    kv = np.dtype(np.uint8) if uint8 else np.dtype(lay.kv_dtype.numpy_name)
     if lay.local_layers:  # the local rings, empty too
         ring = np.full((1, lay.local_slots + 1), io.MASK_VALUE, np.float32)
         ring[0, -1] = 0
@@ -249,10 +254,8 @@ def _check_decode(src: Path, ctx: Path, manifest: Manifest, profile, min_correla
                      io.LOCAL_ATTENTION_MASK: ring})  # fmt: skip
     for i in range(lay.layers):
         shape = (lay.kv_heads, lay.layer_slots(i), lay.head_dim)
-        feed[io.key_cache_name(i)] = np.zeros(shape, kv)
-        feed[io.value_cache_name(i)] = np.zeros(shape, kv)
-        if lay.quantized:
-            feed[io.value_scale_name(i)] = np.zeros((lay.kv_heads, lay.layer_slots(i), 1), np.float16)
+        feed[io.key_cache_name(i)] = np.full(shape, KV_ZERO_POINT if uint8 else 0, kv)
+        feed[io.value_cache_name(i)] = np.full(shape, KV_ZERO_POINT if uint8 else 0, kv)
     if manifest.vision is not None:
         feed[io.IMAGE_EMBEDS] = np.zeros((1, manifest.vision.embed_dim), np.float32)
         feed[io.IMAGE_MASK] = np.zeros((1, 1), bool)

@@ -256,3 +256,129 @@ def htp_ready(model: onnx.ModelProto) -> dict[str, int]:
                          "--weights int4, int8 or fp32")  # fmt: skip
     return {"rms_norms": norms, "float_embedding": int(embed), "matmul_4bit": sum(b == 4 for b in blocks.values()),
             "matmul_8bit": sum(b == 8 for b in blocks.values())}
+
+
+KV_ZERO_POINT = 128  # uint8 KV: symmetric around 128 (Qualcomm's own uint8 past_key/value pad with 128)
+FP16_MAX = 65504.0
+
+
+def per_tensor_kv_scales(keys: np.ndarray, values: np.ndarray, layers: int) -> dict[str, float]:
+    """The export's calibrated per-channel scales (KVScales.keys: un-rotated keys, .values), each
+    (layers, Hkv, Dh), reduced to one scale per cache tensor (the largest channel's): the uint8
+    cache of uint8_kv_io. Un-rotated keys, because the exported graph caches keys un-rotated and
+    rotates every slot itself (in fp16 here). A scale whose codes reach beyond fp16 (128 x scale >
+    65504: the dequantized cache overflows the HTP's fp16 activations) or that is no positive finite
+    number is a calibration that went wrong: BuildError, naming the tensor."""
+    from cabinlm import io_spec as io
+
+    out: dict[str, float] = {}
+    for name, table in ((io.key_cache_name, keys), (io.value_cache_name, values)):
+        t = np.asarray(table, dtype=np.float64)
+        if t.ndim != 3 or t.shape[0] != layers:
+            raise BuildError(f"KV scales of shape {t.shape}; expected ({layers}, kv_heads, head_dim): re-export")
+        for i in range(layers):
+            s = float(t[i].max())
+            if not np.isfinite(t[i]).all() or s <= 0 or s * KV_ZERO_POINT > FP16_MAX:
+                raise BuildError(f"{name(i)}: calibrated KV scale {s:.6g} {'is no positive number' if not (np.isfinite(s) and s > 0) else f'puts the uint8 cache beyond fp16 (128 x {s:.6g} > {FP16_MAX:g})'}; "
+                                 "re-export with other --calib text")  # fmt: skip
+            out[name(i)] = s
+    return out
+
+
+# Tensors of the exported int8-KV graph (export/decoder.py, export/kvquant.py) the rewrite below reads,
+# per layer prefix p = "layers.{i}": the per-channel key scales (an initializer), the per-token value
+# scales as the new values divide by them and the chunk reads them back, and the cached values' scales
+# as they scale the attention probabilities.
+KEY_SCALE = "{p}.key_scale"
+VALUE_SCALE_USES = ("{p}/v_scale/f32", "{p}/v_chunk_scale", "{p}/v_scale_t")
+
+
+def _prune(model: onnx.ModelProto) -> None:
+    """Drop the nodes and initializers nothing reads (what a rewrite left behind)."""
+    g = model.graph
+    live = {o.name for o in g.output}
+    keep: list[onnx.NodeProto] = []
+    for n in reversed(list(g.node)):
+        if any(o in live for o in n.output):
+            keep.append(n)
+            live.update(i for i in n.input if i)
+    del g.node[:]
+    g.node.extend(reversed(keep))
+    inits = [t for t in g.initializer if t.name in live]
+    del g.initializer[:]
+    g.initializer.extend(inits)
+
+
+def uint8_kv(model: onnx.ModelProto, scales: dict[str, float]) -> list[str]:
+    """The int8-KV export's cache as uint8 with one scale per tensor and zero point 128 (issue 33).
+
+    The export quantizes keys with per-channel scales and values with per-token scales computed in
+    the graph, around unit-scale int8 QuantizeLinear / DequantizeLinear; the HTP rejects those as
+    exported on v68 and v73 (measured: "new_key.0/identity (Identity), n/kvq/dq (DequantizeLinear)"
+    and the same for every layer's new K/V). Rewritten, per layer:
+
+        new K/V (fp16) ─ Div s ─ Clip ±127 ─ QuantizeLinear(1, 128) ─ new_key.i / new_value.i   uint8
+        key_cache.i / value_cache.i  uint8 ─ DequantizeLinear(1, 128) ─ Mul s ─ (attention)
+
+    with s the tensor's one scale (scales[cache input name]): the same constant quantizes the new
+    entries and dequantizes the cache (input and output scales tied, so the runtime copies the
+    outputs' bytes into its cache), and the chunk attends to its own K/V read back the same way,
+    as the export does. The value_scale inputs and new_value_scale outputs go. Returns the cache
+    inputs rewritten."""
+    from cabinlm import io_spec as io
+
+    g = model.graph
+    consts = _consts(model)
+    inputs = {t.name: t for t in g.input}
+    layers = sorted(int(n.split(".")[1]) for n in inputs if n.startswith("key_cache."))
+    users = _consumers(model)
+    zp = "htp/kv_zero_point"
+    inits = [numpy_helper.from_array(np.array(KV_ZERO_POINT, np.uint8), zp)]
+    for n in g.node:  # the export's unit-scale int8 Q/DQ pairs: zero point 0 (int8) -> 128 (uint8)
+        if n.op_type in ("QuantizeLinear", "DequantizeLinear") and len(n.input) > 2 and n.input[2] in consts \
+                and consts[n.input[2]].data_type == TensorProto.INT8:  # fmt: skip
+            if _scalar(consts.get(n.input[1])) != 1.0 or _scalar(consts[n.input[2]]) != 0:
+                raise BuildError(f"{n.name}: an int8 KV quantization without unit scale and zero point 0; re-export")
+            n.input[2] = zp
+    for i in layers:
+        p = f"layers.{i}"
+        key, value = io.key_cache_name(i), io.value_cache_name(i)
+        for name in (key, value):
+            if inputs[name].type.tensor_type.elem_type != TensorProto.INT8:
+                raise BuildError(f"{name}: not int8; the uint8 cache rewrites an int8-KV export")
+        k_scale = consts.get(KEY_SCALE.format(p=p))
+        if k_scale is None:
+            raise BuildError(f"the exported graph has no {KEY_SCALE.format(p=p)!r}; re-export with this cabinlm")
+        k_scale.CopyFrom(numpy_helper.from_array(np.full(tuple(k_scale.dims), scales[key], np.float32), k_scale.name))
+        s_v = f"{value}.u8_scale"
+        inits.append(numpy_helper.from_array(np.array(scales[value], np.float32), s_v))
+        for use in VALUE_SCALE_USES:
+            readers = users.get(use.format(p=p), [])
+            if not readers:
+                raise BuildError(f"the exported graph has no reader of {use.format(p=p)!r}; re-export with this cabinlm")
+            for n in readers:
+                n.input[list(n.input).index(use.format(p=p))] = s_v
+        for t in (*g.input, *g.output):
+            if t.name in (key, value, io.new_key_name(i), io.new_value_name(i)):
+                t.type.tensor_type.elem_type = TensorProto.UINT8
+    # The export names its outputs through Identity nodes; the HTP rejects a uint8 Identity and the
+    # DequantizeLinear behind it (measured on v68 and v73): the QuantizeLinear writes the output itself.
+    outs = {io.new_key_name(i) for i in layers} | {io.new_value_name(i) for i in layers}
+    producer = {o: n for n in g.node for o in n.output}
+    for ident in [n for n in g.node if n.op_type == "Identity" and n.output[0] in outs]:
+        src, out = ident.input[0], ident.output[0]
+        producer[src].output[list(producer[src].output).index(src)] = out
+        for n in g.node:
+            n.input[:] = [out if x == src else x for x in n.input]
+        g.node.remove(ident)
+    drop_in = {io.value_scale_name(i) for i in layers}
+    drop_out = {io.new_value_scale_name(i) for i in layers}
+    kept_in = [t for t in g.input if t.name not in drop_in]
+    kept_out = [t for t in g.output if t.name not in drop_out]
+    del g.input[:]
+    g.input.extend(kept_in)
+    del g.output[:]
+    g.output.extend(kept_out)
+    g.initializer.extend(inits)
+    _prune(model)
+    return [io.key_cache_name(i) for i in layers] + [io.value_cache_name(i) for i in layers]

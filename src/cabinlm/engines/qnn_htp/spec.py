@@ -6,6 +6,9 @@ only; written by engines/qnn_htp/builder.py, read by engines/qnn_htp/backend.py 
       "qairt_version": "2.51.0.260929181845",   the QNN SDK that compiled the binaries
       "htp_arch": 73, "soc_model": 52, "chip": "Qualcomm SA8775P ...",
       "activations": "fp16", "weights": "int4",  what the HTP computes in / holds
+      "kv_cache": "uint8",                     the cache the binaries read and write: fp16, or uint8 (zero
+      "kv_scales": {"key_cache.0": 0.031, ...}   point 128, one scale per tensor, the new K/V quantized
+                                               with the cache's own scale: the runtime copies bytes)
       "weight_sharing": true,                  prefill and decode graphs share one weights copy
       "binaries": ["decoder.prefill.ctx_qnn.bin"],
       "compile_seconds": 31.2, "peak_host_bytes": 2400000000,
@@ -24,6 +27,7 @@ QNN_PROVIDER = "QNNExecutionProvider"
 # unshared twin a weight-sharing build carries for Qualcomm's x86 simulator.
 SIMULATOR = "_simulator"
 PRECISIONS = ("fp16", "int8", "int4")
+KV_CACHES = ("fp16", "uint8")
 WEIGHT_SHARING_MIN_ARCH = 73  # QNN shares weights between the graphs of one context from HTP v73 on
 
 
@@ -52,6 +56,8 @@ class QnnSettings:
     peak_host_bytes: int = 0  # peak resident memory of the build process
     rewrites: dict[str, int] = field(default_factory=dict)
     check: dict[str, Any] = field(default_factory=dict)
+    kv_cache: str = "fp16"  # KV_CACHES
+    kv_scales: dict[str, float] = field(default_factory=dict)  # uint8: cache input name -> its scale (tied)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "binaries", tuple(self.binaries))
@@ -72,6 +78,13 @@ class QnnSettings:
             raise ValueError(f"build.qnn.binaries: expected .bin file names in the build folder, got {self.binaries!r}")
         if isinstance(self.compile_seconds, bool) or not isinstance(self.compile_seconds, (int, float)):
             raise ValueError("build.qnn.compile_seconds: expected a number")
+        if self.kv_cache not in KV_CACHES:
+            raise ValueError(f"build.qnn.kv_cache: one of {KV_CACHES}, got {self.kv_cache!r}")
+        if not isinstance(self.kv_scales, dict) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in self.kv_scales.values()):  # fmt: skip
+            raise ValueError("build.qnn.kv_scales: expected {cache tensor: positive scale}")
+        if (self.kv_cache == "uint8") != bool(self.kv_scales):
+            raise ValueError("build.qnn.kv_scales: a uint8 cache has one scale per cache tensor, an fp16 cache none")
         if not isinstance(self.rewrites, dict) or not isinstance(self.check, dict):
             raise ValueError("build.qnn.rewrites and build.qnn.check: expected objects")
 
