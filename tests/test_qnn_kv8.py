@@ -159,3 +159,20 @@ def test_a_calibration_whose_scale_overflows_fp16_is_refused(int8_artifact):
     values[0, 1, 0] = np.inf
     with pytest.raises(BuildError, match=r"value_cache\.0: calibrated KV scale inf is no positive number"):
         per_tensor_kv_scales(m.kv_scales.array("keys"), values, 2)
+
+
+def test_plan_counts_the_uint8_cache_at_half_the_fp16_bytes(tiny_llama_dir, kv8_builds):
+    """`cabinlm plan` for the HTP with --kv int8 counts what the HTP backend allocates: one byte per
+    K / V element, no value scales (the CPU's int8 KV holds per-token scales beside it)."""
+    from cabinlm.layout import KVDType
+    from cabinlm.model_config import spec_from_config
+    from cabinlm.profiles.planner import plan
+
+    spec = spec_from_config(tiny_llama_dir)
+    geometry = dict(window=LAYOUT["window"], sink=LAYOUT["sink"], pinned=LAYOUT["pinned"], chunk=LAYOUT["chunk"])
+    for profile in ("sa8295p", "sa8775p"):
+        u8 = plan(spec, load_profile(profile), kv=KVDType.INT8, **geometry)
+        fp16 = plan(spec, load_profile(profile), kv=KVDType.FP16, **geometry)
+        assert u8.kv_bytes * 2 == fp16.kv_bytes
+    bufs = Decoder(kv8_builds["sa8775p"]).backend.buffers()
+    assert u8.kv_bytes == sum(b.nbytes for b in bufs.values())

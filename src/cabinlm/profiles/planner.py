@@ -63,7 +63,7 @@ from cabinlm.profiles.weights import (  # noqa: F401 - PlanError re-exported: ca
     tokenizer_estimate,
     weight_bytes,
 )
-from cabinlm.engines.qnn_htp.spec import shares_weights
+from cabinlm.engines.qnn_htp.spec import shares_weights, uint8_cache_bytes
 
 
 def activation_bytes(spec: ModelSpec, layout: CacheLayout) -> int:
@@ -252,6 +252,8 @@ def plan(
                              kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, kv_dtype=kv, image=image_tokens,
                              **spec.local_geometry(sink + pinned + image_tokens + w + chunk))  # as export's make_layout
         kv_total = layout.cache_bytes + layout.key_scale_bytes
+        if htp and layout.quantized:  # int8 KV on the HTP: its uint8 cache, no value scales (engines/qnn_htp)
+            kv_total = uint8_cache_bytes(layout)
         act = int(activation_bytes(spec, layout) * act_factor)
         batch = 0
         if batches:  # a decode step of the largest batch: its rows through the layers, each seat's own cache

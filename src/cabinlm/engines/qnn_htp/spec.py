@@ -38,6 +38,15 @@ def shares_weights(htp_arch: int) -> bool:
     return htp_arch >= WEIGHT_SHARING_MIN_ARCH
 
 
+def uint8_cache_bytes(layout) -> int:
+    """The bytes of an int8-KV layout's cache as the HTP holds it (a uint8 cache, engines/qnn_htp/
+    graph.uint8_kv): K and V, one byte each, for every slot and ring; no per-token value scales, and
+    the one scale per tensor lives in the binaries. Half of the same layout in fp16. The planner and
+    the tests ask here."""
+    per_token = 2 * layout.kv_heads * layout.head_dim  # one layer's K + V at one byte
+    return layout.cache_bytes // layout.layer_bytes_per_token * per_token
+
+
 @dataclass(frozen=True)
 class QnnSettings:
     """A QNN HTP build's facts: the chip and compiler its context binaries were made for and by."""
