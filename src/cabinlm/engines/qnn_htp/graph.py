@@ -14,6 +14,9 @@ Two rewrites, each exact on ONNX Runtime's CPU provider (tests/test_qnn.py check
                The HTP rejects DequantizeLinear with block_size feeding a float MatMul; MatMulNBits
                is accepted on v68 and v73 and keeps the weights at 4 / 8 bits in the binary.
 
+And for an int8-KV export, the cache as uint8 with one scale per tensor (uint8_kv: the export's
+int8 Q/DQ nodes are rejected on v68 and v73; docs/architecture.md "The HTP's 8-bit cache").
+
 Everything else of the export (its attention over the cache, rotary tables, the embedding gather)
 compiles as it is. Functions here edit the graph in place and return what they changed.
 """
