@@ -281,9 +281,12 @@ def per_tensor_kv_scales(keys: np.ndarray, values: np.ndarray, layers: int) -> d
             raise BuildError(f"KV scales of shape {t.shape}; expected ({layers}, kv_heads, head_dim): re-export")
         for i in range(layers):
             s = float(t[i].max())
-            if not np.isfinite(t[i]).all() or s <= 0 or s * KV_ZERO_POINT > FP16_MAX:
-                raise BuildError(f"{name(i)}: calibrated KV scale {s:.6g} {'is no positive number' if not (np.isfinite(s) and s > 0) else f'puts the uint8 cache beyond fp16 (128 x {s:.6g} > {FP16_MAX:g})'}; "
-                                 "re-export with other --calib text")  # fmt: skip
+            if not np.isfinite(t[i]).all() or s <= 0:
+                raise BuildError(f"{name(i)}: calibrated KV scale {s:.6g} is no positive number; re-export with "
+                                 "other --calib text")  # fmt: skip
+            if s * KV_ZERO_POINT > FP16_MAX:
+                raise BuildError(f"{name(i)}: calibrated KV scale {s:.6g} puts the uint8 cache beyond fp16 "
+                                 f"(128 x {s:.6g} > {FP16_MAX:g}); re-export with other --calib text")  # fmt: skip
             out[name(i)] = s
     return out
 
