@@ -176,3 +176,32 @@ def test_plan_counts_the_uint8_cache_at_half_the_fp16_bytes(tiny_llama_dir, kv8_
         assert u8.kv_bytes * 2 == fp16.kv_bytes
     bufs = Decoder(kv8_builds["sa8775p"]).backend.buffers()
     assert u8.kv_bytes == sum(b.nbytes for b in bufs.values())
+
+
+def test_a_session_saved_from_the_uint8_cache_resumes_the_same_stream(kv8_builds, tmp_path):
+    """A session file of an sa8775p uint8-cache dialogue (window turned over, a pinned span) holds the
+    cache's bytes as the HTP backend keeps them; restored into a dialogue of another loaded model, the
+    buffers are those bytes and the next steps' logits are the uninterrupted dialogue's, bit for bit
+    (the same binary, the same inputs). The cache is copied as bytes: nothing is re-quantized."""
+    from cabinlm.runtime import Dialogue, Tokenizer
+    from cabinlm.runtime.persist import load_session, save_session
+
+    build = kv8_builds["sa8775p"]
+    tok = Tokenizer(build / load_manifest(build).files["tokenizer"].path)
+    first = Dialogue(Decoder(build), tok, system="")
+    dec = first.decoder
+    rng = np.random.default_rng(11)
+    dec.feed(rng.integers(3, 300, 5), pin=True)
+    for _ in range(LAYOUT["window"] + 6):  # the window turns over
+        logits = dec.step(rng.integers(3, 300, 1))
+    assert dec.cache.evicted > 0
+    save_session(tmp_path / "kv8", first)
+    resumed = Dialogue(Decoder(build), tok, system="")
+    load_session(tmp_path / "kv8", resumed)
+    for name, buf in dec.backend.buffers().items():
+        assert buf.dtype == np.uint8 or name not in ("keys", "values"), name
+        np.testing.assert_array_equal(resumed.decoder.backend.buffers()[name], buf, err_msg=name)
+    for _ in range(8):
+        ids = np.array([int(np.asarray(logits).reshape(-1, logits.shape[-1])[-1].argmax())])
+        logits = dec.step(ids)
+        np.testing.assert_array_equal(resumed.decoder.step(ids), logits)
