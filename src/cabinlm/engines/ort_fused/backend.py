@@ -32,6 +32,7 @@ from cabinlm.engines.backend import Backend, BackendError, StepOutput
 from cabinlm.engines.onnxruntime.binding import Binding, ortvalue
 from cabinlm.engines.onnxruntime.session import check_io, mapped_weights, open_session, session_options
 from cabinlm.engines.ort_fused.rotated import RingTables, RotatedKeys
+from cabinlm.engines.ort_fused.seats import run_batched
 from cabinlm.engines.ort_fused.spec import FusedSettings
 from cabinlm.runtime.slots import SlotTable, StepPlan
 
@@ -47,9 +48,9 @@ class FusedGraphs:
     seats: dict[int, ort.InferenceSession] = field(default_factory=dict)
     head: ort.InferenceSession | None = None  # their LM head: hidden rows -> logits (io_spec.head_io)
     weights: list[tuple[str, ort.OrtValue]] = field(default_factory=list)  # every graph's weights, one map, kept alive here
-    # batched graphs' bindings with their seats' caches bound, by the seats (FusedBackend._seat_binding)
+    # batched graphs' bindings with their seats' caches bound, by the seats (seats.seat_binding)
     seat_bindings: dict[tuple, tuple] = field(default_factory=dict)
-    idle: FusedBackend | None = None  # the place no seat takes in a batched run (FusedBackend._idle_step)
+    idle: FusedBackend | None = None  # the place no seat takes in a batched run (seats.idle_step)
     idle_table: SlotTable | None = None  # its table: always empty
 
 
@@ -120,7 +121,6 @@ class FusedBackend(Backend):
             self.ring = RingTables(lay, *m.rotary.for_layer(True))
         self._heads = m.model.num_heads
         self._rows = np.arange(lay.chunk, dtype=np.int64)
-        self._idle_ids = np.zeros(1, dtype=np.int64)  # the idle seat's token (any id: its output is dropped)
         # cabinlm's attention kernel rotating the sink / pinned keys itself, per row (io_spec
         # fused_decoder_io(steps=True)): no refresh of their cache rows, and chunks may run as steps
         names = {t.name for t in m.io.inputs}
@@ -360,99 +360,8 @@ class FusedBackend(Backend):
         return tuple(self.graphs.seats)
 
     def run_seats(self, seats: Sequence[Backend], plans: Sequence[StepPlan], ids: Sequence[np.ndarray]) -> list[StepOutput]:
-        """The seats in runs of the largest batch while more seats are left than it holds, then the
-        rest (2 or more) in the smallest batch that holds it, the places left taken by the idle seat
-        (_idle_step), or a rest of one seat alone (a (2, 4) build: 3 seats, one run of the graph for
-        4; 5: 4, then one alone; 7: 4, then 3 in the graph for 4). Each seat's rows go through the batched graph as its own run would compute them: the
-        weight matmuls take every seat's rows (BlockQ4MatMul computes each row by the same sequence
-        whatever the rows beside it), the attention is each seat's own node over its own cache with
-        the same inputs as its own chunk (_chunk_inputs)."""
-        if not len(seats) == len(plans) == len(ids):
-            raise ValueError(f"run_seats: {len(seats)} seats, {len(plans)} plans, {len(ids)} chunks")
-        if any(not isinstance(b, FusedBackend) or b.graphs is not self.graphs for b in seats):
-            raise ValueError("run_seats takes seats of this loaded build (Decoder.seat), not another's")
-        if len({id(b) for b in seats}) != len(seats):
-            raise ValueError("run_seats: a seat appears twice in one step")
-        outs: list[StepOutput] = []
-        start = 0
-        while start < len(seats):
-            rest = len(seats) - start
-            if rest == 1 or not self.seat_batches:
-                outs.append(seats[start].run(plans[start], ids[start], False, None))
-                start += 1
-                continue
-            b = min([b for b in self.seat_batches if b >= rest] or [max(self.seat_batches)])
-            n = min(b, rest)
-            pad = [self._idle_step() for _ in range(b - n)]
-            got = self._run_batch([*seats[start : start + n], *(p[0] for p in pad)], [*plans[start : start + n], *(p[1] for p in pad)],
-                                  [*ids[start : start + n], *(p[2] for p in pad)])  # fmt: skip
-            outs += got[:n]
-            start += n
-        return outs
-
-    def _idle_step(self) -> tuple[FusedBackend, StepPlan, np.ndarray]:
-        """A place of a batched run no seat takes: the idle seat (made once per loaded build, cache
-        buffers of its own, never committed, its table never advanced) feeding one token into its empty
-        cache, so its attention reads no slot; its output is dropped. Its rows cost one row of each
-        weight matmul."""
-        graphs = self.graphs
-        if graphs.idle is None:
-            graphs.idle = FusedBackend(graphs, SlotTable(self.layout))
-            graphs.idle_table = SlotTable(self.layout)
-        return graphs.idle, graphs.idle_table.plan(1), self._idle_ids
-
-    def _seat_binding(self, seats: Sequence[FusedBackend]):
-        """The batched graph's binding for these seats in this order, their caches bound once (as a
-        seat's own decode binding binds its cache at load): kept for the last few groups of seats."""
-        held = self.graphs.seat_bindings
-        key = tuple(id(b) for b in seats)
-        entry = held.get(key)
-        if entry is not None and all(a is b for a, b in zip(entry[0], seats)):
-            return entry[1]
-        binding = self.graphs.seats[len(seats)].io_binding()
-        for s, seat in enumerate(seats):
-            for name, ov in seat._cache_values:
-                binding.bind_ortvalue_input(io.seat_name(name, s), ov)
-        if len(held) >= 16:  # groups seen long ago (a serve's seats are few and fixed at start)
-            del held[next(iter(held))]
-        held[key] = (tuple(seats), binding)  # the seats kept alive with the binding of their buffers
-        return binding
-
-    def _run_batch(self, seats: Sequence[FusedBackend], plans: Sequence[StepPlan], ids: Sequence[np.ndarray]) -> list[StepOutput]:
-        """One run of the batched graph for len(seats) seats (io_spec.seats_io): seat s's inputs under
-        its own names, its cache bound in place (the kernel writes its chunk's K/V into seat s's rows F..,
-        as its own run would), the rows stacked seat after seat; the logits of each seat's last row."""
-        binding = self._seat_binding(seats)
-        session = self.graphs.seats[len(seats)]
-        counts = np.array([p.tokens for p in plans], dtype=np.int64)
-        ends = np.cumsum(counts)
-        inputs = {io.INPUT_IDS: np.concatenate([np.asarray(i, dtype=np.int64) for i in ids]),
-                  io.SEAT_TOKENS: counts, io.LOGIT_ROWS: ends - 1}  # fmt: skip
-        kept = []  # the arrays bound for this run, alive until it returns
-        for s, (seat, plan, chunk) in enumerate(zip(seats, plans, ids, strict=True)):
-            if plan.tokens != len(chunk):
-                raise ValueError(f"seat {s}: a plan of {plan.tokens} tokens for a chunk of {len(chunk)}")
-            if plan.steps and not seat.steps:
-                raise ValueError("this build's attention cannot run a chunk as one-token steps")
-            seat.rotated.chunk_tables(plan)
-            own = seat._chunk_inputs(plan, chunk, all_logits=True)
-            for name in io.SHARED_BY_SEATS:
-                own.pop(name)
-            for name, value in own.items():
-                inputs[io.seat_name(name, s)] = value
-        for name, value in inputs.items():
-            value = np.ascontiguousarray(value)
-            kept.append(value)
-            binding.bind_cpu_input(name, value)
-        for out in session.get_outputs():
-            binding.bind_output(out.name, "cpu")
-        session.run_with_iobinding(binding)
-        got = [o.numpy() for o in binding.get_outputs()]  # in declared order: hidden, then qkv.{l}
-        hidden, qkv = got[0], got[1:]
-        logits = self.graphs.head.run([io.LOGITS], {io.HIDDEN: hidden})[0]  # (seats, vocab)
-        starts = ends - counts
-        return [StepOutput(logits[s : s + 1], (plan.extent, [q[:, a:e] for q in qkv]))
-                for s, (plan, a, e) in enumerate(zip(plans, starts, ends))]  # fmt: skip
+        """Several seats of this loaded build in batched runs (engines/ort_fused/seats.py)."""
+        return run_batched(self, seats, plans, ids)
 
     def commit(self, plan: StepPlan, out: StepOutput) -> None:
         """Keep the sink / pinned tokens' un-rotated keys, then move the chunk's rows F.. into their

@@ -18,6 +18,7 @@ from cabinlm.engines.builder import Builder, BuildError, BuildRequest
 from cabinlm.engines.onnxruntime.offline import OPT_DATA, OPT_GRAPH, log_weights, optimize_offline, read_graph
 from cabinlm.engines.ort_fused import graph as fused_graph
 from cabinlm.engines.ort_fused.kernels import FAST_MATMUL_ISAS, LIBRARY, MATMUL_OP, SWIGLU_MATMUL_OP, host_machine
+from cabinlm.engines.ort_fused.head_graph import head_model
 from cabinlm.engines.ort_fused.kernels.compiler import registrable
 from cabinlm.engines.ort_fused.spec import FusedSettings, KernelLibrary
 from cabinlm.engines.ort_graph.builder import spec_for, targets_cpu
@@ -149,7 +150,7 @@ def _seat_graphs(request: BuildRequest, output: BuildOutput, graph: onnx.ModelPr
                  matmul: str, registered: Path | None) -> tuple[tuple[int, ...], SharedWeights | None]:
     """The batched graphs (graph.fused_model(seats=B) for B in the profile's seat_batches), optimized
     offline like the one-seat graph and pointed at its weights file, and the LM head they share
-    (graph.head_model of `solo`, the one-seat fused decoder); and that file's table, for the runtime's
+    (head_graph.head_model of `solo`, the one-seat fused decoder); and that file's table, for the runtime's
     shared map. None where the profile asks for none, or the attention is not cabinlm's kernel
     (GroupQueryAttention's steps refresh the cache's sink / pinned rows themselves: a per-seat side
     graph this first step does not have)."""
@@ -174,7 +175,7 @@ def _seat_graphs(request: BuildRequest, output: BuildOutput, graph: onnx.ModelPr
         onnx.save_model(shared, str(output.path(file)))
         output.add(role, file)
 
-    write(fused_graph.head_model(solo, manifest), HEAD_GRAPH, "graph_head")
+    write(head_model(solo, manifest), HEAD_GRAPH, "graph_head")
     for b in batches:
         write(fused_graph.fused_model(graph, manifest, request.options.accuracy_level, request.options.minimums, kernel,
                                       matmul, seats=b), seats_graph_file(b), f"graph_seats{b}")  # fmt: skip

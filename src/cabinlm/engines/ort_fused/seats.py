@@ -1,0 +1,131 @@
+"""Seats decoding together on the fused cpu build: several seats' chunks in one run of a batched graph
+(graph.fused_model(seats=B), io_spec.seats_io), then the shared LM head (graph's head graph).
+
+    seat 0 rows ┐                                   ┌ seat 0's Int8KVAttention over seat 0's cache ┐
+    seat 1 rows ├ every weight matmul over all rows ┤ ...                                          ├ ... ─ head ─ logits (seats, vocab)
+    ...         ┘                                   └ seat B-1's over its own cache                ┘
+
+Each seat's rows are computed as its own run would compute them: the weight matmuls take every seat's
+rows (BlockQ4MatMul computes each row by the same sequence whatever the rows beside it), and the
+attention is each seat's own node over its own cache, fed the inputs of its own chunk
+(FusedBackend._chunk_inputs). So a seat's logits are its solo logits bit for bit, and each seat
+commits its own step exactly as alone (FusedBackend.commit). Places of a batch no seat takes are
+filled by the idle seat, whose output is dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from cabinlm import io_spec as io
+from cabinlm.engines.backend import Backend, StepOutput
+from cabinlm.runtime.slots import SlotTable, StepPlan
+
+if TYPE_CHECKING:
+    from cabinlm.engines.ort_fused.backend import FusedBackend, FusedGraphs
+
+IDLE_IDS = np.zeros(1, dtype=np.int64)  # the idle seat's token (any id: its output is dropped)
+
+
+def run_batched(solo: FusedBackend, seats: Sequence[Backend], plans: Sequence[StepPlan],
+                ids: Sequence[np.ndarray]) -> list[StepOutput]:  # fmt: skip
+    """The seats in runs of the largest batch while more seats are left than it holds, then the
+    rest (2 or more) in the smallest batch that holds it, the places left taken by the idle seat
+    (idle_step), or a rest of one seat alone (a (2, 4) build: 3 seats, one run of the graph for 4;
+    5: 4, then one alone; 7: 4, then 3 in the graph for 4). `solo`: any seat of the loaded build."""
+    if not len(seats) == len(plans) == len(ids):
+        raise ValueError(f"run_seats: {len(seats)} seats, {len(plans)} plans, {len(ids)} chunks")
+    if any(getattr(b, "graphs", None) is not solo.graphs for b in seats):
+        raise ValueError("run_seats takes seats of this loaded build (Decoder.seat), not another's")
+    if len({id(b) for b in seats}) != len(seats):
+        raise ValueError("run_seats: a seat appears twice in one step")
+    fused: list[FusedBackend] = list(seats)  # type: ignore[arg-type]  # checked above: this build's seats
+    batches = solo.seat_batches
+    outs: list[StepOutput] = []
+    start = 0
+    while start < len(fused):
+        rest = len(fused) - start
+        if rest == 1 or not batches:
+            outs.append(fused[start].run(plans[start], ids[start], False, None))
+            start += 1
+            continue
+        b = min([b for b in batches if b >= rest] or [max(batches)])
+        n = min(b, rest)
+        pad = [idle_step(solo) for _ in range(b - n)]
+        got = run_batch(solo.graphs, [*fused[start : start + n], *(p[0] for p in pad)],
+                        [*plans[start : start + n], *(p[1] for p in pad)], [*ids[start : start + n], *(p[2] for p in pad)])  # fmt: skip
+        outs += got[:n]
+        start += n
+    return outs
+
+
+def idle_step(solo: FusedBackend) -> tuple[FusedBackend, StepPlan, np.ndarray]:
+    """A place of a batched run no seat takes: the idle seat (made once per loaded build, cache
+    buffers of its own, never committed, its table never advanced) feeding one token into its empty
+    cache, so its attention reads no slot; its output is dropped. Its rows cost one row of each
+    weight matmul."""
+    graphs = solo.graphs
+    if graphs.idle is None or graphs.idle_table is None:
+        graphs.idle = solo.seat(SlotTable(solo.layout))
+        graphs.idle_table = SlotTable(solo.layout)
+    return graphs.idle, graphs.idle_table.plan(1), IDLE_IDS
+
+
+def seat_binding(graphs: FusedGraphs, seats: Sequence[FusedBackend]):
+    """The batched graph's binding for these seats in this order, their caches bound once (as a
+    seat's own decode binding binds its cache at load): kept for the last few groups of seats."""
+    held = graphs.seat_bindings
+    key = tuple(id(b) for b in seats)
+    entry = held.get(key)
+    if entry is not None and all(a is b for a, b in zip(entry[0], seats)):
+        return entry[1]
+    binding = graphs.seats[len(seats)].io_binding()
+    for s, seat in enumerate(seats):
+        for name, ov in seat._cache_values:
+            binding.bind_ortvalue_input(io.seat_name(name, s), ov)
+    if len(held) >= 16:  # groups seen long ago (a serve's seats are few and fixed at start)
+        del held[next(iter(held))]
+    held[key] = (tuple(seats), binding)  # the seats kept alive with the binding of their buffers
+    return binding
+
+
+def run_batch(graphs: FusedGraphs, seats: Sequence[FusedBackend], plans: Sequence[StepPlan],
+              ids: Sequence[np.ndarray]) -> list[StepOutput]:  # fmt: skip
+    """One run of the batched graph for len(seats) seats (io_spec.seats_io): seat s's inputs under
+    its own names, its cache bound in place (the kernel writes its chunk's K/V into seat s's rows F..,
+    as its own run would), the rows stacked seat after seat; the logits of each seat's last row."""
+    binding = seat_binding(graphs, seats)
+    session = graphs.seats[len(seats)]
+    counts = np.array([p.tokens for p in plans], dtype=np.int64)
+    ends = np.cumsum(counts)
+    inputs = {io.INPUT_IDS: np.concatenate([np.asarray(i, dtype=np.int64) for i in ids]),
+              io.SEAT_TOKENS: counts, io.LOGIT_ROWS: ends - 1}  # fmt: skip
+    kept = []  # the arrays bound for this run, alive until it returns
+    for s, (seat, plan, chunk) in enumerate(zip(seats, plans, ids, strict=True)):
+        if plan.tokens != len(chunk):
+            raise ValueError(f"seat {s}: a plan of {plan.tokens} tokens for a chunk of {len(chunk)}")
+        if plan.steps and not seat.steps:
+            raise ValueError("this build's attention cannot run a chunk as one-token steps")
+        seat.rotated.chunk_tables(plan)
+        own = seat._chunk_inputs(plan, chunk, all_logits=True)
+        for name in io.SHARED_BY_SEATS:
+            own.pop(name)
+        for name, value in own.items():
+            inputs[io.seat_name(name, s)] = value
+    for name, value in inputs.items():
+        value = np.ascontiguousarray(value)
+        kept.append(value)
+        binding.bind_cpu_input(name, value)
+    for out in session.get_outputs():
+        binding.bind_output(out.name, "cpu")
+    session.run_with_iobinding(binding)
+    got = [o.numpy() for o in binding.get_outputs()]  # in declared order: hidden, then qkv.{l}
+    hidden, qkv = got[0], got[1:]
+    assert graphs.head is not None  # a build with batched graphs has their head graph
+    logits = graphs.head.run([io.LOGITS], {io.HIDDEN: hidden})[0]  # (seats, vocab)
+    starts = ends - counts
+    return [StepOutput(logits[s : s + 1], (plan.extent, [q[:, a:e] for q in qkv]))
+            for s, (plan, a, e) in enumerate(zip(plans, starts, ends))]  # fmt: skip
