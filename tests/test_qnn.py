@@ -21,6 +21,7 @@ import pytest
 from cabinlm.engines.build import build_artifact
 from cabinlm.manifest import FileEntry, load_manifest
 from cabinlm.profiles import load_profile
+from cabinlm.engines.registry import BackendKind
 from cabinlm.runtime import Decoder
 from test_cli import assert_clean_error, cabinlm
 from test_backends import LAYOUT, STREAM, reference_logits
@@ -63,6 +64,10 @@ def builds(int4_artifact, tmp_path_factory) -> dict[str, Path]:
 
 def run_stream(folder: Path, ids: np.ndarray, pins: bool = True, **kw) -> list[np.ndarray]:
     dec = Decoder(folder, **kw)
+    if type(dec.backend).kind is BackendKind.QNN_HTP:  # the sessions say what really runs: the HTP, CPU fallback off
+        for session in (dec.backend.graphs.prefill, dec.backend.graphs.decode):
+            assert session.get_providers()[0] == "QNNExecutionProvider", session.get_providers()
+            assert session.get_session_options().get_session_config_entry("session.disable_cpu_ep_fallback") == "1"
     got, pos = [], 0
     for n, pin in STREAM:
         for start in range(pos, pos + n, LAYOUT["chunk"]):
