@@ -226,7 +226,7 @@ def qkv_name(layer: int) -> str:
 
 
 def fused_decoder_io(layout: CacheLayout, num_heads: int, vocab_size: int, present: bool = True,
-                     steps: bool = False) -> DecoderIO:
+                     steps: bool = False, embed_dim: int = 0) -> DecoderIO:
     """The graph contract of a fused-attention build (slots N, chunk C, F = slots in use, 1 + the
     highest one; rows 0..N-1 of the buffers are the slots, rows N..N+C-1 scratch):
 
@@ -272,6 +272,7 @@ def fused_decoder_io(layout: CacheLayout, num_heads: int, vocab_size: int, prese
       local_seqlens_k        int32  (1,)                           F_l + tokens - 1
       local_total_sequence_length int32 ()                         F_l + tokens
       local_row_slots        int64  (tokens,)  (steps=True) each row's ring slot, as row_slots
+    and, for a vision-language model (embed_dim > 0), decoder_io's image_embeds / image_mask.
     """
     kv = layout.kv_dtype.onnx_name
     h, d = layout.kv_heads, layout.head_dim
@@ -317,6 +318,9 @@ def fused_decoder_io(layout: CacheLayout, num_heads: int, vocab_size: int, prese
             outputs.append(TensorSpec(present_key_name(layer), kv, (1, h, n, d)))
             outputs.append(TensorSpec(present_value_name(layer), kv, (1, h, n, d)))
         outputs.append(TensorSpec(qkv_name(layer), "float", (1, "tokens", (num_heads + 2 * h) * d)))
+    if embed_dim:
+        inputs.append(TensorSpec(IMAGE_EMBEDS, "float", ("tokens", embed_dim)))
+        inputs.append(TensorSpec(IMAGE_MASK, "bool", ("tokens", 1)))
     return DecoderIO(tuple(inputs), tuple(outputs))
 
 

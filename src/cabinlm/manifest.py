@@ -327,12 +327,12 @@ class Manifest:
     @property
     def io(self) -> DecoderIO:
         spec = self.runtime_spec
+        embed_dim = self.vision.embed_dim if self.vision else 0
         if spec.backend == BackendKind.FUSED:
             fused = spec.facts_as(FusedSettings)
             present = fused is None or fused.attention_kernel == "onnxruntime"
             steps = fused is not None and fused.step_rows
-            return fused_decoder_io(self.cache, self.model.num_heads, self.model.vocab_size, present, steps)
-        embed_dim = self.vision.embed_dim if self.vision else 0
+            return fused_decoder_io(self.cache, self.model.num_heads, self.model.vocab_size, present, steps, embed_dim)
         qnn = spec.facts_as(QnnSettings) if spec.backend == BackendKind.QNN_HTP else None
         return decoder_io(self.cache, self.model.vocab_size, self.index_dtype, embed_dim,
                           mrope=self.vision is not None and self.vision.mrope,

@@ -7,13 +7,25 @@ Buffers (allocated once per dialogue):
 
     keys, values  (layers, kv_heads, slots + chunk, head_dim)  int8 or float32: rows 0..N-1 the slots,
                   rows N.. scratch where the kernel writes a chunk that lands beyond the slots in use
-    key_source    (layers, kv_heads, sink + pinned, head_dim)  float32: the sink / pinned tokens' keys,
-                  un-rotated, from which their rotated rows are re-written as evictions move them
+    key_source    (layers, kv_heads, sink + pinned + image, head_dim)  float32: the sink / pinned (and
+                  camera-frame) tokens' keys, un-rotated, from which their rotated rows are re-written
+                  as evictions move them
     local_keys, local_values  (local layers, kv_heads, R + chunk, head_dim)  the local layers' rings
                   (CacheLayout.local_layers; `layers` above are then the global ones): rows 0..R-1
                   the ring, keys rotated at their stream index, never re-written
 
 Int8 KV has static per-channel scales (the manifest's kv_scales), held by the graph: no scale buffers.
+
+Camera frames (a LLaVA-style or Idefics3 decoder, fp32 KV, GroupQueryAttention; graph.ineligible). A
+frame's chunk hands the graph its image_embeds (the token rows replaced, as exported). The frame's
+keys are kept un-rotated in key_source and re-written at rank + E before each step, as the pinned
+ones are (RotatedKeys.refresh): a frame's rank moves with the evictions of window tokens older than
+it only. A new frame (SlotTable.begin_frame) takes the old one's I tokens out of the cache with no
+eviction: every window token fed after the old frame drops I ranks while E stays, so its key, rotated
+at rank + E when written, is turned back by I positions here (float32 keys, rotated in float64:
+_follow_frames); the tokens before the old frame keep theirs. The old frame is what the last commit
+left in the image region, so a session restored between begin_frame and the new frame's first chunk
+would not know it (Dialogue and perplexity feed the frame right after begin_frame).
 """
 
 from __future__ import annotations
@@ -110,7 +122,7 @@ class FusedBackend(Backend):
         dtype = np.dtype(lay.kv_dtype.numpy_name)
         self.keys = np.zeros((L, H, N + lay.chunk, D), dtype=dtype)
         self.values = np.zeros((L, H, N + lay.chunk, D), dtype=dtype)
-        self.key_source = np.zeros((L, H, lay.sink + lay.pinned, D), dtype=np.float32)
+        self.key_source = np.zeros((L, H, lay.sink + lay.pinned + lay.image, D), dtype=np.float32)
         scales = m.kv_scales.array("rotated_keys")[list(lay.global_layers)] if lay.quantized else None
         self.rotated = RotatedKeys(lay, self.keys, self.key_source, m.rotary.inv_freq, m.rotary.scale, scales, graphs.rotate)
         self.local_keys = self.local_values = self.ring = None
@@ -121,6 +133,12 @@ class FusedBackend(Backend):
             self.ring = RingTables(lay, *m.rotary.for_layer(True))
         self._heads = m.model.num_heads
         self._rows = np.arange(lay.chunk, dtype=np.int64)
+        self.embed_dim = m.vision.embed_dim if m.vision is not None else 0
+        if self.embed_dim:  # text chunks of a vision-language model: no image rows
+            self._no_embeds = np.zeros((lay.chunk, self.embed_dim), dtype=np.float32)
+            self._no_image = np.zeros((lay.chunk, 1), dtype=bool)
+            self._all_image = np.ones((lay.chunk, 1), dtype=bool)
+        self._frame: tuple[int, int, int] | None = None  # (frames, newest stream index, tokens) in the image region
         # cabinlm's attention kernel rotating the sink / pinned keys itself, per row (io_spec
         # fused_decoder_io(steps=True)): no refresh of their cache rows, and chunks may run as steps
         names = {t.name for t in m.io.inputs}
@@ -160,9 +178,11 @@ class FusedBackend(Backend):
 
     def reset(self) -> None:
         self.rotated.forget()
+        self._frame = None
 
     def restored(self) -> None:
         self.rotated.forget()
+        self._frame = None
 
     def _bind(self) -> None:
         lay, V = self.layout, self.graphs.manifest.model.vocab_size
@@ -205,6 +225,8 @@ class FusedBackend(Backend):
         fixed = {io.INPUT_IDS: self._ids1, io.POSITION_IDS: np.zeros((1, 1), dtype=np.int64),
                  io.ROPE_COS: self.rotated.cos, io.ROPE_SIN: self.rotated.sin, io.SEQLENS_K: self._seqlens1,
                  io.TOTAL_SEQUENCE_LENGTH: self._total1, io.LOGIT_ROWS: np.zeros(1, dtype=np.int64)}  # fmt: skip
+        if self.embed_dim:  # a one-token step is text (a frame's chunks run as chunks)
+            fixed.update({io.IMAGE_EMBEDS: self._no_embeds[:1], io.IMAGE_MASK: self._no_image[:1]})
         if lay.local_layers:  # the rings' lengths and rotation, written in place too; their bias is all zeros
             self._local_seqlens1 = np.zeros(1, dtype=np.int32)
             self._local_total1 = np.zeros((), dtype=np.int32)
@@ -248,15 +270,24 @@ class FusedBackend(Backend):
     def run(self, plan: StepPlan, ids: np.ndarray, all_logits: bool, embeds: np.ndarray | None) -> StepOutput:
         """The kernel reads the first F slots (F = 1 + the highest in use) and writes the chunk's K/V
         into rows F..F+n-1: empty slots or scratch rows, never a cached token's."""
-        if embeds is not None:
+        if embeds is not None and not self.embed_dim:
             raise ValueError("this model has no vision input")
+        if self.embed_dim:
+            self._follow_frames(plan)
         if not self.steps:
             self.rotated.refresh(plan)
         self.rotated.chunk_tables(plan)
         F = plan.extent
-        if plan.tokens == 1:
+        if plan.tokens == 1 and embeds is None:
             return self._run_one(ids, plan, F)
         inputs = self._chunk_inputs(plan, ids, all_logits)
+        if self.embed_dim:
+            n = plan.tokens
+            if embeds is None:
+                inputs.update({io.IMAGE_EMBEDS: self._no_embeds[:n], io.IMAGE_MASK: self._no_image[:n]})
+            else:
+                inputs.update({io.IMAGE_EMBEDS: np.ascontiguousarray(embeds, dtype=np.float32),
+                               io.IMAGE_MASK: self._all_image[:n]})  # fmt: skip
         self._bind_ahead()
         outs = self._prefill.run(inputs)
         return StepOutput(outs[0], (F, outs[1:]))
@@ -355,6 +386,34 @@ class FusedBackend(Backend):
         self.rotated.ahead_done()
         return StepOutput(outs[0], (F, outs[1:]))
 
+    def _follow_frames(self, plan: StepPlan) -> None:
+        """A new frame since the last commit (module docstring, "Camera frames"): turn the keys of the
+        window tokens fed after the old frame back by its I tokens, in float64 (sin / cos of -I
+        positions; a rotation keeps the RoPE type's factor), so every window key stays at rank + E."""
+        old = self._frame
+        if old is None or old[0] == plan.frames or old[2] == 0:
+            return
+        lay = self.layout
+        st = plan.slot_token
+        window = lay.window_start + np.flatnonzero(st[lay.window_start : lay.slots] > old[1])
+        if len(window):
+            angles = -old[2] * self.rotated.inv_freq  # (head_dim / 2,)
+            cos, sin = np.cos(angles), np.sin(angles)
+            k = self.keys[:, :, window].astype(np.float64)
+            half = lay.head_dim // 2
+            a, b = k[..., :half], k[..., half:]
+            self.keys[:, :, window] = np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(self.keys.dtype)
+        self._frame = (plan.frames, -1, 0)
+
+    def _note_frame(self, plan: StepPlan) -> None:
+        """The image region as this commit leaves it: the frame _follow_frames takes out when the next one starts."""
+        lay = self.layout
+        region = plan.slot_token[lay.image_start : lay.window_start].copy()
+        inside = (plan.slots >= lay.image_start) & (plan.slots < lay.window_start)
+        region[plan.slots[inside] - lay.image_start] = plan.seen + np.flatnonzero(inside)
+        held = region[region >= 0]
+        self._frame = (plan.frames, int(held.max()) if len(held) else -1, len(held))
+
     @property
     def seat_batches(self) -> tuple[int, ...]:
         return tuple(self.graphs.seats)
@@ -369,6 +428,8 @@ class FusedBackend(Backend):
         kernel's rows of the others stay in empty slots or scratch rows, masked and never read."""
         start, qkv = out.new
         lay = self.layout
+        if self.embed_dim:
+            self._note_frame(plan)
         self.rotated.keep_sources(plan, [qkv[i] for i in lay.global_layers] if lay.local_layers else qkv, self._heads)
         if self.local_keys is not None:  # the ring's rows F_l.. into slots seen mod R
             _move(self.local_keys, self.local_values, plan.local_cached, plan.local_slots)

@@ -197,6 +197,7 @@ class FusedBuilder(Builder):
     def build(self, request: BuildRequest, output: BuildOutput) -> BuildSpec:
         manifest, opts, log = request.manifest, request.options, request.log
         output.copy("tokenizer")
+        output.copy_if_present("vision_graph", "vision_data")  # the camera encoder runs as exported
         graph = read_graph(request.artifact, manifest)
         # 4-bit matrices with block minimums (GGUF Q4_1 / Q4_K): what cabinlm's BlockQ4MatMul runs
         codes = {i.name: i.data_type for i in graph.graph.initializer if i.name.endswith(io_spec.QUANT_SUFFIXES[0])}

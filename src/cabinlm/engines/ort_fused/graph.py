@@ -42,8 +42,10 @@ and a query at its stream index sees each at the model's own distance, for ever;
 re-written. F_l = min(seen, R) slots are in use; a chunk lands in rows F_l.. (empty slots while the
 ring fills, scratch rows after) and the runtime moves it into ring slots seen mod R.
 
-Eligible: a text-only model (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3), int8 or fp32 KV, dynamic shapes
-(the cpu profile). Anything else keeps the exported graph (engines/ort_fused/builder.py says which
+Eligible: a text model (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3), int8 or fp32 KV, dynamic shapes
+(the cpu profile); the text decoder of a LLaVA-style or Idefics3 / SmolVLM model with fp32 KV (a frame's
+image_embeds replace the token rows, as exported; its keys are kept un-rotated and re-rotated as the
+pinned ones are; engines/ort_fused/backend.py, "Camera frames"). Anything else keeps the exported graph (engines/ort_fused/builder.py says which
 and why).
 """
 
@@ -69,8 +71,14 @@ FUSED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausal
 def ineligible(manifest: Manifest) -> str | None:
     """Why this export cannot take the fused attention (None: it can)."""
     lay = manifest.cache
-    if manifest.vision is not None:
-        return "a vision-language model's camera-frame region changes ranks in ways a rotated cache cannot follow"
+    vision = manifest.vision
+    if vision is not None and vision.mrope:
+        return ("multimodal RoPE (Qwen2-VL): the rotated cache's bookkeeping (runtime/rotated.py: one position per key, "
+                "the window's offset E) does not yet carry three components, nor the frame's grid offsets when frames change")
+    if vision is not None and lay.kv_dtype != KVDType.FP32:
+        return (f"a vision-language model with {lay.kv_dtype.value} KV: a new camera frame lowers the ranks of the window "
+                "tokens fed after the old one with no eviction, so their rotated keys must turn again, which would "
+                "rotate quantized keys (DESIGN.md: quantize once); fp32 KV takes the fused decoder")
     if lay.kv_dtype not in FUSED_KV:
         return f"{lay.kv_dtype.value} KV (the fused kernel takes int8 or fp32 KV)"
     if manifest.index_dtype != "int64":
@@ -288,6 +296,10 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
 
     if spec.embed_scale != 1.0:  # Gemma 3: the rows times sqrt(D), in float32 as the model computes it
         x = b.op("Mul", x, b.const(np.array(spec.embed_scale, np.float32)), hint="embed_scaled")
+    embed_dim = manifest.vision.embed_dim if manifest.vision is not None else 0
+    if embed_dim:  # a camera frame's tokens: the vision graph's rows instead of the table's (as exported)
+        x = b.op("Where", mf.IMAGE_MASK, b.op("Unsqueeze", mf.IMAGE_EMBEDS, b.const(np.array([0], np.int64))), x,
+                 hint="embed_with_image")  # fmt: skip
 
     def float_weight(name: str) -> str:
         return b.weight(name, W.get(name).astype(np.float32))
@@ -427,11 +439,11 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
 
     if not own_kernel:  # the next step's sink / pinned keys on the side (own kernel: rotated inside it, per row)
         _rotation(b, lay, mf.REFRESH_SOURCE, mf.REFRESH_POSITION_IDS, mf.REFRESH_COS, mf.REFRESH_SIN, mf.REFRESH_KEYS)
-    io = mf.fused_decoder_io(lay, H, spec.vocab_size, present=not own_kernel, steps=own_kernel)
+    io = mf.fused_decoder_io(lay, H, spec.vocab_size, present=not own_kernel, steps=own_kernel, embed_dim=embed_dim)
     if seats:
         io = io_spec.seats_io(io, seats, D)
     elem = {"float": TensorProto.FLOAT, "int64": TensorProto.INT64, "int32": TensorProto.INT32,
-            "int8": TensorProto.INT8}  # fmt: skip
+            "int8": TensorProto.INT8, "bool": TensorProto.BOOL}  # fmt: skip
     inputs = [helper.make_tensor_value_info(t.name, elem[t.dtype], list(t.shape)) for t in io.inputs]
     outputs = [helper.make_tensor_value_info(t.name, elem[t.dtype], list(t.shape)) for t in io.outputs]
     g = helper.make_graph(b.nodes, "cabinlm_decoder_fused", inputs, outputs, b.inits)

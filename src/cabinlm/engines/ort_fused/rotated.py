@@ -17,6 +17,9 @@ known before this step runs: the decode graph then rotates the copy at rank + E_
 (its refresh_* inputs and refresh_keys output) and the next refresh only copies those rows in. Any
 other step (a prefill chunk, a pin, the window still filling, a pinned span younger than window
 tokens) refreshes through the build's rotation graph, with the same arithmetic.
+A camera frame's tokens (the image region) are refreshed as the pinned ones are, at their ranks in
+stream order (a window token older than the frame lowers them when it is evicted, a younger one does
+not), from their own un-rotated copy.
 The rotation tables are computed here in float64 for the chunk's rows only, so positions may grow
 without bound (hours of dialogue) with no loss of precision in the graph.
 """
@@ -164,7 +167,7 @@ class RotatedKeys:
         lay = self.layout
         if not plan.pin and plan.sink_fill >= lay.sink:  # a window chunk: nothing to keep
             return
-        pinned = plan.slots < lay.sink + lay.pinned
+        pinned = plan.slots < lay.window_start  # sink, pinned and camera-frame slots
         if not pinned.any():
             return
         H, Hkv, D = num_heads, lay.kv_heads, lay.head_dim
@@ -177,9 +180,14 @@ class RotatedKeys:
     def _ranks(self, plan: StepPlan, slots: np.ndarray) -> np.ndarray:
         """Ranks of the sink and pinned slots (sink first, then pinned, each in slot order). Sink
         tokens are the stream's first; pinned ones fill their slots in stream order; so unless a
-        camera-frame or window token is older than a pinned one, the ranks are 0, 1, 2, ..."""
+        camera-frame or window token is older than a pinned one, the ranks are 0, 1, 2, ...
+        With camera-frame slots among them, their ranks as the plan gives them."""
         lay = self.layout
         st = plan.slot_token
+        if plan.image_fill:
+            ranks = plan.cache_position_ids[slots]
+            self._oldest = bool(np.array_equal(ranks, np.arange(len(slots))))
+            return ranks
         later = st[lay.sink + lay.pinned :]
         later = later[later >= 0]
         self._oldest = not len(later) or later.min() > st[slots].max()
@@ -191,7 +199,7 @@ class RotatedKeys:
         """Before a step: write the sink and pinned keys rotated at rank + E (only when E or the set
         of pinned tokens changed since the last refresh)."""
         c, lay = plan, self.layout  # the table's counters as the plan carries them
-        state = (c.evicted, c.sink_fill, c.pinned_fill)
+        state = _state(plan)
         if state == self._refreshed:
             return
         if state == self._ahead:  # the last decode step rotated them already
@@ -199,7 +207,8 @@ class RotatedKeys:
             self._refreshed, self._ahead = state, None
             return
         self._ahead = None
-        slots = np.concatenate([np.arange(c.sink_fill), lay.sink + np.arange(c.pinned_fill)]).astype(np.int64)
+        slots = np.concatenate([np.arange(c.sink_fill), lay.sink + np.arange(c.pinned_fill),
+                                lay.image_start + np.arange(c.image_fill)]).astype(np.int64)  # fmt: skip
         if not len(slots):
             self._refreshed = state
             return
@@ -233,17 +242,22 @@ class RotatedKeys:
         c, lay = plan, self.layout
         self._pending = None
         if (plan.pin or not plan.evicts or c.sink_fill < lay.sink or not self._oldest or self._slots is None
-                or self._refreshed != (c.evicted, c.sink_fill, c.pinned_fill)):  # fmt: skip
+                or self._refreshed != _state(plan)):  # fmt: skip
             return
         rows = len(self._slots)
         cos, sin = self._run(1, c.evicted + plan.evicts, rows)
         self._ahead_cos[:rows] = cos
         self._ahead_sin[:rows] = sin
-        self._pending = (c.evicted + plan.evicts, c.sink_fill, c.pinned_fill)
+        self._pending = (c.evicted + plan.evicts, *_state(plan)[1:])
 
     def ahead_done(self) -> None:
         """The graph run that carried the side tables finished: its keys stand for that state."""
         self._ahead, self._pending = self._pending, None
+
+
+def _state(plan: StepPlan) -> tuple:
+    """What the sink / pinned / camera-frame keys' rotation depends on: E, the fills, the frame."""
+    return plan.evicted, plan.sink_fill, plan.pinned_fill, plan.image_fill, plan.frames
 
 
 class RingTables:
