@@ -256,8 +256,10 @@ class RotatedKeys:
 
 
 def _state(plan: StepPlan) -> tuple:
-    """What the sink / pinned / camera-frame keys' rotation depends on: E, the fills, the frame."""
-    return plan.evicted, plan.sink_fill, plan.pinned_fill, plan.image_fill, plan.frames
+    """What the sink / pinned / camera-frame keys' rotation depends on: E, the fills (and, once a frame
+    was started, the image fill and the frame)."""
+    text = (plan.evicted, plan.sink_fill, plan.pinned_fill)
+    return (*text, plan.image_fill, plan.frames) if plan.frames else text
 
 
 class RingTables:
