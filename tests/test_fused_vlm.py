@@ -104,3 +104,110 @@ def test_frames_replaced_while_the_window_evicts_follow_the_reference_of_the_sem
 def test_a_session_saved_with_its_frame_resumes_on_the_fused_build(fused, tmp_path):
     _, _, built = fused
     vlm.check_a_session_saved_with_its_frame_resumes_with_the_same_replies(built, PICTURE, tmp_path)
+
+
+def test_a_cache_saved_between_frames_resumes_with_the_old_frame_known(fused):
+    """The fused backend's `frame` buffer (what the last commit left in the image region) travels with
+    the cache buffers, as a session file carries them: a second decoder given the first's slot state
+    and buffers right after begin_frame (the old frame already out of the slot table) turns the same
+    window keys back and gives the same logits from there on, bit for bit."""
+    loaded, _, built = fused
+    dec = Decoder(built)
+    v = dec.manifest.vision
+    text = loaded.tokenizer.backend_tokenizer.encode(TEXT * 2, add_special_tokens=False).ids
+    frames = [dec.vision.encode(picture(*PICTURE, seed=s)) for s in (3, 4)]
+
+    def frame(d: Decoder, rows: np.ndarray) -> np.ndarray:
+        return d.feed([v.image_token_id] * v.image_tokens, pin="image", all_logits=True, embeds=rows)
+
+    dec.feed(text[:6])
+    dec.cache.begin_frame()
+    frame(dec, frames[0])
+    dec.feed(text[6:100])
+    assert dec.cache.evicted > 0
+    dec.cache.begin_frame()
+    resumed, lost = Decoder(built), Decoder(built)
+    for d in (resumed, lost):
+        d.cache.restore(dec.cache.state())
+        for name, buf in dec.backend.buffers().items():
+            d.backend.buffers()[name][...] = buf
+        d.backend.restored()
+    lost.backend.frame[:] = (-1, -1, 0)  # a cache restored without it: the old frame unknown
+    got = [frame(d, frames[1]) for d in (dec, resumed, lost)]
+    np.testing.assert_array_equal(got[1], got[0])
+    for chunk in (text[100:101], text[101:117], text[117:118]):
+        got = [d.feed(chunk, all_logits=True) for d in (dec, resumed, lost)]
+        np.testing.assert_array_equal(got[1], got[0])
+    assert np.abs(got[2] - got[0]).max() > 1e-2  # the test can tell: keys not turned back move the logits
+
+
+def test_seats_with_a_frame_in_one_seat_step_together_as_each_alone(fused):
+    """runtime.step_seats on the fused VLM build (fp32 KV: GroupQueryAttention, no batched graphs, so
+    seats run one after another through the one-seat graph): one seat holds a frame (fed with
+    Decoder.feed: step_seats takes token ids only), the other text; each seat's logits are what the
+    same seat gives alone, bit for bit, while the window turns over and the frame is replaced."""
+    from cabinlm.runtime import step_seats
+
+    loaded, _, built = fused
+    base = Decoder(built)
+    v = base.manifest.vision
+    together, alone = [base.seat(), base.seat()], [base.seat(), base.seat()]
+    text = loaded.tokenizer.backend_tokenizer.encode(TEXT * 2, add_special_tokens=False).ids
+    for s, rows in enumerate([base.vision.encode(picture(*PICTURE, seed=5)), base.vision.encode(picture(*PICTURE, seed=6))]):
+        for d in (together[0], alone[0]):
+            d.cache.begin_frame()
+            d.feed([v.image_token_id] * v.image_tokens, pin="image", embeds=rows)
+        for i in range(80):
+            chunks = [np.array(text[(i + s * 80) % len(text) : (i + s * 80) % len(text) + 1]),
+                      np.array(text[(i * 3 + 7) % len(text) : (i * 3 + 7) % len(text) + 1])]  # fmt: skip
+            got = step_seats(together, chunks)
+            for g, d, c in zip(got, alone, chunks, strict=True):
+                np.testing.assert_array_equal(g, d.step(c)[-1])
+    assert together[0].cache.frames == 2 and together[0].cache.evicted > 0
+
+
+def test_a_llava_first_turn_on_the_fused_build_equals_transformers(tmp_path_factory, load, export_to):
+    """LLaVA-style (a SigLIP tower, a projector, a Qwen2 text model): the first turn with an image on
+    the fused build gives transformers' logits, and another image clearly others."""
+    from cabinlm.engines.build import build_artifact
+    from cabinlm.profiles import load_profile
+
+    from conftest import make_tiny_llava
+    from test_vision import hf_processor
+
+    loaded = load(str(make_tiny_llava(tmp_path_factory.mktemp("tiny-llava-fused"), "siglip")))
+    built = build_artifact(export_to(loaded, sink=4, pinned=12, window=48, chunk=16), load_profile("cpu"),
+                           tmp_path_factory.mktemp("fused-llava"))  # fmt: skip
+    dec = Decoder(built)
+    assert dec.backend.kind == BackendKind.FUSED
+    vision = dec.manifest.vision
+    tok = loaded.tokenizer.backend_tokenizer
+    head = tok.encode("<|im_start|>user\n", add_special_tokens=False).ids
+    tail = tok.encode(" what is on the road ahead?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False).ids
+    ids = head + [vision.image_token_id] * vision.image_tokens + tail
+
+    def hf(seed: int) -> np.ndarray:
+        pixels = hf_processor(loaded.folder)(images=picture(64, 48, seed=seed), return_tensors="pt")["pixel_values"]
+        with torch.no_grad():
+            return loaded.model(input_ids=torch.tensor([ids]), pixel_values=pixels).logits[0].numpy()
+
+    ours = [dec.feed(head, all_logits=True)]
+    dec.cache.begin_frame()
+    ours.append(dec.feed([vision.image_token_id] * vision.image_tokens, pin="image", all_logits=True,
+                         embeds=dec.vision.encode(picture(64, 48, seed=3))))  # fmt: skip
+    ours.append(dec.feed(tail, all_logits=True))
+    ref = hf(3)
+    np.testing.assert_allclose(np.concatenate(ours), ref, atol=1e-3)
+    assert np.abs(hf(4)[-1] - ref[-1]).max() > 1e-2
+
+
+def test_a_vlm_with_int8_kv_keeps_the_exported_graph_and_says_why(fused, export_to, tmp_path):
+    from cabinlm.engines.build import build_artifact
+    from cabinlm.engines.ort_fused.graph import ineligible
+    from cabinlm.profiles import load_profile
+
+    loaded, _, _ = fused
+    art = export_to(loaded, sink=4, pinned=24, window=64, chunk=16, kv="int8")
+    why = ineligible(Decoder(art).manifest)
+    assert why is not None and "quantize once" in why and "\n" not in why
+    assert Decoder(build_artifact(art, load_profile("cpu"), tmp_path / "b")).manifest.build.backend == BackendKind.EXPORTED_GRAPH

@@ -24,8 +24,7 @@ it only. A new frame (SlotTable.begin_frame) takes the old one's I tokens out of
 eviction: every window token fed after the old frame drops I ranks while E stays, so its key, rotated
 at rank + E when written, is turned back by I positions here (float32 keys, rotated in float64:
 _follow_frames); the tokens before the old frame keep theirs. The old frame is what the last commit
-left in the image region, so a session restored between begin_frame and the new frame's first chunk
-would not know it (Dialogue and perplexity feed the frame right after begin_frame).
+left in the image region (`frame`, one of buffers(): a session file carries it).
 """
 
 from __future__ import annotations
@@ -138,7 +137,9 @@ class FusedBackend(Backend):
             self._no_embeds = np.zeros((lay.chunk, self.embed_dim), dtype=np.float32)
             self._no_image = np.zeros((lay.chunk, 1), dtype=bool)
             self._all_image = np.ones((lay.chunk, 1), dtype=bool)
-        self._frame: tuple[int, int, int] | None = None  # (frames, newest stream index, tokens) in the image region
+        # the image region as the last commit left it: frames started, its newest stream index, its tokens
+        # ([-1, -1, 0]: none yet); one of buffers(), so a session file carries it (_follow_frames)
+        self.frame = np.array([-1, -1, 0], dtype=np.int64)
         # cabinlm's attention kernel rotating the sink / pinned keys itself, per row (io_spec
         # fused_decoder_io(steps=True)): no refresh of their cache rows, and chunks may run as steps
         names = {t.name for t in m.io.inputs}
@@ -167,6 +168,8 @@ class FusedBackend(Backend):
         out = {"keys": self.keys, "values": self.values, "key_source": self.key_source}
         if self.local_keys is not None:
             out.update(local_keys=self.local_keys, local_values=self.local_values)
+        if self.embed_dim:
+            out["frame"] = self.frame
         return out
 
     def _layer_buffers(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
@@ -178,11 +181,10 @@ class FusedBackend(Backend):
 
     def reset(self) -> None:
         self.rotated.forget()
-        self._frame = None
+        self.frame[:] = (-1, -1, 0)
 
     def restored(self) -> None:
         self.rotated.forget()
-        self._frame = None
 
     def _bind(self) -> None:
         lay, V = self.layout, self.graphs.manifest.model.vocab_size
@@ -390,20 +392,20 @@ class FusedBackend(Backend):
         """A new frame since the last commit (module docstring, "Camera frames"): turn the keys of the
         window tokens fed after the old frame back by its I tokens, in float64 (sin / cos of -I
         positions; a rotation keeps the RoPE type's factor), so every window key stays at rank + E."""
-        old = self._frame
-        if old is None or old[0] == plan.frames or old[2] == 0:
+        frames, newest, count = (int(x) for x in self.frame)
+        if frames < 0 or frames == plan.frames or count == 0:
             return
         lay = self.layout
         st = plan.slot_token
-        window = lay.window_start + np.flatnonzero(st[lay.window_start : lay.slots] > old[1])
+        window = lay.window_start + np.flatnonzero(st[lay.window_start : lay.slots] > newest)
         if len(window):
-            angles = -old[2] * self.rotated.inv_freq  # (head_dim / 2,)
+            angles = -count * self.rotated.inv_freq  # (head_dim / 2,)
             cos, sin = np.cos(angles), np.sin(angles)
             k = self.keys[:, :, window].astype(np.float64)
             half = lay.head_dim // 2
             a, b = k[..., :half], k[..., half:]
             self.keys[:, :, window] = np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(self.keys.dtype)
-        self._frame = (plan.frames, -1, 0)
+        self.frame[:] = (plan.frames, -1, 0)
 
     def _note_frame(self, plan: StepPlan) -> None:
         """The image region as this commit leaves it: the frame _follow_frames takes out when the next one starts."""
@@ -412,7 +414,7 @@ class FusedBackend(Backend):
         inside = (plan.slots >= lay.image_start) & (plan.slots < lay.window_start)
         region[plan.slots[inside] - lay.image_start] = plan.seen + np.flatnonzero(inside)
         held = region[region >= 0]
-        self._frame = (plan.frames, int(held.max()) if len(held) else -1, len(held))
+        self.frame[:] = (plan.frames, int(held.max()) if len(held) else -1, len(held))
 
     @property
     def seat_batches(self) -> tuple[int, ...]:
