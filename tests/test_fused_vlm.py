@@ -211,3 +211,58 @@ def test_a_vlm_with_int8_kv_keeps_the_exported_graph_and_says_why(fused, export_
     why = ineligible(Decoder(art).manifest)
     assert why is not None and "quantize once" in why and "\n" not in why
     assert Decoder(build_artifact(art, load_profile("cpu"), tmp_path / "b")).manifest.build.backend == BackendKind.EXPORTED_GRAPH
+
+
+def test_drafting_with_frames_on_the_fused_build_gives_the_plain_replies(fused):
+    """The fused VLM build drafts by default (its chunk rows are its steps while the window fills):
+    with frames pinned and replaced through window turnovers, drafting (the stream plain decoding fed,
+    every other draft's last token made wrong) gives the plain greedy replies, and no drafts once the
+    window is full (GroupQueryAttention's chunks cannot take a slot per row)."""
+    from cabinlm.runtime import Dialogue, open_artifact
+    from cabinlm.runtime.speculative import Drafting, PlainDecoding, drafting_by_default
+
+    class Recorder(PlainDecoding):
+        def __init__(self):
+            super().__init__()
+            self.stream: list[int] = []
+
+        def observe(self, ids):
+            self.stream += [int(t) for t in ids]
+
+        def push(self, token):
+            self.stream.append(int(token))
+
+    class Replay(Recorder, Drafting):
+        drafts = True
+
+        def __init__(self, script):
+            super().__init__()
+            self.script, self.calls = script, 0
+
+        def propose(self, dec):
+            k = min(4, dec.draft_room())
+            if k <= 0:
+                return ()
+            self.calls += 1
+            drafts = self.script[len(self.stream) : len(self.stream) + k]
+            return drafts[:-1] + [drafts[-1] + 1] if drafts and self.calls % 2 else drafts
+
+    _, _, built = fused
+    record = Recorder()
+    runs = []
+    for drafting in (record, None):
+        dec, tok = open_artifact(built, verify=False)
+        assert drafting_by_default(dec.backend)[0] and not dec.backend.verifies_after_turnover
+        drafting = drafting or Replay(record.stream)
+        d = Dialogue(dec, tok, max_new_tokens=10, drafting=drafting)
+        got, late = [], 0
+        for i in range(16):
+            full = dec.cache.window_fill == dec.layout.window
+            r = d.ask("the road ahead, the road ahead?", image=picture(40 + i % 5, 32, seed=i) if i % 4 == 0 else None)
+            got.append(r.reply)
+            late += r.drafted_tokens if full else 0
+        assert dec.cache.evicted > dec.layout.window and dec.cache.frames == 4
+        runs.append((got, drafting.drafted, drafting.accepted, late))
+    (plain, *_), replay = runs
+    assert replay[0] == plain
+    assert replay[1] > 0 and 0 < replay[2] < replay[1] and replay[3] == 0
