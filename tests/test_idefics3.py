@@ -376,8 +376,7 @@ def test_images_reach_an_idefics3_artifact_through_serve(idefics3, tmp_path):
 
 
 def test_the_cpu_build_scores_a_frame_as_the_export(idefics3, tmp_path):
-    """`cabinlm build --profile cpu`: the exported graph optimized offline (as LLaVA's: the fused
-    decoder takes text models only)."""
+    """`cabinlm build --profile cpu` (an fp32-KV export: the fused decoder, tests/test_fused_vlm.py)."""
     loaded, folder = idefics3
     vlm.check_the_cpu_build_scores_a_frame_as_the_export(loaded, folder, PICTURE, tmp_path)
 
