@@ -64,6 +64,7 @@ from cabinlm.profiles.weights import (  # noqa: F401 - PlanError re-exported: ca
     weight_bytes,
 )
 from cabinlm.engines.qnn_htp.spec import shares_weights, uint8_cache_bytes
+from cabinlm.profiles import htp_estimate
 
 
 def activation_bytes(spec: ModelSpec, layout: CacheLayout) -> int:
@@ -134,6 +135,11 @@ class Plan:
     htp_binary_bytes: int = 0
     htp_process_bytes: int = 0
     htp_process_limit_bytes: int = 0
+    # HTP profiles: the decode speed ESTIMATE (profiles/htp_estimate.py: bytes a decode step reads at a
+    # bandwidth calibrated on Qualcomm's published figures; not measured), and its one-line account.
+    htp_step_bytes: int = 0
+    htp_tokens_per_s_estimate: float = 0.0
+    htp_estimate: str = ""
     # ONNX Runtime CPU profiles only: the build kind planned for (held_weights; "" elsewhere), the layout
     # its weights are held in, and the tokenizer's memory (a row of its own; 0 elsewhere, where the
     # profile's runtime_overhead_bytes covers it).
@@ -262,6 +268,7 @@ def plan(
         total = fixed + kv_total + act + head_copy
         process = binary_bytes + kv_total + act if htp else 0
         limit = profile.htp_process_limit_bytes or 0
+        guess = htp_estimate.estimate(spec, fmt, layout, profile.htp_arch) if htp else None
         return Plan(
             profile=profile.name, model=spec.source or spec.architecture, kv=kv.value,
             weight_dtype=fmt.value, sink=sink, pinned=pinned, window=w, chunk=chunk,
@@ -274,6 +281,9 @@ def plan(
             htp_process_bytes=process, htp_process_limit_bytes=limit, build=kind or "",
             weights_layout=held.layout if kind else "", tokenizer_bytes=tokenizer,
             seat_batches=batches, together_bytes=head_copy, batch_bytes=batch,
+            htp_step_bytes=guess.step_bytes if guess else 0,
+            htp_tokens_per_s_estimate=round(guess.tokens_per_s, 1) if guess else 0.0,
+            htp_estimate=guess.line() if guess else "",
         )  # fmt: skip
 
     if window is not None:
@@ -358,6 +368,8 @@ def format_plan(p: Plan) -> str:
         lines.append(f"seats decoding together (graphs for {', '.join(map(str, p.seat_batches))} seats) add up to "
                      f"{p.batch_bytes / MIB:.1f} MiB while they do (the largest batch's activations and an idle "
                      "seat), beside each seat's own KV and activations; `--seats` counts them against memory")
+    if p.htp_estimate:
+        lines.append(p.htp_estimate)
     verdict = "fits" if p.fits else "does NOT fit"
     lines.append(f"{verdict}: window {p.window}, headroom {p.headroom_bytes / MIB:.1f} MiB")
     return "\n".join(lines)
