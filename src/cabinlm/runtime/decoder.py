@@ -43,12 +43,10 @@ class Decoder:
         # runs them itself, with other seats' steps, through Decoder._step / step_seats. None: here.
         self.together = None
         if _vision is None and self.manifest.vision is not None:
-            from cabinlm.engines.onnxruntime.session import session_options
-            from cabinlm.runtime.vision import VisionEncoder
+            from cabinlm.runtime.vision import open_encoder
 
-            # The camera-frame encoder runs on ONNX Runtime's CPU provider, with the build's settings.
-            options = session_options(self.manifest.runtime_spec, threads)
-            self.vision = VisionEncoder(self.folder / self.manifest.files["vision_graph"].path, self.manifest.vision, options)
+            # The camera-frame encoder: on the HTP where an HTP build compiled it, else on the CPU provider.
+            self.vision = open_encoder(self.folder, self.manifest, threads)
 
     @property
     def device(self) -> str:

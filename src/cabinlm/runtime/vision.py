@@ -176,12 +176,31 @@ def patchify(image: np.ndarray, spec: VisionSpec) -> np.ndarray:
 
 
 class VisionEncoder:
-    """The vision graph on ONNX Runtime: one fixed-size image in, (image_tokens, embed_dim) out."""
+    """The vision graph on ONNX Runtime: one fixed-size image in, (image_tokens, embed_dim) out.
+    session: an open session over the tower (an HTP build's context binary: device "qnn-htp");
+    None: the graph on the CPU provider."""
 
-    def __init__(self, graph: Path, spec: VisionSpec, options: ort.SessionOptions):
-        self.spec = spec
-        self.session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
+    def __init__(self, graph: Path | None, spec: VisionSpec, options: ort.SessionOptions | None, session=None,
+                 device: str = "cpu"):  # fmt: skip
+        self.spec, self.device = spec, device
+        self.session = session or ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
 
     def encode(self, image) -> np.ndarray:
         pixels = preprocess(load_image(image), self.spec)
         return self.session.run(None, {"pixel_values": pixels})[0]
+
+
+def open_encoder(folder: Path, manifest, threads: int | None = None) -> VisionEncoder:
+    """The artifact's camera encoder: the tower's HTP context binary where an HTP build compiled it
+    (files "vision_context"; engines/qnn_htp/vision_build.py), otherwise the vision graph on ONNX
+    Runtime's CPU provider with the build's settings."""
+    from cabinlm.engines.onnxruntime.session import session_options
+
+    if "vision_context" in manifest.files:  # CPU fallback off: the tower runs on the HTP or not at all
+        from cabinlm.engines.qnn_htp import plugin
+
+        path = folder / manifest.files["vision_context"].path
+        return VisionEncoder(None, manifest.vision, None, plugin.open_context_session(path, manifest.runtime_spec.provider,
+                                                                                      share=False), "qnn-htp")  # fmt: skip
+    options = session_options(manifest.runtime_spec, threads)
+    return VisionEncoder(folder / manifest.files["vision_graph"].path, manifest.vision, options)

@@ -32,6 +32,8 @@ from cabinlm.engines.onnxruntime.offline import fix_tokens, read_graph
 from cabinlm.engines.output import BuildOutput
 from cabinlm.engines.qnn_htp import plugin as qnn_plugin
 from cabinlm.engines.qnn_htp.graph import KV_ZERO_POINT, htp_ready, per_tensor_kv_scales, uint8_kv
+from cabinlm.engines.qnn_htp.qdq import a16_graph, a16_refusal
+from cabinlm.engines.qnn_htp.vision_build import place_vision
 from cabinlm.engines.qnn_htp.spec import QNN_PROVIDER, SIMULATOR, QnnSettings, shares_weights
 from cabinlm.engines.registry import BackendKind
 from cabinlm.manifest import Manifest
@@ -152,6 +154,8 @@ class QnnBuilder(Builder):
         if kv not in ("fp16", "int8"):
             return (f"it holds {kv} KV; the HTP builds take fp16 KV, or int8 KV (compiled as a uint8 cache with one "
                     f"scale per tensor): re-export with --kv fp16 or --kv int8")  # fmt: skip
+        if request.activations == "a16":
+            return a16_refusal(request.profile, kv)
         return None
 
     def build(self, request: BuildRequest, output: BuildOutput) -> BuildSpec:
@@ -165,16 +169,25 @@ class QnnBuilder(Builder):
             old.unlink()
         lay = manifest.cache
         t0 = time.perf_counter()
-        model = read_graph(artifact, manifest)
-        rewrites = htp_ready(model)
-        log(f"made the graph HTP-ready: {rewrites['rms_norms']} RMSNorms fused (fp16-safe), "
-            f"{rewrites['matmul_4bit']} 4-bit and {rewrites['matmul_8bit']} 8-bit weight matrices as MatMulNBits"
-            + (", the token table as a float gather" if rewrites["float_embedding"] else ""))  # fmt: skip
-        kv_scales: dict[str, float] = {}
-        if lay.quantized:  # int8 KV (check): the uint8 cache, one calibrated scale per tensor (graph.uint8_kv)
-            kv_scales = per_tensor_kv_scales(manifest.kv_scales.array("keys"), manifest.kv_scales.array("values"), lay.layers)
-            uint8_kv(model, kv_scales)
-            log(f"the KV cache as uint8 (zero point {KV_ZERO_POINT}, one calibrated scale per tensor, the same in and out)")
+        # a vision-language model's camera encoder: its own context binary, or vision.onnx on the CPU (the reason recorded)
+        vision = place_vision(output, profile, log) if manifest.vision is not None else {}
+        if request.activations == "a16":  # the calibrated 16-bit QDQ graph (qdq.py), its uint8 cache tied as uint8_kv's
+            with tempfile.TemporaryDirectory(prefix="cabinlm-a16-") as work:
+                model, rewrites, kv_scales, calibration = a16_graph(artifact, manifest, request.calib, Path(work), log)
+            output.quality["activation_calibration"] = calibration
+            log(f"the graph with 16-bit activations: {rewrites['float_weights']} weight matrices as int8 per channel, the "
+                f"KV cache as uint8 (zero point {KV_ZERO_POINT}, one scale per tensor, the same in and out)")  # fmt: skip
+        else:
+            model = read_graph(artifact, manifest)
+            rewrites = htp_ready(model)
+            log(f"made the graph HTP-ready: {rewrites['rms_norms']} RMSNorms fused (fp16-safe), "
+                f"{rewrites['matmul_4bit']} 4-bit and {rewrites['matmul_8bit']} 8-bit weight matrices as MatMulNBits"
+                + (", the token table as a float gather" if rewrites["float_embedding"] else ""))  # fmt: skip
+            kv_scales = {}
+            if lay.quantized:  # int8 KV (check): the uint8 cache, one calibrated scale per tensor (graph.uint8_kv)
+                kv_scales = per_tensor_kv_scales(manifest.kv_scales.array("keys"), manifest.kv_scales.array("values"), lay.layers)
+                uint8_kv(model, kv_scales)
+                log(f"the KV cache as uint8 (zero point {KV_ZERO_POINT}, one calibrated scale per tensor, the same in and out)")
         share = shares_weights(profile.htp_arch)
         with tempfile.TemporaryDirectory(prefix="cabinlm-htp-") as tmp:
             sources = []
@@ -204,19 +217,19 @@ class QnnBuilder(Builder):
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         binaries = [p for r, p in files.items() if r.startswith("context_binary")]
         sdk = _binary_of(out / files["graph"])[1]
-        weights = "fp16" if not (rewrites["matmul_4bit"] or rewrites["matmul_8bit"]) else (
+        a16 = request.activations == "a16"
+        weights = "int8" if a16 else "fp16" if not (rewrites["matmul_4bit"] or rewrites["matmul_8bit"]) else (
             "int4" if rewrites["matmul_4bit"] else "int8")  # fmt: skip
         settings = QnnSettings(
             qairt_version=sdk.removeprefix("v"), soc_model=profile.soc_model, htp_arch=profile.htp_arch,
-            chip=profile.chip, activations="fp16", weights=weights, weight_sharing=share,
+            chip=profile.chip, activations="int16" if a16 else "fp16", weights=weights, weight_sharing=share,
             binaries=tuple(binaries), compile_seconds=compile_seconds, peak_host_bytes=int(peak),
             rewrites=dict(rewrites), check=check, kv_cache="uint8" if kv_scales else "fp16", kv_scales=kv_scales,
+            vision=vision,
         )  # fmt: skip
         for role, name in files.items():
             output.add(role, name)
         output.copy("tokenizer")
-        # a vision-language model's camera encoder runs as exported, on the CPU (ONNX Runtime), beside the HTP decoder
-        output.copy_if_present("vision_graph", "vision_data")
         sizes = {b: (out / b).stat().st_size for b in binaries}
         car = [files[r] for r in files if r.startswith("context_binary") and not r.endswith(SIMULATOR)]
         output.quality.update(seconds=compile_seconds, binary_bytes=sizes)

@@ -26,7 +26,7 @@ QNN_PROVIDER = "QNNExecutionProvider"
 # Manifest roles ending in SIMULATOR ("graph_simulator", "context_binary_simulator", ...) are the
 # unshared twin a weight-sharing build carries for Qualcomm's x86 simulator.
 SIMULATOR = "_simulator"
-PRECISIONS = ("fp16", "int8", "int4")
+PRECISIONS = ("fp16", "int16", "int8", "int4")  # int16: --activations a16 (engines/qnn_htp/qdq.py)
 KV_CACHES = ("fp16", "uint8")
 WEIGHT_SHARING_MIN_ARCH = 73  # QNN shares weights between the graphs of one context from HTP v73 on
 
@@ -67,6 +67,9 @@ class QnnSettings:
     check: dict[str, Any] = field(default_factory=dict)
     kv_cache: str = "fp16"  # KV_CACHES
     kv_scales: dict[str, float] = field(default_factory=dict)  # uint8: cache input name -> its scale (tied)
+    # a vision-language build's camera encoder: {"runs_on": "htp", "binary": ..., "check": ...} or
+    # {"runs_on": "cpu", "reason": ...} (engines/qnn_htp/vision_build.py); {} for a text model
+    vision: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "binaries", tuple(self.binaries))
@@ -94,6 +97,8 @@ class QnnSettings:
             raise ValueError("build.qnn.kv_scales: expected {cache tensor: positive scale}")
         if (self.kv_cache == "uint8") != bool(self.kv_scales):
             raise ValueError("build.qnn.kv_scales: a uint8 cache has one scale per cache tensor, an fp16 cache none")
+        if not isinstance(self.vision, dict) or (self.vision and self.vision.get("runs_on") not in ("htp", "cpu")):
+            raise ValueError(f"build.qnn.vision: expected {{}} or {{\"runs_on\": \"htp\" or \"cpu\", ...}}, got {self.vision!r}")
         if not isinstance(self.rewrites, dict) or not isinstance(self.check, dict):
             raise ValueError("build.qnn.rewrites and build.qnn.check: expected objects")
 
