@@ -107,7 +107,7 @@ def test_a_session_saved_with_its_frame_resumes_on_the_fused_build(fused, tmp_pa
 
 
 def test_a_cache_saved_between_frames_resumes_with_the_old_frame_known(fused):
-    """The fused backend's `frame` buffer (what the last commit left in the image region) travels with
+    """The fused backend's `frame` buffer (frames.FrameKeys: what the last commit left in the image region) travels with
     the cache buffers, as a session file carries them: a second decoder given the first's slot state
     and buffers right after begin_frame (the old frame already out of the slot table) turns the same
     window keys back and gives the same logits from there on, bit for bit."""
@@ -132,7 +132,7 @@ def test_a_cache_saved_between_frames_resumes_with_the_old_frame_known(fused):
         for name, buf in dec.backend.buffers().items():
             d.backend.buffers()[name][...] = buf
         d.backend.restored()
-    lost.backend.frame[:] = (-1, -1, 0)  # a cache restored without it: the old frame unknown
+    lost.backend.frames.frame[:] = (-1, -1, 0)  # a cache restored without it: the old frame unknown
     got = [frame(d, frames[1]) for d in (dec, resumed, lost)]
     np.testing.assert_array_equal(got[1], got[0])
     for chunk in (text[100:101], text[101:117], text[117:118]):

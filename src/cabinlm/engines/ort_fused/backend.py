@@ -16,15 +16,11 @@ Buffers (allocated once per dialogue):
 
 Int8 KV has static per-channel scales (the manifest's kv_scales), held by the graph: no scale buffers.
 
-Camera frames (a LLaVA-style or Idefics3 decoder, fp32 KV, GroupQueryAttention; graph.ineligible). A
-frame's chunk hands the graph its image_embeds (the token rows replaced, as exported). The frame's
-keys are kept un-rotated in key_source and re-written at rank + E before each step, as the pinned
-ones are (RotatedKeys.refresh): a frame's rank moves with the evictions of window tokens older than
-it only. A new frame (SlotTable.begin_frame) takes the old one's I tokens out of the cache with no
-eviction: every window token fed after the old frame drops I ranks while E stays, so its key, rotated
-at rank + E when written, is turned back by I positions here (float32 keys, rotated in float64:
-_follow_frames); the tokens before the old frame keep theirs. The old frame is what the last commit
-left in the image region (`frame`, one of buffers(): a session file carries it).
+Camera frames (a vision-language decoder, fp32 KV, GroupQueryAttention; graph.ineligible). A frame's
+chunk hands the graph its image_embeds (the token rows replaced, as exported). The frame's keys are
+kept un-rotated in key_source and re-written at their positions + E before each step, as the pinned
+ones are (RotatedKeys.refresh); a new frame turns the window keys it moved (frames.FrameKeys, whose
+buffers a session file carries).
 """
 
 from __future__ import annotations
@@ -42,6 +38,7 @@ from cabinlm.manifest import Manifest
 from cabinlm.engines.backend import Backend, BackendError, StepOutput
 from cabinlm.engines.onnxruntime.binding import Binding, ortvalue
 from cabinlm.engines.onnxruntime.session import check_io, mapped_weights, open_session, session_options
+from cabinlm.engines.ort_fused.frames import FrameKeys
 from cabinlm.engines.ort_fused.rotated import RingTables, RotatedKeys
 from cabinlm.engines.ort_fused.seats import run_batched
 from cabinlm.engines.ort_fused.spec import FusedSettings
@@ -123,7 +120,10 @@ class FusedBackend(Backend):
         self.values = np.zeros((L, H, N + lay.chunk, D), dtype=dtype)
         self.key_source = np.zeros((L, H, lay.sink + lay.pinned + lay.image, D), dtype=np.float32)
         scales = m.kv_scales.array("rotated_keys")[list(lay.global_layers)] if lay.quantized else None
-        self.rotated = RotatedKeys(lay, self.keys, self.key_source, m.rotary.inv_freq, m.rotary.scale, scales, graphs.rotate)
+        v = m.vision
+        mrope = (v.image_tokens, tuple(v.grid), tuple(v.mrope_section)) if v is not None and v.mrope else None
+        self.rotated = RotatedKeys(lay, self.keys, self.key_source, m.rotary.inv_freq, m.rotary.scale, scales, graphs.rotate,
+                                   mrope)  # fmt: skip
         self.local_keys = self.local_values = self.ring = None
         if lay.local_layers:
             Ll, _, R, _ = lay.local_buffer_shape
@@ -137,9 +137,7 @@ class FusedBackend(Backend):
             self._no_embeds = np.zeros((lay.chunk, self.embed_dim), dtype=np.float32)
             self._no_image = np.zeros((lay.chunk, 1), dtype=bool)
             self._all_image = np.ones((lay.chunk, 1), dtype=bool)
-        # the image region as the last commit left it: frames started, its newest stream index, its tokens
-        # ([-1, -1, 0]: none yet); one of buffers(), so a session file carries it (_follow_frames)
-        self.frame = np.array([-1, -1, 0], dtype=np.int64)
+        self.frames = FrameKeys(lay, self.keys, self.rotated) if self.embed_dim else None
         # cabinlm's attention kernel rotating the sink / pinned keys itself, per row (io_spec
         # fused_decoder_io(steps=True)): no refresh of their cache rows, and chunks may run as steps
         names = {t.name for t in m.io.inputs}
@@ -168,8 +166,8 @@ class FusedBackend(Backend):
         out = {"keys": self.keys, "values": self.values, "key_source": self.key_source}
         if self.local_keys is not None:
             out.update(local_keys=self.local_keys, local_values=self.local_values)
-        if self.embed_dim:
-            out["frame"] = self.frame
+        if self.frames is not None:
+            out.update(self.frames.buffers())
         return out
 
     def _layer_buffers(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
@@ -181,7 +179,8 @@ class FusedBackend(Backend):
 
     def reset(self) -> None:
         self.rotated.forget()
-        self.frame[:] = (-1, -1, 0)
+        if self.frames is not None:
+            self.frames.reset()
 
     def restored(self) -> None:
         self.rotated.forget()
@@ -274,8 +273,8 @@ class FusedBackend(Backend):
         into rows F..F+n-1: empty slots or scratch rows, never a cached token's."""
         if embeds is not None and not self.embed_dim:
             raise ValueError("this model has no vision input")
-        if self.embed_dim:
-            self._follow_frames(plan)
+        if self.frames is not None:
+            self.frames.follow(plan)
         if not self.steps:
             self.rotated.refresh(plan)
         self.rotated.chunk_tables(plan)
@@ -388,34 +387,6 @@ class FusedBackend(Backend):
         self.rotated.ahead_done()
         return StepOutput(outs[0], (F, outs[1:]))
 
-    def _follow_frames(self, plan: StepPlan) -> None:
-        """A new frame since the last commit (module docstring, "Camera frames"): turn the keys of the
-        window tokens fed after the old frame back by its I tokens, in float64 (sin / cos of -I
-        positions; a rotation keeps the RoPE type's factor), so every window key stays at rank + E."""
-        frames, newest, count = (int(x) for x in self.frame)
-        if frames < 0 or frames == plan.frames or count == 0:
-            return
-        lay = self.layout
-        st = plan.slot_token
-        window = lay.window_start + np.flatnonzero(st[lay.window_start : lay.slots] > newest)
-        if len(window):
-            angles = -count * self.rotated.inv_freq  # (head_dim / 2,)
-            cos, sin = np.cos(angles), np.sin(angles)
-            k = self.keys[:, :, window].astype(np.float64)
-            half = lay.head_dim // 2
-            a, b = k[..., :half], k[..., half:]
-            self.keys[:, :, window] = np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(self.keys.dtype)
-        self.frame[:] = (plan.frames, -1, 0)
-
-    def _note_frame(self, plan: StepPlan) -> None:
-        """The image region as this commit leaves it: the frame _follow_frames takes out when the next one starts."""
-        lay = self.layout
-        region = plan.slot_token[lay.image_start : lay.window_start].copy()
-        inside = (plan.slots >= lay.image_start) & (plan.slots < lay.window_start)
-        region[plan.slots[inside] - lay.image_start] = plan.seen + np.flatnonzero(inside)
-        held = region[region >= 0]
-        self.frame[:] = (plan.frames, int(held.max()) if len(held) else -1, len(held))
-
     @property
     def seat_batches(self) -> tuple[int, ...]:
         return tuple(self.graphs.seats)
@@ -430,8 +401,8 @@ class FusedBackend(Backend):
         kernel's rows of the others stay in empty slots or scratch rows, masked and never read."""
         start, qkv = out.new
         lay = self.layout
-        if self.embed_dim:
-            self._note_frame(plan)
+        if self.frames is not None:
+            self.frames.note(plan)
         self.rotated.keep_sources(plan, [qkv[i] for i in lay.global_layers] if lay.local_layers else qkv, self._heads)
         if self.local_keys is not None:  # the ring's rows F_l.. into slots seen mod R
             _move(self.local_keys, self.local_values, plan.local_cached, plan.local_slots)

@@ -72,9 +72,6 @@ def ineligible(manifest: Manifest) -> str | None:
     """Why this export cannot take the fused attention (None: it can)."""
     lay = manifest.cache
     vision = manifest.vision
-    if vision is not None and vision.mrope:
-        return ("multimodal RoPE (Qwen2-VL): the rotated cache's bookkeeping (runtime/rotated.py: one position per key, "
-                "the window's offset E) does not yet carry three components, nor the frame's grid offsets when frames change")
     if vision is not None and lay.kv_dtype != KVDType.FP32:
         return (f"a vision-language model with {lay.kv_dtype.value} KV: a new camera frame lowers the ranks of the window "
                 "tokens fed after the old one with no eviction, so their rotated keys must turn again, which would "
@@ -390,13 +387,11 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
                 ins += [io_spec.KEY_SOURCE, no_rows, no_rows, b.const(np.array([0], np.int64)), io_spec.LOCAL_ROW_SLOTS]
             if not seats:
                 att = b.op(kernels.ATTENTION_OP, *ins, domain=kernels.DOMAIN, hint=f"{p}/attention")
-            else:  # each seat's rows over its own cache, rotation rows, bias, lengths and slots; weights shared
+            else:  # one node: each seat's rows over its own cache, rotation rows, bias, lengths and slots
                 per_seat = set(ins[1:]) & {t.name for t in seat_inputs}
-                rows = b.op("Split", q_in, io_spec.SEAT_TOKENS, outputs=seats, axis=1, hint=f"{p}/seat_rows")
-                att = b.op("Concat", *[b.op(kernels.ATTENTION_OP, rows[s], *[io_spec.seat_name(n, s) if n in per_seat else n
-                                                                             for n in ins[1:]],
-                                            domain=kernels.DOMAIN, hint=f"{p}/attention.seat{s}") for s in range(seats)],
-                           axis=1, hint=f"{p}/seats")  # fmt: skip
+                att = b.op(kernels.SEATS_ATTENTION_OP, q_in, io_spec.SEAT_TOKENS, *[io_spec.seat_name(n, s) if n in per_seat else n
+                                                               for s in range(seats) for n in ins[1:]],
+                           domain=kernels.DOMAIN, hint=f"{p}/attention.seats")  # fmt: skip
         else:
             gqa_in = [qkv, "", "", mf.key_cache_name(i), mf.value_cache_name(i), *lengths, ""]
             attrs = dict(num_heads=H, kv_num_heads=Hkv, scale=float(spec.softmax_scale), do_rotary=1, rotary_interleaved=0,

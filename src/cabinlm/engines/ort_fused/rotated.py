@@ -36,9 +36,14 @@ if TYPE_CHECKING:  # the runtime's bookkeeping: annotations only
     from cabinlm.runtime.slots import StepPlan
 
 
-def rotation_tables(positions: np.ndarray, inv_freq: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos / sin (float64, times the RoPE type's factor) of `positions`: (len(positions), head_dim / 2)."""
-    angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]
+def rotation_tables(positions: np.ndarray, inv_freq: np.ndarray, scale: float,
+                    owner: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """cos / sin (float64, times the RoPE type's factor) of `positions`: (n, head_dim / 2). positions
+    (n,), or (3, n) under multimodal RoPE, where frequency pair j turns with component owner[j]."""
+    if owner is None:
+        angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]
+    else:
+        angles = positions[owner].astype(np.float64).T * inv_freq[None, :]
     return np.cos(angles) * scale, np.sin(angles) * scale
 
 
@@ -48,7 +53,7 @@ class RotatedKeys:
     AHEAD = 256  # positions of cos / sin computed at once for decode steps (see _run)
 
     def __init__(self, layout: CacheLayout, keys: np.ndarray, key_source: np.ndarray, inv_freq, rope_scale: float,
-                 key_scales=None, session=None):
+                 key_scales=None, session=None, mrope: tuple | None = None):
         """Every fact of the slot table a step needs comes with its plan (StepPlan: E, the fills, the
         slot table as it stood): this class holds no table.
 
@@ -56,8 +61,12 @@ class RotatedKeys:
         pinned rows this class writes; key_source: (layers, kv_heads, sink + pinned, head_dim) float32
         un-rotated copies of those keys. session: the build's rotation graph
         (engines/ort_fused/graph.py's rotation model), an ONNX Runtime session; without one the refresh runs
-        in numpy (the same arithmetic)."""
+        in numpy (the same arithmetic). mrope: (frame tokens, grid, mrope_section) of a multimodal-RoPE
+        model (StepPlan.mrope_positions): every position then has three components."""
         lay = layout
+        self.mrope = mrope
+        self.owner = None if mrope is None else np.repeat(np.arange(3), mrope[2])  # each pair's component
+        self._positions_of: tuple | None = None  # (plan, its mrope_positions): computed once per plan
         self.layout = layout
         self.keys = keys
         self.key_source = key_source
@@ -113,7 +122,13 @@ class RotatedKeys:
         self._slots = slots
 
     def _tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return rotation_tables(positions, self.inv_freq, self.rope_scale)
+        return rotation_tables(positions, self.inv_freq, self.rope_scale, self.owner)
+
+    def mrope_positions(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
+        """plan.mrope_positions (the chunk's (3, tokens), the slots' (3, slots)), once per plan."""
+        if self._positions_of is None or self._positions_of[0] is not plan:
+            self._positions_of = (plan, plan.mrope_positions(self.mrope[0], self.mrope[1]))
+        return self._positions_of[1]
 
     def _run(self, which: int, start: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
         """cos / sin (float32) of positions start .. start + rows - 1, cut from a table of the next
@@ -130,7 +145,9 @@ class RotatedKeys:
         """The chunk's virtual positions L + i + E into rows 0..n-1 of the cos / sin inputs (the rows
         the graph's position_ids name). Rows as steps: each row's rank and E at its step, the same sums."""
         n = len(plan.slots)
-        if n == 1:
+        if self.mrope is not None:  # three components per token (GroupQueryAttention builds: no steps)
+            cos, sin = self._tables(self.mrope_positions(plan)[0] + plan.evicted)
+        elif n == 1:
             cos, sin = self._run(0, int(plan.position_ids[0]) + plan.evicted, 1)
         else:
             cos, sin = self._tables(plan.position_ids + (plan.row_evicted if plan.steps else plan.evicted))
@@ -184,6 +201,9 @@ class RotatedKeys:
         With camera-frame slots among them, their ranks as the plan gives them."""
         lay = self.layout
         st = plan.slot_token
+        if self.mrope is not None:  # (3, K): never the ranks 0..K-1 of one component, no side refresh
+            self._oldest = False
+            return self.mrope_positions(plan)[1][:, slots]
         if plan.image_fill:
             ranks = plan.cache_position_ids[slots]
             self._oldest = bool(np.array_equal(ranks, np.arange(len(slots))))

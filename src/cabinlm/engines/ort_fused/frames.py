@@ -1,0 +1,95 @@
+"""Camera frames on the fused decoder's rotated cache (engines/ort_fused/backend.py; docs/vlm.md,
+"Camera frames on the fused decoder"). fp32 KV only (graph.ineligible): the turns below rotate keys
+already in the cache, which for int8 KV would rotate quantized keys.
+
+The cache holds keys rotated at their positions + E (runtime/rotated.py). The frame's own keys are
+re-written from their un-rotated copy before each step, as the pinned ones are (RotatedKeys.refresh).
+What moves the window keys is a new frame (SlotTable.begin_frame): it takes the old frame's tokens in
+the image region out of the cache with no eviction, so E stays while
+
+  * ranks of one component (LLaVA-style, Idefics3): every window token fed after the old frame drops
+    I ranks (I: the old frame's tokens in the image region); the tokens before it keep theirs;
+  * multimodal RoPE (Qwen2-VL): the three positions of the window tokens after the old frame move by
+    what both frames' grids make of them (the old frame's I tokens and its I - max(rows, cols) offset
+    leave). Each window slot's positions + E as its key was rotated (`baked`) are compared with the
+    rule's, and the keys that moved are turned by the difference, pair j by its component's.
+
+`frame` (frames started, the newest stream index and the count of the image region's tokens, as the
+last commit left them) and `baked` are buffers a session file carries with the cache.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from cabinlm.engines.ort_fused.rotated import RotatedKeys
+from cabinlm.layout import CacheLayout
+
+if TYPE_CHECKING:
+    from cabinlm.runtime.slots import StepPlan
+
+
+def turn(keys: np.ndarray, slots: np.ndarray, angles: np.ndarray, half: int) -> None:
+    """Rotate keys[:, :, slots] (rotate-half layout) by `angles` ((head_dim / 2,) or (len(slots),
+    head_dim / 2)) in float64, in place: a rotation keeps the RoPE type's factor the keys carry."""
+    cos, sin = np.cos(angles), np.sin(angles)
+    k = keys[:, :, slots].astype(np.float64)
+    a, b = k[..., :half], k[..., half:]
+    keys[:, :, slots] = np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(keys.dtype)
+
+
+class FrameKeys:
+    """The window keys' turns when a frame replaces another (module docstring)."""
+
+    def __init__(self, layout: CacheLayout, keys: np.ndarray, rotated: RotatedKeys):
+        self.layout = layout
+        self.keys = keys
+        self.rotated = rotated
+        self.frame = np.array([-1, -1, 0], dtype=np.int64)  # [-1, -1, 0]: no commit yet
+        self.baked = np.full((layout.slots, 3), -1, dtype=np.int64) if rotated.mrope is not None else None
+
+    def buffers(self) -> dict[str, np.ndarray]:
+        return {"frame": self.frame} if self.baked is None else {"frame": self.frame, "baked": self.baked}
+
+    def reset(self) -> None:
+        self.frame[:] = (-1, -1, 0)
+        if self.baked is not None:
+            self.baked[:] = -1
+
+    def follow(self, plan: StepPlan) -> None:
+        """Before a step: if a frame was begun since the last commit, turn the window keys it moved."""
+        frames, newest, count = (int(x) for x in self.frame)
+        if frames < 0 or frames == plan.frames:
+            return
+        lay = self.layout
+        window = lay.window_start + np.flatnonzero(plan.slot_token[lay.window_start : lay.slots] >= 0)
+        half = lay.head_dim // 2
+        if self.baked is None:  # ranks: the tokens after the old frame, back by its count
+            after = window[plan.slot_token[window] > newest] if count else window[:0]
+            if len(after):
+                turn(self.keys, after, -count * self.rotated.inv_freq, half)
+        elif len(window):
+            want = self.rotated.mrope_positions(plan)[1][:, window].T + plan.evicted  # (n, 3)
+            moved = np.flatnonzero((want != self.baked[window]).any(axis=1))
+            if len(moved):
+                slots = window[moved]
+                delta = (want[moved] - self.baked[slots])[:, self.rotated.owner]  # (n, head_dim / 2)
+                turn(self.keys, slots, delta * self.rotated.inv_freq[None, :], half)
+                self.baked[slots] = want[moved]
+        self.frame[:] = (plan.frames, -1, 0)
+
+    def note(self, plan: StepPlan) -> None:
+        """At commit: the image region as this chunk leaves it, and (multimodal RoPE) the positions + E
+        its window keys were rotated at."""
+        lay = self.layout
+        region = plan.slot_token[lay.image_start : lay.window_start].copy()
+        inside = (plan.slots >= lay.image_start) & (plan.slots < lay.window_start)
+        region[plan.slots[inside] - lay.image_start] = plan.seen + np.flatnonzero(inside)
+        held = region[region >= 0]
+        self.frame[:] = (plan.frames, int(held.max()) if len(held) else -1, len(held))
+        if self.baked is not None:
+            window = plan.slots >= lay.window_start
+            if window.any():
+                self.baked[plan.slots[window]] = self.rotated.mrope_positions(plan)[0][:, window].T + plan.evicted
