@@ -43,9 +43,10 @@ re-written. F_l = min(seen, R) slots are in use; a chunk lands in rows F_l.. (em
 ring fills, scratch rows after) and the runtime moves it into ring slots seen mod R.
 
 Eligible: a text model (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3), int8 or fp32 KV, dynamic shapes
-(the cpu profile); the text decoder of a LLaVA-style or Idefics3 / SmolVLM model with fp32 KV (a frame's
-image_embeds replace the token rows, as exported; its keys are kept un-rotated and re-rotated as the
-pinned ones are; engines/ort_fused/backend.py, "Camera frames"). Anything else keeps the exported graph (engines/ort_fused/builder.py says which
+(the cpu profile); the text decoder of a LLaVA-style, Idefics3 / SmolVLM or Qwen2-VL / 2.5-VL model
+with fp32 KV (a frame's image_embeds replace the token rows, as exported; its keys are kept un-rotated
+and re-rotated as the pinned ones are; M-RoPE through the runtime's cos / sin rows; a new frame turns
+the window keys it moved: engines/ort_fused/frames.py). Anything else keeps the exported graph (engines/ort_fused/builder.py says which
 and why).
 """
 
