@@ -1,6 +1,6 @@
 """onnxruntime-graph builds: the exported graph, its cached keys' rotation as ONNX Runtime's
 RotaryEmbedding kernel, ONNX Runtime's provider-independent fusions done offline. What a cpu build
-becomes where the fused decoder does not apply (fp16 / fp8 KV, int8-KV vision-language models, M-RoPE) or
+becomes where the fused decoder does not apply (fp16 / fp8 KV, int8-KV vision-language models) or
 `--attention graph` asks for it."""
 
 from __future__ import annotations
