@@ -52,6 +52,12 @@ def build(
         "kernel, reading the 4-bit codes and minimums as exported (half the bytes of --minimums int8, none of the "
         "rounding; compiled here like the attention kernel, fast where the profile's CPU has AVX-512 VNNI); "
         "'onnxruntime' keeps MatMulNBits (as --minimums says); 'auto' takes cabinlm's where that CPU has AVX-512 VNNI."),
+    activations: str = typer.Option(
+        "fp16", help="Snapdragon HTP builds: 'fp16' computes the float graph in fp16; 'a16' compiles a calibrated QDQ "
+        "graph with 16-bit integer activations, int8 per-channel weights and the uint8 KV cache (needs an --kv int8 "
+        "export; HTP v73: sa8775p). docs/architecture.md \"16-bit activations on the HTP\"."),
+    calib: Optional[Path] = typer.Option(None, help="--activations a16: calibration text (UTF-8, at least 256 tokens) "
+                                         "[default: the built-in prose + in-car dialogue mix, as export's --calib]."),
 ) -> None:
     """Build an exported artifact for a device: the cpu profile gets the decoder fused and optimized
     offline; Snapdragon targets (sa8295p, sa8775p) get the prefill and decode graphs compiled by
@@ -69,7 +75,7 @@ def build(
             device = (device or load_profile("cpu")).cpu_engine()
         path = build_artifact(artifact, device, out, log=info, attention=attention,
                               accuracy_level=accuracy_level, minimums=minimums, attention_kernel=attention_kernel,
-                              matmul_kernel=matmul_kernel)  # fmt: skip
+                              matmul_kernel=matmul_kernel, activations=activations, calib=calib)  # fmt: skip
     except TensorRTUnavailable as e:
         if e.details:  # the compatibility report
             info(e.details)

@@ -70,7 +70,8 @@ def build_artifact(artifact: str | Path, profile: DeviceProfile | None, out: str
                    log: Callable[[str], None] = lambda s: None, attention: Attention | str = Attention.AUTO,
                    accuracy_level: int = 4, minimums: Minimums | str = Minimums.INT8,
                    attention_kernel: AttentionKernel | str = AttentionKernel.AUTO,
-                   matmul_kernel: MatmulKernel | str = MatmulKernel.AUTO) -> Path:
+                   matmul_kernel: MatmulKernel | str = MatmulKernel.AUTO, activations: str = "fp16",
+                   calib: str | Path | None = None) -> Path:
     """Build `artifact` for `profile` (None: cpu) into `out` (default: beside it, ARTIFACT-build-PROFILE).
     A TensorRT bundle (`artifact` made by a tensorrt profile's build) gets its engine built, in place
     unless `out` is given; its profile is the one it was made for.
@@ -78,7 +79,8 @@ def build_artifact(artifact: str | Path, profile: DeviceProfile | None, out: str
     cpu builds: attention "auto" fuses the decoder (engines/ort_fused) where the artifact allows and
     keeps the exported graph otherwise; "fused" insists; "graph" keeps the export. accuracy_level:
     the fused build's MatMulNBits activations (4: int8, as llama.cpp; 0: float32). minimums: how the
-    fused build runs GGUF Q4_1 blocks. attention_kernel, matmul_kernel: the fused build's kernels."""
+    fused build runs GGUF Q4_1 blocks. attention_kernel, matmul_kernel: the fused build's kernels.
+    activations, calib: HTP builds' activations ("fp16"; "a16": 16-bit integer, calibrated on calib)."""
     options = CpuBuildOptions(attention=attention, accuracy_level=accuracy_level, minimums=minimums,  # type: ignore[arg-type]
                               attention_kernel=attention_kernel, matmul_kernel=matmul_kernel)  # type: ignore[arg-type]
     from cabinlm.manifest import load_manifest
@@ -99,7 +101,12 @@ def build_artifact(artifact: str | Path, profile: DeviceProfile | None, out: str
         raise BuildError(f"{artifact}: graph opset {manifest.opset} is above {profile.name}'s {profile.max_opset}")
     out = Path(out) if out is not None else default_output(artifact, profile.name)
     check_output(artifact, out)  # before any engine's checks; BuildOutput.prepare checks again as it creates the folder
-    request = BuildRequest(artifact, manifest, profile, options, log)
+    if activations not in ("fp16", "a16"):
+        raise BuildError(f"--activations must be fp16 or a16, got {activations!r}")
+    if (activations != "fp16" or calib is not None) and profile.execution_provider != "QNNExecutionProvider":
+        raise BuildError(f"--activations a16 and --calib are for the Snapdragon HTP builds (sa8775p); {profile.name} "
+                         "computes in float")  # fmt: skip
+    request = BuildRequest(artifact, manifest, profile, options, log, activations, Path(calib) if calib else None)
     builder = choose_builder(request)
     t0 = time.perf_counter()
     output = BuildOutput.prepare(artifact, manifest, out)

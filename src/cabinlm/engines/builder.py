@@ -73,6 +73,8 @@ class BuildRequest:
     profile: DeviceProfile
     options: CpuBuildOptions = field(default_factory=CpuBuildOptions)
     log: Callable[[str], None] = lambda s: None
+    activations: str = "fp16"  # HTP builds (--activations): fp16, or a16 (16-bit integer QDQ, engines/qnn_htp/qdq.py)
+    calib: Path | None = None  # a16: the calibration text (None: export/calibration.py's built-in mix)
 
 
 class Builder(abc.ABC):

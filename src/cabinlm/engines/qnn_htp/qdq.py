@@ -1,0 +1,359 @@
+"""16-bit activations on the HTP (`cabinlm build --activations a16`, issue 33): the HTP-ready float
+graph of an int8-KV export made a calibrated QDQ graph, as Qualcomm's own v73 deployments run.
+
+    HTP-ready graph (graph.py: fused RMSNorms, float token table, the uint8 cache of uint8_kv)
+      ─ weight blocks as float matrices (float_weights: exactly the export's dequantized blocks)
+      ─ calibration: the CPU runs the float graph over the calibration text, the runtime's own
+        cache bookkeeping feeding it (calibration_feeds), every activation's range recorded
+      ─ onnxruntime.quantization's QNN QDQ quantizer: activations uint16 (asymmetric, per tensor),
+        weight matrices WEIGHTS_A16 per output channel, the LM head's too
+      ─ the cache I/O stays uint8 (zero point 128, one scale per tensor, tied: graph.uint8_kv)
+
+Invariants: graph inputs and outputs keep their types (the runtime feeds float masks and reads
+float logits; their Quantize / Dequantize run on the HTP, CPU fallback off), so the runtime and its
+buffers are those of the uint8-cache fp16 build; the cache's uint8 codes pass into the 16-bit graph
+through a DequantizeLinear -> QuantizeLinear pair the QNN EP compiles as one conversion.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from cabinlm.engines.builder import BuildError
+from cabinlm.engines.qnn_htp.graph import BLOCK, _consts, _consumers, _values
+
+ACTIVATIONS = ("fp16", "a16")  # --activations: fp16 (the float graph in fp16), a16 (uint16 QDQ)
+WEIGHTS_A16 = "int8"  # what the compiler took beside 16-bit activations (module docstring of tests/test_qnn_a16.py)
+ONE, ZERO, MASK_MIN = "htp/one", "htp/zero", "htp/mask_min"
+MASK_FLOOR = 512.0  # floor_masks
+MAX_CALIB_TOKENS = 512
+DECODE_CALIB_TOKENS = 64  # of them, fed one at a time  # the calibration text's first tokens run through the graph (prefill chunks)
+
+
+A16_MIN_ARCH = 73
+
+
+def a16_refusal(profile, kv: str) -> str | None:
+    """Why this profile / export cannot have --activations a16 (None: it can)."""
+    if profile.htp_arch < A16_MIN_ARCH:
+        # measured: the x86 simulator's v68 compiles the tiny model's a16 graph; what refuses it is
+        # Qualcomm's own support (../shared/research/qnn-integer.md), which the simulator cannot show
+        return (f"--activations a16 is for HTP v{A16_MIN_ARCH}+ (sa8775p); {profile.name} is v{profile.htp_arch}, where "
+                "Qualcomm ships fp16 activations (AI Hub's export refuses w4a16 on SA8295P; 16-bit layer norms and "
+                "matmuls are validated from v73 on): build it with --activations fp16")  # fmt: skip
+    if kv != "int8":
+        return (f"--activations a16 keeps the KV cache 8-bit (uint8, one scale per tensor); this export holds {kv} "
+                "KV: re-export with --kv int8")  # fmt: skip
+    return None
+
+
+def float_weights(model: onnx.ModelProto) -> int:
+    """Every DequantizeLinear(block_size 32, axis 0) of an initializer replaced by the float matrix it
+    computes, w[k, n] = (q[k, n] - z[k // 32, n]) * s[k // 32, n]: the quantizer re-quantizes the
+    matrices per output channel. Returns how many."""
+    g = model.graph
+    consts = _consts(model)
+    count = 0
+    drop: set[str] = set()  # by output name: protobuf wrappers' id()s are reused
+    new: list[onnx.TensorProto] = []
+    for dq in g.node:
+        if dq.op_type != "DequantizeLinear" or dq.input[0] not in consts:
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in dq.attribute}
+        if attrs.get("block_size") != BLOCK or attrs.get("axis", 1) != 0:
+            continue
+        q = _values(consts[dq.input[0]]).astype(np.float32)
+        s = numpy_helper.to_array(consts[dq.input[1]]).astype(np.float32)
+        z = (_values(consts[dq.input[2]]).astype(np.float32) if len(dq.input) > 2 and dq.input[2] else np.zeros_like(s))
+        w = (q - np.repeat(z, BLOCK, axis=0)[: q.shape[0]]) * np.repeat(s, BLOCK, axis=0)[: q.shape[0]]
+        new.append(numpy_helper.from_array(w.astype(np.float32), dq.output[0]))
+        drop.add(dq.output[0])
+        count += 1
+    if count:
+        kept = [n for n in g.node if n.output[0] not in drop]
+        del g.node[:]
+        g.node.extend(kept)
+        still = {i for n in g.node for i in n.input}
+        kept_inits = [t for t in g.initializer if t.name in still]
+        del g.initializer[:]
+        g.initializer.extend(kept_inits + new)
+    return count
+
+
+def calibration_ids(artifact: Path, manifest, text: Path | None) -> tuple[list[int], str]:
+    """The calibration tokens (export/calibration.py's: the built-in prose + in-car dialogue mix, or
+    the user's file), tokenized with the artifact's tokenizer; the first 60% (the export's
+    calibration part), at most MAX_CALIB_TOKENS. Returns (ids, description of the source)."""
+    from tokenizers import Tokenizer
+
+    from cabinlm.export.calibration import calibration_tokens
+
+    tok = Tokenizer.from_file(str(artifact / manifest.files["tokenizer"].path))
+    loaded = SimpleNamespace(tokenizer=SimpleNamespace(backend_tokenizer=tok))
+    ids, _, source = calibration_tokens(loaded, manifest.chat, text)
+    return list(ids[:MAX_CALIB_TOKENS]), source
+
+
+def ids_sha256(ids: list[int]) -> str:
+    """The checksum the export records for its calibration ids (int64, little-endian)."""
+    return hashlib.sha256(np.asarray(ids, dtype="<i8").tobytes()).hexdigest()
+
+
+def calibration_feeds(model: onnx.ModelProto, artifact: Path, manifest, ids: list[int]) -> list[dict[str, np.ndarray]]:
+    """The feeds the runtime gives the graph over `ids` (prefill chunks, the cache filling, the window
+    turning over where the text is longer than it), each with the cache as it was: the CPU runs the
+    float graph through the runtime's own backend (its slot table, masks and uint8 cache buffers)."""
+    import onnxruntime as ort
+
+    from cabinlm.engines.ort_graph.backend import ExportedGraphBackend, LoadedGraphs
+    from cabinlm.runtime import Decoder
+    from cabinlm.runtime.slots import SlotTable
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    session = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+    class Recording(ExportedGraphBackend):
+        cache_dtype = "uint8"  # graph.uint8_kv's cache
+
+    table = SlotTable(manifest.cache)
+    backend = Recording(LoadedGraphs(manifest, session, session, False, []), table)
+    feeds: list[dict[str, np.ndarray]] = []
+    for binding in (backend._prefill, backend._decode):
+        run = binding.run
+
+        def record(inputs, run=run):
+            feeds.append({**{k: np.array(v) for k, v in inputs.items()},
+                          **{name: ov.numpy().copy() for name, ov in backend._cache_values}})  # fmt: skip
+            return run(inputs)
+
+        binding.run = record
+    dec = Decoder(artifact, manifest, _backend=backend)
+    dec.cache = table
+    lay = manifest.cache
+    # a pinned head first (a system prompt: the sink and pinned slots full), so the positions reach
+    # their largest rank (sink + pinned + window + chunk); then prefill chunks, then decode steps
+    pinned, split = lay.sink + lay.pinned, len(ids) - DECODE_CALIB_TOKENS
+    start = 0
+    while start < split:
+        end = min(start + lay.chunk, pinned if start < pinned else split)
+        dec.step(np.asarray(ids[start:end]), pin=start < pinned)
+        start = end
+    for t in ids[split:]:
+        dec.step(np.asarray([t]))
+    return feeds
+
+
+def floor_masks(model: onnx.ModelProto) -> list[str]:
+    """Each additive attention mask input floored at -MASK_FLOOR before the graph reads it. The
+    runtime's masked value (io_spec.MASK_VALUE, -1e30) as a 16-bit range would leave the scores it is
+    added to a step of ~1e25: every unmasked score the same number. -MASK_FLOOR still gives a masked
+    slot a weight of exp(-MASK_FLOOR + score range) ~ 0. Returns the inputs floored."""
+    from cabinlm import io_spec as io
+
+    g = model.graph
+    done = []
+    for t in g.input:
+        if t.name in (io.ATTENTION_MASK, io.LOCAL_ATTENTION_MASK):
+            floored = f"{t.name}/floored"
+            _rewire(g, t.name, floored)
+            g.node.insert(0, onnx.helper.make_node("Clip", [t.name, MASK_MIN, ZERO], [floored], name=f"htp/{floored}"))
+            done.append(t.name)
+    if done:
+        g.initializer.extend([numpy_helper.from_array(np.array(-MASK_FLOOR, np.float32), MASK_MIN),
+                              numpy_helper.from_array(np.array(0.0, np.float32), ZERO)])  # fmt: skip
+    return done
+
+
+def _rewire(g: onnx.GraphProto, old: str, new: str) -> None:
+    for n in g.node:
+        n.input[:] = [new if x == old else x for x in n.input]
+
+
+def float_kv_io(model: onnx.ModelProto, scales: dict[str, float]) -> dict[str, float]:
+    """graph.uint8_kv's cache I/O made float for the quantizer, each tensor to be quantized back to
+    uint8 with its own scale (strip_kv_io then takes the Quantize / Dequantize at the I/O away):
+
+        x ─ Div s ─ Clip ─ Q(1, 128) ─ new_K ─ DQ(1, 128) ─ Mul s ─ (chunk)   ->  x = new_K (float) ─ (chunk)
+        cache ─ DQ(1, 128) ─ Mul s ─ (attention)                           ->  cache (float) ─ (attention)
+        value cache ─ DQ(1, 128) ─ Mul 1 ... probabilities ─ Mul s         ->  value cache (float) ... probabilities
+
+    Returns {tensor: scale} for every cache input and new K/V output (the input's and its output's
+    scale the same number: tied). A multiplier that is not the tensor's scale: BuildError."""
+    from cabinlm import io_spec as io
+
+    g = model.graph
+    consts = {t.name: numpy_helper.to_array(t) for t in g.initializer}
+    producer = {o: n for n in g.node for o in n.output}
+    users = _consumers(model)
+    layers = sorted(int(t.name.split(".")[1]) for t in g.input if t.name.startswith("key_cache."))
+    drop: set[str] = set()  # node names
+    out: dict[str, float] = {}
+
+    def read_back(dq_out: str, s: float, unit_ok: bool) -> str:
+        """The Mul after a cache DQ: its output name; the Mul and DQ dropped."""
+        (mul,) = users[dq_out]
+        c = next(consts[x] for x in mul.input if x in consts)
+        if mul.op_type != "Mul" or not (np.allclose(c, s, rtol=1e-6) or (unit_ok and np.all(c == 1.0))):
+            raise BuildError(f"{mul.name}: the cache is read back with {c.ravel()[:1]}, not its scale {s:.6g}; re-export")
+        drop.update((mul.name, producer[dq_out].name))
+        return mul.output[0]
+
+    for i in layers:
+        for cache, new in ((io.key_cache_name(i), io.new_key_name(i)), (io.value_cache_name(i), io.new_value_name(i))):
+            s = float(scales[cache])
+            q = producer[new]
+            clip = producer[q.input[0]]
+            div = producer[clip.input[0]]
+            if (q.op_type, clip.op_type, div.op_type) != ("QuantizeLinear", "Clip", "Div"):
+                raise BuildError(f"{new}: not written by Div ─ Clip ─ QuantizeLinear (graph.uint8_kv); re-export")
+            x = div.input[0]
+            (dq,) = [n for n in users[new] if n.op_type == "DequantizeLinear"]
+            m_new = read_back(dq.output[0], s, False)
+            drop.update((q.name, clip.name))
+            # the new entries: x times one, a node of their own (the quantizer gives the output of a
+            # Transpose / Reshape its input's 16-bit parameters, whatever the override says), read
+            # back by the chunk as the cache will hold them
+            div.op_type, div.input[1], div.output[0] = "Mul", ONE, new
+            _rewire(g, m_new, new)
+            (dq_c,) = users[cache]
+            m_cache = read_back(dq_c.output[0], s, cache == io.value_cache_name(i))
+            _rewire(g, m_cache, cache)
+            out[cache] = out[new] = s
+        s_v = f"{io.value_cache_name(i)}.u8_scale"  # the probabilities over the cached values scaled by s
+        for mul in [n for n in g.node if n.op_type == "Mul" and s_v in n.input and n.name not in drop]:
+            drop.add(mul.name)
+            _rewire(g, mul.output[0], mul.input[0] if mul.input[1] == s_v else mul.input[1])
+    kept = [n for n in g.node if n.name not in drop]
+    del g.node[:]
+    g.node.extend(kept)
+    g.initializer.append(numpy_helper.from_array(np.array(1.0, np.float32), ONE))
+    for t in (*g.input, *g.output):
+        if t.name in out:
+            t.type.tensor_type.elem_type = onnx.TensorProto.FLOAT
+    still = {x for n in g.node for x in n.input}
+    inits = [t for t in g.initializer if t.name in still]
+    del g.initializer[:]
+    g.initializer.extend(inits)
+    return out
+
+
+def strip_kv_io(model: onnx.ModelProto, scales: dict[str, float]) -> None:
+    """The quantized graph's cache I/O as uint8 tensors: the QuantizeLinear behind each cache input
+    and the DequantizeLinear before each new K/V output removed, so the runtime hands the graph its
+    uint8 cache and copies the outputs' bytes. Each removed node must carry the tensor's scale and
+    zero point 128 (the invariant float_kv_io's overrides set)."""
+    from cabinlm.engines.qnn_htp.graph import KV_ZERO_POINT
+
+    g = model.graph
+    consts = {t.name: numpy_helper.to_array(t) for t in g.initializer}
+    producer = {o: n for n in g.node for o in n.output}
+    users = _consumers(model)
+    drop: set[str] = set()
+
+    def check(n: onnx.NodeProto, name: str) -> None:
+        s, z = consts.get(n.input[1]), consts.get(n.input[2]) if len(n.input) > 2 else None
+        if s is None or z is None or z.dtype != np.uint8 or int(z) != KV_ZERO_POINT or not np.isclose(float(s), scales[name], rtol=1e-6):
+            raise BuildError(f"{name}: the quantizer did not give it uint8 with scale {scales[name]:.6g} and zero point "
+                             f"{KV_ZERO_POINT} ({n.name}); report this")  # fmt: skip
+
+    for t in g.input:
+        if t.name in scales:
+            (q,) = users[t.name]
+            check(q, t.name)
+            drop.add(q.name)
+            _rewire(g, q.output[0], t.name)
+            t.type.tensor_type.elem_type = onnx.TensorProto.UINT8
+    for t in g.output:
+        if t.name in scales:
+            dq = producer[t.name]
+            check(dq, t.name)
+            q = producer[dq.input[0]]
+            # Q writes the uint8 output; the DQ stays where the graph reads the new entries back
+            read = t.name + "/read"
+            _rewire(g, t.name, read)
+            _rewire(g, dq.input[0], t.name)
+            q.output[0], dq.output[0] = t.name, read
+            if not users.get(t.name):
+                drop.add(dq.name)
+            t.type.tensor_type.elem_type = onnx.TensorProto.UINT8
+    kept = [n for n in g.node if n.name not in drop]
+    del g.node[:]
+    g.node.extend(kept)
+
+
+class _Reader:
+    """onnxruntime.quantization's CalibrationDataReader over recorded feeds."""
+
+    def __init__(self, feeds: list[dict[str, np.ndarray]]):
+        self._it = iter(feeds)
+
+    def get_next(self):
+        return next(self._it, None)
+
+    def rewind(self):  # pragma: no cover - the calibrator reads once
+        pass
+
+
+def quantize_a16(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]], kv: dict[str, float], workdir: Path,
+                 log: Callable[[str], None] = lambda s: None) -> onnx.ModelProto:
+    """The QDQ graph (module docstring) of the float graph `model`, calibrated on `feeds`."""
+    from onnxruntime.quantization import QuantType, quantize
+    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
+
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    # every intermediate typed (onnx's own inference stops at ORT's SimplifiedLayerNormalization):
+    # the quantizer quantizes only tensors whose type it knows
+    model = SymbolicShapeInference.infer_shapes(model, auto_merge=True)
+    src = workdir / "a16.float.onnx"
+    onnx.save_model(model, str(src), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=src.name + ".data", size_threshold=1024)  # fmt: skip
+    weight = {"int8": QuantType.QInt8, "int4": QuantType.QInt4}[WEIGHTS_A16]
+    config = get_qnn_qdq_config(str(src), _Reader(feeds), activation_type=QuantType.QUInt16, weight_type=weight,
+                                per_channel=True, weight_symmetric=True)  # fmt: skip
+    config.use_external_data_format = True
+    overrides = config.extra_options.setdefault("TensorQuantOverrides", {})
+    for name, scale in kv.items():  # the cache's tensors: uint8, their own tied scale, zero point 128
+        overrides[name] = [{"quant_type": QuantType.QUInt8, "scale": np.array(scale, np.float32),
+                            "zero_point": np.array(128, np.uint8)}]  # fmt: skip
+    dst = workdir / "a16.qdq.onnx"
+    quantize(str(src), str(dst), config)
+    q = onnx.load(str(dst))
+    strip_kv_io(q, kv)
+    return q
+
+
+def a16_graph(artifact: Path, manifest, calib: Path | None, workdir: Path,
+              log: Callable[[str], None] = lambda s: None) -> tuple[onnx.ModelProto, dict, dict[str, float], dict]:
+    """The whole pipeline (module docstring) for an int8-KV export. Returns (the QDQ graph, the
+    rewrites' counts, the cache's {input name: scale}, the calibration's record for the manifest)."""
+    from cabinlm.engines.onnxruntime.offline import read_graph
+    from cabinlm.engines.qnn_htp.graph import float_embedding, fuse_rms_norms, per_tensor_kv_scales, uint8_kv
+
+    lay = manifest.cache
+    model = read_graph(artifact, manifest)
+    rewrites = {"rms_norms": fuse_rms_norms(model), "float_embedding": int(float_embedding(model)),
+                "float_weights": float_weights(model)}  # fmt: skip
+    scales = per_tensor_kv_scales(manifest.kv_scales.array("keys"), manifest.kv_scales.array("values"), lay.layers)
+    uint8_kv(model, scales)
+    rewrites["masks_floored"] = len(floor_masks(model))
+    ids, source = calibration_ids(artifact, manifest, calib)
+    feeds = calibration_feeds(model, artifact, manifest, ids)
+    kv = float_kv_io(model, scales)
+    for f in feeds:  # the recorded uint8 cache as the float cache the quantizer's graph reads
+        for name in kv:
+            if name in f:
+                f[name] = (f[name].astype(np.float32) - 128.0) * np.float32(kv[name])
+    log(f"calibrating 16-bit activations on {len(ids)} tokens ({source}), {len(feeds)} runs of the float graph")
+    q = quantize_a16(model, feeds, kv, workdir, log)
+    calibration = {"source": source, "tokens": len(ids), "ids_sha256": ids_sha256(ids),
+                   "method": "min-max per tensor (onnxruntime.quantization, QNN QDQ config)"}  # fmt: skip
+    return q, rewrites, scales, calibration

@@ -1,0 +1,137 @@
+"""16-bit activations on the HTP (`cabinlm build --activations a16`, issue 33): the int8-KV export as
+a calibrated QDQ graph (uint16 activations, int8 per-channel weights, the uint8 cache with its tied
+scales), compiled by Qualcomm's compiler for sa8775p (v73) and run in its x86 simulator.
+
+Tolerance, measured over test_qnn's stream (prefill in chunks, decode, > 8 windows of eviction,
+pinned spans), as (worst, median) of a step's max |logit error| / max |logit|, and top-1 agreement:
+
+    a16 build (HTP simulator) vs the CPU float32-KV export        0.129 / 0.051 / 91%
+    a16 build                 vs the CPU build of the int8 export  0.508 / 0.105 / 78%
+    a16 build, pinned spans dropped, vs either                     1.69  / 0.80  / 19-20%
+    (the fp16 uint8-cache build, tests/test_qnn_kv8.py:            0.076 / 0.027 / 94-96% and 0.49 / 0.098 / 81%)
+
+The a16 graph re-rounds every activation to 16 bits over ranges calibrated on 512 tokens of the
+built-in text, and its weights to 8 bits per output channel (from the export's int4 blocks); the
+8-bit cache rounds as the fp16 build's does (tests/test_qnn_kv8.py: 0.49 / 0.098 / 81% against the
+CPU int8 build). The bounds hold the a16 build about as close to the CPU int8 build as that fp16 build is, and
+within 20% / 8% (median) of float32; a cache without its pinned spans fails both by far.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+import pytest
+from cabinlm.engines.build import build_artifact
+from cabinlm.engines.builder import BuildError
+from cabinlm.manifest import load_manifest
+from cabinlm.profiles import load_profile
+from cabinlm.runtime import Decoder
+from test_backends import LAYOUT
+
+try:
+    import onnxruntime_qnn  # noqa: F401
+except ImportError:
+    if os.environ.get("CI"):
+        raise
+    pytest.skip("onnxruntime-qnn (the `qnn` extra) is not installed: `pip install 'cabinlm[qnn]'`", allow_module_level=True)
+
+from test_qnn import EXACT, agreement, run_stream, stream_ids  # noqa: E402
+
+FLOAT = (0.2, 0.08, 0.85)  # (worst, median, top-1) against the float32-KV export of the same weights
+SAME_EXPORT = (0.7, 0.16, 0.7)  # against the CPU build of the same int8 export
+
+
+def close(got, ref, bounds) -> bool:
+    worst, median, top1 = agreement(got, ref)
+    return worst <= bounds[0] and median <= bounds[1] and top1 >= bounds[2]
+
+
+@pytest.fixture(scope="module")
+def int8_artifact(load, tiny_llama_dir, export_to):
+    """What `cabinlm export --profile sa8775p --kv int8` writes for the tiny model."""
+    return export_to(load(str(tiny_llama_dir)), kv="int8", weights="int4", **LAYOUT)
+
+
+@pytest.fixture(scope="module")
+def fp32_artifact(load, tiny_llama_dir, export_to):
+    return export_to(load(str(tiny_llama_dir)), kv="fp32", weights="int4", **LAYOUT)
+
+
+@pytest.fixture(scope="module")
+def a16_build(int8_artifact, tmp_path_factory):
+    return build_artifact(int8_artifact, load_profile("sa8775p"), tmp_path_factory.mktemp("a16") / "b", activations="a16")
+
+
+def test_the_a16_build_records_its_precision_scales_and_calibration(a16_build, int8_artifact):
+    from cabinlm.engines.qnn_htp.graph import per_tensor_kv_scales
+    from cabinlm.engines.qnn_htp.qdq import calibration_ids, ids_sha256
+
+    art, m = load_manifest(int8_artifact), load_manifest(a16_build)
+    q = m.build.facts
+    assert (q.htp_arch, q.activations, q.weights, q.kv_cache) == (73, "int16", "int8", "uint8")
+    assert q.check["same_top1"] and q.check["correlation"] > 0.99
+    assert q.kv_scales == pytest.approx(per_tensor_kv_scales(art.kv_scales.array("keys"), art.kv_scales.array("values"), 2))
+    cache_io = [t for t in (*m.io.inputs, *m.io.outputs) if "key" in t.name or "value" in t.name]
+    assert cache_io and all(t.dtype == "uint8" for t in cache_io)
+    for role in ("graph", "graph_decode", "graph_simulator", "graph_decode_simulator"):  # all on the HTP
+        ctx = onnx.load(str(a16_build / m.files[role].path), load_external_data=False)
+        assert {n.op_type for n in ctx.graph.node} == {"EPContext"}
+    calib = m.quality["build"]["activation_calibration"]
+    ids, source = calibration_ids(int8_artifact, art, None)
+    assert calib["tokens"] == len(ids) == 512 and calib["source"] == source
+    assert calib["ids_sha256"] == ids_sha256(ids) != art.quality["calibration"]["ids_sha256"]
+
+
+def test_the_a16_graph_is_16_bit_with_the_uint8_cache_tied(int8_artifact, tmp_path):
+    """The QDQ graph itself: every activation quantized to uint16 except the cache's uint8 I/O, whose
+    QuantizeLinear (new K/V) and DequantizeLinear (cache) carry the same scale, zero point 128."""
+    from cabinlm.engines.qnn_htp.qdq import a16_graph
+
+    m = load_manifest(int8_artifact)
+    g, _, scales, _ = a16_graph(int8_artifact, m, None, tmp_path)
+    consts = {t.name: onnx.numpy_helper.to_array(t) for t in g.graph.initializer}
+    acts = {consts[n.input[2]].dtype for n in g.graph.node if n.op_type == "QuantizeLinear"}
+    assert acts == {np.dtype(np.uint16), np.dtype(np.uint8)}
+    weights = [consts[n.input[0]] for n in g.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in consts
+               and consts[n.input[0]].ndim == 2 and consts[n.input[0]].dtype == np.int8]  # fmt: skip
+    assert len(weights) == 9  # 2 layers x (qkv, o, gate_up, down) + the LM head
+    producer = {o: n for n in g.graph.node for o in n.output}
+    for i in range(2):
+        for cache, new in ((f"key_cache.{i}", f"new_key.{i}"), (f"value_cache.{i}", f"new_value.{i}")):
+            q = producer[new]
+            (dq,) = [n for n in g.graph.node if n.op_type == "DequantizeLinear" and n.input[0] == cache]
+            for n in (q, dq):
+                assert consts[n.input[1]] == np.float32(scales[cache]) and consts[n.input[2]] == 128
+                assert consts[n.input[2]].dtype == np.uint8
+
+
+def test_the_a16_build_follows_the_cpu_through_prefill_decode_eviction_and_pins(a16_build, int8_artifact, fp32_artifact):
+    ids = stream_ids()
+    cpu = run_stream(int8_artifact, ids, session_config=EXACT)
+    float32 = run_stream(fp32_artifact, ids, session_config=EXACT)
+    got = run_stream(a16_build, ids)  # asserts the sessions run on the QNN EP, CPU fallback off
+    assert close(got, float32, FLOAT), agreement(got, float32)
+    assert close(got, cpu, SAME_EXPORT), agreement(got, cpu)
+    wrong = run_stream(a16_build, ids, pins=False)
+    assert not close(wrong, float32, FLOAT) and not close(wrong, cpu, SAME_EXPORT), agreement(wrong, cpu)
+
+
+def test_the_runtime_holds_the_a16_cache_in_uint8(a16_build):
+    bufs = Decoder(a16_build).backend.buffers()
+    assert bufs["keys"].dtype == bufs["values"].dtype == np.uint8 and "value_scales" not in bufs
+    assert (bufs["keys"] == 128).all()
+
+
+def test_a16_is_refused_on_sa8295p_for_fp16_kv_and_off_the_htp(int8_artifact, load, tiny_llama_dir, export_to, tmp_path):
+    with pytest.raises(BuildError, match=r"--activations a16 is for HTP v73\+ \(sa8775p\); sa8295p is v68, where Qualcomm ships fp16"):
+        build_artifact(int8_artifact, load_profile("sa8295p"), tmp_path / "v68", activations="a16")
+    fp16 = export_to(load(str(tiny_llama_dir)), kv="fp16", weights="int4", **LAYOUT)
+    with pytest.raises(BuildError, match=r"keeps the KV cache 8-bit .* this export holds fp16 KV: re-export with --kv int8"):
+        build_artifact(fp16, load_profile("sa8775p"), tmp_path / "fp16", activations="a16")
+    with pytest.raises(BuildError, match=r"are for the Snapdragon HTP builds"):
+        build_artifact(int8_artifact, load_profile("cpu"), tmp_path / "cpu", activations="a16")
+    with pytest.raises(BuildError, match=r"--activations must be fp16 or a16, got 'a8'"):
+        build_artifact(int8_artifact, load_profile("sa8775p"), tmp_path / "a8", activations="a8")
