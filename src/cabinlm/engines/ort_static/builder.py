@@ -45,13 +45,6 @@ class StaticBuilder(Builder):
     def targets(self, profile) -> bool:
         return targets_cpu(profile, static=True)
 
-    def check(self, request: BuildRequest) -> str | None:
-        vision = request.manifest.vision
-        if vision is not None and vision.mrope:
-            return ("multimodal RoPE (Qwen2-VL's three position components) is built for dynamic shapes only today "
-                    "(the cpu profile)")  # fmt: skip
-        return None
-
     def build(self, request: BuildRequest, output: BuildOutput) -> BuildSpec:
         manifest = request.manifest
         output.copy("tokenizer")

@@ -146,10 +146,6 @@ class QnnBuilder(Builder):
         return profile.execution_provider == QNN_PROVIDER
 
     def check(self, request: BuildRequest) -> str | None:
-        vision = request.manifest.vision
-        if vision is not None and vision.mrope:
-            return ("multimodal RoPE (Qwen2-VL's three position components) is not compiled for the HTP yet; "
-                    "the cpu profile runs it (the exported graph)")  # fmt: skip
         kv = request.manifest.cache.kv_dtype.value
         if kv not in ("fp16", "int8"):
             return (f"it holds {kv} KV; the HTP builds take fp16 KV, or int8 KV (compiled as a uint8 cache with one "
@@ -253,8 +249,11 @@ def _check_decode(src: Path, ctx: Path, manifest: Manifest, profile, min_correla
 
     lay = manifest.cache
     index = np.dtype(manifest.index_dtype)
-    feed: dict[str, np.ndarray] = {io.INPUT_IDS: np.array([1], index), io.POSITION_IDS: np.array([0], index),
-                                   io.CACHE_POSITION_IDS: np.zeros(lay.slots, index), io.LOGIT_ROWS: np.array([0], index)}  # fmt: skip
+    mrope = manifest.vision is not None and manifest.vision.mrope  # (3, ...) positions: time, row, column
+    feed: dict[str, np.ndarray] = {io.INPUT_IDS: np.array([1], index),
+                                   io.POSITION_IDS: np.zeros((3, 1) if mrope else (1,), index),
+                                   io.CACHE_POSITION_IDS: np.zeros((3, lay.slots) if mrope else (lay.slots,), index),
+                                   io.LOGIT_ROWS: np.array([0], index)}  # fmt: skip
     mask = np.full((1, lay.slots + 1), io.MASK_VALUE, np.float32)
     mask[0, -1] = 0
     feed[io.ATTENTION_MASK] = mask
