@@ -383,8 +383,8 @@ def test_the_cpu_build_scores_a_frame_as_the_export(idefics3, tmp_path):
 
 @pytest.mark.parametrize("profile", ["sa8775p", "sa8295p"])
 def test_the_snapdragon_builds_run_a_frame_in_the_htp_simulator_as_the_export(idefics3, export_to, profile, tmp_path):
-    """The HTP build of an fp16 export (the decoder as context binaries; the camera encoder carried
-    over and run by ONNX Runtime on the CPU) scores a frame and text as the export does, to fp16's
+    """The HTP build of an fp16 export (the decoder and the camera encoder as context binaries,
+    engines/qnn_htp/vision_build.py) scores a frame and text as the export does, to fp16's
     precision, in Qualcomm's x86 simulator; another frame moves the NLL further than that."""
     import os
 
@@ -401,7 +401,7 @@ def test_the_snapdragon_builds_run_a_frame_in_the_htp_simulator_as_the_export(id
     loaded, _ = idefics3
     art = export_to(loaded, kv="fp16", sink=4, pinned=24, window=64, chunk=16)
     built = build_artifact(art, load_profile(profile), tmp_path / f"build-{profile}")
-    assert (built / "vision.onnx").is_file() and Decoder(built).manifest.build is not None
+    assert (built / "vision.ctx_qnn.bin").is_file() and Decoder(built).vision.device == "qnn-htp"
     ids = loaded.tokenizer.backend_tokenizer.encode(TEXT).ids[:40]
     nll = {}
     for name, folder, seed in (("export", art, 10), ("htp", built, 10), ("htp, another frame", built, 11)):
