@@ -4,8 +4,8 @@ simulator for each frame, with CPU fallback off; a tower the HTP rejects stays o
 node named, and the manifest says where the tower runs and why. Tiny random towers of each family.
 
 Tolerance: the HTP computes the float tower in fp16 (a relative rounding step of 2^-11 per operation
-over a few dozen operations). Measured: the largest |error| of the image embeddings is 0.13% to 0.28%
-of the largest |embedding| (docs/benchmarks.md §15); the tests allow 1%, and another frame's
+over a few dozen operations). Measured: the largest |error| of the image embeddings is 0.1% to 0.4%
+of the largest |embedding| over 8 frames (docs/benchmarks.md §15, benchmarks/vlm_htp.py); the tests allow 1%, and another frame's
 embeddings are > 10% apart.
 """
 
