@@ -7,12 +7,14 @@ graph of an int8-KV export made a calibrated QDQ graph, as Qualcomm's own v73 de
         cache bookkeeping feeding it (calibration_feeds), every activation's range recorded
       ─ onnxruntime.quantization's QNN QDQ quantizer: activations uint16 (asymmetric, per tensor),
         weight matrices WEIGHTS_A16 per output channel, the LM head's too
-      ─ the cache I/O stays uint8 (zero point 128, one scale per tensor, tied: graph.uint8_kv)
+      ─ the cache I/O stays uint8 (zero point 128, one scale per tensor, tied: graph.uint8_kv;
+        float_kv_io before the quantizer, strip_kv_io after it); masks floored (floor_masks)
 
 Invariants: graph inputs and outputs keep their types (the runtime feeds float masks and reads
 float logits; their Quantize / Dequantize run on the HTP, CPU fallback off), so the runtime and its
-buffers are those of the uint8-cache fp16 build; the cache's uint8 codes pass into the 16-bit graph
-through a DequantizeLinear -> QuantizeLinear pair the QNN EP compiles as one conversion.
+buffers are those of the uint8-cache fp16 build; the cache's uint8 codes enter the 16-bit graph
+through a DequantizeLinear with the cache's own scale, and the new K/V leave it through a
+QuantizeLinear with the same scale and zero point (strip_kv_io checks both).
 """
 
 from __future__ import annotations
@@ -29,15 +31,14 @@ from onnx import numpy_helper
 from cabinlm.engines.builder import BuildError
 from cabinlm.engines.qnn_htp.graph import BLOCK, _consts, _consumers, _values
 
-ACTIVATIONS = ("fp16", "a16")  # --activations: fp16 (the float graph in fp16), a16 (uint16 QDQ)
-WEIGHTS_A16 = "int8"  # what the compiler took beside 16-bit activations (module docstring of tests/test_qnn_a16.py)
+WEIGHTS_A16 = "int8"  # what the compiler takes beside 16-bit activations (docs/architecture.md "16-bit activations")
 ONE, ZERO, MASK_MIN = "htp/one", "htp/zero", "htp/mask_min"
 MASK_FLOOR = 512.0  # floor_masks
-MAX_CALIB_TOKENS = 512
-DECODE_CALIB_TOKENS = 64  # of them, fed one at a time  # the calibration text's first tokens run through the graph (prefill chunks)
+MAX_CALIB_TOKENS = 512  # the calibration text's first tokens run through the float graph
+DECODE_CALIB_TOKENS = 64  # the last of them fed one at a time (the decode graph's ranges)
 
 
-A16_MIN_ARCH = 73
+A16_MIN_ARCH = 73  # a16 is built for HTP v73+ only (a16_refusal)
 
 
 def a16_refusal(profile, kv: str) -> str | None:
@@ -298,16 +299,12 @@ class _Reader:
     def get_next(self):
         return next(self._it, None)
 
-    def rewind(self):  # pragma: no cover - the calibrator reads once
-        pass
 
 
-def quantize_a16(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]], kv: dict[str, float], workdir: Path,
-                 log: Callable[[str], None] = lambda s: None) -> onnx.ModelProto:
+def quantize_a16(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]], kv: dict[str, float], workdir: Path) -> onnx.ModelProto:
     """The QDQ graph (module docstring) of the float graph `model`, calibrated on `feeds`."""
     from onnxruntime.quantization import QuantType, quantize
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
-
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
     # every intermediate typed (onnx's own inference stops at ORT's SimplifiedLayerNormalization):
@@ -353,7 +350,7 @@ def a16_graph(artifact: Path, manifest, calib: Path | None, workdir: Path,
             if name in f:
                 f[name] = (f[name].astype(np.float32) - 128.0) * np.float32(kv[name])
     log(f"calibrating 16-bit activations on {len(ids)} tokens ({source}), {len(feeds)} runs of the float graph")
-    q = quantize_a16(model, feeds, kv, workdir, log)
+    q = quantize_a16(model, feeds, kv, workdir)
     calibration = {"source": source, "tokens": len(ids), "ids_sha256": ids_sha256(ids),
                    "method": "min-max per tensor (onnxruntime.quantization, QNN QDQ config)"}  # fmt: skip
     return q, rewrites, scales, calibration
