@@ -7,6 +7,7 @@ through eviction with the frame pinned. The towers and decoders are the tests' t
 graphs, not how a real model runs on a chip; the seconds are an emulator's.
 
     python benchmarks/vlm_htp.py --out /tmp/vlm-htp --json docs/data/qnn/vlm-htp.json
+    python benchmarks/vlm_htp.py --out /tmp/vlm-htp8 --kv int8 --families qwen2_vl --json docs/data/qnn/vlm-htp-int8.json
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write the rows here")
     ap.add_argument("--frames", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=150, help="text tokens after the frame (M-RoPE NLL)")
+    ap.add_argument("--kv", choices=("fp16", "int8"), default="fp16", help="the export's KV (int8: the HTP's uint8 cache)")
+    ap.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
     args = ap.parse_args()
 
     from cabinlm.engines.build import build_artifact
@@ -64,13 +67,13 @@ def main() -> None:
 
     frames = [picture(*FRAME, seed=100 + i) for i in range(args.frames)]
     rows = []
-    for family in FAMILIES:
+    for family in args.families:
         src = args.out / f"src-{family}"
         shutil.rmtree(src, ignore_errors=True)
         src.mkdir(parents=True)
         loaded = load_model(str(folder_for(family, src)))
         art = args.out / f"art-{family}"
-        export_loaded(loaded, art, ExportOptions(verify=False, gate=False, **LAYOUT))
+        export_loaded(loaded, art, ExportOptions(verify=False, gate=False, **{**LAYOUT, "kv": args.kv}))
         builds = {p: build_artifact(art, load_profile(p), args.out / f"{family}-{p}") for p in ("cpu", *PROFILES)}
         cpu = Decoder(builds["cpu"])
         ids = loaded.tokenizer.backend_tokenizer.encode(TEXT * 4).ids[: args.tokens]
@@ -84,7 +87,7 @@ def main() -> None:
             for f in frames:
                 got, ref = dec.vision.encode(f).astype(np.float64), cpu.vision.encode(f).astype(np.float64)
                 errors.append(float(np.abs(got - ref).max() / np.abs(ref).max()))
-            row = {"family": family, "profile": profile, "tower_runs_on": record["runs_on"],
+            row = {"family": family, "profile": profile, "kv": args.kv, "tower_runs_on": record["runs_on"],
                    "tower_compile_seconds": record.get("compile_seconds"),
                    "tower_binary_bytes": (b / record["binary"]).stat().st_size if "binary" in record else None,
                    "tower_vision_onnx_bytes": sum((art / n).stat().st_size for n in ("vision.onnx", "vision.onnx.data")),
