@@ -125,3 +125,10 @@ def test_a_cache_resumed_before_a_new_frame_goes_on_bit_for_bit(qwen_fused):
     np.testing.assert_array_equal(got[1], got[0])
     for chunk in (text[90:91], text[91:107], text[107:108]):
         np.testing.assert_array_equal(resumed.feed(chunk, all_logits=True), dec.feed(chunk, all_logits=True))
+
+
+def test_drafting_with_frames_on_the_fused_build_gives_the_plain_replies(qwen_fused):
+    """As tests/test_fused_vlm.py's: drafts verified while the window fills, none after, the plain replies."""
+    from test_fused_vlm import check_drafting_gives_the_plain_replies
+
+    check_drafting_gives_the_plain_replies(qwen_fused[2])

@@ -218,6 +218,10 @@ def test_drafting_with_frames_on_the_fused_build_gives_the_plain_replies(fused):
     with frames pinned and replaced through window turnovers, drafting (the stream plain decoding fed,
     every other draft's last token made wrong) gives the plain greedy replies, and no drafts once the
     window is full (GroupQueryAttention's chunks cannot take a slot per row)."""
+    check_drafting_gives_the_plain_replies(fused[2])
+
+
+def check_drafting_gives_the_plain_replies(built) -> None:
     from cabinlm.runtime import Dialogue, open_artifact
     from cabinlm.runtime.speculative import Drafting, PlainDecoding, drafting_by_default
 
@@ -247,7 +251,6 @@ def test_drafting_with_frames_on_the_fused_build_gives_the_plain_replies(fused):
             drafts = self.script[len(self.stream) : len(self.stream) + k]
             return drafts[:-1] + [drafts[-1] + 1] if drafts and self.calls % 2 else drafts
 
-    _, _, built = fused
     record = Recorder()
     runs = []
     for drafting in (record, None):
