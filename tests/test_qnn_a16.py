@@ -135,3 +135,10 @@ def test_a16_is_refused_on_sa8295p_for_fp16_kv_and_off_the_htp(int8_artifact, lo
         build_artifact(int8_artifact, load_profile("cpu"), tmp_path / "cpu", activations="a16")
     with pytest.raises(BuildError, match=r"--activations must be fp16 or a16, got 'a8'"):
         build_artifact(int8_artifact, load_profile("sa8775p"), tmp_path / "a8", activations="a8")
+
+
+def test_the_cli_refuses_a16_on_sa8295p_in_one_line(int8_artifact, tmp_path):
+    from test_cli import assert_clean_error, cabinlm
+
+    p = cabinlm("build", int8_artifact, "--profile", "sa8295p", "--activations", "a16", "-o", tmp_path / "v68")
+    assert_clean_error(p, "--activations a16 is for HTP v73+ (sa8775p); sa8295p is v68", "AI Hub's export refuses w4a16")
