@@ -32,6 +32,7 @@ HEADERS = (HERE / "ort_api.h", HERE / "ort_api_entries.h", HERE / "vector_math.h
 LIBRARY = "libcabinlm_kernels.so"  # the file in a build folder (manifest files: "kernel_library")
 DOMAIN = "ai.cabinlm"
 ATTENTION_OP = "Int8KVAttention"
+SEATS_ATTENTION_OP = "Int8KVSeatsAttention"  # a batched graph's layer: every seat's rows over its own cache
 MATMUL_OP = "BlockQ4MatMul"
 SWIGLU_MATMUL_OP = "BlockQ4SwiGLUMatMul"  # the MLP's down projection, its SwiGLU included
 MACHINE_ALIASES = {"amd64": "x86_64", "arm64": "aarch64", "x64": "x86_64"}

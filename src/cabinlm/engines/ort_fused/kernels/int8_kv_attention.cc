@@ -470,7 +470,8 @@ void attend_unit(void* data, size_t unit) {
 }
 
 // Inputs 11..15, where given: the slot table's view of the rows (the header's "rows as steps").
-OrtStatus* step_inputs(OrtKernelContext* ctx, size_t count, Problem& p, std::vector<int64_t>& X, std::vector<int8_t>& step) {
+OrtStatus* step_inputs(OrtKernelContext* ctx, size_t count, size_t base, Problem& p, std::vector<int64_t>& X,
+                       std::vector<int8_t>& step) {
   X.resize(static_cast<size_t>(p.n));
   const std::string where = "Int8KVAttention: ";
   if (count <= 11) {  // the exported graph's chunk semantics: every row sees the cache and the rows before it
@@ -481,7 +482,7 @@ OrtStatus* step_inputs(OrtKernelContext* ctx, size_t count, Problem& p, std::vec
   if (count != 16) return error(kInvalidArgument, where + "takes 11 inputs or 16, got " + std::to_string(count));
   const OrtValue* in[5];
   for (size_t i = 0; i < 5; ++i) {
-    CABIN_TRY(input(ctx, 11 + i, &in[i]));
+    CABIN_TRY(input(ctx, base + 10 + i, &in[i]));  // the single node's input 11 + i
     if (in[i] == nullptr) return error(kInvalidArgument, where + "inputs 11..15 come together; input " + std::to_string(11 + i) + " is missing");
   }
   std::vector<int64_t> dsrc, dc, ds, dl, dslots;
@@ -532,13 +533,14 @@ OrtStatus* step_inputs(OrtKernelContext* ctx, size_t count, Problem& p, std::vec
   return nullptr;
 }
 
-OrtStatus* compute(OrtKernelContext* ctx) {
-  size_t count = 0;
-  CABIN_TRY(input_count(ctx, &count));
+// One seat's problem: its rows of qkv (rows row0 .. row0 + n - 1 of the (1, rows, width) input),
+// its other inputs at ctx indices base .. base + 14 (the single node's inputs 1 .. 15), its output
+// rows of `out`. Checks every shape; runs nothing.
+OrtStatus* prepare(OrtKernelContext* ctx, const std::vector<int64_t>& dq, const float* qkv, int64_t n, int64_t row0,
+                   size_t base, size_t count, float* out, Problem& p, std::vector<int64_t>& X, std::vector<int8_t>& step) {
   const OrtValue* in[11];
-  std::vector<int64_t> dq, dk, dv, dc, db, dp, dsk, dsv;
-  for (size_t i = 0; i < 11; ++i) CABIN_TRY(input(ctx, i, &in[i]));
-  CABIN_TRY(dims_of(in[0], &dq));
+  std::vector<int64_t> dk, dv, dc, db, dp, dsk, dsv;
+  for (size_t i = 1; i < 11; ++i) CABIN_TRY(input(ctx, base + i - 1, &in[i]));
   CABIN_TRY(dims_of(in[1], &dk));
   CABIN_TRY(dims_of(in[2], &dv));
   CABIN_TRY(dims_of(in[5], &dc));
@@ -550,8 +552,8 @@ OrtStatus* compute(OrtKernelContext* ctx) {
   if (dq.size() != 3 || dq[0] != 1 || dk.size() != 4 || dk[0] != 1 || dk != dv)
     return error(kInvalidArgument, where + "qkv " + shape_str(dq) + " and caches " + shape_str(dk) + " / " +
                                        shape_str(dv) + " are not (1, n, width) and two equal (1, kv_heads, rows, head_dim)");
-  Problem p{};
-  p.n = dq[1];
+  p = Problem{};
+  p.n = n;
   p.Hkv = dk[1];
   p.R = dk[2];
   p.D = dk[3];
@@ -575,7 +577,7 @@ OrtStatus* compute(OrtKernelContext* ctx) {
     return error(kInvalidArgument, where + "rope " + shape_str(dc) + ", position_ids " + shape_str(dp) + ", bias " + shape_str(db) +
                                        " or scales " + shape_str(dsk) + " do not match the chunk");
   p.rope_rows = dc[0];
-  CABIN_TRY(data_of(in[0], &p.qkv));
+  p.qkv = qkv + row0 * dq[2];  // dq: this seat's rows' shape
   CABIN_TRY(data_of(in[1], &p.keys));
   CABIN_TRY(data_of(in[2], &p.values));
   CABIN_TRY(data_of(in[5], &p.cos));
@@ -588,14 +590,16 @@ OrtStatus* compute(OrtKernelContext* ctx) {
     if (p.position_ids[i] < 0 || p.position_ids[i] >= p.rope_rows)
       return error(kInvalidArgument, where + "position id " + std::to_string(p.position_ids[i]) + " outside the rotation tables");
   p.scale = 1.0f / std::sqrt(static_cast<float>(p.D));
-  thread_local std::vector<int64_t> X;
-  thread_local std::vector<int8_t> step;
-  CABIN_TRY(step_inputs(ctx, count, p, X, step));
-  OrtValue* out = nullptr;
-  CABIN_TRY(output(ctx, 0, {1, p.n, p.H * p.D}, &out));
-  CABIN_TRY(data_of(out, &p.out));
+  CABIN_TRY(step_inputs(ctx, count, base, p, X, step));
+  p.out = out == nullptr ? nullptr : out + row0 * p.H * p.D;
+  p.blocks = (p.n + kRowBlock - 1) / kRowBlock;
+  return nullptr;
+}
 
-  if (p.K > 0) {  // the step keys first: every block of rows reads them
+// Before any row attends: the step keys (every block of rows reads them; a parallel_for where there
+// are many), then the chunk's keys and values written into the cache.
+OrtStatus* write_seat(OrtKernelContext* ctx, Problem& p) {
+  if (p.K > 0) {
     const size_t units = static_cast<size_t>(p.V * p.Hkv);
     if (p.V * p.K <= 64) {
       for (size_t u = 0; u < units; ++u) step_keys_unit(&p, u);
@@ -604,9 +608,111 @@ OrtStatus* compute(OrtKernelContext* ctx) {
     }
   }
   write_rows(p);
-  p.blocks = (p.n + kRowBlock - 1) / kRowBlock;
+  return nullptr;
+}
+
+OrtStatus* compute(OrtKernelContext* ctx) {
+  size_t count = 0;
+  CABIN_TRY(input_count(ctx, &count));
+  const OrtValue* qv = nullptr;
+  std::vector<int64_t> dq;
+  CABIN_TRY(input(ctx, 0, &qv));
+  CABIN_TRY(dims_of(qv, &dq));
+  if (dq.size() != 3) return error(kInvalidArgument, "Int8KVAttention: qkv " + shape_str(dq) + " is not (1, n, width)");
+  const float* qkv = nullptr;
+  CABIN_TRY(data_of(qv, &qkv));
+  thread_local std::vector<int64_t> X;
+  thread_local std::vector<int8_t> step;
+  Problem p;
+  CABIN_TRY(prepare(ctx, dq, qkv, dq[1], 0, 1, count, nullptr, p, X, step));
+  OrtValue* out = nullptr;
+  CABIN_TRY(output(ctx, 0, {1, p.n, p.H * p.D}, &out));
+  CABIN_TRY(data_of(out, &p.out));
+  CABIN_TRY(write_seat(ctx, p));
   const size_t units = static_cast<size_t>(p.blocks * p.Hkv);
   return parallel_for(ctx, attend_unit, units, &p);
+}
+
+// ai.cabinlm::Int8KVSeatsAttention: S seats' rows in one node (a batched graph's layer), each seat's
+// rows over its own cache exactly as Int8KVAttention computes them alone:
+//   inputs  0 qkv          float (1, rows, width)  the seats' rows one seat after another
+//           1 seat_tokens  int64 (S,)              seat s's row count n_s (rows = their sum)
+//           2 ..           variadic: S groups of 15, seat s's group Int8KVAttention's inputs 1 .. 15 (its
+//                          caches, lengths, rotation rows, bias, scales, key_source, layer, row slots)
+//   output  0              float (1, rows, H D)    seat s's rows where its qkv rows are
+// Every (seat, block of rows, kv head) is one unit of one parallel_for, running the single node's
+// attend() on the seat's own problem: each seat's output is bit for bit its own node's. A unit reads
+// and writes only its seat's caches (every seat's chunk is written before any unit runs).
+constexpr size_t kSeatInputs = 15;
+struct SeatsProblem {
+  std::vector<Problem> seats;
+  std::vector<size_t> first;  // seat s's units start at first[s]
+};
+
+void seats_attend_unit(void* data, size_t unit) {
+  const SeatsProblem& sp = *static_cast<const SeatsProblem*>(data);
+  const size_t s = static_cast<size_t>(std::upper_bound(sp.first.begin(), sp.first.end(), unit) - sp.first.begin()) - 1;
+  attend_unit(const_cast<Problem*>(&sp.seats[s]), unit - sp.first[s]);
+}
+
+OrtStatus* compute_seats(OrtKernelContext* ctx) {
+  size_t count = 0;
+  CABIN_TRY(input_count(ctx, &count));
+  const std::string where = "Int8KVSeatsAttention: ";
+  if (count < 2 + kSeatInputs || (count - 2) % kSeatInputs != 0)
+    return error(kInvalidArgument, where + "takes qkv, seat_tokens and 15 inputs per seat, got " + std::to_string(count) + " inputs");
+  const int64_t S = static_cast<int64_t>((count - 2) / kSeatInputs);
+  const OrtValue *qv = nullptr, *cv = nullptr;
+  std::vector<int64_t> dq, dc;
+  CABIN_TRY(input(ctx, 0, &qv));
+  CABIN_TRY(input(ctx, 1, &cv));
+  CABIN_TRY(dims_of(qv, &dq));
+  CABIN_TRY(dims_of(cv, &dc));
+  const int64_t* counts = nullptr;
+  CABIN_TRY(data_of(cv, &counts));
+  int64_t rows = 0;
+  bool counts_ok = dc.size() == 1 && dc[0] == S;
+  for (int64_t s = 0; counts_ok && s < S; ++s) {
+    counts_ok = counts[s] >= 0;
+    rows += counts[s];
+  }
+  if (dq.size() != 3 || !counts_ok || dq[1] != rows)
+    return error(kInvalidArgument, where + "qkv " + shape_str(dq) + " and seat_tokens " + shape_str(dc) + " are not (1, rows, width) and " +
+                                       std::to_string(S) + " row counts adding up to rows");
+  const float* qkv = nullptr;
+  CABIN_TRY(data_of(qv, &qkv));
+  thread_local std::vector<std::vector<int64_t>> X;
+  thread_local std::vector<std::vector<int8_t>> step;
+  thread_local SeatsProblem sp;
+  X.resize(static_cast<size_t>(S));
+  step.resize(static_cast<size_t>(S));
+  sp.seats.resize(static_cast<size_t>(S));
+  sp.first.assign(static_cast<size_t>(S), 0);
+  std::vector<int64_t> row0(static_cast<size_t>(S), 0);
+  for (int64_t s = 0, r = 0; s < S; r += counts[s], ++s) {
+    row0[static_cast<size_t>(s)] = r;
+    std::vector<int64_t> ds{1, counts[s], dq[2]};
+    CABIN_TRY(prepare(ctx, ds, qkv, counts[s], r, 2 + static_cast<size_t>(s) * kSeatInputs, 1 + kSeatInputs, nullptr,
+                      sp.seats[static_cast<size_t>(s)], X[static_cast<size_t>(s)], step[static_cast<size_t>(s)]));
+  }
+  const Problem& p0 = sp.seats[0];
+  for (const Problem& p : sp.seats)
+    if (p.H != p0.H || p.D != p0.D)
+      return error(kInvalidArgument, where + "every seat's caches take the same heads and head_dim");
+  OrtValue* out = nullptr;
+  CABIN_TRY(output(ctx, 0, {1, dq[1], p0.H * p0.D}, &out));
+  float* y = nullptr;
+  CABIN_TRY(data_of(out, &y));
+  size_t units = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    Problem& p = sp.seats[static_cast<size_t>(s)];
+    p.out = y + row0[static_cast<size_t>(s)] * p.H * p.D;
+    CABIN_TRY(write_seat(ctx, p));
+    sp.first[static_cast<size_t>(s)] = units;
+    units += static_cast<size_t>(p.blocks * p.Hkv);
+  }
+  if (units == 0) return nullptr;
+  return parallel_for(ctx, seats_attend_unit, units, &sp);
 }
 
 struct Int8KVAttention {
@@ -617,6 +723,14 @@ struct Int8KVAttention {
   static OrtStatus* compute(OrtKernelContext* ctx) { return ::compute(ctx); }
 };
 
+struct Int8KVSeatsAttention {
+  static constexpr const char* kName = "Int8KVSeatsAttention";
+  // qkv, then the seats' groups as one variadic input of mixed types (ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED)
+  static constexpr ElementType kInputTypes[3] = {kFloat, kInt64, kAnyType};
+  static constexpr bool kVariadicTail = true;
+  static OrtStatus* compute(OrtKernelContext* ctx) { return ::compute_seats(ctx); }
+};
+
 }  // namespace
 
 // The int8 conversion path compiled in (the rest is GCC vector extensions, lowered for the same ISA):
@@ -625,5 +739,10 @@ extern "C" __attribute__((visibility("default"))) const char* cabinlm_attention_
 
 const cabinlm_ort::CustomOp* cabinlm_ort::int8_kv_attention_op() {
   static const CustomOp op = make_op<Int8KVAttention>();
+  return &op;
+}
+
+const cabinlm_ort::CustomOp* cabinlm_ort::int8_kv_seats_attention_op() {
+  static const CustomOp op = make_op<Int8KVSeatsAttention>();
   return &op;
 }

@@ -40,6 +40,7 @@ enum ElementType : int {
   kInt8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8,
   kInt32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32,
   kInt64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64,
+  kAnyType = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED,  // a variadic input of mixed types
 };
 
 struct ApiBase {  // OrtApiBase
@@ -153,6 +154,17 @@ struct RequiredInputs<Op, std::void_t<decltype(Op::kRequiredInputs)>> {
 // A stateless CPU operator: its first RequiredInputs inputs required (the rest optional), one float
 // output, created and run through the V2 entries (which return a status). Op is a struct with static
 // kName, kInputTypes and compute (and kRequiredInputs where trailing inputs are optional).
+// Whether an operator's last input is variadic (Op::kVariadicTail; its arity at least 1, its types
+// mixed: kInputTypes' last entry kAnyType).
+template <typename Op, typename = void>
+struct VariadicTail {
+  static constexpr bool value = false;
+};
+template <typename Op>
+struct VariadicTail<Op, std::void_t<decltype(Op::kVariadicTail)>> {
+  static constexpr bool value = Op::kVariadicTail;
+};
+
 template <typename Op>
 CustomOp make_op() {
   static int kernel_tag = 0;  // the kernels keep no state: every run reads its shapes from its inputs
@@ -165,13 +177,14 @@ CustomOp make_op() {
   op.GetOutputType = [](const CustomOp*, size_t) { return static_cast<int>(kFloat); };
   op.GetOutputTypeCount = [](const CustomOp*) { return static_cast<size_t>(1); };
   op.KernelDestroy = [](void*) {};
-  op.GetInputCharacteristic = [](const CustomOp*, size_t i) {  // 0 required, 1 optional
+  op.GetInputCharacteristic = [](const CustomOp*, size_t i) {  // 0 required, 1 optional, 2 variadic
+    if (VariadicTail<Op>::value && i + 1 == sizeof Op::kInputTypes / sizeof Op::kInputTypes[0]) return 2;
     return i < RequiredInputs<Op>::value ? 0 : 1;
   };
   op.GetOutputCharacteristic = [](const CustomOp*, size_t) { return 0; };  // required
   op.GetInputMemoryType = [](const CustomOp*, size_t) { return 0; };       // the provider's default
   op.GetVariadicInputMinArity = [](const CustomOp*) { return 1; };
-  op.GetVariadicInputHomogeneity = [](const CustomOp*) { return 1; };
+  op.GetVariadicInputHomogeneity = [](const CustomOp*) { return VariadicTail<Op>::value ? 0 : 1; };
   op.GetVariadicOutputMinArity = [](const CustomOp*) { return 1; };
   op.GetVariadicOutputHomogeneity = [](const CustomOp*) { return 1; };
   op.CreateKernelV2 = [](const CustomOp*, const void*, const OrtKernelInfo*, void** kernel) -> OrtStatus* {
@@ -186,6 +199,7 @@ CustomOp make_op() {
 
 // The operators the library registers (one per source file).
 const CustomOp* int8_kv_attention_op();
+const CustomOp* int8_kv_seats_attention_op();
 const CustomOp* block_q4_matmul_op();
 const CustomOp* block_q4_swiglu_matmul_op();
 
