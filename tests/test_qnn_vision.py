@@ -117,3 +117,15 @@ def test_a_tower_node_the_htp_rejects_keeps_the_tower_on_the_cpu_and_the_manifes
     ref = Decoder(art).vision.encode(img)
     np.testing.assert_allclose(dec.vision.encode(img), ref, atol=1e-5)  # fp32 on the CPU (the build's session settings)
     assert np.all(np.tril(ref, -1) == 0)  # the edited tower (its Trilu) is what ran
+
+
+def test_the_manifest_refuses_a_tower_record_that_says_neither_htp_nor_cpu():
+    from cabinlm.engines.qnn_htp.spec import QnnSettings
+
+    base = dict(qairt_version="2.51", htp_arch=73, soc_model=52, chip="SA8775P", activations="fp16", weights="int4",
+                weight_sharing=True, binaries=("d_qnn.bin",))  # fmt: skip
+    for record in ({"runs_on": "htp", "binary": "vision.ctx_qnn.bin"}, {"runs_on": "cpu", "reason": "Trilu"}, {}):
+        assert QnnSettings.from_dict({**base, "vision": record}).to_dict()["vision"] == record
+    for bad in ({"runs_on": "gpu"}, {"reason": "x"}, ["htp"]):
+        with pytest.raises(ValueError, match="build.qnn.vision"):
+            QnnSettings(**base, vision=bad)

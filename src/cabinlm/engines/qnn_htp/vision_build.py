@@ -2,7 +2,7 @@
 compiler into its own context binary for the profile's chip, beside the decoder's (builder.py).
 
     vision.onnx ─ compile (fp16, CPU fallback off) ─ vision.ctx.onnx + vision.ctx_qnn.bin
-                     │                                   └─ one frame in the HTP (x86: its simulator)
+                     │                                   └─ one input in the HTP (x86: its simulator)
                      │                                      against ONNX Runtime's CPU provider
                      └─ a node the HTP rejects, a compiler error, or embeddings that do not follow
                         the CPU's: vision.onnx copied as it is, run on the CPU at run time
@@ -50,7 +50,7 @@ def place_vision(output: BuildOutput, profile, log: Callable[[str], None]) -> di
     t = time.perf_counter()
     log(f"compiling the vision tower ({src.name}) for HTP v{profile.htp_arch}, SoC {profile.soc_model} ...")
     try:
-        reason, check = None, compile_and_check(src, ctx, profile, source.vision)
+        reason, check = None, compile_and_check(src, ctx, profile)
     except BuildError as e:
         reason, check = _reason(str(e)), None
     seconds = round(time.perf_counter() - t, 1)
@@ -66,40 +66,37 @@ def place_vision(output: BuildOutput, profile, log: Callable[[str], None]) -> di
     binary = context_binary(ctx)
     output.add(VISION_CONTEXT, VISION_CTX)
     output.add(VISION_BINARY, binary)
-    log(f"  compiled in {seconds:.1f} s: {binary} {output.path(binary).stat().st_size / 1e6:.1f} MB; one frame in the "
+    log(f"  compiled in {seconds:.1f} s: {binary} {output.path(binary).stat().st_size / 1e6:.1f} MB; one input in the "
         f"HTP simulator against the CPU: largest error {check['relative_error']:.2g} of the largest embedding")  # fmt: skip
     return {"runs_on": "htp", "binary": binary, "activations": "fp16", "compile_seconds": seconds, "check": check}
 
 
-def compile_and_check(src: Path, ctx: Path, profile, spec) -> dict[str, float]:
-    """Compile src into ctx (+ its binary) with the decoder's compile path, then run one frame
+def compile_and_check(src: Path, ctx: Path, profile) -> dict[str, float]:
+    """Compile src into ctx (+ its binary) with the decoder's compile path, then run one input
     through it on the HTP and through src on the CPU: {relative_error, correlation}."""
     import onnxruntime as ort
 
     from cabinlm.engines.qnn_htp.builder import compile_graph, profile_provider
 
     compile_graph(src, ctx, profile, share=False, last=True)
-    pixels = check_frame(spec)
-    htp = qnn_plugin.open_context_session(ctx, profile_provider(profile), share=False)
-    got = htp.run(None, {"pixel_values": pixels})[0].astype(np.float64)
     so = ort.SessionOptions()
     so.log_severity_level = 3
-    ref = ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"]).run(None, {"pixel_values": pixels})[0]
-    ref = ref.astype(np.float64)
+    cpu = ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])
+    pixels = check_frame(cpu.get_inputs()[0].shape)
+    ref = cpu.run(None, {"pixel_values": pixels})[0].astype(np.float64)
+    htp = qnn_plugin.open_context_session(ctx, profile_provider(profile), share=False)
+    got = htp.run(None, {"pixel_values": pixels})[0].astype(np.float64)
     if got.shape != ref.shape or not np.isfinite(got).all():
         return {"relative_error": float("inf"), "correlation": 0.0}
     return {"relative_error": round(float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30)), 6),
             "correlation": round(float(np.corrcoef(got.ravel(), ref.ravel())[0, 1]), 6)}  # fmt: skip
 
 
-def check_frame(spec) -> np.ndarray:
-    """A fixed random 64 x 48 frame, prepared as the runtime prepares a camera frame for this tower."""
-    from PIL import Image
-
-    from cabinlm.runtime.vision import preprocess
-
-    rgb = (np.random.default_rng(0).random((48, 64, 3)) * 255).astype(np.uint8)
-    return preprocess(Image.fromarray(rgb, "RGB"), spec)
+def check_frame(shape) -> np.ndarray:
+    """A fixed random input of the tower's shape ((1, 3, S, S) pixels or Qwen2-VL's (N, 3 * T * p^2)
+    patches), uniform in [-1, 1]: the range a frame takes after the processors' normalization (SigLIP's
+    exactly, CLIP's and Qwen's within about [-1.8, 2.2])."""
+    return np.random.default_rng(0).uniform(-1, 1, [int(d) for d in shape]).astype(np.float32)
 
 
 def context_binary(ctx: Path) -> str:
