@@ -3,16 +3,22 @@ CPU provider (docs/benchmarks.md, section 15). The simulator is not the chip: it
 nothing about the car's speed and are not reported as such.
 
     python benchmarks/qnn_htp.py ART [ART ...] --reference FP32_ART --text tests/data/prose.txt \
-        [--profiles sa8295p sa8775p] [--tokens 512] [--decode 200] [--json out.json]
+        [--profiles sa8295p sa8775p] [--tokens 512] [--decode 200] [--json out.json] \
+        [--reuse]
 
 For each artifact and profile:
   build     `cabinlm build ART --profile P` under /usr/bin/time -v: wall time, peak host memory
-            (the build process's maximum resident set), the context binaries' sizes
+            (the build process's maximum resident set), the context binaries' sizes. --reuse: a
+            build already in --out is used as it is (its manifest's compile time and peak memory)
   quality   chunked perplexity of the first --tokens tokens of --text (prefill chunks, the same
             semantics as the streamed measure) on the HTP build, on the same artifact on the CPU
-            (float32 activations), and on the fp32 reference artifact on the CPU
+            (float32 activations), and on the fp32 reference artifact on the CPU; top-1 agreement of
+            those teacher-forced positions (the prefill binary) with the reference's
   decode    --decode single-token steps through the HTP decode graph after a one-chunk prompt,
-            teacher-forced on the text, against the same steps on the CPU: top-1 agreement
+            teacher-forced on the text, against the same steps on the CPU (the same artifact, and
+            the fp32 reference): top-1 agreement
+  between   every two rows' HTP builds (e.g. the 8-bit-KV and the fp16-KV builds of one model, given
+            as two artifacts): top-1 agreement of their prefill positions and decode steps
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import numpy as np
 
 from cabinlm.manifest import load_manifest
 from cabinlm.runtime import Decoder, Tokenizer
-from cabinlm.runtime.perplexity import chunked_perplexity
+from cabinlm.runtime.perplexity import token_nll
 from cabinlm.engines.qnn_htp.spec import QnnSettings
 
 EXACT = {"session.qdq_matmulnbits_accuracy_level": "0"}
@@ -43,16 +49,35 @@ ap.add_argument("--tokens", type=int, default=512)
 ap.add_argument("--decode", type=int, default=200)
 ap.add_argument("--out", default="out/qnn-bench")
 ap.add_argument("--json")
+ap.add_argument("--reuse", action="store_true", help="use a build already under --out instead of building")
 a = ap.parse_args()
 
 text = Path(a.text).read_text(encoding="utf-8")
 ids = np.asarray(Tokenizer(Path(a.reference) / "tokenizer.json").encode(text, add_special_tokens=True)[: a.tokens])
-ref = chunked_perplexity(Decoder(a.reference), ids)
-print(f"reference {a.reference} (fp32 on the CPU): perplexity {ref.ppl:.3f} over {ref.tokens} tokens", flush=True)
+if a.decode and ids.size < load_manifest(a.reference).cache.chunk + a.decode:
+    raise SystemExit(f"--tokens {a.tokens} gives {ids.size} tokens: too few for a one-chunk prompt and --decode {a.decode} steps")
+
+
+def quality(folder, **kw) -> tuple[float, np.ndarray]:
+    """chunked perplexity (runtime/perplexity.chunked_perplexity's measure) and the top-1 token of every position"""
+    dec = Decoder(folder, **kw)
+    logits = dec.feed(ids[:-1], all_logits=True)
+    nll = np.array([token_nll(logits[i], int(ids[i + 1])) for i in range(ids.size - 1)])
+    return float(np.exp(nll.mean())), logits.argmax(-1)
+
+
+ref_ppl, ref_prefill_tops = quality(a.reference)
+print(f"reference {a.reference} (fp32 on the CPU): perplexity {ref_ppl:.3f} over {ids.size} tokens", flush=True)
 rows = []
 
 
 def build(art: str, profile: str, out: Path) -> dict:
+    if a.reuse and (out / "manifest.json").exists():
+        m = load_manifest(out)
+        q = m.build.facts_as(QnnSettings)
+        return {"wall_s": None, "compile_s": q.compile_seconds, "peak_rss_bytes": q.peak_host_bytes, "reused": True,
+                "binary_bytes": m.quality["build"]["binary_bytes"], "weights": q.weights, "weight_sharing": q.weight_sharing,
+                "qairt": q.qairt_version, "check": q.check}  # fmt: skip
     cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "cabinlm", "build", art, "--profile", profile, "-o", str(out)]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True)
@@ -76,26 +101,42 @@ def decode_steps(folder, ids: np.ndarray, prompt: int, steps: int, **kw) -> tupl
     return np.asarray(tops), (time.perf_counter() - t0) / steps
 
 
+def agree(x: np.ndarray, y: np.ndarray) -> float | None:
+    return round(float((np.asarray(x) == np.asarray(y)).mean()), 4) if len(x) else None
+
+
+chunk = load_manifest(a.reference).cache.chunk
+ref_tops, _ = decode_steps(a.reference, ids, chunk, a.decode)
 for art in a.artifacts:
-    cpu = chunked_perplexity(Decoder(art, session_config=EXACT), ids)
+    cpu_ppl, _ = quality(art, session_config=EXACT)
     chunk = load_manifest(art).cache.chunk
     cpu_tops, cpu_step = decode_steps(art, ids, chunk, a.decode, session_config=EXACT)
     for profile in a.profiles:
         out = Path(a.out) / f"{Path(art).name}-{profile}"
         b = build(art, profile, out)
         t0 = time.perf_counter()
-        htp = chunked_perplexity(Decoder(out), ids)
+        htp_ppl, prefill_tops = quality(out)
         ppl_s = time.perf_counter() - t0
         tops, step_s = decode_steps(out, ids, chunk, a.decode)
-        row = {"artifact": art, "profile": profile, **b, "ppl_htp": round(htp.ppl, 3), "ppl_cpu_same_artifact": round(cpu.ppl, 3),
-               "ppl_reference_fp32": round(ref.ppl, 3), "tokens": int(ids.size), "decode_steps": a.decode,
-               "top1_agreement": round(float((tops == cpu_tops).mean()), 4) if a.decode else None,
+        row = {"artifact": art, "profile": profile, **b,
+               "ppl_htp": round(htp_ppl, 3), "ppl_cpu_same_artifact": round(cpu_ppl, 3),
+               "ppl_reference_fp32": round(ref_ppl, 3), "tokens": int(ids.size), "decode_steps": a.decode,
+               "top1_agreement": agree(tops, cpu_tops), "top1_vs_reference_fp32": agree(tops, ref_tops),
+               "prefill_positions": int(ids.size - 1), "prefill_top1_vs_reference_fp32": agree(prefill_tops, ref_prefill_tops),
                "simulator_prefill_s_per_chunk": round(ppl_s / -(-(ids.size - 1) // chunk), 1),
                "simulator_decode_s_per_token": step_s and round(step_s, 2),
-               "cpu_decode_s_per_token": cpu_step and round(cpu_step, 4)}  # fmt: skip
+               "cpu_decode_s_per_token": cpu_step and round(cpu_step, 4),
+               "decode_tops": tops.tolist(), "prefill_tops": prefill_tops.tolist()}  # fmt: skip
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if not k.endswith("_tops")}), flush=True)
 
+between = []
+for i, r in enumerate(rows):
+    for o in rows[i + 1 :]:
+        between.append({"rows": [f"{Path(x['artifact']).name}-{x['profile']}" for x in (r, o)],
+                        "prefill_top1": agree(r["prefill_tops"], o["prefill_tops"]),
+                        "decode_top1": agree(r["decode_tops"], o["decode_tops"])})  # fmt: skip
+        print(json.dumps(between[-1]), flush=True)
 print("\n| artifact | profile | weights | build s | peak host memory | binaries | ppl HTP (simulator) | ppl CPU, same artifact | ppl fp32 reference | top-1 agreement |")
 print("|---|---|---|---:|---:|---|---:|---:|---:|---:|")
 for r in rows:
@@ -104,4 +145,4 @@ for r in rows:
           f"| {bins} | {r['ppl_htp']} | {r['ppl_cpu_same_artifact']} | {r['ppl_reference_fp32']} | "
           + (f"{r['top1_agreement']:.1%} over {r['decode_steps']} |" if r["decode_steps"] else "not run |"))  # fmt: skip
 if a.json:
-    Path(a.json).write_text(json.dumps({"reference_ppl": ref.ppl, "rows": rows}, indent=1))
+    Path(a.json).write_text(json.dumps({"reference_ppl": ref_ppl, "rows": rows, "between": between}))
