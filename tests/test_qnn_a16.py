@@ -72,7 +72,8 @@ def test_the_a16_build_records_its_precision_scales_and_calibration(a16_build, i
     art, m = load_manifest(int8_artifact), load_manifest(a16_build)
     q = m.build.facts
     assert (q.htp_arch, q.activations, q.weights, q.kv_cache) == (73, "int16", "int8", "uint8")
-    assert q.check["same_top1"] and q.check["correlation"] > 0.99
+    assert q.check["same_top1"] and q.check["correlation"] > 0.99  # the compiled graph against the QDQ graph
+    assert 0.99 <= q.rewrites["fidelity"] <= 1.0  # the QDQ graph against the float graph, a calibration chunk
     assert q.kv_scales == pytest.approx(per_tensor_kv_scales(art.kv_scales.array("keys"), art.kv_scales.array("values"), 2))
     cache_io = [t for t in (*m.io.inputs, *m.io.outputs) if "key" in t.name or "value" in t.name]
     assert cache_io and all(t.dtype == "uint8" for t in cache_io)
@@ -142,3 +143,14 @@ def test_the_cli_refuses_a16_on_sa8295p_in_one_line(int8_artifact, tmp_path):
 
     p = cabinlm("build", int8_artifact, "--profile", "sa8295p", "--activations", "a16", "-o", tmp_path / "v68")
     assert_clean_error(p, "--activations a16 is for HTP v73+ (sa8775p); sa8295p is v68", "AI Hub's export refuses w4a16")
+
+
+def test_a16_graph_that_loses_the_model_is_refused(int8_artifact, tmp_path, monkeypatch):
+    """The build compares the QDQ graph's logits with the float graph's on a calibration chunk (on the
+    CPU) and refuses below qdq.MIN_FIDELITY: here the bar is put above what any graph reaches."""
+    from cabinlm.engines.qnn_htp import qdq
+
+    monkeypatch.setattr(qdq, "MIN_FIDELITY", 1.001)
+    with pytest.raises(BuildError, match=r"the 16-bit graph does not follow the float graph \(logit correlation [01]\.\d+ over a calibration chunk .*"
+                                         r"build it with --activations fp16"):
+        build_artifact(int8_artifact, load_profile("sa8775p"), tmp_path / "b", activations="a16")

@@ -328,6 +328,24 @@ def quantize_a16(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]], kv:
     return q
 
 
+MIN_FIDELITY = 0.99  # the QDQ graph's logits against the float graph's, one calibration chunk (fidelity)
+
+
+def fidelity(reference: bytes, q: onnx.ModelProto, feed: dict[str, np.ndarray]) -> float:
+    """The logit correlation of the QDQ graph q against the float graph (serialized, the same uint8
+    cache I/O) on one feed, both on ONNX Runtime's CPU provider: what the 16-bit ranges cost, apart
+    from the compiler (whose own faithfulness the build's decode check measures)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    ref = ort.InferenceSession(reference, so, providers=["CPUExecutionProvider"]).run(["logits"], feed)[0]
+    got = ort.InferenceSession(q.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(["logits"], feed)[0]
+    if not np.isfinite(got).all():
+        return 0.0
+    return float(np.corrcoef(ref.astype(np.float64).ravel(), got.astype(np.float64).ravel())[0, 1])
+
+
 def a16_graph(artifact: Path, manifest, calib: Path | None, workdir: Path,
               log: Callable[[str], None] = lambda s: None) -> tuple[onnx.ModelProto, dict, dict[str, float], dict]:
     """The whole pipeline (module docstring) for an int8-KV export. Returns (the QDQ graph, the
@@ -344,6 +362,9 @@ def a16_graph(artifact: Path, manifest, calib: Path | None, workdir: Path,
     rewrites["masks_floored"] = len(floor_masks(model))
     ids, source = calibration_ids(artifact, manifest, calib)
     feeds = calibration_feeds(model, artifact, manifest, ids)
+    reference = model.SerializeToString()  # the float graph, uint8 cache I/O: the fidelity check's reference
+    probe = next(f for f in reversed(feeds) if f["input_ids"].shape[0] > 1)  # the last prefill chunk
+    probe = {k: v.copy() for k, v in probe.items()}
     kv = float_kv_io(model, scales)
     for f in feeds:  # the recorded uint8 cache as the float cache the quantizer's graph reads
         for name in kv:
@@ -351,6 +372,12 @@ def a16_graph(artifact: Path, manifest, calib: Path | None, workdir: Path,
                 f[name] = (f[name].astype(np.float32) - 128.0) * np.float32(kv[name])
     log(f"calibrating 16-bit activations on {len(ids)} tokens ({source}), {len(feeds)} runs of the float graph")
     q = quantize_a16(model, feeds, kv, workdir)
+    corr = fidelity(reference, q, probe)
+    if corr < MIN_FIDELITY:
+        raise BuildError(f"the 16-bit graph does not follow the float graph (logit correlation {corr:.3f} over a "
+                         f"calibration chunk on the CPU, below {MIN_FIDELITY}): per-tensor 16-bit ranges lose this "
+                         "model; build it with --activations fp16")  # fmt: skip
+    rewrites["fidelity"] = round(corr, 5)
     calibration = {"source": source, "tokens": len(ids), "ids_sha256": ids_sha256(ids),
                    "method": "min-max per tensor (onnxruntime.quantization, QNN QDQ config)"}  # fmt: skip
     return q, rewrites, scales, calibration
