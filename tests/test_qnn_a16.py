@@ -154,3 +154,23 @@ def test_a16_graph_that_loses_the_model_is_refused(int8_artifact, tmp_path, monk
     with pytest.raises(BuildError, match=r"the 16-bit graph does not follow the float graph \(logit correlation [01]\.\d+ over a calibration chunk .*"
                                          r"build it with --activations fp16"):
         build_artifact(int8_artifact, load_profile("sa8775p"), tmp_path / "b", activations="a16")
+
+
+def test_the_calibration_text_is_the_users_choice(int8_artifact, tmp_path):
+    """--calib FILE: its tokens (the export's 60% calibration part, at most 512), not the built-in mix."""
+    from tokenizers import Tokenizer
+
+    from cabinlm.engines.qnn_htp.qdq import MAX_CALIB_TOKENS, calibration_ids, ids_sha256
+
+    m = load_manifest(int8_artifact)
+    text = tmp_path / "calib.txt"
+    text.write_text("The car turns left at the next junction, then parks by the river. " * 60, encoding="utf-8")
+    ids, source = calibration_ids(int8_artifact, m, text)
+    every = Tokenizer.from_file(str(int8_artifact / m.files["tokenizer"].path)).encode(text.read_text()).ids
+    assert source == str(text) and ids == every[: int(len(every) * 0.6)][:MAX_CALIB_TOKENS]
+    assert ids_sha256(ids) != ids_sha256(calibration_ids(int8_artifact, m, None)[0])
+    text.write_text("too short", encoding="utf-8")
+    from cabinlm.errors import CabinlmError
+
+    with pytest.raises(CabinlmError, match=r"--calib .*calib.txt: only \d+ tokens; give at least 256"):
+        calibration_ids(int8_artifact, m, text)
