@@ -4,7 +4,7 @@ int8 per channel, int4 per channel, or the export's int4 blocks (DequantizeLinea
 compiled for sa8775p (prefill graph), run in the simulator on the last 8 calibration chunks, against
 the same QDQ graph and the float graph on ONNX Runtime's CPU provider (max |logit error| / max |logit|).
 
-    python benchmarks/htp_a16_weights.py ARTIFACT {int8,int4,int4block}
+    python benchmarks/htp_a16_weights.py ARTIFACT {int16,int8,int4,int4block}
 """
 import sys, os, tempfile, numpy as np, onnx, onnxruntime as ort
 from pathlib import Path
@@ -15,7 +15,8 @@ from cabinlm.engines.qnn_htp.builder import compile_graph, profile_provider
 from cabinlm.engines.qnn_htp import plugin as qp
 from cabinlm.profiles import load_profile
 variant=sys.argv[2]
-qdq.WEIGHTS_A16 = "int4" if variant.startswith("int4") else "int8"
+qdq.MIN_FIDELITY = -1.0  # measure, do not refuse
+qdq.WEIGHTS_A16 = "int4" if variant.startswith("int4") else variant
 W=Path(tempfile.mkdtemp(prefix="a16-weights-")); art=Path(sys.argv[1]); m=load_manifest(art)
 # float reference with the same rewrites (uint8 cache I/O)
 f=read_graph(art,m); G.fuse_rms_norms(f); G.float_embedding(f); qdq.float_weights(f)

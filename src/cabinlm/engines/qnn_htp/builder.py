@@ -32,6 +32,7 @@ from cabinlm.engines.onnxruntime.offline import fix_tokens, read_graph
 from cabinlm.engines.output import BuildOutput
 from cabinlm.engines.qnn_htp import plugin as qnn_plugin
 from cabinlm.engines.qnn_htp.graph import KV_ZERO_POINT, htp_ready, per_tensor_kv_scales, uint8_kv
+from cabinlm.engines.qnn_htp import qdq
 from cabinlm.engines.qnn_htp.qdq import a16_graph, a16_refusal
 from cabinlm.engines.qnn_htp.vision_build import place_vision
 from cabinlm.engines.qnn_htp.spec import QNN_PROVIDER, SIMULATOR, QnnSettings, shares_weights
@@ -171,7 +172,7 @@ class QnnBuilder(Builder):
             with tempfile.TemporaryDirectory(prefix="cabinlm-a16-") as work:
                 model, rewrites, kv_scales, calibration = a16_graph(artifact, manifest, request.calib, Path(work), log)
             output.quality["activation_calibration"] = calibration
-            log(f"the graph with 16-bit activations: {rewrites['float_weights']} weight matrices as int8 per channel, the "
+            log(f"the graph with 16-bit activations: {rewrites['float_weights']} weight matrices as {qdq.WEIGHTS_A16} per channel, the "
                 f"KV cache as uint8 (zero point {KV_ZERO_POINT}, one scale per tensor, the same in and out); on the CPU its "
                 f"logits follow the float graph's at correlation {rewrites['fidelity']:.4f}")  # fmt: skip
         else:
@@ -215,7 +216,7 @@ class QnnBuilder(Builder):
         binaries = [p for r, p in files.items() if r.startswith("context_binary")]
         sdk = _binary_of(out / files["graph"])[1]
         a16 = request.activations == "a16"
-        weights = "int8" if a16 else "fp16" if not (rewrites["matmul_4bit"] or rewrites["matmul_8bit"]) else (
+        weights = qdq.WEIGHTS_A16 if a16 else "fp16" if not (rewrites["matmul_4bit"] or rewrites["matmul_8bit"]) else (
             "int4" if rewrites["matmul_4bit"] else "int8")  # fmt: skip
         settings = QnnSettings(
             qairt_version=sdk.removeprefix("v"), soc_model=profile.soc_model, htp_arch=profile.htp_arch,

@@ -313,7 +313,7 @@ def quantize_a16(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]], kv:
     src = workdir / "a16.float.onnx"
     onnx.save_model(model, str(src), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=src.name + ".data", size_threshold=1024)  # fmt: skip
-    weight = {"int8": QuantType.QInt8, "int4": QuantType.QInt4}[WEIGHTS_A16]
+    weight = {"int16": QuantType.QInt16, "int8": QuantType.QInt8, "int4": QuantType.QInt4}[WEIGHTS_A16]
     config = get_qnn_qdq_config(str(src), _Reader(feeds), activation_type=QuantType.QUInt16, weight_type=weight,
                                 per_channel=True, weight_symmetric=True)  # fmt: skip
     config.use_external_data_format = True
