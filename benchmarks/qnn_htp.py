@@ -4,7 +4,7 @@ nothing about the car's speed and are not reported as such.
 
     python benchmarks/qnn_htp.py ART [ART ...] --reference FP32_ART --text tests/data/prose.txt \
         [--profiles sa8295p sa8775p] [--tokens 512] [--decode 200] [--json out.json] \
-        [--reuse]
+        [--reuse] [--skip-ppl] [--decode-seconds S]
 
 For each artifact and profile:
   build     `cabinlm build ART --profile P` under /usr/bin/time -v: wall time, peak host memory
@@ -16,7 +16,8 @@ For each artifact and profile:
             those teacher-forced positions (the prefill binary) with the reference's
   decode    --decode single-token steps through the HTP decode graph after a one-chunk prompt,
             teacher-forced on the text, against the same steps on the CPU (the same artifact, and
-            the fp32 reference): top-1 agreement
+            the fp32 reference): top-1 agreement. --decode-seconds: the HTP's steps stop after S
+            seconds (prompt included) and the steps done are compared; --skip-ppl: decode only
   between   every two rows' HTP builds (e.g. the 8-bit-KV and the fp16-KV builds of one model, given
             as two artifacts): top-1 agreement of their prefill positions and decode steps
 """
@@ -50,6 +51,8 @@ ap.add_argument("--decode", type=int, default=200)
 ap.add_argument("--out", default="out/qnn-bench")
 ap.add_argument("--json")
 ap.add_argument("--reuse", action="store_true", help="use a build already under --out instead of building")
+ap.add_argument("--decode-seconds", type=float, help="stop the HTP's decode steps after this long (the steps done are compared)")
+ap.add_argument("--skip-ppl", action="store_true", help="no perplexity / prefill-position pass on the HTP builds")
 a = ap.parse_args()
 
 text = Path(a.text).read_text(encoding="utf-8")
@@ -91,14 +94,19 @@ def build(art: str, profile: str, out: Path) -> dict:
             "qairt": m.build.facts_as(QnnSettings).qairt_version, "check": m.build.facts_as(QnnSettings).check}  # fmt: skip
 
 
-def decode_steps(folder, ids: np.ndarray, prompt: int, steps: int, **kw) -> tuple[np.ndarray, float]:
+def decode_steps(folder, ids: np.ndarray, prompt: int, steps: int, budget: float | None = None, **kw) -> tuple[np.ndarray, float]:
     if steps == 0:
         return np.zeros(0, np.int64), None
     dec = Decoder(folder, **kw)
+    start = time.perf_counter()
     dec.feed(ids[:prompt])
     t0 = time.perf_counter()
-    tops = [int(dec.step(ids[i : i + 1])[0].argmax()) for i in range(prompt, prompt + steps)]
-    return np.asarray(tops), (time.perf_counter() - t0) / steps
+    tops = []
+    for i in range(prompt, prompt + steps):
+        tops.append(int(dec.step(ids[i : i + 1])[0].argmax()))
+        if budget is not None and time.perf_counter() - start > budget:
+            break
+    return np.asarray(tops), (time.perf_counter() - t0) / len(tops)
 
 
 def agree(x: np.ndarray, y: np.ndarray) -> float | None:
@@ -108,20 +116,21 @@ def agree(x: np.ndarray, y: np.ndarray) -> float | None:
 chunk = load_manifest(a.reference).cache.chunk
 ref_tops, _ = decode_steps(a.reference, ids, chunk, a.decode)
 for art in a.artifacts:
-    cpu_ppl, _ = quality(art, session_config=EXACT)
+    cpu_ppl = float("nan") if a.skip_ppl else quality(art, session_config=EXACT)[0]
     chunk = load_manifest(art).cache.chunk
     cpu_tops, cpu_step = decode_steps(art, ids, chunk, a.decode, session_config=EXACT)
     for profile in a.profiles:
         out = Path(a.out) / f"{Path(art).name}-{profile}"
         b = build(art, profile, out)
         t0 = time.perf_counter()
-        htp_ppl, prefill_tops = quality(out)
+        htp_ppl, prefill_tops = (float("nan"), np.zeros(0, np.int64)) if a.skip_ppl else quality(out)
         ppl_s = time.perf_counter() - t0
-        tops, step_s = decode_steps(out, ids, chunk, a.decode)
+        tops, step_s = decode_steps(out, ids, chunk, a.decode, a.decode_seconds)
         row = {"artifact": art, "profile": profile, **b,
-               "ppl_htp": round(htp_ppl, 3), "ppl_cpu_same_artifact": round(cpu_ppl, 3),
+               "ppl_htp": None if a.skip_ppl else round(htp_ppl, 3), "ppl_cpu_same_artifact": None if a.skip_ppl else round(cpu_ppl, 3),
                "ppl_reference_fp32": round(ref_ppl, 3), "tokens": int(ids.size), "decode_steps": a.decode,
-               "top1_agreement": agree(tops, cpu_tops), "top1_vs_reference_fp32": agree(tops, ref_tops),
+               "decode_steps_run": len(tops),
+               "top1_agreement": agree(tops, cpu_tops[: len(tops)]), "top1_vs_reference_fp32": agree(tops, ref_tops[: len(tops)]),
                "prefill_positions": int(ids.size - 1), "prefill_top1_vs_reference_fp32": agree(prefill_tops, ref_prefill_tops),
                "simulator_prefill_s_per_chunk": round(ppl_s / -(-(ids.size - 1) // chunk), 1),
                "simulator_decode_s_per_token": step_s and round(step_s, 2),
@@ -134,8 +143,8 @@ between = []
 for i, r in enumerate(rows):
     for o in rows[i + 1 :]:
         between.append({"rows": [f"{Path(x['artifact']).name}-{x['profile']}" for x in (r, o)],
-                        "prefill_top1": agree(r["prefill_tops"], o["prefill_tops"]),
-                        "decode_top1": agree(r["decode_tops"], o["decode_tops"])})  # fmt: skip
+                        "prefill_top1": agree(r["prefill_tops"], o["prefill_tops"]) if len(r["prefill_tops"]) == len(o["prefill_tops"]) else None,
+                        "decode_top1": agree(*(t[: min(len(r["decode_tops"]), len(o["decode_tops"]))] for t in (r["decode_tops"], o["decode_tops"])))})  # fmt: skip
         print(json.dumps(between[-1]), flush=True)
 print("\n| artifact | profile | weights | build s | peak host memory | binaries | ppl HTP (simulator) | ppl CPU, same artifact | ppl fp32 reference | top-1 agreement |")
 print("|---|---|---|---:|---:|---|---:|---:|---:|---:|")
