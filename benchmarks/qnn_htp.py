@@ -152,6 +152,6 @@ for r in rows:
     bins = ", ".join(f"{n / 1e6:.1f} MB" for n in r["binary_bytes"].values())
     print(f"| {Path(r['artifact']).name} | {r['profile']} | {r['weights']} | {r['wall_s']} | {r['peak_rss_bytes'] / 2**30:.2f} GiB "
           f"| {bins} | {r['ppl_htp']} | {r['ppl_cpu_same_artifact']} | {r['ppl_reference_fp32']} | "
-          + (f"{r['top1_agreement']:.1%} over {r['decode_steps']} |" if r["decode_steps"] else "not run |"))  # fmt: skip
+          + (f"{r['top1_agreement']:.1%} over {r['decode_steps_run']} |" if r["decode_steps"] else "not run |"))  # fmt: skip
 if a.json:
     Path(a.json).write_text(json.dumps({"reference_ppl": ref_ppl, "rows": rows, "between": between}))
