@@ -113,15 +113,14 @@ def calibration_feeds(model: onnx.ModelProto, artifact: Path, manifest, ids: lis
     float graph through the runtime's own backend (its slot table, masks and uint8 cache buffers)."""
     import onnxruntime as ort
 
-    from cabinlm.engines.ort_graph.backend import ExportedGraphBackend, LoadedGraphs
-    from cabinlm.runtime import Decoder
-    from cabinlm.runtime.slots import SlotTable
+    from cabinlm.engines.qnn_htp.backend import LoadedGraphs, QnnBackend
+    from cabinlm.runtime import Decoder, SlotTable
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
     session = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
-    class Recording(ExportedGraphBackend):
+    class Recording(QnnBackend):  # the HTP backend's own contract, its sessions the float graph on the CPU
         cache_dtype = "uint8"  # graph.uint8_kv's cache
 
     table = SlotTable(manifest.cache)
