@@ -179,6 +179,27 @@ def test_a_restored_table_knows_where_its_frame_starts():
             np.testing.assert_array_equal(x, y)
 
 
+def test_a_table_saved_between_begin_frame_and_the_frame_goes_on_as_the_uninterrupted_one():
+    lay = CacheLayout(sink=4, pinned=2, image=12, window=16, chunk=12, layers=1, kv_heads=1, head_dim=2)
+    for frames_before in (0, 1):  # the first frame, or a frame replacing one
+        table = SlotTable(lay)
+        table.advance(table.plan(6))
+        for _ in range(frames_before):
+            table.begin_frame()
+            table.advance(table.plan(12, "image"))
+            table.advance(table.plan(5))
+        table.begin_frame()
+        other = SlotTable(lay)
+        other.restore(table.state())
+        for n, pin in ((12, "image"), (3, False)):
+            a, b = table.plan(n, pin), other.plan(n, pin)
+            for x, y in zip(a.mrope_positions(12, (3, 4)), b.mrope_positions(12, (3, 4))):
+                np.testing.assert_array_equal(x, y)
+            table.advance(a)
+            other.advance(b)
+        assert other.frame_start == table.frame_start == 6 + 17 * frames_before
+
+
 # -- the exported decoder against transformers -------------------------------------------------------
 
 

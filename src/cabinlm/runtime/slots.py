@@ -313,7 +313,11 @@ class SlotTable:
         self.slot_token[:] = state.slot_token
         for k, v in state.counters().items():
             setattr(self, k, v)
-        self.frame_start, self.frame_open = restored_frame_start(state, self.layout), False
+        # begin_frame() with no frame token fed since: the region is empty after a frame began, and
+        # the next image chunk starts the frame (a save inside a frame's feed is not restored: a
+        # Dialogue feeds a frame whole, with Ctrl-C held)
+        self.frame_start = restored_frame_start(state, self.layout)
+        self.frame_open = state.frames > 0 and state.image_fill == 0
 
     # -- one step ----------------------------------------------------------------------------------
 
