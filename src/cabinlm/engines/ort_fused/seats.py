@@ -15,6 +15,7 @@ filled by the idle seat, whose output is dropped.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,12 @@ if TYPE_CHECKING:
     from cabinlm.engines.ort_fused.backend import FusedBackend, FusedGraphs
 
 IDLE_IDS = np.zeros(1, dtype=np.int64)  # the idle seat's token (any id: its output is dropped)
+# A binding's decode outputs (one row per seat): arrays of our own, bound once, that every decode run
+# of that binding writes into (binding -> (rows, [hidden, qkv.0, ...])). Safe to reuse: step_seats
+# commits every seat (which copies what it keeps of qkv) before the next run, and the head's logits
+# are arrays of their own.
+_DECODE_OUTPUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_OUTPUT_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # session -> its output names, in order
 
 
 def run_batched(solo: FusedBackend, seats: Sequence[Backend], plans: Sequence[StepPlan],
@@ -119,13 +126,35 @@ def run_batch(graphs: FusedGraphs, seats: Sequence[FusedBackend], plans: Sequenc
         value = np.ascontiguousarray(value)
         kept.append(value)
         binding.bind_cpu_input(name, value)
-    for out in session.get_outputs():
-        binding.bind_output(out.name, "cpu")
-    session.run_with_iobinding(binding)
-    got = [o.numpy() for o in binding.get_outputs()]  # in declared order: hidden, then qkv.{l}
+    got = _run(session, binding, int(ends[-1]), len(seats))  # in declared order: hidden, then qkv.{l}
     hidden, qkv = got[0], got[1:]
     assert graphs.head is not None  # a build with batched graphs has their head graph
     logits = graphs.head.run([io.LOGITS], {io.HIDDEN: hidden})[0]  # (seats, vocab)
     starts = ends - counts
     return [StepOutput(logits[s : s + 1], (plan.extent, [q[:, a:e] for q in qkv]))
             for s, (plan, a, e) in enumerate(zip(plans, starts, ends))]  # fmt: skip
+
+
+def _run(session, binding, rows: int, seats: int) -> list[np.ndarray]:
+    """Run the batched graph; its outputs. A decode run (one row per seat) writes into the binding's
+    own arrays (_DECODE_OUTPUTS: allocated and bound on the first, then reused: no allocation and no
+    binding per step); other runs let ONNX Runtime allocate, as the outputs' shapes vary."""
+    names = _OUTPUT_NAMES.get(session)
+    if names is None:
+        names = _OUTPUT_NAMES[session] = [o.name for o in session.get_outputs()]
+    held = _DECODE_OUTPUTS.get(binding)
+    if rows == seats:
+        if held is None or held[0] != rows:
+            shapes = {o.name: o.shape for o in session.get_outputs()}
+            arrays = [np.empty((rows, shapes[n][-1]) if n == io.HIDDEN else (1, rows, shapes[n][-1]), np.float32) for n in names]
+            for n, a in zip(names, arrays):
+                binding.bind_output(n, "cpu", element_type=np.float32, shape=a.shape, buffer_ptr=a.ctypes.data)
+            held = _DECODE_OUTPUTS[binding] = (rows, arrays)
+        session.run_with_iobinding(binding)
+        return held[1]
+    if held is not None:  # bound to our arrays: let ONNX Runtime allocate again
+        del _DECODE_OUTPUTS[binding]
+    for n in names:
+        binding.bind_output(n, "cpu")
+    session.run_with_iobinding(binding)
+    return [o.numpy() for o in binding.get_outputs()]
