@@ -22,7 +22,6 @@ from cabinlm.runtime.vision import load_image, preprocess
 import vlm_checks as vlm
 from test_cli import cabinlm
 from vlm_checks import TEXT, hf_greedy, hf_inputs, picture
-from vlm_reference import FrameStreamingReference
 
 # SmolVLM's chat template (its Hub folders' chat_template.json; transformers' smolvlm DEFAULT_CHAT_TEMPLATE)
 SMOLVLM_TEMPLATE = (
@@ -193,41 +192,8 @@ def test_streaming_with_a_pinned_frame_follows_the_reference_of_the_semantics(id
     first, against vlm_reference.py's FrameStreamingReference (positions are ranks)."""
     loaded, folder = idefics3
     dec = Decoder(folder)
-    v = dec.manifest.vision
-    lm = loaded.model.model.text_model
-    ref = FrameStreamingReference(loaded.model, lm, dec.layout.sink, dec.layout.window, lm.rotary_emb.inv_freq)
-    embed = lm.embed_tokens
-    tok = loaded.tokenizer.backend_tokenizer
-    text = tok.encode(TEXT * 3, add_special_tokens=False).ids
-    worst = 0.0
-
-    def both(ids_or_frame, frame: bool = False) -> None:
-        nonlocal worst
-        if frame:
-            dec.cache.begin_frame()
-            ours = dec.feed([v.image_token_id] * v.image_tokens, pin="image", all_logits=True, embeds=ids_or_frame)
-            theirs = ref.feed(torch.from_numpy(ids_or_frame), frame=True)
-        else:
-            ours = dec.feed(ids_or_frame, all_logits=True)
-            theirs = ref.feed(embed(torch.tensor(ids_or_frame)))
-        worst = max(worst, float(np.abs(ours - theirs.numpy()).max()))
-
-    def stream(ids: list[int]) -> None:
-        i = 0
-        while i < len(ids):
-            n = 16 if (i // 40) % 2 else 1  # stretches of one-token steps and of chunks
-            both(ids[i : i + n])
-            i += n
-
-    both(tok.encode("<|im_start|>User:", add_special_tokens=False).ids + list(v.image_prefix))
-    both(dec.vision.encode(picture(*PICTURE, seed=7)), frame=True)
-    stream(list(v.image_suffix) + text[:150])
-    assert dec.cache.evicted > 60
-    both(list(v.image_prefix))
-    both(dec.vision.encode(picture(*PICTURE, seed=8)), frame=True)
-    stream(list(v.image_suffix) + text[150:260])
-    assert dec.cache.frames == 2 and dec.cache.evicted > 150  # measured 163
-    assert len(ref.entries) == int((dec.cache.slot_token >= 0).sum())
+    worst = vlm.frames_against_the_reference(loaded, dec, PICTURE, [7, 8], [(0, 150), (150, 260)])
+    assert dec.cache.evicted > 150  # measured 163
     assert worst < 1e-4, worst  # measured 7.6e-6 (logits up to ~5)
 
 

@@ -198,3 +198,50 @@ def check_a_session_saved_with_its_frame_resumes_with_the_same_replies(folder: P
     for text in ("and the weather?", "how far to the charging station?"):
         assert second.ask(text).reply == first.ask(text).reply
     np.testing.assert_array_equal(second.decoder.cache.slot_token, first.decoder.cache.slot_token)
+
+
+def frames_against_the_reference(loaded, dec: Decoder, size: tuple[int, int], seeds: list[int],
+                                 spans: list[tuple[int, int]]) -> float:
+    """A 1-D-RoPE VLM's decoder beyond its cache against vlm_reference.FrameStreamingReference (positions
+    are ranks): for each frame (a picture of `size` from seeds[i]) its image prefix, the frame pinned, then
+    its image suffix and TEXT's tokens spans[i] as stretches of one-token steps and of 16-token chunks,
+    the window evicting the text around the frame; each new frame replaces the last while text fed after
+    it is still cached. Returns the worst logit difference over every fed token."""
+    from vlm_reference import FrameStreamingReference
+
+    v = dec.manifest.vision
+    lm = loaded.model.model.text_model
+    ref = FrameStreamingReference(loaded.model, lm, dec.layout.sink, dec.layout.window, lm.rotary_emb.inv_freq)
+    embed = lm.embed_tokens
+    tok = loaded.tokenizer.backend_tokenizer
+    text = tok.encode(TEXT * 3, add_special_tokens=False).ids
+    worst = 0.0
+
+    def both(ids_or_frame, frame: bool = False) -> None:
+        nonlocal worst
+        if frame:
+            dec.cache.begin_frame()
+            ours = dec.feed([v.image_token_id] * v.image_tokens, pin="image", all_logits=True, embeds=ids_or_frame)
+            theirs = ref.feed(torch.from_numpy(ids_or_frame), frame=True)
+        else:
+            ours = dec.feed(ids_or_frame, all_logits=True)
+            theirs = ref.feed(embed(torch.tensor(ids_or_frame)))
+        worst = max(worst, float(np.abs(ours - theirs.numpy()).max()))
+
+    def stream(ids: list[int]) -> None:
+        i = 0
+        while i < len(ids):
+            n = 16 if (i // 40) % 2 else 1  # stretches of one-token steps and of chunks
+            both(ids[i : i + n])
+            i += n
+
+    head = tok.encode("<|im_start|>User:", add_special_tokens=False).ids
+    for k, (seed, (a, b)) in enumerate(zip(seeds, spans)):
+        both((head if k == 0 else []) + list(v.image_prefix))
+        both(dec.vision.encode(picture(*size, seed=seed)), frame=True)
+        stream(list(v.image_suffix) + text[a:b])
+        if k == 0:
+            assert dec.cache.evicted > 60  # the window turned over around the first frame
+    assert dec.cache.frames == len(seeds)
+    assert len(ref.entries) == int((dec.cache.slot_token >= 0).sum())
+    return worst
