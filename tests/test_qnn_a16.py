@@ -39,25 +39,13 @@ except ImportError:
     pytest.skip("onnxruntime-qnn (the `qnn` extra) is not installed: `pip install 'cabinlm[qnn]'`", allow_module_level=True)
 
 from test_qnn import EXACT, agreement, run_stream, stream_ids  # noqa: E402
+# the uint8-cache tests' artifacts (the same tiny model, int8 KV / fp32 KV) and their bound check
+from test_qnn_kv8 import close, fp32_artifact, int8_artifact  # noqa: E402, F401
 
 FLOAT = (0.2, 0.08, 0.85)  # (worst, median, top-1) against the float32-KV export of the same weights
 SAME_EXPORT = (0.7, 0.16, 0.7)  # against the CPU build of the same int8 export
 
 
-def close(got, ref, bounds) -> bool:
-    worst, median, top1 = agreement(got, ref)
-    return worst <= bounds[0] and median <= bounds[1] and top1 >= bounds[2]
-
-
-@pytest.fixture(scope="module")
-def int8_artifact(load, tiny_llama_dir, export_to):
-    """What `cabinlm export --profile sa8775p --kv int8` writes for the tiny model."""
-    return export_to(load(str(tiny_llama_dir)), kv="int8", weights="int4", **LAYOUT)
-
-
-@pytest.fixture(scope="module")
-def fp32_artifact(load, tiny_llama_dir, export_to):
-    return export_to(load(str(tiny_llama_dir)), kv="fp32", weights="int4", **LAYOUT)
 
 
 @pytest.fixture(scope="module")
