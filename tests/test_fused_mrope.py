@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from cabinlm.engines.registry import BackendKind
 from cabinlm.runtime import Decoder
 
 import vlm_checks as vlm
-from test_qwen2_vl import PICTURE, MRopeStreamingReference, hf_logits
+from test_qwen2_vl import PICTURE, hf_logits, mrope_stream_against_reference
 from vlm_checks import TEXT, picture
 
 
@@ -41,30 +40,8 @@ def test_perplexity_with_a_frame_on_the_fused_build_equals_transformers(qwen_fus
 def test_streaming_with_a_pinned_frame_on_the_fused_build_follows_the_reference(qwen_fused):
     loaded, _, built = qwen_fused
     dec = Decoder(built)
-    v, lay = dec.manifest.vision, dec.layout
-    ref = MRopeStreamingReference(loaded.model, lay.sink, lay.window, v.grid)
-    embed = loaded.model.model.language_model.embed_tokens
-    frame = dec.vision.encode(picture(*PICTURE, seed=7))
-    tok = loaded.tokenizer.backend_tokenizer
-    head = tok.encode("<|im_start|>user\n", add_special_tokens=False).ids + list(v.image_prefix)
-    text = list(v.image_suffix) + tok.encode(TEXT * 2, add_special_tokens=False).ids[:180]
-    worst = 0.0
-
-    def both(ours: np.ndarray, theirs: torch.Tensor) -> None:
-        nonlocal worst
-        worst = max(worst, float(np.abs(ours - theirs.numpy()).max()))
-
-    both(dec.feed(head, all_logits=True), ref.feed(embed(torch.tensor(head))))
-    dec.cache.begin_frame()
-    both(dec.feed([v.image_token_id] * v.image_tokens, pin="image", all_logits=True, embeds=frame),
-         ref.feed(torch.from_numpy(frame), frame=True))  # fmt: skip
-    i = 0
-    while i < len(text):
-        n = 16 if (i // 40) % 2 else 1
-        ids = text[i : i + n]
-        both(dec.feed(ids, all_logits=True), ref.feed(embed(torch.tensor(ids))))
-        i += n
-    assert dec.cache.evicted > 60
+    assert dec.backend.kind == BackendKind.FUSED
+    worst = mrope_stream_against_reference(loaded, dec)
     assert worst < 1e-4, worst
 
 
