@@ -23,6 +23,16 @@ from test_fused import LAYOUT, fused_build
 from cabinlm.runtime import Decoder
 
 
+@pytest.fixture(autouse=True)
+def python_handles_sigint():
+    """Python's own SIGINT handler for each test: a process started in the background by a
+    non-interactive shell inherits SIGINT ignored, and Python then installs no handler (no
+    KeyboardInterrupt would ever land)."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
 @pytest.fixture(scope="module")
 def fused(load, tiny_llama_dir, export_to, tmp_path_factory):
     art = export_to(load(str(tiny_llama_dir)), kv="int8", **LAYOUT)
