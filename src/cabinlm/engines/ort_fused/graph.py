@@ -158,11 +158,9 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
     seats: 0, the one-seat graph; 2 or more, the batched graph of that many seats (io_spec.seats_io,
     cabinlm's attention kernel only): the seats' rows stacked through every weight matmul, norm and
     activation (each computes row by row, so a seat's row is what it is alone), and per layer one
-    attention node per seat over that seat's own inputs:
+    attention node for every seat, each seat's rows over that seat's own inputs:
 
-        qkv (1, tokens, width) ─ Split(seat_tokens, axis 1) ─┬─ rows of seat 0 ─ Int8KVAttention(key_cache.l.seat0, ...) ─┐
-                                                             ├─ ...                                                   ├─ Concat ─ W_o
-                                                             └─ rows of seat B-1 ─ Int8KVAttention(... .seat{B-1}) ───┘
+        qkv (1, tokens, width) ─ Int8KVSeatsAttention(qkv, seat_tokens, key_cache.l.seat0, ..., ... .seat{B-1}) ─ W_o
     Its weights are the one-seat graph's, under the same names (the build points both at one file)."""
     from cabinlm.engines.ort_fused.spec import AttentionKernel, MatmulKernel, Minimums
     from cabinlm.engines.ort_fused import kernels
