@@ -355,7 +355,7 @@ def test_bench_seats_reports_both_modes_with_the_same_replies(build):
     p = cabinlm("bench", build, "--seats", 2, "--tokens", 8, "--max-new", 4, "--threads", 1, "--json")
     assert p.returncode == 0, p.stderr
     assert [r["mode"] for r in json.loads(p.stdout)["seats"]] == ["together", "turns"]
-    assert_clean_error(cabinlm("bench", build, "--seats", 2, "--baseline", "hf"), "--seats takes no --baseline")
+    assert_clean_error(cabinlm("bench", build, "--seats", 2, "--baseline", "hf"), "--seats takes --baseline llama.cpp only")
     assert_clean_error(cabinlm("bench", build, "--seats", 0), "seats")
 
 

@@ -42,7 +42,10 @@ class SeatsRun:
     ttft_s: list[float] = field(default_factory=list)  # every (round, seat)'s time to first token
     rss_start_mb: float = 0.0
     rss_end_mb: float = 0.0
-    replies: list[list[int]] = field(default_factory=list)  # every (round, seat)'s reply tokens
+    replies: list[list[int]] = field(default_factory=list)  # every counted (round, seat)'s reply tokens
+    warmup_replies: list[list[int]] = field(default_factory=list)  # the warm-up round's, seat by seat
+    rss_rounds_mb: list[float] = field(default_factory=list)  # RSS after each counted round
+    evicted: int = 0  # window tokens the seats' caches dropped over the counted rounds (cabinlm's modes)
 
     def to_dict(self) -> dict:
         total = sum(self.decoded)
@@ -58,6 +61,8 @@ class SeatsRun:
             "ttft_ms_max": round(float(ttft.max()) * 1e3, 1),
             "rss_start_mb": round(self.rss_start_mb, 1),
             "rss_end_mb": round(self.rss_end_mb, 1),
+            "rss_rounds_mb": [round(x, 1) for x in self.rss_rounds_mb],
+            "evicted": self.evicted,
         }
 
 
@@ -76,9 +81,12 @@ def run_seats(artifact: Path, seats: int, rounds: int, max_new: int, threads: in
     scripts = [user_turns(seed + i) for i in range(seats)]
     run = SeatsRun(mode, seats, rounds, decoded=[0] * seats, rss_start_mb=rss_mb())
     pending: list[list[int]] = [[] for _ in range(seats)]  # the closing tokens of each seat's last reply
+    evicted_at_start = 0
     for r in range(rounds + 1):  # round 0 warms the sessions up (their first runs allocate) and is not counted
         if r == 1:
+            run.warmup_replies = run.replies
             run.decoded, run.decode_s, run.prefill_s, run.ttft_s, run.replies = [0] * seats, 0.0, 0.0, [], []
+            evicted_at_start = sum(_evicted(d.decoder) for d in dialogues)
         t0 = time.perf_counter()
         nxt: list[int] = []
         for i, d in enumerate(dialogues):  # the prompts, seat after seat
@@ -116,25 +124,133 @@ def run_seats(artifact: Path, seats: int, rounds: int, max_new: int, threads: in
             last = replies[i][-1:] if len(replies[i]) == max_new else []
             pending[i] = last + dialogues[i].template.closing()
         run.replies += replies
+        if r >= 1:
+            run.rss_rounds_mb.append(rss_mb())
     run.rss_end_mb = rss_mb()
+    run.evicted = sum(_evicted(d.decoder) for d in dialogues) - evicted_at_start
+    return run
+
+
+def _evicted(decoder) -> int:
+    """Window tokens this seat's cache has dropped so far."""
+    return int(decoder.cache.evicted)
+
+
+def run_llama_seats(artifact: Path, gguf: Path, seats: int, rounds: int, max_new: int, threads: int, seed: int,
+                    system: str = SYSTEM, replies: list[list[int]] | None = None) -> SeatsRun:  # fmt: skip
+    """The peer: llama.cpp decoding the seats' sequences in one batch (bench/peers.LlamaCppSeats), on
+    the same token ids as run_seats (the artifact's tokenizer and chat template, the same scripted
+    turns per seat, the system prompt as each sequence's first tokens), prompts fed seat after seat,
+    then one llama_decode per step for every seat still replying.
+
+    replies: a cabinlm run's replies (run_seats' warmup_replies + replies): each seat then decodes
+    exactly as many steps as it did there and is fed those reply tokens, so both engines decode the
+    same dialogues token for token (llama.cpp's own argmax is still computed every step; `agree`
+    counts the steps where it chose cabinlm's token). Without them: llama.cpp's own greedy replies."""
+    from cabinlm.bench.peers import LlamaCppSeats
+    from cabinlm.manifest import load_manifest
+    from cabinlm.runtime.template import Template
+    from cabinlm.runtime.tokenizer import Tokenizer
+
+    m = load_manifest(artifact)
+    tok = Tokenizer(Path(artifact) / m.files["tokenizer"].path)
+    template = Template(tok, m.chat)
+    stop = set(m.stop_ids)
+    if replies is not None and len(replies) != (rounds + 1) * seats:
+        raise ValueError(f"replies holds {len(replies)} replies, not {(rounds + 1) * seats} ({rounds + 1} rounds x {seats} seats)")
+    scripts = [user_turns(seed + i) for i in range(seats)]
+    run = SeatsRun("llama.cpp", seats, rounds, decoded=[0] * seats, rss_start_mb=rss_mb())
+    engine = LlamaCppSeats(gguf, threads, seats, n_ctx_seq=(rounds + 1) * (max_new + 512) + 512)
+    run.config = engine.config  # type: ignore[attr-defined]
+    agree = steps = 0
+    try:
+        start = template.start(system)
+        pending: list[list[int]] = [list(start) for _ in range(seats)]
+        for r in range(rounds + 1):
+            if r == 1:
+                run.warmup_replies = run.replies
+                run.decoded, run.decode_s, run.prefill_s, run.ttft_s, run.replies = [0] * seats, 0.0, 0.0, [], []
+            forced = replies[r * seats : (r + 1) * seats] if replies is not None else None
+            t0 = time.perf_counter()
+            nxt: list[int] = []
+            for i in range(seats):
+                nxt.append(engine.feed(i, pending[i] + template.user(next(scripts[i]))))
+                run.ttft_s.append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            run.prefill_s += t1 - t0
+            if forced is not None:  # cabinlm's replies: its steps, its tokens
+                got: list[list[int]] = [[] for _ in range(seats)]
+                for i in range(seats):
+                    agree += bool(forced[i]) and nxt[i] == forced[i][0]
+                    steps += bool(forced[i])
+                # seat i steps while it has fed fewer than len(reply) tokens, and once more where the
+                # reply ended at a stop id (len < max_new): the step that chose it
+                todo = [len(f) - (len(f) == max_new) if f else 0 for f in forced]
+                fed = [0] * seats
+                while any(fed[i] < todo[i] for i in range(seats)):
+                    live = [i for i in range(seats) if fed[i] < todo[i]]
+                    out = engine.step({i: forced[i][fed[i]] for i in live})
+                    for i in live:
+                        run.decoded[i] += 1
+                        fed[i] += 1
+                        want = forced[i][fed[i]] if fed[i] < len(forced[i]) else None
+                        agree += out[i] == want or (want is None and out[i] in stop)
+                        steps += 1
+                reps = [list(f) for f in forced]
+            else:
+                reps = [[t] if t not in stop else [] for t in nxt]
+                live = [i for i in range(seats) if reps[i]]
+                while live:
+                    live = [i for i in live if len(reps[i]) < max_new]
+                    if not live:
+                        break
+                    out = engine.step({i: reps[i][-1] for i in live})
+                    still = []
+                    for i in live:
+                        run.decoded[i] += 1
+                        if out[i] not in stop:
+                            reps[i].append(out[i])
+                            still.append(i)
+                    live = still
+            run.decode_s += time.perf_counter() - t1
+            for i in range(seats):
+                last = reps[i][-1:] if len(reps[i]) == max_new else []
+                pending[i] = last + template.closing()
+            run.replies += reps
+    finally:
+        engine.close()
+    run.rss_end_mb = rss_mb()
+    run.agree = (agree, steps)  # type: ignore[attr-defined]
     return run
 
 
 def run_in_child(artifact: Path, seats: int, rounds: int, max_new: int, threads: int | None, seed: int,
-                 mode: str, timeout_s: float, system: str = SYSTEM) -> dict:  # fmt: skip
-    """run_seats in a fresh process: its figures (SeatsRun.to_dict, with "replies")."""
+                 mode: str, timeout_s: float, system: str = SYSTEM, gguf: Path | None = None,
+                 replies: list[list[int]] | None = None) -> dict:  # fmt: skip
+    """run_seats (or, mode "llama.cpp", run_llama_seats on GGUF with REPLIES) in a fresh process: its
+    figures (SeatsRun.to_dict, with "replies")."""
     import json
     import subprocess
     import sys
+    import tempfile
 
     from cabinlm.errors import CabinlmError
 
     cmd = [sys.executable, "-m", "cabinlm.bench.seats", str(artifact), str(seats), str(rounds), str(max_new),
            str(threads or 0), str(seed), mode, system]  # fmt: skip
+    tmp = None
+    if mode == "llama.cpp":
+        tmp = tempfile.NamedTemporaryFile("w", suffix=".json", prefix="cabinlm-seats-", delete=False)
+        json.dump(replies, tmp)
+        tmp.close()
+        cmd += [str(gguf), tmp.name]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as e:
         raise CabinlmError(f"--seats {seats} ({mode}) ran past --time-limit {timeout_s:g} s") from e
+    finally:
+        if tmp is not None:
+            Path(tmp.name).unlink(missing_ok=True)
     if p.returncode != 0:
         last = (p.stderr.strip().splitlines() or ["no output"])[-1]
         raise CabinlmError(f"--seats {seats} ({mode}) failed: {last}")
@@ -148,10 +264,21 @@ def report(runs: list[dict]) -> list[str]:
                      f"{d['aggregate_decode_tok_s']} tok/s in all, per seat {d['per_seat_decode_tok_s']}; time to first "
                      f"token median {d['ttft_ms_median']} ms, max {d['ttft_ms_max']} ms; RSS {d['rss_start_mb']} -> "
                      f"{d['rss_end_mb']} MB")  # fmt: skip
-    if len(runs) == 2 and all(d["aggregate_decode_tok_s"] for d in runs):
-        a, b = (d["aggregate_decode_tok_s"] for d in runs)
+        per_round = d.get("rss_rounds_mb") or []
+        if len(per_round) >= 2:
+            half = per_round[len(per_round) // 2 :]
+            lines.append(f"          RSS after each round {min(per_round)}-{max(per_round)} MB (second half {min(half)}-"
+                         f"{max(half)} MB); window tokens evicted: {d.get('evicted', 0)}")  # fmt: skip
+    ours = [d for d in runs if d["mode"] in MODES]
+    if len(ours) == 2 and all(d["aggregate_decode_tok_s"] for d in ours):
+        a, b = (d["aggregate_decode_tok_s"] for d in ours)
         lines.append(f"together / turns: {a / b:.2f}x aggregate decode throughput; replies identical: "
-                     f"{runs[0]['replies'] == runs[1]['replies']}")  # fmt: skip
+                     f"{ours[0]['replies'] == ours[1]['replies']}")  # fmt: skip
+    for d in runs:
+        if d["mode"] == "llama.cpp" and d.get("greedy_agreement"):
+            ok, n = d["greedy_agreement"]
+            lines.append(f"llama.cpp decoded cabinlm's replies ({d['config'].get('n_seq_max')} sequences in one batch); "
+                         f"its own argmax chose cabinlm's token at {ok} of {n} steps")  # fmt: skip
     return lines
 
 
@@ -160,5 +287,13 @@ if __name__ == "__main__":  # one mode in a process of its own (run_in_child)
     import sys
 
     art, n, rounds, max_new, threads, seed, mode, system = sys.argv[1:9]
-    done = run_seats(Path(art), int(n), int(rounds), int(max_new), int(threads) or None, int(seed), mode, system)
-    print(json.dumps({**done.to_dict(), "replies": done.replies}))
+    if mode == "llama.cpp":
+        gguf, replies_file = sys.argv[9:11]
+        forced = json.loads(Path(replies_file).read_text())
+        done = run_llama_seats(Path(art), Path(gguf), int(n), int(rounds), int(max_new), int(threads) or 2, int(seed),
+                               system, forced)  # fmt: skip
+        extra = {"config": done.config, "greedy_agreement": list(done.agree)}  # type: ignore[attr-defined]
+    else:
+        done = run_seats(Path(art), int(n), int(rounds), int(max_new), int(threads) or None, int(seed), mode, system)
+        extra = {}
+    print(json.dumps({**done.to_dict(), **extra, "replies": done.replies, "warmup_replies": done.warmup_replies}))

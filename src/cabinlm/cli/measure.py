@@ -155,8 +155,11 @@ def bench(
         from cabinlm.runtime.limits import check_seat_count
 
         check_seat_count(seats)
-        if baseline or plot is not None or trace_out is not None:
-            raise OptionError("--seats takes no --baseline, --plot or --trace yet")
+        if any(b.value != "llama.cpp" for b in baseline) or plot is not None or trace_out is not None:
+            raise OptionError("--seats takes --baseline llama.cpp only, and no --plot or --trace yet")
+        peer = bool(baseline)
+        if peer and (reason := bl.available("llama.cpp")):
+            raise CabinlmError(f"--baseline llama.cpp: {reason}")
         from cabinlm.bench.script import SYSTEM
         from cabinlm.runtime.limits import check_system_prompt
         from cabinlm.runtime.tokenizer import Tokenizer
@@ -171,8 +174,15 @@ def bench(
         info(f"cabinlm: {seats} seats at once through {artifact}, {rounds} rounds of one turn each (replies up to {max_new} "
              f"tokens), {threads} threads; decoded together, then in turns")  # fmt: skip
         runs = [run_in_child(artifact, seats, rounds, max_new, threads, seed, mode, time_limit, system) for mode in MODES]
+        if peer:  # llama.cpp: the seats' sequences in one batch, decoding the replies cabinlm decoded together
+            from cabinlm.bench.prepare import resolve_model
+
+            gguf = resolve_model(model or model_for_baselines(Path(artifact)))
+            info(f"llama.cpp: {seats} sequences in one batch on {gguf}, the same turns and replies")
+            runs.append(run_in_child(artifact, seats, rounds, max_new, threads, seed, "llama.cpp", time_limit, system,
+                                     gguf=gguf, replies=runs[0]["warmup_replies"] + runs[0]["replies"]))  # fmt: skip
         if json_out:
-            typer.echo(json.dumps({"seats": [{k: v for k, v in r.items() if k != "replies"} for r in runs]}, indent=1))
+            typer.echo(json.dumps({"seats": [{k: v for k, v in r.items() if k not in ("replies", "warmup_replies")} for r in runs]}, indent=1))
             return
         for line in seats_report(runs):
             typer.echo(line)
