@@ -1,5 +1,5 @@
 """The llama.cpp peer of `cabinlm bench --seats N` (issue 35): llama.cpp decoding N sequences in one
-batch (bench/peers.LlamaCppSeats, one sequence id per dialogue) on the same scripted turns as
+batch (bench/llama_seats.LlamaCppSeats, one sequence id per dialogue) on the same scripted turns as
 cabinlm's seats. It needs llama-cpp-python (`make bench-deps`); without it these tests skip and print
 why (`make test` does not install the bench extras)."""
 
@@ -28,7 +28,7 @@ def test_sequences_in_one_batch_decode_as_each_sequence_alone(smollm2_fused, ggu
     """Two sequences stepped in one llama_decode choose, token for token, what each chooses when it is
     the only sequence (a reference: the same engine with one sequence, fed one token at a time)."""
     _skip_without_llama_cpp()
-    from cabinlm.bench.peers import LlamaCppSeats
+    from cabinlm.bench.llama_seats import LlamaCppSeats
 
     prompts = [[1, 9690, 198, 2683, 359, 253], [1, 4093, 198, 19556, 30, 657, 1296]]
     together = LlamaCppSeats(gguf, 1, seats=2, n_ctx_seq=256)

@@ -138,7 +138,7 @@ def _evicted(decoder) -> int:
 
 def run_llama_seats(artifact: Path, gguf: Path, seats: int, rounds: int, max_new: int, threads: int, seed: int,
                     system: str = SYSTEM, replies: list[list[int]] | None = None) -> SeatsRun:  # fmt: skip
-    """The peer: llama.cpp decoding the seats' sequences in one batch (bench/peers.LlamaCppSeats), on
+    """The peer: llama.cpp decoding the seats' sequences in one batch (bench/llama_seats.LlamaCppSeats), on
     the same token ids as run_seats (the artifact's tokenizer and chat template, the same scripted
     turns per seat, the system prompt as each sequence's first tokens), prompts fed seat after seat,
     then one llama_decode per step for every seat still replying.
@@ -147,7 +147,7 @@ def run_llama_seats(artifact: Path, gguf: Path, seats: int, rounds: int, max_new
     exactly as many steps as it did there and is fed those reply tokens, so both engines decode the
     same dialogues token for token (llama.cpp's own argmax is still computed every step; `agree`
     counts the steps where it chose cabinlm's token). Without them: llama.cpp's own greedy replies."""
-    from cabinlm.bench.peers import LlamaCppSeats
+    from cabinlm.bench.llama_seats import LlamaCppSeats
     from cabinlm.manifest import load_manifest
     from cabinlm.runtime.template import Template
     from cabinlm.runtime.tokenizer import Tokenizer
