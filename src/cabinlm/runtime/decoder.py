@@ -72,6 +72,8 @@ class Decoder:
              logits: str = "all") -> np.ndarray:
         """Run one chunk (1..chunk tokens) and commit its K/V. Returns logits (tokens, vocab), or
         with logits="last" only the last token's (1, vocab): the graph then computes just that row.
+        The array may be a view of the backend's output buffer, which the next step rewrites: copy
+        it to keep it.
 
         pin: True for the pinned region, "image" for the camera-frame region (embeds: the frame's
         image-token embeddings, (tokens, embed_dim))."""
