@@ -16,11 +16,13 @@ Buffers (allocated once per dialogue):
 
 Int8 KV has static per-channel scales (the manifest's kv_scales), held by the graph: no scale buffers.
 
-Camera frames (a vision-language decoder, fp32 KV, GroupQueryAttention; graph.ineligible). A frame's
-chunk hands the graph its image_embeds (the token rows replaced, as exported). The frame's keys are
-kept un-rotated in key_source and re-written at their positions + E before each step, as the pinned
-ones are (RotatedKeys.refresh); a new frame turns the window keys it moved (frames.FrameKeys, whose
-buffers a session file carries).
+Camera frames (a vision-language decoder, fp32 KV; graph.ineligible). A frame's chunk hands the graph
+its image_embeds (the token rows replaced, as exported). The frame's keys are kept un-rotated in
+key_source and re-written at their positions + E before each step (GroupQueryAttention: with the
+pinned ones, RotatedKeys.refresh; cabinlm's FloatKVAttention, which rotates the sink / pinned ones
+itself: FrameKeys.refresh_image); a new frame turns the window keys it moved (frames.FrameKeys, whose
+buffers a session file carries). On FloatKVAttention a seat with a frame steps in batched runs too
+(seats.py): its text chunks' image rows are empty; a frame's own chunk runs alone (Decoder.feed).
 """
 
 from __future__ import annotations
@@ -159,8 +161,9 @@ class FusedBackend(Backend):
     @property
     def verifies_after_turnover(self) -> bool:
         # cabinlm's kernel takes each row's slot (and ring slot) and its own rotation of the sink /
-        # pinned keys (kernels/int8_kv_attention.cc, "What row i sees").
-        return self.steps and (not self.layout.local_layers or self.local_steps)
+        # pinned keys (kernels/int8_kv_attention.cc, "What row i sees"); a frame's image rows are
+        # re-written once per step (FrameKeys.refresh_image), not per row, so a VLM does not.
+        return self.steps and (not self.layout.local_layers or self.local_steps) and not self.embed_dim
 
     def buffers(self) -> dict[str, np.ndarray]:
         out = {"keys": self.keys, "values": self.values, "key_source": self.key_source}
@@ -184,6 +187,16 @@ class FusedBackend(Backend):
 
     def restored(self) -> None:
         self.rotated.forget()
+        if self.frames is not None:
+            self.frames.forget()
+        self._sync_kernel_source()
+
+    def _sync_kernel_source(self) -> None:
+        """The kernel's copy of the sink / pinned keys' sources, where it is not key_source itself (a
+        vision-language decoder on cabinlm's kernel: key_source also holds the image rows)."""
+        if self._kernel_source is not None:
+            P = self.layout.sink + self.layout.pinned
+            self._kernel_source.reshape(self.key_source.shape[:2] + (P, -1))[...] = self.key_source[:, :, :P]
 
     def _bind(self) -> None:
         lay, V = self.layout, self.graphs.manifest.model.vocab_size
@@ -198,9 +211,14 @@ class FusedBackend(Backend):
             cache += [(io.key_cache_name(i), k), (io.value_cache_name(i), v)]
             if not in_place:
                 aliases += [(io.present_key_name(i), k), (io.present_value_name(i), v)]
+        self._kernel_source = None
         if self.steps:  # the sink / pinned keys' un-rotated copy, read by the kernel in place
             L, H, P, D = self.key_source.shape
-            cache.append((io.KEY_SOURCE, ortvalue(self.key_source.reshape(1, L * H, P, D), "")))
+            if lay.image:  # the image rows after them are re-written in the cache (FrameKeys.refresh_image):
+                P = lay.sink + lay.pinned  # the kernel's (1, L * H, sink + pinned, D) kept apart, synced at commit
+                self._kernel_source = np.zeros((1, L * H, P, D), np.float32)
+            source = self._kernel_source if self._kernel_source is not None else self.key_source.reshape(1, L * H, P, D)
+            cache.append((io.KEY_SOURCE, ortvalue(source, "")))
         self._cache_values = cache
         width = (self._heads + 2 * lay.kv_heads) * lay.head_dim
         f32 = np.dtype(np.float32)
@@ -273,8 +291,7 @@ class FusedBackend(Backend):
         into rows F..F+n-1: empty slots or scratch rows, never a cached token's."""
         if embeds is not None and not self.embed_dim:
             raise ValueError("this model has no vision input")
-        if self.frames is not None:
-            self.frames.follow(plan)
+        self._frame_keys(plan)
         if not self.steps:
             self.rotated.refresh(plan)
         self.rotated.chunk_tables(plan)
@@ -282,21 +299,27 @@ class FusedBackend(Backend):
         if plan.tokens == 1 and embeds is None:
             return self._run_one(ids, plan, F)
         inputs = self._chunk_inputs(plan, ids, all_logits)
-        if self.embed_dim:
-            n = plan.tokens
-            if embeds is None:
-                inputs.update({io.IMAGE_EMBEDS: self._no_embeds[:n], io.IMAGE_MASK: self._no_image[:n]})
-            else:
-                inputs.update({io.IMAGE_EMBEDS: np.ascontiguousarray(embeds, dtype=np.float32),
-                               io.IMAGE_MASK: self._all_image[:n]})  # fmt: skip
+        if embeds is not None:
+            inputs.update({io.IMAGE_EMBEDS: np.ascontiguousarray(embeds, dtype=np.float32),
+                           io.IMAGE_MASK: self._all_image[: plan.tokens]})  # fmt: skip
         self._bind_ahead()
         outs = self._prefill.run(inputs)
         return StepOutput(outs[0], (F, outs[1:]))
 
+    def _frame_keys(self, plan: StepPlan) -> None:
+        """A vision-language seat's keys before its step: the window keys a new frame moved turned, and
+        (cabinlm's kernel) the image rows re-written at positions + E. Idempotent for one plan: run()
+        calls it, and _chunk_inputs again, which a batched run (seats.py) calls without run()."""
+        if self.frames is not None:
+            self.frames.follow(plan)
+            if self.steps:
+                self.frames.refresh_image(plan)
+
     def _chunk_inputs(self, plan: StepPlan, ids: np.ndarray, all_logits: bool) -> dict[str, np.ndarray]:
         """A chunk's inputs besides the cache (bound once), the rotation tables already filled for the
         plan (RotatedKeys.chunk_tables): what a chunk of any size, or a seat's rows of a batched run,
-        hands the graph."""
+        hands the graph (a vision-language decoder's: no image rows; run() puts a frame's in)."""
+        self._frame_keys(plan)
         n, N, F = plan.tokens, self.layout.slots, plan.extent
         mask = plan.attention_mask
         bias = mask[None, None] if F == N else np.concatenate([mask[:, :F], mask[:, N:]], axis=1)[None, None]
@@ -327,6 +350,8 @@ class FusedBackend(Backend):
                            io.LOCAL_TOTAL_SEQUENCE_LENGTH: np.array(Fl + n, dtype=np.int32)})  # fmt: skip
             if self.local_steps:
                 inputs[io.LOCAL_ROW_SLOTS] = plan.local_slots if plan.steps else Fl + self._rows[:n]
+        if self.embed_dim:
+            inputs.update({io.IMAGE_EMBEDS: self._no_embeds[:n], io.IMAGE_MASK: self._no_image[:n]})
         return inputs
 
     def _run_one(self, ids: np.ndarray, plan: StepPlan, F: int) -> StepOutput:
@@ -404,6 +429,8 @@ class FusedBackend(Backend):
         if self.frames is not None:
             self.frames.note(plan)
         self.rotated.keep_sources(plan, [qkv[i] for i in lay.global_layers] if lay.local_layers else qkv, self._heads)
+        if self._kernel_source is not None and plan.slots.min() < lay.image_start:  # sink / pinned sources changed
+            self._sync_kernel_source()
         if self.local_keys is not None:  # the ring's rows F_l.. into slots seen mod R
             _move(self.local_keys, self.local_values, plan.local_cached, plan.local_slots)
         _move(self.keys, self.values, start, plan.slots)

@@ -31,13 +31,17 @@ from cabinlm.manifest import MANIFEST_NAME, Manifest
 
 def _attention_wanted(manifest: Manifest, asked: str) -> str:
     """"cabinlm" where the build should take cabinlm's attention kernel if its library can be had
-    (builders.AttentionKernel `asked`: int8 KV unless asked otherwise), else "onnxruntime"."""
+    (builders.AttentionKernel `asked`), else "onnxruntime". "auto" takes it for int8 KV; fp32 KV
+    (FloatKVAttention: rows as steps and batched graphs, camera frames included) when asked for by name,
+    its speed against GroupQueryAttention not yet measured."""
     from cabinlm.layout import KVDType
 
     spec = manifest.model
     why = None
-    if manifest.cache.kv_dtype != KVDType.INT8:
-        why = f"it takes int8 KV; this export holds {manifest.cache.kv_dtype.value} KV"
+    if manifest.cache.kv_dtype not in (KVDType.INT8, KVDType.FP32):
+        why = f"it takes int8 or fp32 KV; this export holds {manifest.cache.kv_dtype.value} KV"
+    elif asked == "auto" and manifest.cache.kv_dtype != KVDType.INT8:
+        why = "fp32 KV takes it only when asked for (--attention-kernel cabinlm)"
     elif spec.head_dim % 16 or spec.head_dim > 256 or spec.num_heads // spec.num_kv_heads > 16:
         why = f"it takes a head_dim that is a multiple of 16 up to 256 and at most 16 query heads per kv head " \
               f"(this model: {spec.head_dim}, {spec.num_heads // spec.num_kv_heads})"
@@ -217,13 +221,15 @@ class FusedBuilder(Builder):
             log(f"kept ONNX Runtime's MatMulNBits: -march={library.march} has no AVX-512 VNNI (nor Arm's dot product), and "
                 "cabinlm's Q4_1 matmul has no faster path there (--matmul-kernel cabinlm runs its plain C++ path)")
             matmul = "onnxruntime"
+        kv = manifest.cache.kv_dtype.value
+        own_op = "Int8KVAttention" if kv == "int8" else "FloatKVAttention"
         if kernel == "cabinlm":
-            log("attention over the int8 cache: cabinlm's Int8KVAttention")
+            log(f"attention over the {kv} cache: cabinlm's {own_op}")
         if "cabinlm" not in (kernel, matmul) and library is not None:
             output.path(library.file).unlink()  # compiled, then not taken: the build does not carry it
             library = None
         model = fused_graph.fused_model(graph, manifest, opts.accuracy_level, opts.minimums, kernel, matmul)
-        op = "cabinlm's Int8KVAttention" if kernel == "cabinlm" else "GroupQueryAttention"
+        op = f"cabinlm's {own_op}" if kernel == "cabinlm" else "GroupQueryAttention"
         mm = "BlockQ4MatMul for the Q4_1 matrices, " if any(n.op_type in (MATMUL_OP, SWIGLU_MATMUL_OP) for n in model.graph.node) else ""
         log(f"fused the decoder: {len(model.graph.node)} nodes (the export has {len(graph.graph.node)}), "
             f"{op} over {manifest.cache.kv_dtype.value} KV, {mm}MatMulNBits accuracy level {opts.accuracy_level}")

@@ -16,6 +16,12 @@ the image region out of the cache with no eviction, so E stays while
 
 `frame` (frames started, the newest stream index and the count of the image region's tokens, as the
 last commit left them) and `baked` are buffers a session file carries with the cache.
+
+On cabinlm's attention kernel (FloatKVAttention: rows as steps, batched graphs) the kernel rotates
+only the sink / pinned keys itself; the image region's rows are re-written in the cache from their
+un-rotated copy at positions + E before a step whose positions moved (FrameKeys.refresh_image), as
+RotatedKeys.refresh does for every one of those rows on GroupQueryAttention builds. A seat's steps
+alone and in a batched run call it alike, so both read the same keys.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cabinlm.engines.ort_fused.rotated import RotatedKeys
+from cabinlm.engines.ort_fused.rotated import RotatedKeys, rotation_tables
 from cabinlm.layout import CacheLayout
 
 if TYPE_CHECKING:
@@ -49,6 +55,7 @@ class FrameKeys:
         self.rotated = rotated
         self.frame = np.array([-1, -1, 0], dtype=np.int64)  # [-1, -1, 0]: no commit yet
         self.baked = np.full((layout.slots, 3), -1, dtype=np.int64) if rotated.mrope is not None else None
+        self._image_at: np.ndarray | None = None  # refresh_image: the positions + E the image rows hold now
 
     def buffers(self) -> dict[str, np.ndarray]:
         return {"frame": self.frame} if self.baked is None else {"frame": self.frame, "baked": self.baked}
@@ -57,6 +64,34 @@ class FrameKeys:
         self.frame[:] = (-1, -1, 0)
         if self.baked is not None:
             self.baked[:] = -1
+        self._image_at = None
+
+    def forget(self) -> None:
+        """The image rows must be re-written before the next step (the buffers were restored)."""
+        self._image_at = None
+
+    def refresh_image(self, plan: StepPlan) -> None:
+        """Before a step on cabinlm's kernel: the image region's keys in use rotated at their positions
+        + E (ranks, or multimodal RoPE's three components) from key_source, written into their cache
+        rows; nothing when those positions are the ones the rows hold. float32 arithmetic, the kernel's
+        rotate(): x cos - y sin, y cos + x sin."""
+        lay, rot = self.layout, self.rotated
+        slots = lay.image_start + np.arange(plan.image_fill, dtype=np.int64)
+        if rot.mrope is not None:
+            at = rot.mrope_positions(plan)[1][:, slots] + plan.evicted  # (3, n)
+        else:
+            at = plan.cache_position_ids[slots] + plan.evicted  # (n,)
+        key = np.concatenate([slots, at.reshape(-1)])
+        if self._image_at is not None and np.array_equal(self._image_at, key):
+            return
+        if len(slots):
+            cos, sin = rotation_tables(at, rot.inv_freq, rot.rope_scale, rot.owner)  # (n, head_dim / 2)
+            cos, sin = cos.astype(np.float32), sin.astype(np.float32)
+            half = lay.head_dim // 2
+            src = rot.key_source[:, :, slots]  # (layers, kv_heads, n, head_dim) un-rotated
+            x, y = src[..., :half], src[..., half:]
+            self.keys[:, :, slots[0] : slots[-1] + 1] = np.concatenate([x * cos - y * sin, y * cos + x * sin], axis=-1)
+        self._image_at = key  # recorded after the rows are written: an interrupt before it redoes them
 
     def follow(self, plan: StepPlan) -> None:
         """Before a step: if a frame was begun since the last commit, turn the window keys it moved."""

@@ -54,12 +54,13 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from cabinlm import io_spec
 from cabinlm import manifest as mf
 from cabinlm.engines.builder import BuildError
 from cabinlm.engines.ort_fused.block_layouts import BLOCK, block_q4_layout, pack4, q4_1_as_int8
+from cabinlm.engines.ort_fused.node_builder import ExportedWeights, NodeBuilder
 from cabinlm.layout import KVDType
 from cabinlm.manifest import Manifest
 
@@ -86,56 +87,6 @@ def ineligible(manifest: Manifest) -> str | None:
     return None
 
 
-class _Weights:
-    """Initializers of the exported graph by name."""
-
-    def __init__(self, model: onnx.ModelProto):
-        self.inits = {i.name: i for i in model.graph.initializer}
-        self.nodes = {n.name: n for n in model.graph.node}
-
-    def has(self, name: str) -> bool:
-        return name in self.inits
-
-    def get(self, name: str) -> np.ndarray:
-        if name not in self.inits:
-            raise BuildError(f"the exported graph has no initializer {name!r}; it is not a cabinlm decoder, re-export")
-        t = self.inits[name]
-        if t.data_type == TensorProto.UINT4:  # packed two per byte, low nibble first
-            raw = np.frombuffer(t.raw_data, dtype=np.uint8)
-            flat = np.stack([raw & 0x0F, raw >> 4], axis=-1).reshape(-1)
-            return flat[: int(np.prod(t.dims))].reshape(tuple(t.dims))
-        return numpy_helper.to_array(t)
-
-
-class _Builder:
-    def __init__(self):
-        self.nodes: list[onnx.NodeProto] = []
-        self.inits: list[onnx.TensorProto] = []
-        self._n = 0
-        self._consts: dict[tuple, str] = {}
-
-    def name(self, hint: str) -> str:
-        self._n += 1
-        return f"{hint}#{self._n}"
-
-    def op(self, op_type: str, *inputs: str, out: str | None = None, outputs: int = 1, domain: str = "", hint: str = "", **attrs):
-        base = hint or op_type.lower()
-        outs = [out] if out else [self.name(f"{base}/out{i}") for i in range(outputs)]
-        self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=self.name(f"n/{base}"), domain=domain, **attrs))
-        return outs[0] if outputs == 1 else outs
-
-    def weight(self, name: str, arr: np.ndarray) -> str:
-        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
-        return name
-
-    def const(self, arr: np.ndarray) -> str:
-        arr = np.asarray(arr)
-        key = (arr.dtype.str, arr.shape, arr.tobytes())
-        if key not in self._consts:
-            self._consts[key] = self.weight(self.name("const"), arr)
-        return self._consts[key]
-
-
 def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int = 4,
                 minimums: str = "int8", attention_kernel: str = "onnxruntime",
                 matmul_kernel: str = "onnxruntime", seats: int = 0) -> onnx.ModelProto:
@@ -146,9 +97,10 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
     an integer zero point (q4_1_as_int8: the minimum rounds to 1/34 of a step), one kernel.
 
     attention_kernel (builders.AttentionKernel): "onnxruntime", GroupQueryAttention; "cabinlm",
-    int8 KV only, ai.cabinlm::Int8KVAttention (kernels/int8_kv_attention.cc): the same inputs and
-    results, a chunk computed as fast as one row per step allows, the cache written in place (the
-    graph then has no present outputs: io_spec.fused_decoder_io(present=False)).
+    ai.cabinlm::Int8KVAttention over int8 KV, FloatKVAttention over fp32 KV (scales of 1)
+    (kernels/int8_kv_attention.cc): the same inputs and results, a chunk computed as fast as one row
+    per step allows, the cache written in place (the graph then has no present outputs:
+    io_spec.fused_decoder_io(present=False)).
 
     matmul_kernel (builders.MatmulKernel): "cabinlm" runs each Q4_1 matrix whose scales and minimums
     are float16 (a GGUF's always are) on ai.cabinlm::BlockQ4MatMul (kernels/block_q4_matmul.cc),
@@ -161,6 +113,8 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
     attention node for every seat, each seat's rows over that seat's own inputs:
 
         qkv (1, tokens, width) ─ Int8KVSeatsAttention(qkv, seat_tokens, key_cache.l.seat0, ..., ... .seat{B-1}) ─ W_o
+    (FloatKVSeatsAttention over fp32 KV). A vision-language decoder's image rows are each seat's own
+    (image_embeds.seat{s}, image_mask.seat{s}), stacked as its token rows are (_seat_image_rows).
     Its weights are the one-seat graph's, under the same names (the build points both at one file)."""
     from cabinlm.engines.ort_fused.spec import AttentionKernel, MatmulKernel, Minimums
     from cabinlm.engines.ort_fused import kernels
@@ -174,8 +128,8 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
         raise BuildError(f"the fused attention does not apply: {why}")
     spec, lay = manifest.model, manifest.cache
     H, Hkv, Dh, D = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size
-    W = _Weights(graph)
-    b = _Builder()
+    W = ExportedWeights(graph)
+    b = NodeBuilder()
     eps = float(spec.rms_norm_eps)
 
     def own_blocks(name: str) -> str | None:
@@ -294,8 +248,8 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
         x = b.op("Mul", x, b.const(np.array(spec.embed_scale, np.float32)), hint="embed_scaled")
     embed_dim = manifest.vision.embed_dim if manifest.vision is not None else 0
     if embed_dim:  # a camera frame's tokens: the vision graph's rows instead of the table's (as exported)
-        x = b.op("Where", mf.IMAGE_MASK, b.op("Unsqueeze", mf.IMAGE_EMBEDS, b.const(np.array([0], np.int64))), x,
-                 hint="embed_with_image")  # fmt: skip
+        mask, embeds = _seat_image_rows(b, seats) if seats else (mf.IMAGE_MASK, mf.IMAGE_EMBEDS)
+        x = b.op("Where", mask, b.op("Unsqueeze", embeds, b.const(np.array([0], np.int64))), x, hint="embed_with_image")
 
     def float_weight(name: str) -> str:
         return b.weight(name, W.get(name).astype(np.float32))
@@ -335,14 +289,15 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
     quantized_kv = lay.kv_dtype == KVDType.INT8
     own_kernel = attention_kernel == AttentionKernel.CABINLM
     no_rows = None  # the local layers' empty rotation rows for the sink / pinned keys (made once)
-    if own_kernel and not quantized_kv:
-        raise BuildError(f"cabinlm's attention kernel takes int8 KV, not {lay.kv_dtype.value}; use --attention-kernel onnxruntime")
     if seats and (not own_kernel or seats < 2):
         raise BuildError(f"a batched graph takes 2 or more seats on cabinlm's attention kernel, got {seats} seats on "
                          f"{attention_kernel.value}")
-    kv_scales = {}
     if quantized_kv:
         kv_scales = {k: manifest.kv_scales.array(k) for k in ("rotated_keys", "values")}
+    else:  # fp32 KV on cabinlm's kernel (FloatKVAttention): scales of 1 leave its arithmetic exact
+        kv_scales = {k: np.ones((lay.layers, Hkv, Dh), np.float32) for k in ("rotated_keys", "values")}
+    single_op, seats_op = ((kernels.ATTENTION_OP, kernels.SEATS_ATTENTION_OP) if quantized_kv else
+                           (kernels.FLOAT_ATTENTION_OP, kernels.FLOAT_SEATS_ATTENTION_OP))  # fmt: skip
     I = spec.intermediate_size
     residual = None
     seat_inputs = mf.fused_decoder_io(lay, H, spec.vocab_size, present=False, steps=True).inputs if seats else ()
@@ -385,10 +340,10 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
                     no_rows = b.const(np.zeros((1, 0, Dh // 2), np.float32))
                 ins += [io_spec.KEY_SOURCE, no_rows, no_rows, b.const(np.array([0], np.int64)), io_spec.LOCAL_ROW_SLOTS]
             if not seats:
-                att = b.op(kernels.ATTENTION_OP, *ins, domain=kernels.DOMAIN, hint=f"{p}/attention")
+                att = b.op(single_op, *ins, domain=kernels.DOMAIN, hint=f"{p}/attention")
             else:  # one node: each seat's rows over its own cache, rotation rows, bias, lengths and slots
                 per_seat = set(ins[1:]) & {t.name for t in seat_inputs}
-                att = b.op(kernels.SEATS_ATTENTION_OP, q_in, io_spec.SEAT_TOKENS, *[io_spec.seat_name(n, s) if n in per_seat else n
+                att = b.op(seats_op, q_in, io_spec.SEAT_TOKENS, *[io_spec.seat_name(n, s) if n in per_seat else n
                                                                for s in range(seats) for n in ins[1:]],
                            domain=kernels.DOMAIN, hint=f"{p}/attention.seats")  # fmt: skip
         else:
@@ -447,10 +402,18 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
     return helper.make_model(g, opset_imports=opsets, producer_name="cabinlm", ir_version=10)
 
 
+def _seat_image_rows(b: NodeBuilder, seats: int) -> tuple[str, str]:
+    """A batched graph's image rows: each seat's image_mask (n_s, 1) and image_embeds (n_s, embed_dim),
+    stacked seat after seat as input_ids is, so that row r of the stacked chunk takes its own seat's row."""
+    mask = b.op("Concat", *[io_spec.seat_name(mf.IMAGE_MASK, s) for s in range(seats)], axis=0, hint="seats/image_mask")
+    embeds = b.op("Concat", *[io_spec.seat_name(mf.IMAGE_EMBEDS, s) for s in range(seats)], axis=0, hint="seats/image_embeds")
+    return mask, embeds
+
+
 ROTATE_GRAPH = "decoder.rotate.onnx"
 
 
-def _rotation(b: _Builder, lay, source: str, position_ids: str, cos: str, sin: str, out: str) -> None:
+def _rotation(b: NodeBuilder, lay, source: str, position_ids: str, cos: str, sin: str, out: str) -> None:
     """RotaryEmbedding over the float32 sources, then (int8 KV) rounding half to even and saturation
     to +-127: the sink / pinned keys' refresh, in the decoder and in the rotation graph alike."""
     int8 = lay.kv_dtype == KVDType.INT8
@@ -469,7 +432,7 @@ def rotation_model(manifest: Manifest) -> onnx.ModelProto:
     at once. Inputs: source (1, layers * kv_heads, rows, head_dim), position_ids (1, rows), cos / sin
     (rows, head_dim / 2); output keys (1, layers * kv_heads, rows, head_dim) in the cache's type."""
     lay = manifest.cache
-    b = _Builder()
+    b = NodeBuilder()
     _rotation(b, lay, "source", "position_ids", "cos", "sin", "keys")
     out_type = TensorProto.INT8 if lay.kv_dtype == KVDType.INT8 else TensorProto.FLOAT
     heads, d = len(lay.global_layers) * lay.kv_heads, lay.head_dim

@@ -4,7 +4,9 @@ registered by the runtime, which never compiles anything.
 One library, operators in domain ai.cabinlm for the fused cpu build (each file's header says what
 it computes and what it guarantees):
 
-* `int8_kv_attention.cc`: `Int8KVAttention`, the attention over the int8 KV cache;
+* `int8_kv_attention.cc`: `Int8KVAttention`, the attention over the int8 KV cache, and
+  `FloatKVAttention`, the same over a float32 cache (fp32 KV builds, vision-language decoders among
+  them); their `...SeatsAttention` twins run every seat of a batched graph in one node;
 * `block_q4_matmul.cc`: `BlockQ4MatMul`, the layers' matmuls over GGUF Q4_1 blocks (4-bit codes,
   float16 scale and minimum) read as they are, and `BlockQ4SwiGLUMatMul`, the MLP's down projection
   of silu(gate) * up;
@@ -33,6 +35,8 @@ LIBRARY = "libcabinlm_kernels.so"  # the file in a build folder (manifest files:
 DOMAIN = "ai.cabinlm"
 ATTENTION_OP = "Int8KVAttention"
 SEATS_ATTENTION_OP = "Int8KVSeatsAttention"  # a batched graph's layer: every seat's rows over its own cache
+FLOAT_ATTENTION_OP = "FloatKVAttention"  # the two above over a float32 cache (fp32 KV), scales of 1
+FLOAT_SEATS_ATTENTION_OP = "FloatKVSeatsAttention"
 MATMUL_OP = "BlockQ4MatMul"
 SWIGLU_MATMUL_OP = "BlockQ4SwiGLUMatMul"  # the MLP's down projection, its SwiGLU included
 MACHINE_ALIASES = {"amd64": "x86_64", "arm64": "aarch64", "x64": "x86_64"}

@@ -137,6 +137,30 @@ inline int8_t quantize(float x) {  // half to even, saturated to +-127
   return static_cast<int8_t>(r);
 }
 
+// The cache's element type C: int8_t (Int8KVAttention: codes times the static per-channel scales) or
+// float (FloatKVAttention: the values themselves; its graph passes scales of 1, which leave every
+// product and quotient below exact). Every other line of the arithmetic is the same for both.
+inline vf16 load_kv(const int8_t* p) { return load_int8(p); }
+inline vf16 load_kv(const float* p) { return load(p); }
+template <typename C>
+C to_cache(float x);
+template <>
+inline int8_t to_cache<int8_t>(float x) { return quantize(x); }
+template <>
+inline float to_cache<float>(float x) { return x; }
+template <typename C>
+struct Names;
+template <>
+struct Names<int8_t> {
+  static constexpr const char* single = "Int8KVAttention: ";
+  static constexpr const char* seats = "Int8KVSeatsAttention: ";
+};
+template <>
+struct Names<float> {
+  static constexpr const char* single = "FloatKVAttention: ";
+  static constexpr const char* seats = "FloatKVSeatsAttention: ";
+};
+
 // rotate-half rotary embedding of one head (x: D values), into out
 inline void rotate(const float* x, const float* cos, const float* sin, int64_t D, float* out) {
   const int64_t h = D / 2;
@@ -216,10 +240,11 @@ inline void pv_tile(int64_t nv, const float* w, const float* tile, int64_t count
   }
 }
 
+template <typename C>
 struct Problem {
   const float* qkv;
-  int8_t* keys;
-  int8_t* values;
+  C* keys;  // (Hkv, R, D) int8 codes or floats
+  C* values;
   const float* cos;
   const float* sin;
   const int64_t* position_ids;
@@ -236,7 +261,7 @@ struct Problem {
   const float* src_sin = nullptr;
   const int64_t* slots = nullptr;  // (n,) or null
   const int64_t* X = nullptr;      // (n,)
-  int8_t* step = nullptr;          // (V, Hkv, K, D): the sink / pinned keys as each version sees them
+  C* step = nullptr;               // (V, Hkv, K, D): the sink / pinned keys as each version sees them
   int64_t P = 0, K = 0, V = 1;
   bool uniform = true;  // every row sees the same key at every position it sees (no slot table, V = 1)
 };
@@ -247,12 +272,14 @@ struct Problem {
 constexpr int32_t kEmpty = -1;
 constexpr int32_t kStepKey = -2;
 
-inline int64_t version_of(const Problem& p, int64_t i) { return p.V == 1 ? 0 : i; }
+template <typename C>
+inline int64_t version_of(const Problem<C>& p, int64_t i) { return p.V == 1 ? 0 : i; }
 
 // The codes of rows i0 .. i0+B-1 over positions 0 .. L-1, into codes[b * L + j]:
 //   j < F: the cache's (the first K: the step keys); j >= F: empty; then slots[m] = F + m for the
 //   rows m < i before it (the latest wins), and X[i] = F + i, the row itself.
-void row_codes(const Problem& p, int64_t i0, int64_t B, int64_t L, int32_t* codes) {
+template <typename C>
+void row_codes(const Problem<C>& p, int64_t i0, int64_t B, int64_t L, int32_t* codes) {
   for (int64_t b = 0; b < B; ++b) {
     const int64_t i = i0 + b;
     int32_t* c = codes + b * L;
@@ -264,11 +291,13 @@ void row_codes(const Problem& p, int64_t i0, int64_t B, int64_t L, int32_t* code
 }
 
 // The uniform case's code, without a table: j up to the row's own position, the first K step keys.
-inline int32_t uniform_code(const Problem& p, int64_t i, int64_t j) {
+template <typename C>
+inline int32_t uniform_code(const Problem<C>& p, int64_t i, int64_t j) {
   return j <= p.F + i ? (j < p.K ? kStepKey : static_cast<int32_t>(j)) : kEmpty;
 }
 
-inline const int8_t* key_row(const Problem& p, int64_t g, int32_t code, int64_t j) {
+template <typename C>
+inline const C* key_row(const Problem<C>& p, int64_t g, int32_t code, int64_t j) {
   if (code >= 0) return p.keys + (g * p.R + code) * p.D;
   return p.step + (((kStepKey - code) * p.Hkv + g) * p.K + j) * p.D;
 }
@@ -277,7 +306,8 @@ inline int32_t value_code(int32_t code, int64_t j) { return code >= 0 ? code : (
 // Rows i0 .. i1-1 (at most kRowBlock) and kv head g: every query head of the group. Each row's
 // arithmetic is the same sequence whatever block it is computed in: the keys at its positions 0..X[i]
 // in position order, a position's score a function of (query, key, bias) alone.
-void attend(const Problem& p, int64_t i0, int64_t i1, int64_t g) {
+template <typename C>
+void attend(const Problem<C>& p, int64_t i0, int64_t i1, int64_t g) {
   const int64_t D = p.D, V16 = D / kLanes, G = p.group, W = (p.H + 2 * p.Hkv) * D;
   const int64_t B = i1 - i0;
   int64_t Lmax = 0;  // positions any row of the block sees
@@ -285,7 +315,7 @@ void attend(const Problem& p, int64_t i0, int64_t i1, int64_t g) {
   const int64_t stride = (Lmax + kLanes - 1) / kLanes * kLanes;
   const float* ks = p.k_scale + g * D;
   const float* vs = p.v_scale + g * D;
-  const int8_t* V = p.values + g * p.R * D;
+  const C* V = p.values + g * p.R * D;
 
   thread_local std::vector<int32_t> table;
   if (!p.uniform) {
@@ -326,7 +356,7 @@ void attend(const Problem& p, int64_t i0, int64_t i1, int64_t g) {
     for (int64_t l = 0; l < kLanes; ++l)
       for (int64_t c = 0; c < V16; ++c)
         store(keys + l * D + c * kLanes,
-              shared[l] != kEmpty ? load_int8(key_row(p, g, shared[l], j0 + l) + c * kLanes) : splat(0.0f));
+              shared[l] != kEmpty ? load_kv(key_row(p, g, shared[l], j0 + l) + c * kLanes) : splat(0.0f));
     for (int64_t b = 0; b < B; ++b) {
       const int64_t i = i0 + b;
       alignas(64) float bias[kLanes];
@@ -342,7 +372,7 @@ void attend(const Problem& p, int64_t i0, int64_t i1, int64_t g) {
         for (int64_t l = 0; l < kLanes; ++l) {
           const int32_t c = j0 + l < Lmax ? code(b, j0 + l) : kEmpty;
           if (c != kEmpty && c != shared[l])
-            for (int64_t k = 0; k < V16; ++k) store(own + l * D + k * kLanes, load_int8(key_row(p, g, c, j0 + l) + k * kLanes));
+            for (int64_t k = 0; k < V16; ++k) store(own + l * D + k * kLanes, load_kv(key_row(p, g, c, j0 + l) + k * kLanes));
         }
         tile = own;
       }
@@ -388,7 +418,7 @@ void attend(const Problem& p, int64_t i0, int64_t i1, int64_t g) {
       for (int64_t b = 0; b < B; ++b)
         if ((shared[j] = value_code(code(b, j0 + j), j0 + j)) != kEmpty) break;
       if (shared[j] != kEmpty)
-        for (int64_t c = 0; c < V16; ++c) store(tile + j * D + c * kLanes, load_int8(V + shared[j] * D + c * kLanes));
+        for (int64_t c = 0; c < V16; ++c) store(tile + j * D + c * kLanes, load_kv(V + shared[j] * D + c * kLanes));
     }
     for (int64_t b = 0; b < B; ++b) {
       const int64_t mine = std::min<int64_t>(count, p.X[i0 + b] + 1 - j0);  // this row's positions in the tile
@@ -409,7 +439,7 @@ void attend(const Problem& p, int64_t i0, int64_t i1, int64_t g) {
             if (c == shared[j]) {
               std::memcpy(w + j * D, tile + j * D, sizeof(float) * D);
             } else {
-              for (int64_t k = 0; k < V16; ++k) store(w + j * D + k * kLanes, load_int8(V + c * D + k * kLanes));
+              for (int64_t k = 0; k < V16; ++k) store(w + j * D + k * kLanes, load_kv(V + c * D + k * kLanes));
             }
           }
           t = w;
@@ -427,21 +457,23 @@ void attend(const Problem& p, int64_t i0, int64_t i1, int64_t g) {
 
 // The sink / pinned keys of version v and kv head g: rotated from key_source by that version's
 // source_cos / source_sin and quantized exactly as write_rows quantizes a chunk's keys.
+template <typename C>
 void step_keys_unit(void* data, size_t unit) {
-  const Problem& p = *static_cast<const Problem*>(data);
+  const Problem<C>& p = *static_cast<const Problem<C>*>(data);
   const int64_t D = p.D, v = static_cast<int64_t>(unit) / p.Hkv, g = static_cast<int64_t>(unit) % p.Hkv;
   const float* ks = p.k_scale + g * D;
   float rotated[kMaxHeadDim];
   for (int64_t r = 0; r < p.K; ++r) {
     const int64_t t = (v * p.K + r) * (D / 2);
     rotate(p.source + (g * p.P + r) * D, p.src_cos + t, p.src_sin + t, D, rotated);
-    int8_t* k = p.step + ((v * p.Hkv + g) * p.K + r) * D;
-    for (int64_t d = 0; d < D; ++d) k[d] = quantize(rotated[d] / ks[d]);
+    C* k = p.step + ((v * p.Hkv + g) * p.K + r) * D;
+    for (int64_t d = 0; d < D; ++d) k[d] = to_cache<C>(rotated[d] / ks[d]);
   }
 }
 
 // The chunk's new keys (rotated) and values, quantized into cache rows F .. F+n-1.
-void write_rows(const Problem& p) {
+template <typename C>
+void write_rows(const Problem<C>& p) {
   const int64_t D = p.D, W = (p.H + 2 * p.Hkv) * D;
   float rotated[kMaxHeadDim];
   for (int64_t i = 0; i < p.n; ++i) {
@@ -451,29 +483,31 @@ void write_rows(const Problem& p) {
       const float* ks = p.k_scale + g * D;
       const float* vs = p.v_scale + g * D;
       rotate(row + (p.H + g) * D, p.cos + pos * (D / 2), p.sin + pos * (D / 2), D, rotated);
-      int8_t* k = p.keys + (g * p.R + p.F + i) * D;
-      int8_t* v = p.values + (g * p.R + p.F + i) * D;
+      C* k = p.keys + (g * p.R + p.F + i) * D;
+      C* v = p.values + (g * p.R + p.F + i) * D;
       const float* vin = row + (p.H + p.Hkv + g) * D;
       for (int64_t d = 0; d < D; ++d) {
-        k[d] = quantize(rotated[d] / ks[d]);
-        v[d] = quantize(vin[d] / vs[d]);
+        k[d] = to_cache<C>(rotated[d] / ks[d]);
+        v[d] = to_cache<C>(vin[d] / vs[d]);
       }
     }
   }
 }
 
+template <typename C>
 void attend_unit(void* data, size_t unit) {
-  const Problem& p = *static_cast<const Problem*>(data);
+  const Problem<C>& p = *static_cast<const Problem<C>*>(data);
   const int64_t u = static_cast<int64_t>(unit), block = u / p.Hkv, g = u % p.Hkv;
   const int64_t i0 = block * kRowBlock, i1 = std::min(p.n, i0 + kRowBlock);
   attend(p, i0, i1, g);
 }
 
 // Inputs 11..15, where given: the slot table's view of the rows (the header's "rows as steps").
-OrtStatus* step_inputs(OrtKernelContext* ctx, size_t count, size_t base, Problem& p, std::vector<int64_t>& X,
-                       std::vector<int8_t>& step) {
+template <typename C>
+OrtStatus* step_inputs(OrtKernelContext* ctx, size_t count, size_t base, Problem<C>& p, std::vector<int64_t>& X,
+                       std::vector<C>& step) {
   X.resize(static_cast<size_t>(p.n));
-  const std::string where = "Int8KVAttention: ";
+  const std::string where = Names<C>::single;
   if (count <= 11) {  // the exported graph's chunk semantics: every row sees the cache and the rows before it
     for (int64_t i = 0; i < p.n; ++i) X[i] = p.F + i;
     p.X = X.data();
@@ -536,8 +570,9 @@ OrtStatus* step_inputs(OrtKernelContext* ctx, size_t count, size_t base, Problem
 // One seat's problem: its rows of qkv (rows row0 .. row0 + n - 1 of the (1, rows, width) input),
 // its other inputs at ctx indices base .. base + 14 (the single node's inputs 1 .. 15), its output
 // rows of `out`. Checks every shape; runs nothing.
+template <typename C>
 OrtStatus* prepare(OrtKernelContext* ctx, const std::vector<int64_t>& dq, const float* qkv, int64_t n, int64_t row0,
-                   size_t base, size_t count, float* out, Problem& p, std::vector<int64_t>& X, std::vector<int8_t>& step) {
+                   size_t base, size_t count, float* out, Problem<C>& p, std::vector<int64_t>& X, std::vector<C>& step) {
   const OrtValue* in[11];
   std::vector<int64_t> dk, dv, dc, db, dp, dsk, dsv;
   for (size_t i = 1; i < 11; ++i) CABIN_TRY(input(ctx, base + i - 1, &in[i]));
@@ -548,11 +583,11 @@ OrtStatus* prepare(OrtKernelContext* ctx, const std::vector<int64_t>& dq, const 
   CABIN_TRY(dims_of(in[8], &db));
   CABIN_TRY(dims_of(in[9], &dsk));
   CABIN_TRY(dims_of(in[10], &dsv));
-  const std::string where = "Int8KVAttention: ";
+  const std::string where = Names<C>::single;
   if (dq.size() != 3 || dq[0] != 1 || dk.size() != 4 || dk[0] != 1 || dk != dv)
     return error(kInvalidArgument, where + "qkv " + shape_str(dq) + " and caches " + shape_str(dk) + " / " +
                                        shape_str(dv) + " are not (1, n, width) and two equal (1, kv_heads, rows, head_dim)");
-  p = Problem{};
+  p = Problem<C>{};
   p.n = n;
   p.Hkv = dk[1];
   p.R = dk[2];
@@ -598,19 +633,21 @@ OrtStatus* prepare(OrtKernelContext* ctx, const std::vector<int64_t>& dq, const 
 
 // Before any row attends: the step keys (every block of rows reads them; a parallel_for where there
 // are many), then the chunk's keys and values written into the cache.
-OrtStatus* write_seat(OrtKernelContext* ctx, Problem& p) {
+template <typename C>
+OrtStatus* write_seat(OrtKernelContext* ctx, Problem<C>& p) {
   if (p.K > 0) {
     const size_t units = static_cast<size_t>(p.V * p.Hkv);
     if (p.V * p.K <= 64) {
-      for (size_t u = 0; u < units; ++u) step_keys_unit(&p, u);
+      for (size_t u = 0; u < units; ++u) step_keys_unit<C>(&p, u);
     } else {
-      CABIN_TRY(parallel_for(ctx, step_keys_unit, units, &p));
+      CABIN_TRY(parallel_for(ctx, step_keys_unit<C>, units, &p));
     }
   }
   write_rows(p);
   return nullptr;
 }
 
+template <typename C>
 OrtStatus* compute(OrtKernelContext* ctx) {
   size_t count = 0;
   CABIN_TRY(input_count(ctx, &count));
@@ -618,19 +655,19 @@ OrtStatus* compute(OrtKernelContext* ctx) {
   std::vector<int64_t> dq;
   CABIN_TRY(input(ctx, 0, &qv));
   CABIN_TRY(dims_of(qv, &dq));
-  if (dq.size() != 3) return error(kInvalidArgument, "Int8KVAttention: qkv " + shape_str(dq) + " is not (1, n, width)");
+  if (dq.size() != 3) return error(kInvalidArgument, std::string(Names<C>::single) + "qkv " + shape_str(dq) + " is not (1, n, width)");
   const float* qkv = nullptr;
   CABIN_TRY(data_of(qv, &qkv));
   thread_local std::vector<int64_t> X;
-  thread_local std::vector<int8_t> step;
-  Problem p;
+  thread_local std::vector<C> step;
+  Problem<C> p;
   CABIN_TRY(prepare(ctx, dq, qkv, dq[1], 0, 1, count, nullptr, p, X, step));
   OrtValue* out = nullptr;
   CABIN_TRY(output(ctx, 0, {1, p.n, p.H * p.D}, &out));
   CABIN_TRY(data_of(out, &p.out));
   CABIN_TRY(write_seat(ctx, p));
   const size_t units = static_cast<size_t>(p.blocks * p.Hkv);
-  return parallel_for(ctx, attend_unit, units, &p);
+  return parallel_for(ctx, attend_unit<C>, units, &p);
 }
 
 // ai.cabinlm::Int8KVSeatsAttention: S seats' rows in one node (a batched graph's layer), each seat's
@@ -644,21 +681,24 @@ OrtStatus* compute(OrtKernelContext* ctx) {
 // attend() on the seat's own problem: each seat's output is bit for bit its own node's. A unit reads
 // and writes only its seat's caches (every seat's chunk is written before any unit runs).
 constexpr size_t kSeatInputs = 15;
+template <typename C>
 struct SeatsProblem {
-  std::vector<Problem> seats;
+  std::vector<Problem<C>> seats;
   std::vector<size_t> first;  // seat s's units start at first[s]
 };
 
+template <typename C>
 void seats_attend_unit(void* data, size_t unit) {
-  const SeatsProblem& sp = *static_cast<const SeatsProblem*>(data);
+  const SeatsProblem<C>& sp = *static_cast<const SeatsProblem<C>*>(data);
   const size_t s = static_cast<size_t>(std::upper_bound(sp.first.begin(), sp.first.end(), unit) - sp.first.begin()) - 1;
-  attend_unit(const_cast<Problem*>(&sp.seats[s]), unit - sp.first[s]);
+  attend_unit<C>(const_cast<Problem<C>*>(&sp.seats[s]), unit - sp.first[s]);
 }
 
+template <typename C>
 OrtStatus* compute_seats(OrtKernelContext* ctx) {
   size_t count = 0;
   CABIN_TRY(input_count(ctx, &count));
-  const std::string where = "Int8KVSeatsAttention: ";
+  const std::string where = Names<C>::seats;
   if (count < 2 + kSeatInputs || (count - 2) % kSeatInputs != 0)
     return error(kInvalidArgument, where + "takes qkv, seat_tokens and 15 inputs per seat, got " + std::to_string(count) + " inputs");
   const int64_t S = static_cast<int64_t>((count - 2) / kSeatInputs);
@@ -682,8 +722,8 @@ OrtStatus* compute_seats(OrtKernelContext* ctx) {
   const float* qkv = nullptr;
   CABIN_TRY(data_of(qv, &qkv));
   thread_local std::vector<std::vector<int64_t>> X;
-  thread_local std::vector<std::vector<int8_t>> step;
-  thread_local SeatsProblem sp;
+  thread_local std::vector<std::vector<C>> step;
+  thread_local SeatsProblem<C> sp;
   X.resize(static_cast<size_t>(S));
   step.resize(static_cast<size_t>(S));
   sp.seats.resize(static_cast<size_t>(S));
@@ -695,8 +735,8 @@ OrtStatus* compute_seats(OrtKernelContext* ctx) {
     CABIN_TRY(prepare(ctx, ds, qkv, counts[s], r, 2 + static_cast<size_t>(s) * kSeatInputs, 1 + kSeatInputs, nullptr,
                       sp.seats[static_cast<size_t>(s)], X[static_cast<size_t>(s)], step[static_cast<size_t>(s)]));
   }
-  const Problem& p0 = sp.seats[0];
-  for (const Problem& p : sp.seats)
+  const Problem<C>& p0 = sp.seats[0];
+  for (const Problem<C>& p : sp.seats)
     if (p.H != p0.H || p.D != p0.D)
       return error(kInvalidArgument, where + "every seat's caches take the same heads and head_dim");
   OrtValue* out = nullptr;
@@ -705,14 +745,14 @@ OrtStatus* compute_seats(OrtKernelContext* ctx) {
   CABIN_TRY(data_of(out, &y));
   size_t units = 0;
   for (int64_t s = 0; s < S; ++s) {
-    Problem& p = sp.seats[static_cast<size_t>(s)];
+    Problem<C>& p = sp.seats[static_cast<size_t>(s)];
     p.out = y + row0[static_cast<size_t>(s)] * p.H * p.D;
     CABIN_TRY(write_seat(ctx, p));
     sp.first[static_cast<size_t>(s)] = units;
     units += static_cast<size_t>(p.blocks * p.Hkv);
   }
   if (units == 0) return nullptr;
-  return parallel_for(ctx, seats_attend_unit, units, &sp);
+  return parallel_for(ctx, seats_attend_unit<C>, units, &sp);
 }
 
 struct Int8KVAttention {
@@ -720,7 +760,7 @@ struct Int8KVAttention {
   static constexpr ElementType kInputTypes[16] = {kFloat, kInt8, kInt8, kInt32, kInt32, kFloat, kFloat, kInt64,
                                                   kFloat, kFloat, kFloat, kFloat, kFloat, kFloat, kInt64, kInt64};
   static constexpr size_t kRequiredInputs = 11;
-  static OrtStatus* compute(OrtKernelContext* ctx) { return ::compute(ctx); }
+  static OrtStatus* compute(OrtKernelContext* ctx) { return ::compute<int8_t>(ctx); }
 };
 
 struct Int8KVSeatsAttention {
@@ -728,7 +768,26 @@ struct Int8KVSeatsAttention {
   // qkv, then the seats' groups as one variadic input of mixed types (ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED)
   static constexpr ElementType kInputTypes[3] = {kFloat, kInt64, kAnyType};
   static constexpr bool kVariadicTail = true;
-  static OrtStatus* compute(OrtKernelContext* ctx) { return ::compute_seats(ctx); }
+  static OrtStatus* compute(OrtKernelContext* ctx) { return ::compute_seats<int8_t>(ctx); }
+};
+
+// ai.cabinlm::FloatKVAttention / FloatKVSeatsAttention: the same operators over a float32 cache (C =
+// float: the chunk's rotated keys and values stored as they are, read back as they are), the same
+// inputs in the same order, k_scale / v_scale ones. A fp32-KV fused build (a vision-language decoder
+// among them) takes them, and with them rows as steps and batched graphs.
+struct FloatKVAttention {
+  static constexpr const char* kName = "FloatKVAttention";
+  static constexpr ElementType kInputTypes[16] = {kFloat, kFloat, kFloat, kInt32, kInt32, kFloat, kFloat, kInt64,
+                                                  kFloat, kFloat, kFloat, kFloat, kFloat, kFloat, kInt64, kInt64};
+  static constexpr size_t kRequiredInputs = 11;
+  static OrtStatus* compute(OrtKernelContext* ctx) { return ::compute<float>(ctx); }
+};
+
+struct FloatKVSeatsAttention {
+  static constexpr const char* kName = "FloatKVSeatsAttention";
+  static constexpr ElementType kInputTypes[3] = {kFloat, kInt64, kAnyType};
+  static constexpr bool kVariadicTail = true;
+  static OrtStatus* compute(OrtKernelContext* ctx) { return ::compute_seats<float>(ctx); }
 };
 
 }  // namespace
@@ -746,3 +805,15 @@ const cabinlm_ort::CustomOp* cabinlm_ort::int8_kv_seats_attention_op() {
   static const CustomOp op = make_op<Int8KVSeatsAttention>();
   return &op;
 }
+
+namespace cabinlm_ort {  // declared in register.cc, which registers them
+const CustomOp* float_kv_attention_op() {
+  static const CustomOp op = make_op<FloatKVAttention>();
+  return &op;
+}
+
+const CustomOp* float_kv_seats_attention_op() {
+  static const CustomOp op = make_op<FloatKVSeatsAttention>();
+  return &op;
+}
+}  // namespace cabinlm_ort

@@ -13,6 +13,12 @@
 
 using namespace cabinlm_ort;
 
+namespace cabinlm_ort {
+// int8_kv_attention.cc's operators over a float32 cache (declared here beside ort_api.h's list)
+const CustomOp* float_kv_attention_op();
+const CustomOp* float_kv_seats_attention_op();
+}  // namespace cabinlm_ort
+
 extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
                                                                               const ApiBase* base) {
   g_api = base->GetApi(kRequiredApiVersion);
@@ -26,8 +32,8 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
   }
   OrtCustomOpDomain* domain = nullptr;
   CABIN_TRY(api<kCreateCustomOpDomain>()("ai.cabinlm", &domain));
-  for (const CustomOp* op : {int8_kv_attention_op(), int8_kv_seats_attention_op(), block_q4_matmul_op(),
-                             block_q4_swiglu_matmul_op()})
+  for (const CustomOp* op : {int8_kv_attention_op(), int8_kv_seats_attention_op(), float_kv_attention_op(),
+                             float_kv_seats_attention_op(), block_q4_matmul_op(), block_q4_swiglu_matmul_op()})
     CABIN_TRY(api<kCustomOpDomainAdd>()(domain, reinterpret_cast<const OrtCustomOp*>(op)));
   // The domain lives as long as the process: ONNX Runtime reads it for every session that uses it.
   return api<kAddCustomOpDomain>()(options, domain);
