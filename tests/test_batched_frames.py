@@ -247,3 +247,73 @@ def test_a_seat_saved_with_its_frame_after_batched_steps_resumes_in_another_mode
     other[1].step(np.asarray([7, 8], np.int64), logits="last")
     for _ in range(30):
         step_together(group, greedy(group))
+
+
+def test_seats_with_frames_under_the_server_scheduler_give_their_own_greedy_replies(vlm):
+    """Three seats in three threads, each a turn as the server runs it (hold the model, a frame, a
+    prompt, then greedy tokens with pass_turn between them; serve.scheduler.SeatSteps): a frame's chunk
+    runs alone (the scheduler holds the model for it), the riders' text steps go with the holder's in
+    batched runs, and every seat's greedy reply is the one it gives alone."""
+    import threading
+    import time
+
+    from cabinlm.serve.scheduler import SeatSteps
+
+    _, _, _, built = vlm
+    rng = np.random.default_rng(7)
+    prompts = [[rng.integers(3, 200, int(rng.integers(2, 6))) for _ in range(2)] for _ in range(3)]
+    rows = frames_of(vlm, Decoder(built), (61, 62, 63))
+
+    def turn(d: Decoder, frame: np.ndarray, chunks, n: int, model=None) -> list[int]:
+        with model if model is not None else _Nothing():
+            d.step(chunks[0], pin=True)
+            feed_frame(d, frame)
+            logits = d.step(chunks[1], logits="last")[-1]
+            out = []
+            for _ in range(n):
+                out.append(int(logits.argmax()))
+                if model is not None:
+                    model.pass_turn()
+                logits = d.step(np.array([out[-1]]))[-1]
+            return out
+
+    n = LAYOUTS[vlm[0]]["window"] + 10  # the window turns over during the reply
+    expected = [turn(d, f, p, n) for d, f, p in zip(seats(built, 3), rows, prompts)]
+    model = SeatSteps(4)
+    ds = seats(built, 3)
+    for d in ds:
+        d.together = model
+    got: list = [None] * 3
+    errors = []
+
+    def run(i: int) -> None:
+        try:
+            got[i] = turn(ds[i], rows[i], prompts[i], n, model)
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    model.acquire()  # the three turns queue up (in order) while another holds the model
+    threads = []
+    for i in range(3):
+        threads.append(threading.Thread(target=run, args=(i,)))
+        threads[-1].start()
+        deadline = time.monotonic() + 10
+        while model.waiting < i + 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+    assert model.waiting == 3
+    model.release()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert got == expected
+    assert len({tuple(g) for g in got}) > 1
+    assert model.batched_runs > 10
+    assert all(d.cache.evicted > 0 and d.cache.frames == 1 for d in ds)
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
