@@ -317,3 +317,51 @@ class _Nothing:
 
     def __exit__(self, *exc):
         return None
+
+
+# -- a text model with fp32 KV on the float kernel: what the frames above build on -----------------
+
+
+@pytest.fixture(scope="module")
+def text_fp32(load, tiny_llama_dir, export_to, tmp_path_factory):
+    art = export_to(load(str(tiny_llama_dir)), kv="fp32", sink=2, pinned=10, window=16, chunk=4)
+    return art, build_artifact(art, load_profile("cpu"), tmp_path_factory.mktemp("fp32-seats") / "build", attention_kernel="cabinlm")
+
+
+def test_an_fp32_text_build_on_the_float_kernel_steps_as_the_export_drafts_after_turnover_and_batches(text_fp32):
+    """A text model's fp32-KV build on FloatKVAttention: its logits are the exported graph's through
+    pins and eviction; a verified chunk's rows are its one-token steps bit for bit after the window
+    has turned over (rows as steps, which GroupQueryAttention's fp32 builds cannot take); and three
+    seats decode together as each alone."""
+    art, built = text_fp32
+    rng = np.random.default_rng(8)
+    ref, dec = Decoder(art), Decoder(built)
+    assert dec.backend.verifies_after_turnover and dec.backend.seat_batches == (2, 4)
+    system = rng.integers(3, 300, 8)
+    worst = 0.0
+    for d in (ref, dec):
+        d.feed(system, pin=True)
+    for _ in range(20):
+        ids = rng.integers(3, 300, int(rng.integers(1, 5)))
+        got = [d.feed(ids, all_logits=True) for d in (ref, dec)]
+        worst = max(worst, float(np.abs(got[1] - got[0]).max()))
+    assert dec.cache.evicted > 16 and worst < 1e-4, worst
+    steps = Decoder(built)
+    steps.feed(system, pin=True)
+    steps.feed(rng.integers(3, 300, 20))  # the window (16) turned over: a verified chunk's plan is rows as steps
+    chunks = Decoder(built)
+    chunks.cache.restore(steps.cache.state())
+    for name, buf in steps.backend.buffers().items():
+        chunks.backend.buffers()[name][...] = buf
+    chunks.backend.restored()
+    for it in range(12):
+        n = int(rng.integers(2, 5))
+        ids = rng.integers(3, 300, n)
+        one = np.stack([steps.step(ids[i : i + 1])[0].copy() for i in range(n)])
+        rows, kept = chunks.verify(ids, lambda logits: n)
+        assert kept == n and np.array_equal(rows, one), it
+    pairs = [Pair(t, a) for t, a in zip(seats(built, 3), seats(built, 3))]
+    step_together(pairs, [rng.integers(3, 300, 2 + i) for i in range(3)], [True] * 3)
+    for _ in range(40):
+        step_together(pairs, greedy(pairs))
+    assert all(p.together.cache.evicted > 16 for p in pairs)
