@@ -42,6 +42,7 @@ from cabinlm.engines.onnxruntime.binding import Binding, ortvalue
 from cabinlm.engines.onnxruntime.session import check_io, mapped_weights, open_session, session_options
 from cabinlm.engines.ort_fused.frames import FrameKeys
 from cabinlm.engines.ort_fused.rotated import RingTables, RotatedKeys
+from cabinlm.engines.ort_fused.row_moves import move_rows
 from cabinlm.engines.ort_fused.seats import run_batched
 from cabinlm.engines.ort_fused.spec import FusedSettings
 from cabinlm.runtime.slots import SlotTable, StepPlan
@@ -432,24 +433,8 @@ class FusedBackend(Backend):
         if self._kernel_source is not None and plan.slots.min() < lay.image_start:  # sink / pinned sources changed
             self._sync_kernel_source()
         if self.local_keys is not None:  # the ring's rows F_l.. into slots seen mod R
-            _move(self.local_keys, self.local_values, plan.local_cached, plan.local_slots)
-        _move(self.keys, self.values, start, plan.slots)
-
-
-def _move(keys: np.ndarray, values: np.ndarray, start: int, slots: np.ndarray) -> None:
-    """Move a chunk's rows start.. of (layers, kv_heads, rows, head_dim) buffers into `slots` (often
-    the same rows: then nothing moves)."""
-    n = len(slots)
-    lo, hi = int(slots[0]), int(slots[-1]) + 1
-    if n == 1:  # a decode step: one row per layer and head
-        if lo != start:
-            keys[:, :, lo] = keys[:, :, start]
-            values[:, :, lo] = values[:, :, start]
-    elif not (lo == start and hi - lo == n):
-        where = slice(lo, hi) if hi - lo == n else slots
-        for buf in (keys, values):
-            # through a small copy: the rows never overlap, but numpy would prove it the slow way
-            buf[:, :, where] = buf[:, :, start : start + n].copy()
+            move_rows(self.local_keys, self.local_values, plan.local_cached, plan.local_slots)
+        move_rows(self.keys, self.values, start, plan.slots)
 
 
 def unavailable() -> str | None:

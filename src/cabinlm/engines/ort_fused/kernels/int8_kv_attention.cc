@@ -7,6 +7,12 @@
 // about three times as slow as over a float32 cache (docs/benchmarks.md, section 11); and a verified
 // draft must see the cache as its one-token step would, which only an own kernel can arrange.
 //
+// ai.cabinlm::FloatKVAttention is the same operator over a float32 cache (fp32 KV builds, the
+// vision-language decoders among them): the code below is templated on the cache's element type C,
+// a chunk's keys and values stored as computed instead of quantized, k_scale / v_scale ones (which
+// leave every product and quotient exact), so its rows, steps and seats keep every invariant below.
+// What is int8 below (caches, the step keys) is float there.
+//
 //   inputs   0 qkv                   float (1, n, (H + 2 Hkv) D)  the chunk's un-rotated q | k | v
 //            1 key_cache             int8  (1, Hkv, R, D)  keys rotated at write time; rows F .. F+n-1 are
 //            2 value_cache           int8  (1, Hkv, R, D)  written here, in place (F = total - n)
@@ -677,6 +683,7 @@ OrtStatus* compute(OrtKernelContext* ctx) {
 //           2 ..           variadic: S groups of 15, seat s's group Int8KVAttention's inputs 1 .. 15 (its
 //                          caches, lengths, rotation rows, bias, scales, key_source, layer, row slots)
 //   output  0              float (1, rows, H D)    seat s's rows where its qkv rows are
+// (FloatKVSeatsAttention: the same over float32 caches, groups of FloatKVAttention's inputs.)
 // Every (seat, block of rows, kv head) is one unit of one parallel_for, running the single node's
 // attend() on the seat's own problem: each seat's output is bit for bit its own node's. A unit reads
 // and writes only its seat's caches (every seat's chunk is written before any unit runs).
