@@ -365,3 +365,14 @@ def test_an_fp32_text_build_on_the_float_kernel_steps_as_the_export_drafts_after
     for _ in range(40):
         step_together(pairs, greedy(pairs))
     assert all(p.together.cache.evicted > 16 for p in pairs)
+
+
+def test_drafting_with_frames_on_the_float_kernel_gives_the_plain_replies(vlm, export_to, tmp_path):
+    """Chat drafts by default on the float kernel's VLM build too (its chunk rows are its steps while
+    the window fills) and stops at the turnover (the image rows are re-written per step, not per row):
+    with frames pinned and replaced through window turnovers, drafting gives the plain greedy replies
+    (test_fused_vlm's check, on a build whose window holds a chat turn: 64 tokens)."""
+    from test_fused_vlm import check_drafting_gives_the_plain_replies
+
+    art = export_to(vlm[1], kv="fp32", sink=4, pinned=24, window=64, chunk=16)
+    check_drafting_gives_the_plain_replies(build_artifact(art, load_profile("cpu"), tmp_path / "b", attention_kernel="cabinlm"))
