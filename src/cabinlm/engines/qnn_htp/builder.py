@@ -172,9 +172,12 @@ class QnnBuilder(Builder):
             with tempfile.TemporaryDirectory(prefix="cabinlm-a16-") as work:
                 model, rewrites, kv_scales, calibration = a16_graph(artifact, manifest, request.calib, Path(work), log)
             output.quality["activation_calibration"] = calibration
-            log(f"the graph with 16-bit activations: {rewrites['float_weights']} weight matrices as {qdq.WEIGHTS_A16} per channel, the "
-                f"KV cache as uint8 (zero point {KV_ZERO_POINT}, one scale per tensor, the same in and out); on the CPU its "
-                f"logits follow the float graph's at correlation {rewrites['fidelity']:.4f}")  # fmt: skip
+            ppl_f, ppl_q = rewrites["fidelity_perplexity"]
+            log(f"the graph with 16-bit activations: {rewrites['float_weights']} weight matrices as {qdq.WEIGHTS_A16} per channel "
+                f"({rewrites['offsets_folded']} Q4_1 offsets folded in), the KV cache as uint8 (zero point {KV_ZERO_POINT}, one "
+                f"scale per tensor, the same in and out); on the CPU, through the runtime over {rewrites['fidelity_tokens']} held-out "
+                f"tokens, its logits follow the float graph's at correlation {rewrites['fidelity']:.4f}, perplexity {ppl_q:.4g} "
+                f"against {ppl_f:.4g}")  # fmt: skip
         else:
             model = read_graph(artifact, manifest)
             rewrites = htp_ready(model)

@@ -2,13 +2,16 @@
 graph of an int8-KV export made a calibrated QDQ graph, as Qualcomm's own v73 deployments run.
 
     HTP-ready graph (graph.py: fused RMSNorms, float token table, the uint8 cache of uint8_kv)
-      ─ weight blocks as float matrices (float_weights: exactly the export's dequantized blocks)
+      ─ weight blocks as float matrices (float_weights: exactly the export's dequantized blocks,
+        a GGUF Q4_1 block's offset folded in: one MatMul of the true weights, not two that cancel)
       ─ calibration: the CPU runs the float graph over the calibration text, the runtime's own
-        cache bookkeeping feeding it (calibration_feeds), every activation's range recorded
+        cache bookkeeping feeding it (a16_feeds.calibration_feeds), every activation's range recorded
       ─ onnxruntime.quantization's QNN QDQ quantizer: activations uint16 (asymmetric, per tensor),
         weight matrices WEIGHTS_A16 per output channel, the LM head's too
       ─ the cache I/O stays uint8 (zero point 128, one scale per tensor, tied: graph.uint8_kv;
         float_kv_io before the quantizer, strip_kv_io after it); masks floored (floor_masks)
+      ─ the check (a16_feeds.stream_fidelity): the QDQ graph against the float graph over held-out
+        text, both fed by the runtime on the CPU; refused below MIN_FIDELITY / above MAX_PERPLEXITY_RATIO
 
 Invariants: graph inputs and outputs keep their types (the runtime feeds float masks and reads
 float logits; their Quantize / Dequantize run on the HTP, CPU fallback off), so the runtime and its
@@ -29,13 +32,13 @@ import onnx
 from onnx import numpy_helper
 
 from cabinlm.engines.builder import BuildError
+from cabinlm.engines.qnn_htp.a16_feeds import calibration_feeds, stream_fidelity
 from cabinlm.engines.qnn_htp.graph import BLOCK, _consts, _consumers, _values
 
 WEIGHTS_A16 = "int8"  # what the compiler takes beside 16-bit activations (docs/architecture.md "16-bit activations")
 ONE, ZERO, MASK_MIN = "htp/one", "htp/zero", "htp/mask_min"
 MASK_FLOOR = 512.0  # floor_masks
 MAX_CALIB_TOKENS = 512  # the calibration text's first tokens run through the float graph
-DECODE_CALIB_TOKENS = 64  # the last of them fed one at a time (the decode graph's ranges)
 
 
 A16_MIN_ARCH = 73  # a16 is built for HTP v73+ only (a16_refusal)
@@ -55,14 +58,27 @@ def a16_refusal(profile, kv: str) -> str | None:
     return None
 
 
-def float_weights(model: onnx.ModelProto) -> int:
+def float_weights(model: onnx.ModelProto) -> tuple[int, int]:
     """Every DequantizeLinear(block_size 32, axis 0) of an initializer replaced by the float matrix it
-    computes, w[k, n] = (q[k, n] - z[k // 32, n]) * s[k // 32, n]: the quantizer re-quantizes the
-    matrices per output channel. Returns how many."""
+    computes, w[k, n] = (q[k, n] - z[k // 32, n]) * s[k // 32, n] (+ offset[k // 32, n]): the quantizer
+    re-quantizes the matrices per output channel. Returns (matrices, offsets folded).
+
+    A Q4_1 matrix (export/decoder.py linear: GGUF's per-block minimum) is two MatMuls whose sum is the
+    product, x @ (s q) + blocksum(x) @ offset; with q in 0..15 each term carries the block's mean
+    weight times x's block sum, and the two cancel to the (much smaller) product. Quantized to 16 bits
+    apart, each term rounds and clips on its own range, and on text outside the calibration one term
+    clips where the other does not: SmolLM2's QDQ graph lost the model (issue 33, docs/benchmarks.md
+    section 15). So the offset is folded into the matrix, one MatMul of the true weights:
+
+        x ─ MatMul(s q) ─────────────────────────────┐
+        x ─ Reshape(T, K/32, 32) ─ ReduceSum ─ MatMul(offset) ─ Add   ->   x ─ MatMul(s q + offset)
+    """
     g = model.graph
     consts = _consts(model)
-    count = 0
-    drop: set[str] = set()  # by output name: protobuf wrappers' id()s are reused
+    users = _consumers(model)
+    producer = {o: n for n in g.node for o in n.output}
+    count = folded = 0
+    drop: set[tuple[str, str]] = set()  # (op_type, first output): protobuf wrappers' id()s are reused
     new: list[onnx.TensorProto] = []
     for dq in g.node:
         if dq.op_type != "DequantizeLinear" or dq.input[0] not in consts:
@@ -73,82 +89,84 @@ def float_weights(model: onnx.ModelProto) -> int:
         q = _values(consts[dq.input[0]]).astype(np.float32)
         s = numpy_helper.to_array(consts[dq.input[1]]).astype(np.float32)
         z = (_values(consts[dq.input[2]]).astype(np.float32) if len(dq.input) > 2 and dq.input[2] else np.zeros_like(s))
-        w = (q - np.repeat(z, BLOCK, axis=0)[: q.shape[0]]) * np.repeat(s, BLOCK, axis=0)[: q.shape[0]]
+        w = (q - np.repeat(z, BLOCK, axis=0)[: q.shape[0]]) * np.repeat(s, BLOCK, axis=0)[: q.shape[0]]  # (K, N)
+        offset = _q4_1_offset(dq, users, producer, consts)
+        if offset is not None:
+            table, nodes, add = offset
+            w = w + np.repeat(numpy_helper.to_array(consts[table]).astype(np.float32), BLOCK, axis=0)[: q.shape[0]]
+            (mm,) = users[dq.output[0]]
+            drop.update((n.op_type, n.output[0]) for n in nodes)  # the Add, the offset's MatMul, its ReduceSum (+ Reshape)
+            mm.output[0] = add.output[0]  # the one MatMul writes what the Add wrote
+            folded += 1
         new.append(numpy_helper.from_array(w.astype(np.float32), dq.output[0]))
-        drop.add(dq.output[0])
+        drop.add((dq.op_type, dq.output[0]))
         count += 1
     if count:
-        kept = [n for n in g.node if n.output[0] not in drop]
+        kept = [n for n in g.node if (n.op_type, n.output[0]) not in drop]
         del g.node[:]
         g.node.extend(kept)
         still = {i for n in g.node for i in n.input}
         kept_inits = [t for t in g.initializer if t.name in still]
         del g.initializer[:]
         g.initializer.extend(kept_inits + new)
-    return count
+    return count, folded
+
+
+def _q4_1_offset(dq: onnx.NodeProto, users, producer, consts) -> tuple[str, list[onnx.NodeProto], onnx.NodeProto] | None:
+    """For the block-quantized matrix dq, the export's Q4_1 offset term (float_weights' diagram):
+    (the offset initializer (K/32, N), the nodes that compute and add it, the Add); None: no offset."""
+    mms = users.get(dq.output[0], [])
+    if len(mms) != 1 or mms[0].op_type != "MatMul" or mms[0].input[1] != dq.output[0]:
+        return None
+    mm = mms[0]
+    adds = users.get(mm.output[0], [])
+    if len(adds) != 1 or adds[0].op_type != "Add":
+        return None
+    add = adds[0]
+    other = producer.get(add.input[1] if add.input[0] == mm.output[0] else add.input[0])
+    if other is None or other.op_type != "MatMul" or other.input[1] not in consts:
+        return None
+    sums = producer.get(other.input[0])
+    blocks = producer.get(sums.input[0]) if sums is not None and sums.op_type == "ReduceSum" else None
+    if blocks is None or blocks.op_type != "Reshape" or blocks.input[0] != mm.input[0]:
+        return None
+    shape = tuple(consts[other.input[1]].dims)
+    K, N = tuple(consts[dq.input[0]].dims)
+    if shape != (K // BLOCK, N):
+        raise BuildError(f"{other.name}: a Q4_1 offset of shape {shape}, not (K/32, N) = ({K // BLOCK}, {N}); re-export")
+    nodes = [add, other] + ([sums] if len(users[sums.output[0]]) == 1 else [])
+    nodes += [blocks] if len(users[blocks.output[0]]) == 1 and len(nodes) == 3 else []
+    return other.input[1], nodes, add
 
 
 def calibration_ids(artifact: Path, manifest, text: Path | None) -> tuple[list[int], str]:
     """The calibration tokens (export/calibration.py's: the built-in prose + in-car dialogue mix, or
     the user's file), tokenized with the artifact's tokenizer; the first 60% (the export's
     calibration part), at most MAX_CALIB_TOKENS. Returns (ids, description of the source)."""
+    ids, _, source = _calibration_split(artifact, manifest, text)
+    return list(ids[:MAX_CALIB_TOKENS]), source
+
+
+def held_out_ids(artifact: Path, manifest, text: Path | None) -> list[int]:
+    """Tokens the calibration never saw, for stream_fidelity: the export's held-back 40% of the same
+    source (the built-in mix: in-car dialogue, then prose), its first max(2 chunks, 64) + 1."""
+    _, held, _ = _calibration_split(artifact, manifest, text)
+    return list(held[: max(2 * manifest.cache.chunk, 64) + 1])
+
+
+def _calibration_split(artifact: Path, manifest, text: Path | None) -> tuple[list[int], list[int], str]:
     from tokenizers import Tokenizer
 
     from cabinlm.export.calibration import calibration_tokens
 
     tok = Tokenizer.from_file(str(artifact / manifest.files["tokenizer"].path))
     loaded = SimpleNamespace(tokenizer=SimpleNamespace(backend_tokenizer=tok))
-    ids, _, source = calibration_tokens(loaded, manifest.chat, text)
-    return list(ids[:MAX_CALIB_TOKENS]), source
+    return calibration_tokens(loaded, manifest.chat, text)
 
 
 def ids_sha256(ids: list[int]) -> str:
     """The checksum the export records for its calibration ids (int64, little-endian)."""
     return hashlib.sha256(np.asarray(ids, dtype="<i8").tobytes()).hexdigest()
-
-
-def calibration_feeds(model: onnx.ModelProto, artifact: Path, manifest, ids: list[int]) -> list[dict[str, np.ndarray]]:
-    """The feeds the runtime gives the graph over `ids` (prefill chunks, the cache filling, the window
-    turning over where the text is longer than it), each with the cache as it was: the CPU runs the
-    float graph through the runtime's own backend (its slot table, masks and uint8 cache buffers)."""
-    import onnxruntime as ort
-
-    from cabinlm.engines.qnn_htp.backend import LoadedGraphs, QnnBackend
-    from cabinlm.runtime import Decoder, SlotTable
-
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    session = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-
-    class Recording(QnnBackend):  # the HTP backend's own contract, its sessions the float graph on the CPU
-        cache_dtype = "uint8"  # graph.uint8_kv's cache
-
-    table = SlotTable(manifest.cache)
-    backend = Recording(LoadedGraphs(manifest, session, session, False, []), table)
-    feeds: list[dict[str, np.ndarray]] = []
-    for binding in (backend._prefill, backend._decode):
-        run = binding.run
-
-        def record(inputs, run=run):
-            feeds.append({**{k: np.array(v) for k, v in inputs.items()},
-                          **{name: ov.numpy().copy() for name, ov in backend._cache_values}})  # fmt: skip
-            return run(inputs)
-
-        binding.run = record
-    dec = Decoder(artifact, manifest, _backend=backend)
-    dec.cache = table
-    lay = manifest.cache
-    # a pinned head first (a system prompt: the sink and pinned slots full), so the positions reach
-    # their largest rank (sink + pinned + window + chunk); then prefill chunks, then decode steps
-    pinned, split = lay.sink + lay.pinned, len(ids) - DECODE_CALIB_TOKENS
-    start = 0
-    while start < split:
-        end = min(start + lay.chunk, pinned if start < pinned else split)
-        dec.step(np.asarray(ids[start:end]), pin=start < pinned)
-        start = end
-    for t in ids[split:]:
-        dec.step(np.asarray([t]))
-    return feeds
 
 
 def floor_masks(model: onnx.ModelProto) -> list[str]:
@@ -327,22 +345,8 @@ def quantize_a16(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]], kv:
     return q
 
 
-MIN_FIDELITY = 0.99  # the QDQ graph's logits against the float graph's, one calibration chunk (fidelity)
-
-
-def fidelity(reference: bytes, q: onnx.ModelProto, feed: dict[str, np.ndarray]) -> float:
-    """The logit correlation of the QDQ graph q against the float graph (serialized, the same uint8
-    cache I/O) on one feed, both on ONNX Runtime's CPU provider: what the 16-bit ranges cost, apart
-    from the compiler (whose own faithfulness the build's decode check measures)."""
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    ref = ort.InferenceSession(reference, so, providers=["CPUExecutionProvider"]).run(["logits"], feed)[0]
-    got = ort.InferenceSession(q.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(["logits"], feed)[0]
-    if not np.isfinite(got).all():
-        return 0.0
-    return float(np.corrcoef(ref.astype(np.float64).ravel(), got.astype(np.float64).ravel())[0, 1])
+MIN_FIDELITY = 0.99  # the QDQ graph's logits against the float graph's over held-out text (a16_feeds.stream_fidelity)
+MAX_PERPLEXITY_RATIO = 1.25  # the QDQ graph's perplexity over the float graph's, the same text
 
 
 def a16_graph(artifact: Path, manifest, calib: Path | None, workdir: Path,
@@ -355,15 +359,14 @@ def a16_graph(artifact: Path, manifest, calib: Path | None, workdir: Path,
     lay = manifest.cache
     model = read_graph(artifact, manifest)
     rewrites = {"rms_norms": fuse_rms_norms(model), "float_embedding": int(float_embedding(model)),
-                "float_weights": float_weights(model)}  # fmt: skip
+                "float_weights": 0, "offsets_folded": 0}  # fmt: skip
+    rewrites["float_weights"], rewrites["offsets_folded"] = float_weights(model)
     scales = per_tensor_kv_scales(manifest.kv_scales.array("keys"), manifest.kv_scales.array("values"), lay.layers)
     uint8_kv(model, scales)
     rewrites["masks_floored"] = len(floor_masks(model))
     ids, source = calibration_ids(artifact, manifest, calib)
     feeds = calibration_feeds(model, artifact, manifest, ids)
     reference = model.SerializeToString()  # the float graph, uint8 cache I/O: the fidelity check's reference
-    probe = next(f for f in reversed(feeds) if f["input_ids"].shape[0] > 1)  # the last prefill chunk
-    probe = {k: v.copy() for k, v in probe.items()}
     kv = float_kv_io(model, scales)
     for f in feeds:  # the recorded uint8 cache as the float cache the quantizer's graph reads
         for name in kv:
@@ -371,12 +374,18 @@ def a16_graph(artifact: Path, manifest, calib: Path | None, workdir: Path,
                 f[name] = (f[name].astype(np.float32) - 128.0) * np.float32(kv[name])
     log(f"calibrating 16-bit activations on {len(ids)} tokens ({source}), {len(feeds)} runs of the float graph")
     q = quantize_a16(model, feeds, kv, workdir)
-    corr = fidelity(reference, q, probe)
-    if corr < MIN_FIDELITY:
-        raise BuildError(f"the 16-bit graph does not follow the float graph (logit correlation {corr:.3f} over a "
-                         f"calibration chunk on the CPU, below {MIN_FIDELITY}): per-tensor 16-bit ranges lose this "
-                         "model; build it with --activations fp16")  # fmt: skip
+    del feeds, model
+    held = held_out_ids(artifact, manifest, calib)
+    fid = stream_fidelity(reference, q, artifact, manifest, held)
+    corr, (ppl_f, ppl_q) = fid["correlation"], fid["perplexity"]
+    if corr < MIN_FIDELITY or not ppl_q <= ppl_f * MAX_PERPLEXITY_RATIO:
+        raise BuildError(f"the 16-bit graph does not follow the float graph over {len(held)} held-out tokens through the "
+                         f"runtime on the CPU (logit correlation {corr:.3f}, at least {MIN_FIDELITY}; perplexity {ppl_q:.4g} "
+                         f"against {ppl_f:.4g}, at most {MAX_PERPLEXITY_RATIO}x): per-tensor 16-bit ranges lose this model; "
+                         "build it with --activations fp16")  # fmt: skip
     rewrites["fidelity"] = round(corr, 5)
+    rewrites["fidelity_perplexity"] = [round(ppl_f, 4), round(ppl_q, 4)]
+    rewrites["fidelity_tokens"] = len(held)
     calibration = {"source": source, "tokens": len(ids), "ids_sha256": ids_sha256(ids),
                    "method": "min-max per tensor (onnxruntime.quantization, QNN QDQ config)"}  # fmt: skip
     return q, rewrites, scales, calibration

@@ -1,0 +1,52 @@
+"""The a16 QDQ graph (engines/qnn_htp/qdq.a16_graph) against its float graph through the runtime on
+the CPU (a16_feeds.stream_logits: the HTP backend's own feeds, prefill chunks from an empty cache), over the
+first TOKENS tokens of a text: perplexity of each, the logit correlation of the first chunk. No
+compiler, no simulator: what the 16-bit ranges alone do to a stream the calibration never saw
+(issue 33; docs/benchmarks.md section 15, "16-bit activations on sa8775p").
+
+    python benchmarks/htp_a16_stream.py ARTIFACT TEXT [--tokens 256] [--keep-offsets] [--weights int8]
+
+--keep-offsets: the QDQ graph as before the fix (a Q4_1 matrix's offset term kept as its own MatMul
+beside the matrix, each quantized apart: qdq._q4_1_offset disabled).
+"""
+import argparse, tempfile, time
+from pathlib import Path
+
+import numpy as np, onnx
+from tokenizers import Tokenizer
+
+from cabinlm.manifest import load_manifest
+from cabinlm.engines.qnn_htp import a16_feeds, qdq, graph as G
+from cabinlm.runtime.perplexity import token_nll
+from cabinlm.engines.onnxruntime.offline import read_graph
+
+ap = argparse.ArgumentParser()
+ap.add_argument("artifact"); ap.add_argument("text")
+ap.add_argument("--tokens", type=int, default=256)
+ap.add_argument("--keep-offsets", action="store_true")
+ap.add_argument("--weights", default=qdq.WEIGHTS_A16, choices=["int8", "int16"])
+ap.add_argument("--save", help="write the QDQ graph here (a .onnx path)")
+a = ap.parse_args()
+if a.keep_offsets:
+    qdq._q4_1_offset = lambda *args: None
+qdq.WEIGHTS_A16, qdq.MIN_FIDELITY = a.weights, -1.0
+art = Path(a.artifact); m = load_manifest(art)
+f = read_graph(art, m); G.fuse_rms_norms(f); G.float_embedding(f); n, folded = qdq.float_weights(f)
+sc = G.per_tensor_kv_scales(m.kv_scales.array("keys"), m.kv_scales.array("values"), m.cache.layers)
+G.uint8_kv(f, sc); qdq.floor_masks(f)
+ids = Tokenizer.from_file(str(art / "tokenizer.json")).encode(Path(a.text).read_text()).ids[: a.tokens]
+t = time.time()
+with tempfile.TemporaryDirectory() as w:
+    q, rw, _, _ = qdq.a16_graph(art, m, None, Path(w))
+print(f"QDQ graph: weights {a.weights}, {rw['float_weights']} matrices, {rw['offsets_folded']} offsets folded, "
+      f"build fidelity (calibration chunk) {rw['fidelity']}, {time.time() - t:.0f} s", flush=True)
+if a.save:
+    onnx.save_model(q, a.save, save_as_external_data=True, location=Path(a.save).name + ".data")
+nll = lambda x: np.array([token_nll(x[i], ids[i + 1]) for i in range(len(ids) - 1)])  # noqa: E731
+lf, lq = a16_feeds.stream_logits(f, art, m, ids), a16_feeds.stream_logits(q, art, m, ids)
+ref, got = nll(lf), nll(lq)
+corr = np.corrcoef(lf.astype(np.float64).ravel(), lq.astype(np.float64).ravel())[0, 1]
+print(f"logit correlation, QDQ against float, over the stream: {corr:.5f}")
+C = m.cache.chunk
+for name, x in (("float graph", ref), ("QDQ graph", got)):
+    print(f"{name}: perplexity {np.exp(x.mean()):.4g} over {len(ids)} tokens (first chunk {np.exp(x[:C - 1].mean()):.4g})")
