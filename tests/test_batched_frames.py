@@ -322,9 +322,17 @@ class _Nothing:
 # -- a text model with fp32 KV on the float kernel: what the frames above build on -----------------
 
 
-@pytest.fixture(scope="module")
-def text_fp32(load, tiny_llama_dir, export_to, tmp_path_factory):
-    art = export_to(load(str(tiny_llama_dir)), kv="fp32", sink=2, pinned=10, window=16, chunk=4)
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def text_fp32(request, load, export_to, tmp_path_factory):
+    """Llama, and Gemma 3 (local layers' rings of 20 slots beside a global layer, its softmax scale
+    folded into the queries), exported with fp32 KV and built on the float kernel."""
+    from conftest import make_tiny_model
+
+    if request.param == "llama":
+        loaded = load(str(request.getfixturevalue("tiny_llama_dir")))
+    else:
+        loaded = load(str(make_tiny_model(tmp_path_factory.mktemp("tiny-gemma3-fp32"), "gemma3")))
+    art = export_to(loaded, kv="fp32", sink=2, pinned=10, window=16, chunk=4)
     return art, build_artifact(art, load_profile("cpu"), tmp_path_factory.mktemp("fp32-seats") / "build", attention_kernel="cabinlm")
 
 
