@@ -141,10 +141,14 @@ def _q4_1_offset(dq: onnx.NodeProto, users, producer, consts) -> tuple[str, list
 
 def calibration_ids(artifact: Path, manifest, text: Path | None) -> tuple[list[int], str]:
     """The calibration tokens (export/calibration.py's: the built-in prose + in-car dialogue mix, or
-    the user's file), tokenized with the artifact's tokenizer; the first 60% (the export's
-    calibration part), at most MAX_CALIB_TOKENS. Returns (ids, description of the source)."""
+    the user's file), tokenized with the artifact's tokenizer: of its first 60% (the export's
+    calibration part), the first and the last MAX_CALIB_TOKENS / 2 (all of it when shorter). The
+    built-in mix is prose then dialogue: the ranges see both, the chat template's tokens among them
+    (the first 512 alone were prose, and a16_feeds.stream_fidelity's held-out dialogue left them).
+    Returns (ids, description of the source)."""
     ids, _, source = _calibration_split(artifact, manifest, text)
-    return list(ids[:MAX_CALIB_TOKENS]), source
+    half = MAX_CALIB_TOKENS // 2
+    return list(ids if len(ids) <= MAX_CALIB_TOKENS else ids[:half] + ids[-half:]), source
 
 
 def held_out_ids(artifact: Path, manifest, text: Path | None) -> list[int]:
@@ -345,7 +349,9 @@ def quantize_a16(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]], kv:
     return q
 
 
-MIN_FIDELITY = 0.99  # the QDQ graph's logits against the float graph's over held-out text (a16_feeds.stream_fidelity)
+# The check's floors (a16_feeds.stream_fidelity, held-out text through the runtime): the graph that lost
+# SmolLM2 (perplexity 1.9e9) and the tiny Q4_1 model (correlation 0.43) fail both by far
+MIN_FIDELITY = 0.95  # the QDQ graph's logits against the float graph's, correlation over every row
 MAX_PERPLEXITY_RATIO = 1.25  # the QDQ graph's perplexity over the float graph's, the same text
 
 
