@@ -12,7 +12,8 @@ steps are right (the exported graph's logits, with frames replaced while the win
 bit-for-bit cases after them could not catch a wrong rotation that seats alone and together share).
 The others compare seats stepping together with their twins stepping alone, bit for bit, with
 different frames and fills, a frame replaced in one seat while the others ride, pins, seats joining
-and leaving, and a seat's session saved and restored into another loaded model."""
+and leaving, a seat's session saved and restored into another loaded model, and serve's scheduler's
+threads (greedy replies). Last, fp32 text models on the same kernel, which the frames build on."""
 
 from __future__ import annotations
 
