@@ -76,6 +76,9 @@ class FrameKeys:
         rows; nothing when those positions are the ones the rows hold. float32 arithmetic, the kernel's
         rotate(): x cos - y sin, y cos + x sin."""
         lay, rot = self.layout, self.rotated
+        if not plan.image_fill:  # no frame's rows in use (a text seat): no positions to work out
+            self._image_at = np.zeros(0, np.int64)
+            return
         slots = lay.image_start + np.arange(plan.image_fill, dtype=np.int64)
         if rot.mrope is not None:
             at = rot.mrope_positions(plan)[1][:, slots] + plan.evicted  # (3, n)
@@ -84,13 +87,12 @@ class FrameKeys:
         key = np.concatenate([slots, at.reshape(-1)])
         if self._image_at is not None and np.array_equal(self._image_at, key):
             return
-        if len(slots):
-            cos, sin = rotation_tables(at, rot.inv_freq, rot.rope_scale, rot.owner)  # (n, head_dim / 2)
-            cos, sin = cos.astype(np.float32), sin.astype(np.float32)
-            half = lay.head_dim // 2
-            src = rot.key_source[:, :, slots]  # (layers, kv_heads, n, head_dim) un-rotated
-            x, y = src[..., :half], src[..., half:]
-            self.keys[:, :, slots[0] : slots[-1] + 1] = np.concatenate([x * cos - y * sin, y * cos + x * sin], axis=-1)
+        cos, sin = rotation_tables(at, rot.inv_freq, rot.rope_scale, rot.owner)  # (n, head_dim / 2)
+        cos, sin = cos.astype(np.float32), sin.astype(np.float32)
+        half = lay.head_dim // 2
+        src = rot.key_source[:, :, slots]  # (layers, kv_heads, n, head_dim) un-rotated
+        x, y = src[..., :half], src[..., half:]
+        self.keys[:, :, slots[0] : slots[-1] + 1] = np.concatenate([x * cos - y * sin, y * cos + x * sin], axis=-1)
         self._image_at = key  # recorded after the rows are written: an interrupt before it redoes them
 
     def follow(self, plan: StepPlan) -> None:
@@ -124,6 +126,8 @@ class FrameKeys:
         region[plan.slots[inside] - lay.image_start] = plan.seen + np.flatnonzero(inside)
         held = region[region >= 0]
         self.frame[:] = (plan.frames, int(held.max()) if len(held) else -1, len(held))
+        if inside.any():  # a frame's rows came in as the kernel rotated them: re-written from source next step
+            self._image_at = None
         if self.baked is not None:
             window = plan.slots >= lay.window_start
             if window.any():
