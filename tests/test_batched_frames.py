@@ -385,3 +385,56 @@ def test_drafting_with_frames_on_the_float_kernel_gives_the_plain_replies(vlm, e
 
     art = export_to(vlm[1], kv="fp32", sink=4, pinned=24, window=64, chunk=16)
     check_drafting_gives_the_plain_replies(build_artifact(art, load_profile("cpu"), tmp_path / "b", attention_kernel="cabinlm"))
+
+
+def test_a_frames_chunk_beside_a_text_chunk_in_one_run_of_the_batched_graph_is_each_seats_own(vlm):
+    """The runtime runs a frame's chunk alone; the batched graph can take it too, each seat's image
+    rows its own (image_embeds.seat{s}, image_mask.seat{s}, stacked as the rows are): one run of
+    decoder.seats2.onnx with seat 0's first frame chunk and seat 1's text chunk gives each seat's solo
+    logits of every row and leaves each cache as its solo step does, bit for bit. (Driven here as
+    seats.run_batch drives the graph, with seat 0's image rows put in.)"""
+    from cabinlm import io_spec as io
+    from cabinlm.engines.backend import StepOutput
+    from cabinlm.engines.ort_fused import seats as seat_runs
+
+    _, loaded, _, built = vlm
+    together, alone = seats(built, 2), seats(built, 2)
+    v = together[0].manifest.vision
+    chunk = together[0].layout.chunk
+    rows = frames_of(vlm, together[0], (71,))[0][:chunk]  # the frame's first chunk
+    text = text_ids(loaded)
+    for d in together + alone:
+        d.feed(text[:5], pin=True)
+        d.feed(text[5:9])
+        if v.image_prefix:
+            d.feed(v.image_prefix)
+        d.cache.begin_frame()
+    ids = [np.full(len(rows), v.image_token_id, np.int64), np.asarray(text[20:23], np.int64)]
+    plans = [together[0].cache.plan(len(rows), "image"), together[1].cache.plan(3)]
+    backends = [d.backend for d in together]
+    graphs = backends[0].graphs
+    counts = np.array([p.tokens for p in plans], np.int64)
+    ends = np.cumsum(counts)
+    feeds = {io.INPUT_IDS: np.concatenate(ids), io.SEAT_TOKENS: counts, io.LOGIT_ROWS: np.arange(int(ends[-1]), dtype=np.int64)}
+    for s, (b, plan, c) in enumerate(zip(backends, plans, ids)):
+        b.rotated.chunk_tables(plan)
+        own = b._chunk_inputs(plan, c, all_logits=True)
+        if s == 0:
+            own[io.IMAGE_EMBEDS], own[io.IMAGE_MASK] = np.ascontiguousarray(rows, np.float32), np.ones((len(rows), 1), bool)
+        for name in io.SHARED_BY_SEATS:
+            own.pop(name)
+        feeds.update({io.seat_name(name, s): np.ascontiguousarray(value) for name, value in own.items()})
+    binding = seat_runs.seat_binding(graphs, backends)
+    for name, value in feeds.items():
+        binding.bind_cpu_input(name, value)
+    hidden, *qkv = seat_runs._run(graphs.seats[2], binding, int(ends[-1]), 2)
+    logits = graphs.head.run([io.LOGITS], {io.HIDDEN: hidden})[0]
+    want = [alone[0].step(ids[0], pin="image", embeds=rows), alone[1].step(ids[1])]
+    for s, (b, d, plan) in enumerate(zip(backends, together, plans)):
+        a, e = int(ends[s] - counts[s]), int(ends[s])
+        np.testing.assert_array_equal(logits[a:e], want[s])
+        b.commit(plan, StepOutput(logits[a:e], (plan.extent, [q[:, a:e] for q in qkv])))
+        d.cache.advance(plan)
+    for d, twin in zip(together, alone, strict=True):
+        for name, buf in d.backend.buffers().items():
+            np.testing.assert_array_equal(buf, twin.backend.buffers()[name], err_msg=name)
