@@ -37,11 +37,12 @@ def build(
         "block's step (about 10% faster decode, 43 MB more weights for SmolLM2); 'exact' adds each minimum through "
         "block sums (two more kernels per matrix). docs/benchmarks.md measures both."),
     attention_kernel: AttentionKernel = typer.Option(
-        AttentionKernel.AUTO, help="Fused cpu builds: 'cabinlm' computes the attention over int8 KV with cabinlm's own "
+        AttentionKernel.AUTO, help="Fused cpu builds: 'cabinlm' computes the attention over the cache with cabinlm's own "
         "kernel (C++, compiled here for the profile's cpu_march and carried by the build: needs g++ or clang++ on "
-        "the build machine, none where the build runs; prefill chunks about twice as fast as "
-        "ONNX Runtime's quantized-cache path, decode steps faster at a full cache); 'onnxruntime' keeps ONNX Runtime's "
-        "GroupQueryAttention; 'auto' takes cabinlm's for int8 KV where a compiler is found."),
+        "the build machine, none where the build runs; over int8 KV prefill chunks about twice as fast as "
+        "ONNX Runtime's quantized-cache path, decode steps faster at a full cache; over fp32 KV it gives the build "
+        "batched graphs for seats decoding together, camera frames included); 'onnxruntime' keeps ONNX Runtime's "
+        "GroupQueryAttention; 'auto' takes cabinlm's for int8 KV where a compiler is found (fp32 KV: ONNX Runtime's)."),
     engine: Optional[EngineChoice] = typer.Option(
         None, "--engine", help="'cpu': build for the profile's application CPU instead of its engine (NPU / GPU): the "
         "fused cpu build through ONNX Runtime's CPU provider, cabinlm's kernels compiled for the CPU the profile names "

@@ -15,8 +15,8 @@ from cabinlm.engines.ort_static.spec import SharedWeights
 class AttentionKernel(str, enum.Enum):
     """Fused cpu builds: which kernel computes the attention over the cache."""
 
-    AUTO = "auto"  # cabinlm's for int8 KV where its library is built, ONNX Runtime's otherwise
-    CABINLM = "cabinlm"  # kernels/int8_kv_attention.cc (int8 KV): a prefill chunk about twice as fast
+    AUTO = "auto"  # cabinlm's for int8 KV where its library is built, ONNX Runtime's otherwise (fp32 KV too)
+    CABINLM = "cabinlm"  # kernels/int8_kv_attention.cc (int8 KV: a prefill chunk about twice as fast; fp32 KV: FloatKVAttention)
     ONNXRUNTIME = "onnxruntime"  # com.microsoft::GroupQueryAttention
 
 
@@ -94,7 +94,7 @@ class FusedSettings:
     accuracy_level: int = 4  # MatMulNBits activations: 4 = int8, 0 = float32
     minimums: str = "int8"  # Minimums: how GGUF Q4_1 block minimums run
     # AttentionKernel: "onnxruntime" (GroupQueryAttention, writing the cache through its present
-    # outputs) or "cabinlm" (kernels/int8_kv_attention.cc, int8 KV only: registered from the build's
+    # outputs) or "cabinlm" (kernels/int8_kv_attention.cc, int8 or fp32 KV: registered from the build's
     # kernel library at load, writing the cache in place). Builds before it: "onnxruntime".
     attention_kernel: str = "onnxruntime"
     # MatmulKernel: "onnxruntime" (MatMulNBits for every quantized matrix) or "cabinlm"
