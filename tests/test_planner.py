@@ -110,7 +110,7 @@ def test_every_model_on_every_profile(specs, model, profile_name):
     # a fused int8 build's batched graphs hold a packed copy of the LM head (profiles with seat_batches)
     assert (small.together_bytes > 0) == bool(profile.seat_batches and small.build == "onnxruntime-fused"
                                                and profile.default_kv is KVDType.INT8)
-    assert small.total_bytes == parts + small.runtime_overhead_bytes + small.tokenizer_bytes + small.together_bytes
+    assert small.total_bytes == parts + small.runtime_overhead_bytes + small.tokenizer_bytes  # one dialogue
     assert small.budget_bytes == profile.budget_bytes
 
     if not small.fits:
@@ -369,7 +369,7 @@ def test_the_weights_term_is_what_the_builds_graph_holds(cpu_builds, case):
     assert (p.window, p.chunk, p.kv) == (lay.window, lay.chunk, lay.kv_dtype.value)
     assert p.kv_bytes == lay.cache_bytes + lay.key_scale_bytes
     assert p.total_bytes == (p.weights_bytes + p.kv_bytes + p.activation_bytes + p.vision_bytes
-                             + p.runtime_overhead_bytes + p.tokenizer_bytes + p.together_bytes)
+                             + p.runtime_overhead_bytes + p.tokenizer_bytes)
     # the batched graphs the build carries (the fused int8 builds of the cpu profile: 2 and 4 seats)
     assert p.seat_batches == facts["seat_batches"] == tuple(getattr(
         m.runtime_spec.facts_as(FusedSettings), "seat_batches", ()) if m.build is not None else ())
@@ -403,12 +403,12 @@ def test_a_plan_from_a_model_takes_the_profiles_default_build(specs):
 
 
 def test_the_plan_counts_what_seats_decoding_together_hold(specs):
-    """A fused int8 build of the cpu profile carries batched graphs for 2 and 4 seats: from load on it
-    holds ONNX Runtime's packed copy of the 8-bit LM head in the head graph's session (in the total:
-    vocab x hidden x 1.35, 38 MB measured for SmolLM2's 28 MB of codes), and while seats decode together
-    the largest batch's activations and an idle seat's cache (beside the total, which plans one
-    dialogue). A profile without batched graphs, a build over fp16 KV (no cabinlm attention kernel)
-    and a build kind without them count none."""
+    """A fused int8 build of the cpu profile carries batched graphs for 2 and 4 seats: from its second
+    seat on a loaded build holds ONNX Runtime's packed copy of the 8-bit LM head in the head graph's
+    session (vocab x hidden x 1.35, 38 MB measured for SmolLM2's 28 MB of codes), and while seats decode
+    together the largest batch's activations and an idle seat's cache: both beside the total, which
+    plans one dialogue (a dialogue alone opens no batched session). A profile without batched graphs, a
+    build over fp16 KV (no cabinlm attention kernel) and a build kind without them count none."""
     import math
 
     from cabinlm.profiles.weights import packed_head_bytes
@@ -418,14 +418,15 @@ def test_the_plan_counts_what_seats_decoding_together_hold(specs):
     assert p.seat_batches == (2, 4)
     assert p.together_bytes == packed_head_bytes(spec) == int(1.35 * 49152 * 576)
     assert math.isclose(p.together_bytes / 2**20, 38e6 / 2**20, rel_tol=0.1)  # the measured copy
-    rows = dataclasses.replace(p, seat_batches=())  # the same plan without the term, for its sum
-    assert p.total_bytes == rows.weights_bytes + p.kv_bytes + p.activation_bytes + p.vision_bytes \
-        + p.runtime_overhead_bytes + p.tokenizer_bytes + p.together_bytes
+    alone = plan(spec, dataclasses.replace(cpu, seat_batches=()), window=1020)
+    assert p.total_bytes == alone.total_bytes == p.weights_bytes + p.kv_bytes + p.activation_bytes \
+        + p.vision_bytes + p.runtime_overhead_bytes + p.tokenizer_bytes
     lay = CacheLayout(sink=p.sink, pinned=p.pinned, window=p.window, chunk=4, layers=spec.num_layers,
                       kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, kv_dtype=KVDType.INT8)
     assert p.batch_bytes == activation_bytes(spec, lay) + p.kv_bytes
     text = format_plan(p)
     assert "LM head packed again for the batched graphs" in text and "graphs for 2, 4 seats" in text
+    assert f"add {p.together_bytes / 2**20:.1f} MiB from a second seat on" in text
     for other in (plan(spec, dataclasses.replace(cpu, seat_batches=()), window=1020),
                   plan(spec, cpu, window=1020, kv="fp16"), plan(spec, cpu, window=1020, build="onnxruntime-graph"),
                   plan(spec, cpu, window=1020, seat_batches=())):

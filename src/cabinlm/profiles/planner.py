@@ -15,11 +15,11 @@ ONNX Runtime CPU profiles (the cpu profile) count what the build being planned h
 builds hold the same weights in different layouts (docs/benchmarks.md, "Planner against peak RSS"):
 
     total = held weights + KV + activations x ACTIVATION_FACTOR[build] + ORT_CPU_RUNTIME_BYTES + tokenizer
-            + the head graph's packed LM head (a fused build with batched graphs, FusedSettings.seat_batches:
-              held from load on, whether or not seats decode together)
 
-A build with batched graphs also says what seats decoding together add while they do (the largest
-batch's activations and the idle seat's cache: batch_bytes), beside the total, which plans one dialogue.
+A fused build with batched graphs (FusedSettings.seat_batches) also says what seats decoding together
+add, beside the total, which plans one dialogue: the head graph's packed LM head (together_bytes: its
+sessions open when a loaded build gets its second seat, engines/ort_fused/backend.FusedGraphs), and the
+largest batch's activations with the idle seat's cache while a batched step runs (batch_bytes).
 
 held weights (held_weights): the matrices at the build's bits per weight, block scales, zero points
 and minimums included (a fused build's int4 GGUF blocks in cabinlm's BlockQ4 layout or as 8-bit
@@ -146,10 +146,10 @@ class Plan:
     build: str = ""
     weights_layout: str = ""
     tokenizer_bytes: int = 0
-    # A fused build's batched graphs (seats decoding together; () elsewhere): together_bytes, the head
-    # graph's packed LM head, is held from load on (in the total); batch_bytes, the largest batch's
-    # activations and the idle seat's cache (runtime/decoder.py fills a batch's empty places with it),
-    # only while seats decode together (not in the total, which plans one dialogue).
+    # A fused build's batched graphs (seats decoding together; () elsewhere), neither in the total,
+    # which plans one dialogue: together_bytes, the head graph's packed LM head, held once the loaded
+    # build has a second seat; batch_bytes, the largest batch's activations and the idle seat's cache
+    # (engines/ort_fused/seats.idle_step fills a batch's empty places with it) while seats step together.
     seat_batches: tuple[int, ...] = ()
     together_bytes: int = 0
     batch_bytes: int = 0
@@ -265,7 +265,7 @@ def plan(
         if batches:  # a decode step of the largest batch: its rows through the layers, each seat's own cache
             rows = dataclasses.replace(layout, chunk=max(batches))
             batch = int(activation_bytes(spec, rows) * act_factor) + kv_total
-        total = fixed + kv_total + act + head_copy
+        total = fixed + kv_total + act
         process = binary_bytes + kv_total + act if htp else 0
         limit = profile.htp_process_limit_bytes or 0
         guess = htp_estimate.estimate(spec, fmt, layout, profile.htp_arch) if htp else None
@@ -355,7 +355,6 @@ def format_plan(p: Plan) -> str:
         ("runtime overhead" + (" (Python, numpy, ONNX Runtime and its session)" if p.build else ""),
          p.runtime_overhead_bytes),
         *([("tokenizer", p.tokenizer_bytes)] if p.build else []),
-        *([("LM head packed again for the batched graphs", p.together_bytes)] if p.seat_batches else []),
         ("total", p.total_bytes),
         (f"budget of {p.profile}", p.budget_bytes),
     ]
@@ -365,9 +364,11 @@ def format_plan(p: Plan) -> str:
         lines.append(f"{'HTP process (binaries + KV + activations)':<{width}}  {mib(p.htp_process_bytes)}  of "
                      f"{p.htp_process_limit_bytes / MIB:.1f} MiB a 32-bit NPU process maps")  # fmt: skip
     if p.seat_batches:
-        lines.append(f"seats decoding together (graphs for {', '.join(map(str, p.seat_batches))} seats) add up to "
-                     f"{p.batch_bytes / MIB:.1f} MiB while they do (the largest batch's activations and an idle "
-                     "seat), beside each seat's own KV and activations; `--seats` counts them against memory")
+        lines.append(f"seats decoding together (graphs for {', '.join(map(str, p.seat_batches))} seats) add "
+                     f"{p.together_bytes / MIB:.1f} MiB from a second seat on (the LM head packed again for the "
+                     f"batched graphs) and up to {p.batch_bytes / MIB:.1f} MiB while they step (the largest batch's "
+                     "activations and an idle seat), beside each seat's own KV and activations; `--seats` counts "
+                     "them against memory")
     if p.htp_estimate:
         lines.append(p.htp_estimate)
     verdict = "fits" if p.fits else "does NOT fit"

@@ -28,7 +28,7 @@ buffers a session file carries). On FloatKVAttention a seat with a frame steps i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -55,14 +55,26 @@ class FusedGraphs:
     manifest: Manifest
     decoder: ort.InferenceSession
     rotate: ort.InferenceSession | None  # the sink / pinned keys' refresh graph (numpy without it)
-    # seats decoding together: the batched graph of each batch size (FusedSettings.seat_batches)
+    # seats decoding together: the batch sizes the build carries (FusedSettings.seat_batches), and
+    # once open (open_batched) the batched graph of each and their LM head (io_spec.head_io)
+    batches: tuple[int, ...] = ()
     seats: dict[int, ort.InferenceSession] = field(default_factory=dict)
-    head: ort.InferenceSession | None = None  # their LM head: hidden rows -> logits (io_spec.head_io)
+    head: ort.InferenceSession | None = None
+    opener: Callable[[], tuple[dict[int, ort.InferenceSession], ort.InferenceSession]] | None = None
     weights: list[tuple[str, ort.OrtValue]] = field(default_factory=list)  # every graph's weights, one map, kept alive here
     # batched graphs' bindings with their seats' caches bound, by the seats (seats.seat_binding)
     seat_bindings: dict[tuple, tuple] = field(default_factory=dict)
     idle: FusedBackend | None = None  # the place no seat takes in a batched run (seats.idle_step)
     idle_table: SlotTable | None = None  # its table: always empty
+
+    def open_batched(self) -> None:
+        """Open the batched graphs' sessions, once: when the loaded build gets its second seat (the
+        first moment seats can step together). A dialogue alone (chat, bench, perplexity) never
+        holds them: ONNX Runtime packs a copy of every MatMulNBits matrix per session, the LM head's
+        alone vocab x hidden x ~1.35 bytes (226 MB for Gemma 3's 262k x 640)."""
+        if self.opener is not None:
+            self.seats, self.head = self.opener()
+            self.opener = None
 
 
 def load_fused(folder: Path, manifest: Manifest, threads: int | None, extra: dict[str, str] | None) -> FusedGraphs:
@@ -92,21 +104,25 @@ def load_fused(folder: Path, manifest: Manifest, threads: int | None, extra: dic
 
     decoder = open_session(folder / manifest.files["graph"].path, options(), spec)
     check_io(decoder, manifest.io, folder, built=True)
-    seats, head = {}, None
-    model = manifest.model
-    for b in facts.seat_batches if facts is not None else ():
-        for role in (f"graph_seats{b}", "graph_head"):
-            if role not in manifest.files:
-                raise BackendError(f"{folder}: the build has batched graphs but lists no {role}; run `cabinlm build` again")
-        seats[b] = open_session(folder / manifest.files[f"graph_seats{b}"].path, options(), spec)
-        check_io(seats[b], io.seats_io(manifest.io, b, model.hidden_size), folder, built=True)
-        if head is None:
-            head = open_session(folder / manifest.files["graph_head"].path, options(head=True), spec)
-            check_io(head, io.head_io(model.hidden_size, model.vocab_size), folder, built=True)
+    batches = tuple(facts.seat_batches) if facts is not None else ()
+    for role in [f"graph_seats{b}" for b in batches] + (["graph_head"] if batches else []):
+        if role not in manifest.files:
+            raise BackendError(f"{folder}: the build has batched graphs but lists no {role}; run `cabinlm build` again")
+
+    def open_batched() -> tuple[dict[int, ort.InferenceSession], ort.InferenceSession]:
+        model = manifest.model
+        seats = {}
+        for b in batches:
+            seats[b] = open_session(folder / manifest.files[f"graph_seats{b}"].path, options(), spec)
+            check_io(seats[b], io.seats_io(manifest.io, b, model.hidden_size), folder, built=True)
+        head = open_session(folder / manifest.files["graph_head"].path, options(head=True), spec)
+        check_io(head, io.head_io(model.hidden_size, model.vocab_size), folder, built=True)
+        return seats, head
+
     rotate = None
     if "rotate_graph" in manifest.files:
         rotate = open_session(folder / manifest.files["rotate_graph"].path, session_options(spec, 1), spec)
-    return FusedGraphs(manifest, decoder, rotate, seats, head, weights)
+    return FusedGraphs(manifest, decoder, rotate, batches, opener=open_batched if batches else None, weights=weights)
 
 
 class FusedBackend(Backend):
@@ -179,6 +195,7 @@ class FusedBackend(Backend):
         return (self.local_keys[j], self.local_values[j]) if local else (self.keys[j], self.values[j])
 
     def seat(self, table: SlotTable) -> FusedBackend:
+        self.graphs.open_batched()  # two seats now: they may step together
         return FusedBackend(self.graphs, table)
 
     def reset(self) -> None:
@@ -415,7 +432,7 @@ class FusedBackend(Backend):
 
     @property
     def seat_batches(self) -> tuple[int, ...]:
-        return tuple(self.graphs.seats)
+        return self.graphs.batches
 
     def run_seats(self, seats: Sequence[Backend], plans: Sequence[StepPlan], ids: Sequence[np.ndarray]) -> list[StepOutput]:
         """Several seats of this loaded build in batched runs (engines/ort_fused/seats.py)."""
