@@ -411,3 +411,48 @@ def test_the_seat_limit_counts_what_seats_decoding_together_hold_once(build, loa
     assert limits.seat_limit(m, files + 3 * per_seat).seats == 1  # the idle seat and the head copy: more than a seat
     art = export_to(load(str(tiny_llama_dir)), kv="int8", **LAYOUT)
     assert limits.together_bytes(load_manifest(art)) == 0
+
+
+# Speed work on the batched step (issue 35): what the earlier cases could not catch.
+
+
+def test_two_batched_runs_in_one_step_give_each_seat_its_own_logits(build):
+    """7 and 8 seats in one step_seats call run the graph for 4 twice, each run's LM head writing the
+    logits array bound for 4 rows (seats._head_logits): the first run's seats must keep their logits
+    (fails if the second run overwrites them before step_seats reads them), through the window's
+    turnover."""
+    for n in (8, 7):
+        pairs = [Pair(t, a) for t, a in zip(seats(build, n), seats(build, n))]
+        rng = np.random.default_rng(n)
+        step_together(pairs, [rng.integers(5, 90, 3) for _ in pairs])
+        for _ in range(24):  # 3 + 24 tokens: past the 16-slot window
+            step_together(pairs, [[int(np.argmax(p.last))] for p in pairs])
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_block_q4_matmul_prefill_rows_are_one_row_runs_and_the_plain_paths_bits(swiglu, tmp_path):
+    """Chunks of 8 rows and more: on AVX-512 rows go through a tile in groups of 8 (then 4, 3, 2, 1)
+    and every row's quantization (and SwiGLU) is a unit of the pool. Each row must be its one-row run
+    bit for bit, and this CPU's path the plain C++ path's bits (fails if a group size or the pooled
+    quantization changed a row's arithmetic)."""
+    from test_kernels import _matmul_session, _q4_case
+
+    from cabinlm.engines.ort_fused.block_layouts import block_q4_layout
+    from cabinlm.engines.ort_fused.kernels.compiler import compile_library
+
+    libs = {}
+    for name, defines in (("native", ()), ("generic", ("CABINLM_GENERIC",))):
+        (tmp_path / name).mkdir()
+        libs[name] = compile_library(tmp_path / name, defines=defines).path
+    K, N = 576, 48
+    q, d, m = _q4_case(K, N, seed=7)
+    blob = block_q4_layout(q, d, m)
+    fast, plain = (_matmul_session(blob, libs[name], swiglu=swiglu) for name in ("native", "generic"))
+    rng = np.random.default_rng(8)
+    for rows in (8, 9, 12, 15, 16, 21, 64):
+        x = (rng.standard_normal((1, rows, K * (2 if swiglu else 1))) * 2).astype(np.float32)
+        x[0, rows // 2, :32] = 0.0  # a block of zeros: scale 0
+        chunk = fast.run(None, {"x": x})[0]
+        steps = np.concatenate([fast.run(None, {"x": x[:, i : i + 1]})[0] for i in range(rows)], axis=1)
+        np.testing.assert_array_equal(chunk, steps, err_msg=f"{rows} rows")
+        np.testing.assert_array_equal(chunk, plain.run(None, {"x": x})[0], err_msg=f"{rows} rows")

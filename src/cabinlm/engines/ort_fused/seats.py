@@ -35,6 +35,14 @@ IDLE_IDS = np.zeros(1, dtype=np.int64)  # the idle seat's token (any id: its out
 # are arrays of their own.
 _DECODE_OUTPUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _OUTPUT_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # session -> its output names, in order
+# A binding's inputs (binding -> {name: an array of ours bound to it}): written in place while a
+# name's shape and type stay (a decode step's do, but for the bias, which grows by a column a step
+# until the window is full), bound again when they change. Bound arrays stay alive with the binding.
+_BOUND_INPUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# The head's binding per number of rows (head session -> {rows: (binding, hidden (rows, D), logits
+# (rows, vocab))}): its input and its logits arrays of ours, bound once. The logits are read (step_seats
+# copies each seat's row) before the next run rewrites them.
+_HEAD_BINDINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def run_batched(solo: FusedBackend, seats: Sequence[Backend], plans: Sequence[StepPlan],
@@ -64,8 +72,10 @@ def run_batched(solo: FusedBackend, seats: Sequence[Backend], plans: Sequence[St
         pad = [idle_step(solo) for _ in range(b - n)]
         got = run_batch(solo.graphs, [*fused[start : start + n], *(p[0] for p in pad)],
                         [*plans[start : start + n], *(p[1] for p in pad)], [*ids[start : start + n], *(p[2] for p in pad)])  # fmt: skip
-        outs += got[:n]
         start += n
+        if start < len(fused):  # another run of the head follows: keep these logits out of its way
+            got = [StepOutput(o.logits.copy(), o.new) for o in got]
+        outs += got[:n]
     return outs
 
 
@@ -110,7 +120,6 @@ def run_batch(graphs: FusedGraphs, seats: Sequence[FusedBackend], plans: Sequenc
     ends = np.cumsum(counts)
     inputs = {io.INPUT_IDS: np.concatenate([np.asarray(i, dtype=np.int64) for i in ids]),
               io.SEAT_TOKENS: counts, io.LOGIT_ROWS: ends - 1}  # fmt: skip
-    kept = []  # the arrays bound for this run, alive until it returns
     for s, (seat, plan, chunk) in enumerate(zip(seats, plans, ids, strict=True)):
         if plan.tokens != len(chunk):
             raise ValueError(f"seat {s}: a plan of {plan.tokens} tokens for a chunk of {len(chunk)}")
@@ -122,17 +131,53 @@ def run_batch(graphs: FusedGraphs, seats: Sequence[FusedBackend], plans: Sequenc
             own.pop(name)
         for name, value in own.items():
             inputs[io.seat_name(name, s)] = value
-    for name, value in inputs.items():
-        value = np.ascontiguousarray(value)
-        kept.append(value)
-        binding.bind_cpu_input(name, value)
+    _bind_inputs(binding, inputs)
     got = _run(session, binding, int(ends[-1]), len(seats))  # in declared order: hidden, then qkv.{l}
     hidden, qkv = got[0], got[1:]
     assert graphs.head is not None  # a build with batched graphs has their head graph
-    logits = graphs.head.run([io.LOGITS], {io.HIDDEN: hidden})[0]  # (seats, vocab)
+    logits = _head_logits(graphs.head, hidden)  # (seats, vocab)
     starts = ends - counts
     return [StepOutput(logits[s : s + 1], (plan.extent, [q[:, a:e] for q in qkv]))
             for s, (plan, a, e) in enumerate(zip(plans, starts, ends))]  # fmt: skip
+
+
+def _bind_inputs(binding, inputs: dict[str, np.ndarray]) -> None:
+    """The run's inputs into the binding (_BOUND_INPUTS): copied into the array of ours already bound
+    under that name where its shape and type are the same (a few bytes to a few KB: cheaper than
+    binding), else copied into a new array of ours and bound."""
+    held = _BOUND_INPUTS.get(binding)
+    if held is None:
+        held = _BOUND_INPUTS[binding] = {}
+    for name, value in inputs.items():
+        value = np.asarray(value)
+        have = held.get(name)
+        if have is not None and have.shape == value.shape and have.dtype == value.dtype:
+            np.copyto(have, value)
+        else:
+            have = held[name] = np.array(value, order="C")  # a copy of our own
+            binding.bind_cpu_input(name, have)
+
+
+def _head_logits(head, hidden: np.ndarray) -> np.ndarray:
+    """The LM head over hidden (rows, D): (rows, vocab) logits, written into the array bound for
+    this many rows (_HEAD_BINDINGS), valid until the next run of the head for as many rows."""
+    heads = _HEAD_BINDINGS.get(head)
+    if heads is None:
+        heads = _HEAD_BINDINGS[head] = {}
+    rows = hidden.shape[0]
+    entry = heads.get(rows)
+    if entry is None:
+        vocab = head.get_outputs()[0].shape[-1]
+        binding = head.io_binding()
+        own = np.empty(hidden.shape, np.float32)
+        logits = np.empty((rows, vocab), np.float32)
+        binding.bind_cpu_input(io.HIDDEN, own)
+        binding.bind_output(io.LOGITS, "cpu", element_type=np.float32, shape=logits.shape, buffer_ptr=logits.ctypes.data)
+        entry = heads[rows] = (binding, own, logits)
+    binding, own, logits = entry
+    np.copyto(own, hidden)
+    head.run_with_iobinding(binding)
+    return logits
 
 
 def _run(session, binding, rows: int, seats: int) -> list[np.ndarray]:
