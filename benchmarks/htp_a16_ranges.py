@@ -26,7 +26,7 @@ sc = G.per_tensor_kv_scales(m.kv_scales.array("keys"), m.kv_scales.array("values
 G.uint8_kv(f, sc); qdq.floor_masks(f)
 qp = work / "q.onnx"
 if not qp.exists():
-    qdq.MIN_FIDELITY = -1.0
+    qdq.MIN_FIDELITY, qdq.MAX_PERPLEXITY_RATIO = -1.0, float("inf")
     with tempfile.TemporaryDirectory() as t:
         q, rw, _, _ = qdq.a16_graph(art, m, None, Path(t))
     print("fidelity", rw["fidelity"], flush=True)

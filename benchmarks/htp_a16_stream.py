@@ -29,7 +29,7 @@ ap.add_argument("--save", help="write the QDQ graph here (a .onnx path)")
 a = ap.parse_args()
 if a.keep_offsets:
     qdq._q4_1_offset = lambda *args: None
-qdq.WEIGHTS_A16, qdq.MIN_FIDELITY = a.weights, -1.0
+qdq.WEIGHTS_A16, qdq.MIN_FIDELITY, qdq.MAX_PERPLEXITY_RATIO = a.weights, -1.0, float("inf")  # measure, do not refuse
 art = Path(a.artifact); m = load_manifest(art)
 f = read_graph(art, m); G.fuse_rms_norms(f); G.float_embedding(f); n, folded = qdq.float_weights(f)
 sc = G.per_tensor_kv_scales(m.kv_scales.array("keys"), m.kv_scales.array("values"), m.cache.layers)
@@ -39,7 +39,8 @@ t = time.time()
 with tempfile.TemporaryDirectory() as w:
     q, rw, _, _ = qdq.a16_graph(art, m, None, Path(w))
 print(f"QDQ graph: weights {a.weights}, {rw['float_weights']} matrices, {rw['offsets_folded']} offsets folded, "
-      f"build fidelity (calibration chunk) {rw['fidelity']}, {time.time() - t:.0f} s", flush=True)
+      f"the build's check (held-out text through the runtime): correlation {rw['fidelity']}, perplexity "
+      f"{rw['fidelity_perplexity'][1]} against {rw['fidelity_perplexity'][0]}, {time.time() - t:.0f} s", flush=True)
 if a.save:
     onnx.save_model(q, a.save, save_as_external_data=True, location=Path(a.save).name + ".data")
 nll = lambda x: np.array([token_nll(x[i], ids[i + 1]) for i in range(len(ids) - 1)])  # noqa: E731

@@ -15,7 +15,7 @@ from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 art=Path(sys.argv[1]); m=load_manifest(art)
 f=read_graph(art,m); G.fuse_rms_norms(f); G.float_embedding(f); qdq.float_weights(f)
 sc=G.per_tensor_kv_scales(m.kv_scales.array("keys"), m.kv_scales.array("values"), m.cache.layers); G.uint8_kv(f, sc); qdq.floor_masks(f)
-qdq.MIN_FIDELITY = -1.0  # measure, do not refuse
+qdq.MIN_FIDELITY, qdq.MAX_PERPLEXITY_RATIO = -1.0, float("inf")  # measure, do not refuse
 ids=Tokenizer.from_file(str(art/"tokenizer.json")).encode(Path(sys.argv[2]).read_text()).ids[:129]
 feeds=qdq.calibration_feeds(f, art, m, ids)  # records feeds of this text (pinned head, chunks)
 fd=[x for x in feeds if x["input_ids"].shape[0]>1][0]
