@@ -28,8 +28,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "cabinlm"
 ENGINE_DIRS = sorted(p for p in (SRC / "engines").iterdir() if p.is_dir() and p.name != "__pycache__")
 # The build side of an engine folder: what may import onnx and run compilers. Everything else in an
 # engine folder (spec.py, backend.py and what they use) is the runtime side, which a car carries.
-BUILD_SIDE = {"builder", "build", "output", "graph", "offline", "bundle", "engine", "compat", "doctor", "block_layouts", "head_graph",
-              "vision_build", "qdq",
+BUILD_SIDE = {"builder", "build", "output", "graph", "offline", "bundle", "engine", "compat", "doctor", "block_layouts", "head_graph", "node_builder",
+              "vision_build", "qdq", "a16_feeds",
               "gen_ort_api"}  # fmt: skip
 
 

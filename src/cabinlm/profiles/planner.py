@@ -18,7 +18,7 @@ builds hold the same weights in different layouts (docs/benchmarks.md, "Planner 
 
 A fused build with batched graphs (FusedSettings.seat_batches) also says what seats decoding together
 add, beside the total, which plans one dialogue: the head graph's packed LM head (together_bytes: its
-sessions open when a loaded build gets its second seat, engines/ort_fused/backend.FusedGraphs), and the
+sessions open when a loaded build gets its second seat, engines/ort_fused/sessions.FusedGraphs), and the
 largest batch's activations with the idle seat's cache while a batched step runs (batch_bytes).
 
 held weights (held_weights): the matrices at the build's bits per weight, block scales, zero points

@@ -27,102 +27,22 @@ buffers a session file carries). On FloatKVAttention a seat with a frame steps i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 
 from cabinlm import io_spec as io
 from cabinlm.engines.registry import BackendKind
 from cabinlm.manifest import Manifest
 from cabinlm.engines.backend import Backend, BackendError, StepOutput
 from cabinlm.engines.onnxruntime.binding import Binding, ortvalue
-from cabinlm.engines.onnxruntime.session import check_io, mapped_weights, open_session, session_options
 from cabinlm.engines.ort_fused.frames import FrameKeys
 from cabinlm.engines.ort_fused.rotated import RingTables, RotatedKeys
 from cabinlm.engines.ort_fused.row_moves import move_rows
 from cabinlm.engines.ort_fused.seats import run_batched
-from cabinlm.engines.ort_fused.spec import FusedSettings
+from cabinlm.engines.ort_fused.sessions import FusedGraphs, load_fused
 from cabinlm.runtime.slots import SlotTable, StepPlan
-
-
-@dataclass
-class FusedGraphs:
-    """What every dialogue on one loaded fused build shares."""
-
-    manifest: Manifest
-    decoder: ort.InferenceSession
-    rotate: ort.InferenceSession | None  # the sink / pinned keys' refresh graph (numpy without it)
-    # seats decoding together: the batch sizes the build carries (FusedSettings.seat_batches), and
-    # once open (open_batched) the batched graph of each and their LM head (io_spec.head_io)
-    batches: tuple[int, ...] = ()
-    seats: dict[int, ort.InferenceSession] = field(default_factory=dict)
-    head: ort.InferenceSession | None = None
-    opener: Callable[[], tuple[dict[int, ort.InferenceSession], ort.InferenceSession]] | None = None
-    weights: list[tuple[str, ort.OrtValue]] = field(default_factory=list)  # every graph's weights, one map, kept alive here
-    # batched graphs' bindings with their seats' caches bound, by the seats (seats.seat_binding)
-    seat_bindings: dict[tuple, tuple] = field(default_factory=dict)
-    idle: FusedBackend | None = None  # the place no seat takes in a batched run (seats.idle_step)
-    idle_table: SlotTable | None = None  # its table: always empty
-
-    def open_batched(self) -> None:
-        """Open the batched graphs' sessions, once: when the loaded build gets its second seat (the
-        first moment seats can step together). A dialogue alone (chat, bench, perplexity) never
-        holds them: ONNX Runtime packs a copy of every MatMulNBits matrix per session, the LM head's
-        alone vocab x hidden x ~1.35 bytes (226 MB for Gemma 3's 262k x 640)."""
-        if self.opener is not None:
-            self.seats, self.head = self.opener()
-            self.opener = None
-
-
-def load_fused(folder: Path, manifest: Manifest, threads: int | None, extra: dict[str, str] | None) -> FusedGraphs:
-    """The build's sessions. A build with batched graphs (FusedSettings.seat_batches) hands every
-    decoder session its weights from one read-only map of the weights file (held once); a build
-    without them lets ONNX Runtime load the weights file itself, as before."""
-    spec = manifest.runtime_spec
-    facts = spec.facts_as(FusedSettings)
-    weights: list[tuple[str, ort.OrtValue]] = []
-    if facts is not None and facts.seat_batches:
-        try:
-            weights = mapped_weights(folder, facts.shared_weights)
-        except ValueError as e:
-            raise BackendError(f"{folder}: {e}; run `cabinlm build` again") from e
-
-    def options(head: bool = False) -> ort.SessionOptions:
-        so = session_options(spec, threads, extra)
-        for name, ov in weights:
-            so.add_initializer(name, ov)
-        if head:
-            # Each session has a thread pool of its own whose threads spin for a while after a run: a
-            # batched step runs the layers' session, then the head's, and the head's threads spinning
-            # into the next step took the cores from the layers (4 seats on 2 cores: 26 ms a step with
-            # both spinning, 7 ms with the head's threads asleep after its run, 10 ms with neither spinning).
-            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        return so
-
-    decoder = open_session(folder / manifest.files["graph"].path, options(), spec)
-    check_io(decoder, manifest.io, folder, built=True)
-    batches = tuple(facts.seat_batches) if facts is not None else ()
-    for role in [f"graph_seats{b}" for b in batches] + (["graph_head"] if batches else []):
-        if role not in manifest.files:
-            raise BackendError(f"{folder}: the build has batched graphs but lists no {role}; run `cabinlm build` again")
-
-    def open_batched() -> tuple[dict[int, ort.InferenceSession], ort.InferenceSession]:
-        model = manifest.model
-        seats = {}
-        for b in batches:
-            seats[b] = open_session(folder / manifest.files[f"graph_seats{b}"].path, options(), spec)
-            check_io(seats[b], io.seats_io(manifest.io, b, model.hidden_size), folder, built=True)
-        head = open_session(folder / manifest.files["graph_head"].path, options(head=True), spec)
-        check_io(head, io.head_io(model.hidden_size, model.vocab_size), folder, built=True)
-        return seats, head
-
-    rotate = None
-    if "rotate_graph" in manifest.files:
-        rotate = open_session(folder / manifest.files["rotate_graph"].path, session_options(spec, 1), spec)
-    return FusedGraphs(manifest, decoder, rotate, batches, opener=open_batched if batches else None, weights=weights)
 
 
 class FusedBackend(Backend):
