@@ -11,7 +11,7 @@ from cabinlm.manifest import Manifest, load_manifest, verify_checksums
 from cabinlm.engines.backend import Backend, BackendError
 from cabinlm.runtime.decoder import Decoder, step_seats
 from cabinlm.runtime.dialogue import Dialogue, TurnResult
-from cabinlm.runtime.perplexity import PerplexityResult, stream_perplexity
+from cabinlm.runtime.perplexity import PerplexityResult, stream_perplexity, token_nll
 from cabinlm.runtime.sampler import Sampler
 from cabinlm.runtime.slots import SlotTable, StepPlan
 from cabinlm.runtime.tokenizer import StreamDecoder, Tokenizer
@@ -53,4 +53,5 @@ __all__ = [
     "open_runtime",
     "step_seats",
     "stream_perplexity",
+    "token_nll",
 ]

@@ -85,7 +85,7 @@ def stream_fidelity(reference: bytes, q: onnx.ModelProto, artifact: Path, manife
     decode check measures). A check on a calibration chunk cannot see a range that this text leaves
     (issue 33: 0.998 there, perplexity 3.8e9 on the stream). Returns {"correlation": logits over all
     rows, "perplexity": (float graph, QDQ graph)}."""
-    from cabinlm.runtime.perplexity import token_nll
+    from cabinlm.runtime import token_nll
 
     ref = stream_logits(reference, artifact, manifest, ids)
     got = stream_logits(q, artifact, manifest, ids)
