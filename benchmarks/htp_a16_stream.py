@@ -24,7 +24,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("artifact"); ap.add_argument("text")
 ap.add_argument("--tokens", type=int, default=256)
 ap.add_argument("--keep-offsets", action="store_true")
-ap.add_argument("--weights", default=qdq.WEIGHTS_A16, choices=["int8", "int16"])
+ap.add_argument("--weights", default=qdq.WEIGHTS_A16, choices=["int8", "int16", "int8block"])
 ap.add_argument("--save", help="write the QDQ graph here (a .onnx path)")
 a = ap.parse_args()
 if a.keep_offsets:

@@ -4,8 +4,9 @@ int8 per channel, int4 per channel, or the export's int4 blocks (DequantizeLinea
 compiled for sa8775p (prefill graph), run in the simulator on the last 8 calibration chunks, against
 the same QDQ graph and the float graph on ONNX Runtime's CPU provider (max |logit error| / max |logit|).
 
-    python benchmarks/htp_a16_weights.py ARTIFACT {int16,int8,int4,int4block,int4sym,int4sym-lpbq}
+    python benchmarks/htp_a16_weights.py ARTIFACT {int16,int8,int4,int4block,int4sym,int4sym-lpbq,int8block}
 
+int8block: the float matrices as signed int8 blocks of 32, symmetric (scale absmax / 127).
 int4sym: the float matrices re-quantized to signed int4 blocks of 32, symmetric (zero point 0, scale
 absmax / 7), DequantizeLinear(block_size 32) feeding the 16-bit MatMul (the export's blocks are uint4
 with a zero point per block); int4sym-lpbq: the same with the QNN provider's
@@ -21,7 +22,7 @@ from cabinlm.engines.qnn_htp import plugin as qp
 from cabinlm.profiles import load_profile
 variant=sys.argv[2]
 qdq.MIN_FIDELITY, qdq.MAX_PERPLEXITY_RATIO = -1.0, float("inf")  # measure, do not refuse
-qdq.WEIGHTS_A16 = "int4" if variant.startswith("int4") else variant
+qdq.WEIGHTS_A16 = "int4" if variant.startswith("int4") else "int8" if variant.startswith("int8") else variant
 W=Path(tempfile.mkdtemp(prefix="a16-weights-")); art=Path(sys.argv[1]); m=load_manifest(art)
 # float reference with the same rewrites (uint8 cache I/O)
 f=read_graph(art,m); G.fuse_rms_norms(f); G.float_embedding(f); qdq.float_weights(f)
@@ -38,7 +39,8 @@ if variant=="int4block":
             b=blocks[n.input[0][:-10]]; n.input[:]=list(b.input); del n.attribute[:]; n.attribute.extend(b.attribute)
             for i in b.input:
                 if i and i not in have: q.graph.initializer.append(oc[i]); have.add(i)
-if variant.startswith("int4sym"):
+if variant.startswith("int4sym") or variant=="int8block":
+    bits_max, onnx_type = (127, onnx.TensorProto.INT8) if variant=="int8block" else (7, onnx.TensorProto.INT4)
     from onnx import numpy_helper as nh
     fw={t.name: t for t in f.graph.initializer}
     for n in q.graph.node:
@@ -46,10 +48,10 @@ if variant.startswith("int4sym"):
             w=nh.to_array(fw[n.input[0][:-10]]).astype(np.float32)
             if w.ndim!=2 or w.shape[0]%32 or n.input[0].startswith("embed"): continue  # matrices only, not the token table
             K,N=w.shape
-            sc=np.maximum(np.abs(w.reshape(K//32,32,N)).max(1)/7, 1e-12).astype(np.float32)
-            qq=np.clip(np.rint(w/np.repeat(sc,32,0)),-8,7).astype(np.int8)
+            sc=np.maximum(np.abs(w.reshape(K//32,32,N)).max(1)/bits_max, 1e-12).astype(np.float32)
+            qq=np.clip(np.rint(w/np.repeat(sc,32,0)),-bits_max-1,bits_max).astype(np.int8)
             base=n.input[0][:-10]+"_sym"
-            q.graph.initializer.extend([onnx.helper.make_tensor(base+"_q", onnx.TensorProto.INT4, (K,N), qq.ravel().tolist()),
+            q.graph.initializer.extend([onnx.helper.make_tensor(base+"_q", onnx_type, (K,N), qq.ravel().tolist()),
                                         nh.from_array(sc, base+"_s")])
             n.input[:]=[base+"_q", base+"_s"]; del n.attribute[:]
             n.attribute.extend([onnx.helper.make_attribute("axis",0), onnx.helper.make_attribute("block_size",32)])

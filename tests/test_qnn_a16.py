@@ -61,7 +61,8 @@ def test_the_a16_build_records_its_precision_scales_and_calibration(a16_build, i
     q = m.build.facts
     assert (q.htp_arch, q.activations, q.weights, q.kv_cache) == (73, "int16", "int8", "uint8")
     assert q.check["same_top1"] and q.check["correlation"] > 0.99  # the compiled graph against the QDQ graph
-    assert 0.99 <= q.rewrites["fidelity"] <= 1.0  # the QDQ graph against the float graph, a calibration chunk
+    assert 0.99 <= q.rewrites["fidelity"] <= 1.0  # the QDQ graph against the float graph, held-out text
+    assert q.rewrites["weight_blocks"] == 9 and q.rewrites["fidelity_tokens"] == 65
     assert q.kv_scales == pytest.approx(per_tensor_kv_scales(art.kv_scales.array("keys"), art.kv_scales.array("values"), 2))
     cache_io = [t for t in (*m.io.inputs, *m.io.outputs) if "key" in t.name or "value" in t.name]
     assert cache_io and all(t.dtype == "uint8" for t in cache_io)
@@ -87,6 +88,13 @@ def test_the_a16_graph_is_16_bit_with_the_uint8_cache_tied(int8_artifact, tmp_pa
     weights = [consts[n.input[0]] for n in g.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in consts
                and consts[n.input[0]].ndim == 2 and consts[n.input[0]].dtype == np.int8]  # fmt: skip
     assert len(weights) == 9  # 2 layers x (qkv, o, gate_up, down) + the LM head
+    # symmetric int8 blocks of 32 along K (qdq.block_weights): the compiler reads a block zero point as 0
+    blocks = [n for n in g.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in consts and consts[n.input[0]].ndim == 2
+              and consts[n.input[0]].dtype == np.int8]  # fmt: skip
+    for n in blocks:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+        K, N = consts[n.input[0]].shape
+        assert attrs == {"axis": 0, "block_size": 32} and len(n.input) == 2 and consts[n.input[1]].shape == (K // 32, N)
     producer = {o: n for n in g.graph.node for o in n.output}
     for i in range(2):
         for cache, new in ((f"key_cache.{i}", f"new_key.{i}"), (f"value_cache.{i}", f"new_value.{i}")):

@@ -173,7 +173,8 @@ class QnnBuilder(Builder):
                 model, rewrites, kv_scales, calibration = a16_graph(artifact, manifest, request.calib, Path(work), log)
             output.quality["activation_calibration"] = calibration
             ppl_f, ppl_q = rewrites["fidelity_perplexity"]
-            log(f"the graph with 16-bit activations: {rewrites['float_weights']} weight matrices as {qdq.WEIGHTS_A16} per channel "
+            form = "symmetric int8 blocks of 32" if rewrites["weight_blocks"] else f"{qdq.WEIGHTS_A16} per channel"
+            log(f"the graph with 16-bit activations: {rewrites['float_weights']} weight matrices as {form} "
                 f"({rewrites['offsets_folded']} Q4_1 offsets folded in), the KV cache as uint8 (zero point {KV_ZERO_POINT}, one "
                 f"scale per tensor, the same in and out); on the CPU, through the runtime over {rewrites['fidelity_tokens']} held-out "
                 f"tokens, its logits follow the float graph's at correlation {rewrites['fidelity']:.4f}, perplexity {ppl_q:.4g} "
@@ -219,7 +220,7 @@ class QnnBuilder(Builder):
         binaries = [p for r, p in files.items() if r.startswith("context_binary")]
         sdk = _binary_of(out / files["graph"])[1]
         a16 = request.activations == "a16"
-        weights = qdq.WEIGHTS_A16 if a16 else "fp16" if not (rewrites["matmul_4bit"] or rewrites["matmul_8bit"]) else (
+        weights = qdq.WEIGHTS_A16.removesuffix("block") if a16 else "fp16" if not (rewrites["matmul_4bit"] or rewrites["matmul_8bit"]) else (
             "int4" if rewrites["matmul_4bit"] else "int8")  # fmt: skip
         settings = QnnSettings(
             qairt_version=sdk.removeprefix("v"), soc_model=profile.soc_model, htp_arch=profile.htp_arch,
