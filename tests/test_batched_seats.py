@@ -431,10 +431,10 @@ def test_two_batched_runs_in_one_step_give_each_seat_its_own_logits(build):
 
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_block_q4_matmul_prefill_rows_are_one_row_runs_and_the_plain_paths_bits(swiglu, tmp_path):
-    """Chunks of 8 rows and more: on AVX-512 rows go through a tile in groups of 8 (then 4, 3, 2, 1)
-    and every row's quantization (and SwiGLU) is a unit of the pool. Each row must be its one-row run
-    bit for bit, and this CPU's path the plain C++ path's bits (fails if a group size or the pooled
-    quantization changed a row's arithmetic)."""
+    """Chunks of 8 rows and more (a prefill chunk's, up to 64): rows go through a tile in groups of 4
+    and a rest of 1 to 3. Each row must be its one-row run bit for bit, and this CPU's path the plain
+    C++ path's bits (fails if a group size changed a row's arithmetic; tests/test_kernels.py and
+    tests/test_arm.py check up to 9 rows)."""
     from test_kernels import _matmul_session, _q4_case
 
     from cabinlm.engines.ort_fused.block_layouts import block_q4_layout

@@ -86,19 +86,11 @@ constexpr int kCodeBytes = kCols * kBlock / 2;          // 256
 constexpr int kTileBlockBytes = kCodeBytes + 4 * kCols;  // + 16 float16 scales + 16 float16 minimums
 // Rows of x that share a tile's unpacking. NEON: 2, so that a group's int32 and float accumulators
 // (8 + 8 vectors), its codes (4) and the tile's scales and minimums stay in the 32 registers.
-// AVX-512: 8 (a prefill chunk's rows; the 32 zmm registers hold the tile's 8 code vectors, its
-// scales and minimums, 8 accumulators and a row's two integer sums), then 4, 3, 2 or 1 for the rest:
-// a row's arithmetic is the same in every group size (tile_rows' body is per row).
 #if CABINLM_NEON_DOT
 constexpr int kRowBlock = 2;
-#elif CABINLM_VNNI
-constexpr int kRowBlock = 8;
 #else
 constexpr int kRowBlock = 4;
 #endif
-// From this many rows on, the rows' quantization (and SwiGLU) runs in the pool, a row per unit,
-// instead of on the calling thread (fewer: a parallel_for costs more than it spares).
-constexpr int64_t kParallelQuantizeRows = 8;
 
 struct Problem {
   const int8_t* xq;  // (M, nb, 32) the rows' codes
@@ -129,8 +121,7 @@ float half_to_float(uint16_t h) {  // exact: every float16 is a float32
 }
 
 // Row r of x (K floats) -> its codes, scales and scaled code sums; the same sequence for every row.
-// (It runs before the tiles' parallel_for: on the calling thread for a few rows, a row per unit of
-// the pool for more (kParallelQuantizeRows); AVX-512 does a block in a few instructions, with
+// (It runs before the parallel_for, on one thread: AVX-512 does a block in a few instructions, with
 // the plain loop's results: the largest magnitude is exact in any order, x * inv is the same float
 // product, rounding half to even is the default rounding mode's, the code sum an integer.)
 #if CABINLM_VNNI
@@ -343,44 +334,12 @@ void tile_unit(void* data, size_t unit) {
   const int64_t t = static_cast<int64_t>(unit);
   int64_t r = 0;
   for (; r + kRowBlock <= p.M; r += kRowBlock) tile_rows<kRowBlock>(p, t, r);
-#if CABINLM_VNNI
-  if (p.M - r >= 4) {
-    tile_rows<4>(p, t, r);
-    r += 4;
-  }
-#endif
   switch (p.M - r) {
     case 3: tile_rows<3>(p, t, r); break;
     case 2: tile_rows<2>(p, t, r); break;
     case 1: tile_rows<1>(p, t, r); break;
     default: break;
   }
-}
-
-// The rows' quantization: row r of x (K floats, or gate | up for the SwiGLU) -> its codes, scales and
-// scaled code sums; each row by the same sequence (swiglu_row, quantize_row) wherever it runs.
-struct RowsToQuantize {
-  const float* x;
-  int64_t width;  // 2 for the SwiGLU's gate | up, else 1
-  bool swiglu;
-  float* act;     // SwiGLU scratch: K floats per row (own_scratch) or K floats shared
-  int8_t* xq;
-  float* dx;
-  float* sx;
-  int64_t K, nb;
-  bool own_scratch;  // each row its own K floats of act (rows quantized in the pool)
-};
-
-void quantize_unit(void* data, size_t unit) {
-  const RowsToQuantize& q = *static_cast<const RowsToQuantize*>(data);
-  const int64_t r = static_cast<int64_t>(unit);
-  const float* row = q.x + r * q.width * q.K;
-  if (q.swiglu) {
-    float* act = q.act + (q.own_scratch ? r * q.K : 0);
-    swiglu_row(row, q.K, act);
-    row = act;
-  }
-  quantize_row(row, q.nb, q.xq + r * q.K, q.dx + r * q.nb, q.sx + r * q.nb);
 }
 
 OrtStatus* compute(OrtKernelContext* ctx, bool swiglu) {
@@ -414,14 +373,14 @@ OrtStatus* compute(OrtKernelContext* ctx, bool swiglu) {
 
   std::vector<int8_t> xq(static_cast<size_t>(p.M * p.K));
   std::vector<float> scales(static_cast<size_t>(p.M * p.nb)), sums(scales.size());
-  const bool pooled = p.M >= kParallelQuantizeRows;
-  // SwiGLU scratch: one row's activation (rows on this thread), or every row's (rows in the pool)
-  std::vector<float> act(swiglu ? static_cast<size_t>(p.K * (pooled ? p.M : 1)) : 0);
-  RowsToQuantize q{x, width, swiglu, act.data(), xq.data(), scales.data(), sums.data(), p.K, p.nb, pooled};
-  if (pooled) {
-    CABIN_TRY(parallel_for(ctx, quantize_unit, static_cast<size_t>(p.M), &q));
-  } else {
-    for (int64_t r = 0; r < p.M; ++r) quantize_unit(&q, static_cast<size_t>(r));
+  std::vector<float> act(swiglu ? static_cast<size_t>(p.K) : 0);
+  for (int64_t r = 0; r < p.M; ++r) {
+    const float* row = x + r * width * p.K;
+    if (swiglu) {
+      swiglu_row(row, p.K, act.data());
+      row = act.data();
+    }
+    quantize_row(row, p.nb, xq.data() + r * p.K, scales.data() + r * p.nb, sums.data() + r * p.nb);
   }
   p.xq = xq.data();
   p.dx = scales.data();
