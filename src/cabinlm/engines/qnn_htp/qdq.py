@@ -411,8 +411,7 @@ def a16_graph(artifact: Path, manifest, calib: Path | None, workdir: Path,
 
     lay = manifest.cache
     model = read_graph(artifact, manifest)
-    rewrites = {"rms_norms": fuse_rms_norms(model), "float_embedding": int(float_embedding(model)),
-                "float_weights": 0, "offsets_folded": 0}  # fmt: skip
+    rewrites = {"rms_norms": fuse_rms_norms(model), "float_embedding": int(float_embedding(model))}
     rewrites["float_weights"], rewrites["offsets_folded"] = float_weights(model)
     scales = per_tensor_kv_scales(manifest.kv_scales.array("keys"), manifest.kv_scales.array("values"), lay.layers)
     uint8_kv(model, scales)
