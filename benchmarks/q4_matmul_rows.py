@@ -41,18 +41,19 @@ def model_bytes(seed: int = 0) -> bytes:
     """x (1, M, 576) and gate|up (1, M, 3072) -> every layer's four products, as outputs."""
     rng = np.random.default_rng(seed)
     nodes, inits, outs = [], [], []
+    shapes = (("qkv", HIDDEN, QKV, "x", kernels.MATMUL_OP), ("o", HIDDEN, HIDDEN, "x", kernels.MATMUL_OP),
+              ("gu", HIDDEN, 2 * FFN, "x", kernels.MATMUL_OP), ("down", FFN, HIDDEN, "gu_in", kernels.SWIGLU_MATMUL_OP))
     for layer in range(LAYERS):
-        for name, K, N, src, op in (("qkv", HIDDEN, QKV, "x", kernels.MATMUL_OP), ("o", HIDDEN, HIDDEN, "x", kernels.MATMUL_OP),
-                                    ("gu", HIDDEN, 2 * FFN, "x", kernels.MATMUL_OP),
-                                    ("down", FFN, HIDDEN, "gu_in", kernels.SWIGLU_MATMUL_OP)):  # fmt: skip
+        for name, K, N, src, op in shapes:
             w = f"w.{layer}.{name}"
             inits.append(onnx.numpy_helper.from_array(_blob(rng, K, N), w))
             nodes.append(helper.make_node(op, [src, w], [f"y.{layer}.{name}"], domain=kernels.DOMAIN))
             outs.append(helper.make_tensor_value_info(f"y.{layer}.{name}", TensorProto.FLOAT, None))
-    g = helper.make_graph(nodes, "q4_rows", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "m", HIDDEN]),
-                                            helper.make_tensor_value_info("gu_in", TensorProto.FLOAT, [1, "m", 2 * FFN])],
-                          outs, inits)  # fmt: skip
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(kernels.DOMAIN, 1)], ir_version=10)
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "m", HIDDEN]),
+              helper.make_tensor_value_info("gu_in", TensorProto.FLOAT, [1, "m", 2 * FFN])]
+    g = helper.make_graph(nodes, "q4_rows", inputs, outs, inits)
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid(kernels.DOMAIN, 1)]
+    m = helper.make_model(g, opset_imports=opsets, ir_version=10)
     return m.SerializeToString()
 
 
@@ -84,8 +85,9 @@ def main() -> None:
         s = session(model, lib, a.threads)
         for M in a.rows:
             got = s.run(None, feeds[M])
-            rows_alone = all(np.array_equal(np.concatenate([s.run(None, {k: v[:, i : i + 1] for k, v in feeds[M].items()})[j]
-                                                            for i in range(M)], axis=1), got[j]) for j in range(0, len(got), 7))  # fmt: skip
+            alone = [s.run(None, {k: v[:, i : i + 1] for k, v in feeds[M].items()}) for i in range(M)]
+            rows_alone = all(np.array_equal(np.concatenate([a[j] for a in alone], axis=1), got[j])
+                             for j in range(len(got)))  # fmt: skip
             same = None
             if M in first:
                 same = all(np.array_equal(x, y) for x, y in zip(first[M], got))

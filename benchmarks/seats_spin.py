@@ -14,7 +14,8 @@ Measured here, on 4 seats filled with FILL window tokens:
 (each the minimum and the median over REPEATS, taken in turns; the fifth seat is fed from empty and
 reset after each prompt, so every repeat feeds the same tokens into the same cache).
 
-    python benchmarks/seats_spin.py BUILD [--fill 512] [--prompt 48] [--session-config '{"session.force_spinning_stop": "1"}']
+    python benchmarks/seats_spin.py BUILD [--fill 512] [--prompt 48]
+                                    [--session-config '{"session.force_spinning_stop": "1"}']
 
 --session-config: ONNX Runtime session entries for every session of the build (Decoder's
 session_config), e.g. force_spinning_stop = 1 (the pools stop spinning when a run returns)."""

@@ -172,7 +172,8 @@ def _head_logits(head, hidden: np.ndarray) -> np.ndarray:
         own = np.empty(hidden.shape, np.float32)
         logits = np.empty((rows, vocab), np.float32)
         binding.bind_cpu_input(io.HIDDEN, own)
-        binding.bind_output(io.LOGITS, "cpu", element_type=np.float32, shape=logits.shape, buffer_ptr=logits.ctypes.data)
+        binding.bind_output(io.LOGITS, "cpu", element_type=np.float32, shape=logits.shape,
+                            buffer_ptr=logits.ctypes.data)  # fmt: skip
         entry = heads[rows] = (binding, own, logits)
     binding, own, logits = entry
     np.copyto(own, hidden)
