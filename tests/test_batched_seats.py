@@ -88,6 +88,13 @@ def test_the_build_records_its_batched_graphs_and_they_read_the_one_seat_graphs_
     assert dec.backend.seat_batches == (2, 4) and not graphs.seats and graphs.head is None
     dec.seat()
     assert sorted(graphs.seats) == [2, 4] and graphs.head is not None
+    # the batched graphs' threads stop spinning when a run returns, so the head and a prefill right
+    # after a batched step have the cores; the head's never spin; the one-seat session keeps spinning
+    entry = lambda sess, key: sess.get_session_options().get_session_config_entry(key)  # noqa: E731
+    assert all(entry(graphs.seats[b], "session.force_spinning_stop") == "1" for b in (2, 4))
+    assert entry(graphs.head, "session.intra_op.allow_spinning") == "0"
+    with pytest.raises(RuntimeError, match="does not have configuration"):
+        entry(graphs.decoder, "session.force_spinning_stop")
 
 
 def test_four_seats_decoding_together_give_each_seats_own_logits_through_pins_and_eviction(build):

@@ -65,16 +65,23 @@ def load_fused(folder: Path, manifest: Manifest, threads: int | None, extra: dic
         except ValueError as e:
             raise BackendError(f"{folder}: {e}; run `cabinlm build` again") from e
 
-    def options(head: bool = False) -> ort.SessionOptions:
+    def options(head: bool = False, batched: bool = False) -> ort.SessionOptions:
         so = session_options(spec, threads, extra)
         for name, ov in weights:
             so.add_initializer(name, ov)
+        # Each session has a thread pool of its own whose threads spin for a while after a run (2^20
+        # pauses) and take a core from whichever session runs next. A batched step runs the layers'
+        # session, then the head's: the head's threads spinning into the next step took the cores
+        # from the layers (4 seats on 2 cores: 26 ms a step with both spinning, 7 ms with the head's
+        # threads asleep after its run, 10 ms with neither spinning).
         if head:
-            # Each session has a thread pool of its own whose threads spin for a while after a run: a
-            # batched step runs the layers' session, then the head's, and the head's threads spinning
-            # into the next step took the cores from the layers (4 seats on 2 cores: 26 ms a step with
-            # both spinning, 7 ms with the head's threads asleep after its run, 10 ms with neither spinning).
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        elif batched:
+            # The batched graph's threads stop spinning when its run returns, so that the head, and a
+            # prompt's prefill on the one-seat session right after a batched step, have the cores
+            # (docs/benchmarks.md section 20: that prefill 104-117 ms with them spinning, 77-83 without,
+            # 74-86 after a one-seat step). The one-seat session keeps spinning between its own steps.
+            so.add_session_config_entry("session.force_spinning_stop", "1")
         return so
 
     decoder = open_session(folder / manifest.files["graph"].path, options(), spec)
@@ -88,7 +95,7 @@ def load_fused(folder: Path, manifest: Manifest, threads: int | None, extra: dic
         model = manifest.model
         seats = {}
         for b in batches:
-            seats[b] = open_session(folder / manifest.files[f"graph_seats{b}"].path, options(), spec)
+            seats[b] = open_session(folder / manifest.files[f"graph_seats{b}"].path, options(batched=True), spec)
             check_io(seats[b], io.seats_io(manifest.io, b, model.hidden_size), folder, built=True)
         head = open_session(folder / manifest.files["graph_head"].path, options(head=True), spec)
         check_io(head, io.head_io(model.hidden_size, model.vocab_size), folder, built=True)
