@@ -29,6 +29,7 @@ from cabinlm.profiles import load_profile
 from cabinlm.runtime import Decoder, step_seats
 from cabinlm.runtime.perplexity import feed_frame
 
+from seat_threads import turns_in_threads
 from vlm_checks import TEXT, picture
 
 LAYOUTS = {"llava": dict(sink=4, pinned=12, window=32, chunk=16), "qwen2_vl": dict(sink=4, pinned=12, window=32, chunk=16)}
@@ -255,9 +256,6 @@ def test_seats_with_frames_under_the_server_scheduler_give_their_own_greedy_repl
     prompt, then greedy tokens with pass_turn between them; serve.scheduler.SeatSteps): a frame's chunk
     runs alone (the scheduler holds the model for it), the riders' text steps go with the holder's in
     batched runs, and every seat's greedy reply is the one it gives alone."""
-    import threading
-    import time
-
     from cabinlm.serve.scheduler import SeatSteps
 
     _, _, _, built = vlm
@@ -284,28 +282,7 @@ def test_seats_with_frames_under_the_server_scheduler_give_their_own_greedy_repl
     ds = seats(built, 3)
     for d in ds:
         d.together = model
-    got: list = [None] * 3
-    errors = []
-
-    def run(i: int) -> None:
-        try:
-            got[i] = turn(ds[i], rows[i], prompts[i], n, model)
-        except Exception as e:  # reported below
-            errors.append(e)
-
-    model.acquire()  # the three turns queue up (in order) while another holds the model
-    threads = []
-    for i in range(3):
-        threads.append(threading.Thread(target=run, args=(i,)))
-        threads[-1].start()
-        deadline = time.monotonic() + 10
-        while model.waiting < i + 1 and time.monotonic() < deadline:
-            time.sleep(0.001)
-    assert model.waiting == 3
-    model.release()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors, errors
+    got = turns_in_threads(model, [lambda i=i: turn(ds[i], rows[i], prompts[i], n, model) for i in range(3)])
     assert got == expected
     assert len({tuple(g) for g in got}) > 1
     assert model.batched_runs > 10

@@ -11,7 +11,6 @@ pinned spans in one run."""
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import onnx
@@ -23,6 +22,8 @@ from cabinlm.manifest import load_manifest
 from cabinlm.profiles import load_profile
 from cabinlm.runtime import Decoder, step_seats
 from cabinlm.runtime.persist import load_session, save_session
+
+from seat_threads import turns_in_threads
 
 LAYOUT = dict(sink=2, pinned=10, window=16, chunk=4)  # the window turns over every 16 tokens
 
@@ -276,28 +277,7 @@ def test_seats_taking_turns_under_the_server_scheduler_ride_together_with_their_
     ds = seats(build, 3)
     for d in ds:
         d.together = model
-    got: list = [None] * 3
-    errors = []
-
-    def run(i: int) -> None:
-        try:
-            got[i] = turn(ds[i], prompts[i], 40, model)
-        except Exception as e:  # reported below
-            errors.append(e)
-
-    model.acquire()  # the three turns queue up (in order) while another holds the model
-    threads = []
-    for i in range(3):
-        threads.append(threading.Thread(target=run, args=(i,)))
-        threads[-1].start()
-        deadline = time.monotonic() + 10
-        while model.waiting < i + 1 and time.monotonic() < deadline:
-            time.sleep(0.001)
-    assert model.waiting == 3
-    model.release()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors, errors
+    got = turns_in_threads(model, [lambda i=i: turn(ds[i], prompts[i], 40, model) for i in range(3)])
     assert got == expected
     assert model.batched_runs > 10
     assert not model._held and not model._posted  # everything ran, the model is free
