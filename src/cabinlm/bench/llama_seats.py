@@ -6,12 +6,11 @@ Imported by the bench's child process; llama_cpp is imported when the engine is 
 
 from __future__ import annotations
 
-from collections import deque
 from pathlib import Path
 
 from cabinlm.bench.catalog import INSTALL, BaselineError, BaselineUnavailable
+from cabinlm.bench.peers import load_llama_model
 from cabinlm.bench.protocol import ContextFull
-from cabinlm.errors import ModelError
 
 
 class LlamaCppSeats:
@@ -24,8 +23,6 @@ class LlamaCppSeats:
     name = "llama.cpp"
 
     def __init__(self, path: Path, threads: int, seats: int, n_ctx_seq: int):
-        import ctypes
-
         import numpy as np
 
         try:
@@ -35,20 +32,7 @@ class LlamaCppSeats:
         if seats < 1 or n_ctx_seq < 1:
             raise ValueError(f"seats and n_ctx_seq must be >= 1, got {seats} and {n_ctx_seq}")
         self.L, self.np = L, np
-        self.log: deque[str] = deque(maxlen=20)
-
-        @L.llama_log_callback
-        def _log(level, text, user_data):
-            s = text.decode("utf-8", "replace").strip()
-            if s:
-                self.log.append(s)
-
-        self._log_cb = _log
-        L.llama_log_set(_log, ctypes.c_void_p(0))
-        L.llama_backend_init()
-        self.model = L.llama_model_load_from_file(str(path).encode(), L.llama_model_default_params())
-        if not self.model:
-            raise ModelError(f"{path}: llama.cpp cannot load this GGUF ({'; '.join(list(self.log)[-3:])})")
+        self.log, self._log_cb, self.model = load_llama_model(L, path)
         cp = L.llama_context_default_params()
         cp.n_seq_max = seats
         cp.n_ctx = seats * n_ctx_seq

@@ -71,6 +71,28 @@ class HFEngine(Engine):
         self.torch.set_num_threads(self._threads_before)
 
 
+def load_llama_model(L, path: Path) -> tuple[deque[str], object, object]:
+    """llama.cpp's log routed into a deque of its last 20 messages (the last ones explain a failure),
+    its backend started, and the GGUF at `path` loaded. Returns (log, the log callback, which the
+    caller keeps alive as long as llama.cpp may call it, model); ModelError if the GGUF does not load."""
+    import ctypes
+
+    log: deque[str] = deque(maxlen=20)
+
+    @L.llama_log_callback
+    def callback(level, text, user_data):
+        s = text.decode("utf-8", "replace").strip()
+        if s:
+            log.append(s)
+
+    L.llama_log_set(callback, ctypes.c_void_p(0))
+    L.llama_backend_init()
+    model = L.llama_model_load_from_file(str(path).encode(), L.llama_model_default_params())
+    if not model:
+        raise ModelError(f"{path}: llama.cpp cannot load this GGUF ({'; '.join(list(log)[-3:])})")
+    return log, callback, model
+
+
 class LlamaCppEngine(Engine):
     name = "llama.cpp"
 
@@ -85,21 +107,7 @@ class LlamaCppEngine(Engine):
         except Exception as e:  # noqa: BLE001 - a broken build: say so with the install command
             raise BaselineUnavailable(f"llama-cpp-python does not import ({e}): {INSTALL['llama.cpp']}") from e
         self.L, self.np, self.ctypes = L, np, ctypes
-        self.log: deque[str] = deque(maxlen=20)
-
-        @L.llama_log_callback
-        def _log(level, text, user_data):  # keep llama.cpp's messages (the last ones explain a failure)
-            s = text.decode("utf-8", "replace").strip()
-            if s:
-                self.log.append(s)
-
-        self._log_cb = _log
-        L.llama_log_set(_log, ctypes.c_void_p(0))
-        L.llama_backend_init()
-        mp = L.llama_model_default_params()
-        self.model = L.llama_model_load_from_file(str(path).encode(), mp)
-        if not self.model:
-            raise ModelError(f"{path}: llama.cpp cannot load this GGUF ({'; '.join(list(self.log)[-3:])})")
+        self.log, self._log_cb, self.model = load_llama_model(L, path)
         cp = L.llama_context_default_params()
         cp.n_ctx = n_ctx
         cp.n_batch = min(512, n_ctx)
