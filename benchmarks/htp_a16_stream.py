@@ -6,6 +6,9 @@ compiler, no simulator: what the 16-bit ranges alone do to a stream the calibrat
 
     python benchmarks/htp_a16_stream.py ARTIFACT TEXT [--tokens 256] [--keep-offsets] [--weights int8]
 
+--weights: int8 / int16 per output channel (the quantizer's), int8block / int4block the build's
+(--a16-weights int8 / int4).
+
 --keep-offsets: the QDQ graph as before the fix (a Q4_1 matrix's offset term kept as its own MatMul
 beside the matrix, each quantized apart: qdq._q4_1_offset disabled).
 """
@@ -24,12 +27,14 @@ ap = argparse.ArgumentParser()
 ap.add_argument("artifact"); ap.add_argument("text")
 ap.add_argument("--tokens", type=int, default=256)
 ap.add_argument("--keep-offsets", action="store_true")
-ap.add_argument("--weights", default=qdq.WEIGHTS_A16, choices=["int8", "int16", "int8block"])
+ap.add_argument("--weights", default="int8block", choices=["int8", "int16", "int8block", "int4block"])
 ap.add_argument("--save", help="write the QDQ graph here (a .onnx path)")
 a = ap.parse_args()
 if a.keep_offsets:
     qdq._q4_1_offset = lambda *args: None
-qdq.WEIGHTS_A16, qdq.MIN_FIDELITY, qdq.MAX_PERPLEXITY_RATIO = a.weights, -1.0, float("inf")  # measure, do not refuse
+blocks = a.weights.removesuffix("block") if a.weights.endswith("block") else "int8"
+qdq.PER_CHANNEL = None if a.weights.endswith("block") else a.weights
+qdq.MIN_FIDELITY = qdq.MIN_FIDELITY_INT4 = -1.0; qdq.MAX_PERPLEXITY_RATIO = float("inf")  # measure, do not refuse
 art = Path(a.artifact); m = load_manifest(art)
 f = read_graph(art, m); G.fuse_rms_norms(f); G.float_embedding(f); n, folded = qdq.float_weights(f)
 sc = G.per_tensor_kv_scales(m.kv_scales.array("keys"), m.kv_scales.array("values"), m.cache.layers)
@@ -37,7 +42,7 @@ G.uint8_kv(f, sc); qdq.floor_masks(f)
 ids = Tokenizer.from_file(str(art / "tokenizer.json")).encode(Path(a.text).read_text()).ids[: a.tokens]
 t = time.time()
 with tempfile.TemporaryDirectory() as w:
-    q, rw, _, _ = qdq.a16_graph(art, m, None, Path(w))
+    q, rw, _, _ = qdq.a16_graph(art, m, None, Path(w), weights=blocks)
 print(f"QDQ graph: weights {a.weights}, {rw['float_weights']} matrices, {rw['offsets_folded']} offsets folded, "
       f"the build's check (held-out text through the runtime): correlation {rw['fidelity']}, perplexity "
       f"{rw['fidelity_perplexity'][1]} against {rw['fidelity_perplexity'][0]}, {time.time() - t:.0f} s", flush=True)

@@ -4,7 +4,9 @@ int8 per channel, int4 per channel, or the export's int4 blocks (DequantizeLinea
 compiled for sa8775p (prefill graph), run in the simulator on the last 8 calibration chunks, against
 the same QDQ graph and the float graph on ONNX Runtime's CPU provider (max |logit error| / max |logit|).
 
-    python benchmarks/htp_a16_weights.py ARTIFACT {int16,int8,int4,int4block,int4sym,int4sym-lpbq,int8block}
+    python benchmarks/htp_a16_weights.py ARTIFACT {int16,int8,int4,int4block,int4sym,int4sym-lpbq,int8block,a16w4}
+
+a16w4: the build's own int4 form (--a16-weights int4: a16_weights.sym_blocks' scale search, the LM head int8).
 
 int8block: the float matrices as signed int8 blocks of 32, symmetric (scale absmax / 127).
 int4sym: the float matrices re-quantized to signed int4 blocks of 32, symmetric (zero point 0, scale
@@ -21,15 +23,15 @@ from cabinlm.engines.qnn_htp.builder import compile_graph, profile_provider
 from cabinlm.engines.qnn_htp import plugin as qp
 from cabinlm.profiles import load_profile
 variant=sys.argv[2]
-qdq.MIN_FIDELITY, qdq.MAX_PERPLEXITY_RATIO = -1.0, float("inf")  # measure, do not refuse
-qdq.WEIGHTS_A16 = "int4" if variant.startswith("int4") else "int8" if variant.startswith("int8") else variant
+qdq.MIN_FIDELITY = qdq.MIN_FIDELITY_INT4 = -1.0; qdq.MAX_PERPLEXITY_RATIO = float("inf")  # measure, do not refuse
+qdq.PER_CHANNEL = None if variant == "a16w4" else "int4" if variant.startswith("int4") else "int8" if variant.startswith("int8") else variant
 W=Path(tempfile.mkdtemp(prefix="a16-weights-")); art=Path(sys.argv[1]); m=load_manifest(art)
 # float reference with the same rewrites (uint8 cache I/O)
 f=read_graph(art,m); G.fuse_rms_norms(f); G.float_embedding(f); qdq.float_weights(f)
 sc=G.per_tensor_kv_scales(m.kv_scales.array("keys"), m.kv_scales.array("values"), m.cache.layers); G.uint8_kv(f, sc); qdq.floor_masks(f)
 ids,_=qdq.calibration_ids(art,m,None)
 feeds=[x for x in qdq.calibration_feeds(f, art, m, ids) if x["input_ids"].shape[0]==4][-8:]
-q,_,_,_=qdq.a16_graph(art,m,None,W)
+q,_,_,_=qdq.a16_graph(art,m,None,W,weights="int4" if variant=="a16w4" else "int8")
 if variant=="int4block":
     orig=read_graph(art,m); oc={t.name:t for t in orig.graph.initializer}
     blocks={n.output[0]: n for n in orig.graph.node if n.op_type=="DequantizeLinear" and n.input[0] in oc and any(a.name=="block_size" for a in n.attribute)}

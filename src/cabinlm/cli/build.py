@@ -59,6 +59,9 @@ def build(
         "docs/benchmarks.md section 15) compiles a calibrated QDQ graph with "
         "16-bit integer activations, symmetric int8 weight blocks of 32 and the uint8 KV cache (needs an --kv int8 export; HTP "
         "v73: sa8775p). docs/architecture.md \"16-bit activations on the HTP\"."),
+    a16_weights: str = typer.Option(
+        "int8", "--a16-weights", help="--activations a16: the weight matrices as symmetric blocks of 32, 'int8' (w8a16) "
+        "or 'int4' (w4a16, the LM head int8 blocks). docs/benchmarks.md section 15 measures both."),
     calib: Optional[Path] = typer.Option(None, help="--activations a16: calibration text (UTF-8, at least 256 tokens) "
                                          "[default: the built-in prose + in-car dialogue mix, as export's --calib]."),
 ) -> None:
@@ -78,7 +81,8 @@ def build(
             device = (device or load_profile("cpu")).cpu_engine()
         path = build_artifact(artifact, device, out, log=info, attention=attention,
                               accuracy_level=accuracy_level, minimums=minimums, attention_kernel=attention_kernel,
-                              matmul_kernel=matmul_kernel, activations=activations, calib=calib)  # fmt: skip
+                              matmul_kernel=matmul_kernel, activations=activations, calib=calib,
+                              a16_weights=a16_weights)  # fmt: skip
     except TensorRTUnavailable as e:
         if e.details:  # the compatibility report
             info(e.details)

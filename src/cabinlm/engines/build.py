@@ -71,7 +71,7 @@ def build_artifact(artifact: str | Path, profile: DeviceProfile | None, out: str
                    accuracy_level: int = 4, minimums: Minimums | str = Minimums.INT8,
                    attention_kernel: AttentionKernel | str = AttentionKernel.AUTO,
                    matmul_kernel: MatmulKernel | str = MatmulKernel.AUTO, activations: str = "fp16",
-                   calib: str | Path | None = None) -> Path:
+                   calib: str | Path | None = None, a16_weights: str = "int8") -> Path:
     """Build `artifact` for `profile` (None: cpu) into `out` (default: beside it, ARTIFACT-build-PROFILE).
     A TensorRT bundle (`artifact` made by a tensorrt profile's build) gets its engine built, in place
     unless `out` is given; its profile is the one it was made for.
@@ -80,7 +80,8 @@ def build_artifact(artifact: str | Path, profile: DeviceProfile | None, out: str
     keeps the exported graph otherwise; "fused" insists; "graph" keeps the export. accuracy_level:
     the fused build's MatMulNBits activations (4: int8, as llama.cpp; 0: float32). minimums: how the
     fused build runs GGUF Q4_1 blocks. attention_kernel, matmul_kernel: the fused build's kernels.
-    activations, calib: HTP builds' activations ("fp16"; "a16": 16-bit integer, calibrated on calib)."""
+    activations, calib: HTP builds' activations ("fp16"; "a16": 16-bit integer, calibrated on calib);
+    a16_weights: the a16 build's weight matrices ("int8" or "int4" symmetric blocks of 32)."""
     options = CpuBuildOptions(attention=attention, accuracy_level=accuracy_level, minimums=minimums,  # type: ignore[arg-type]
                               attention_kernel=attention_kernel, matmul_kernel=matmul_kernel)  # type: ignore[arg-type]
     from cabinlm.manifest import load_manifest
@@ -106,7 +107,11 @@ def build_artifact(artifact: str | Path, profile: DeviceProfile | None, out: str
     if (activations != "fp16" or calib is not None) and profile.execution_provider != "QNNExecutionProvider":
         raise BuildError(f"--activations a16 and --calib are for the Snapdragon HTP builds (sa8775p); {profile.name} "
                          "computes in float")  # fmt: skip
-    request = BuildRequest(artifact, manifest, profile, options, log, activations, Path(calib) if calib else None)
+    if a16_weights not in ("int8", "int4"):
+        raise BuildError(f"--a16-weights must be int8 or int4, got {a16_weights!r}")
+    if a16_weights != "int8" and activations != "a16":
+        raise BuildError(f"--a16-weights {a16_weights} is for --activations a16 builds (this build: --activations {activations})")
+    request = BuildRequest(artifact, manifest, profile, options, log, activations, Path(calib) if calib else None, a16_weights)
     builder = choose_builder(request)
     t0 = time.perf_counter()
     output = BuildOutput.prepare(artifact, manifest, out)

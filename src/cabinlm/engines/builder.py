@@ -75,6 +75,7 @@ class BuildRequest:
     log: Callable[[str], None] = lambda s: None
     activations: str = "fp16"  # HTP builds (--activations): fp16, or a16 (16-bit integer QDQ, engines/qnn_htp/qdq.py)
     calib: Path | None = None  # a16: the calibration text (None: export/calibration.py's built-in mix)
+    a16_weights: str = "int8"  # a16 (--a16-weights): the matrices' symmetric blocks, int8 or int4 (qnn_htp/a16_weights.py)
 
 
 class Builder(abc.ABC):

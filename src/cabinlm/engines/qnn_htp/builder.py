@@ -170,10 +170,13 @@ class QnnBuilder(Builder):
         vision = place_vision(output, profile, log) if manifest.vision is not None else {}
         if request.activations == "a16":  # the calibrated 16-bit QDQ graph (qdq.py), its uint8 cache tied as uint8_kv's
             with tempfile.TemporaryDirectory(prefix="cabinlm-a16-") as work:
-                model, rewrites, kv_scales, calibration = a16_graph(artifact, manifest, request.calib, Path(work), log)
+                model, rewrites, kv_scales, calibration = a16_graph(artifact, manifest, request.calib, Path(work), log,
+                                                                    request.a16_weights)  # fmt: skip
             output.quality["activation_calibration"] = calibration
             ppl_f, ppl_q = rewrites["fidelity_perplexity"]
-            form = "symmetric int8 blocks of 32" if rewrites["weight_blocks"] else f"{qdq.WEIGHTS_A16} per channel"
+            form = f"symmetric {request.a16_weights} blocks of 32" if rewrites["weight_blocks"] else f"{qdq.PER_CHANNEL} per channel"
+            if request.a16_weights == "int4" and rewrites["weight_blocks_int8"]:
+                form += f" ({rewrites['weight_blocks_int8']} of them, the LM head, int8)"
             log(f"the graph with 16-bit activations: {rewrites['float_weights']} weight matrices as {form} "
                 f"({rewrites['offsets_folded']} Q4_1 offsets folded in), the KV cache as uint8 (zero point {KV_ZERO_POINT}, one "
                 f"scale per tensor, the same in and out); on the CPU, through the runtime over {rewrites['fidelity_tokens']} held-out "
@@ -220,7 +223,7 @@ class QnnBuilder(Builder):
         binaries = [p for r, p in files.items() if r.startswith("context_binary")]
         sdk = _binary_of(out / files["graph"])[1]
         a16 = request.activations == "a16"
-        weights = qdq.WEIGHTS_A16.removesuffix("block") if a16 else "fp16" if not (rewrites["matmul_4bit"] or rewrites["matmul_8bit"]) else (
+        weights = (qdq.PER_CHANNEL or request.a16_weights) if a16 else "fp16" if not (rewrites["matmul_4bit"] or rewrites["matmul_8bit"]) else (
             "int4" if rewrites["matmul_4bit"] else "int8")  # fmt: skip
         settings = QnnSettings(
             qairt_version=sdk.removeprefix("v"), soc_model=profile.soc_model, htp_arch=profile.htp_arch,

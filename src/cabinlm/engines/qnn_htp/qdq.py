@@ -7,8 +7,8 @@ graph of an int8-KV export made a calibrated QDQ graph, as Qualcomm's own v73 de
       ─ calibration: the CPU runs the float graph over the calibration text, the runtime's own
         cache bookkeeping feeding it (a16_feeds.calibration_feeds), every activation's range recorded
       ─ onnxruntime.quantization's QNN QDQ quantizer: activations uint16 (asymmetric, per tensor),
-        weight matrices int8 per output channel, the LM head's too, then (WEIGHTS_A16 "int8block")
-        re-quantized from the float matrices as symmetric int8 blocks of 32 (block_weights)
+        weight matrices int8 per output channel, the LM head's too, then re-quantized from the float
+        matrices as symmetric int8 or int4 blocks of 32 (a16_weights.block_weights; int4: the head int8)
       ─ the cache I/O stays uint8 (zero point 128, one scale per tensor, tied: graph.uint8_kv;
         float_kv_io before the quantizer, strip_kv_io after it); masks floored (floor_masks)
       ─ the check (a16_feeds.stream_fidelity): the QDQ graph against the float graph over held-out
@@ -34,12 +34,14 @@ from onnx import numpy_helper
 
 from cabinlm.engines.builder import BuildError
 from cabinlm.engines.qnn_htp.a16_feeds import calibration_feeds, stream_fidelity
+from cabinlm.engines.qnn_htp import a16_weights
+from cabinlm.engines.qnn_htp.a16_weights import WEIGHT_FORMATS, block_weights
 from cabinlm.engines.qnn_htp.graph import BLOCK, _consts, _consumers, _values
 
-# the weight matrices beside 16-bit activations (docs/architecture.md "16-bit activations"): "int8" / "int16" /
-# "int4" per output channel, or "int8block" (block_weights: symmetric int8 blocks of 32 along K). int8 blocks:
-# SmolLM2's QDQ graph 77.59 against its float graph's 77.36 (int8 per channel 85.29; docs/benchmarks.md section 15)
-WEIGHTS_A16 = "int8block"
+# benchmarks only: the quantizer's own per-output-channel weights ("int8" / "int16" / "int4") kept in place of
+# the blocks the build takes (a16_weights). int8 blocks: SmolLM2's QDQ graph 77.59 against its float graph's
+# 77.36, int8 per channel 85.29 (docs/benchmarks.md section 15)
+PER_CHANNEL: str | None = None
 ONE, ZERO, MASK_MIN = "htp/one", "htp/zero", "htp/mask_min"
 MASK_FLOOR = 512.0  # floor_masks
 MAX_CALIB_TOKENS = 512  # the calibration text's first tokens run through the float graph
@@ -326,8 +328,10 @@ class _Reader:
 
 
 
-def quantize_a16(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]], kv: dict[str, float], workdir: Path) -> onnx.ModelProto:
-    """The QDQ graph (module docstring) of the float graph `model`, calibrated on `feeds`."""
+def quantize_a16(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]], kv: dict[str, float], workdir: Path,
+                 weights: str = "int8") -> tuple[onnx.ModelProto, dict[str, int]]:
+    """The QDQ graph (module docstring) of the float graph `model`, calibrated on `feeds`, its matrices
+    `weights` (a16_weights.WEIGHT_FORMATS) blocks. Returns (graph, a16_weights.block_weights' counts)."""
     from onnxruntime.quantization import QuantType, quantize
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
@@ -335,11 +339,12 @@ def quantize_a16(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]], kv:
     # every intermediate typed (onnx's own inference stops at ORT's SimplifiedLayerNormalization):
     # the quantizer quantizes only tensors whose type it knows
     model = SymbolicShapeInference.infer_shapes(model, auto_merge=True)
-    matrices = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if len(t.dims) == 2} if WEIGHTS_A16 == "int8block" else {}
+    matrices = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if len(t.dims) == 2} if PER_CHANNEL is None else {}
     src = workdir / "a16.float.onnx"  # saving moves the model's tensors out of it
     onnx.save_model(model, str(src), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=src.name + ".data", size_threshold=1024)  # fmt: skip
-    weight = {"int16": QuantType.QInt16, "int8": QuantType.QInt8, "int4": QuantType.QInt4, "int8block": QuantType.QInt8}[WEIGHTS_A16]
+    # int8 per channel, the token table's form; the matrices' blocks replace them after (block_weights)
+    weight = {"int16": QuantType.QInt16, "int8": QuantType.QInt8, "int4": QuantType.QInt4, None: QuantType.QInt8}[PER_CHANNEL]
     config = get_qnn_qdq_config(str(src), _Reader(feeds), activation_type=QuantType.QUInt16, weight_type=weight,
                                 per_channel=True, weight_symmetric=True)  # fmt: skip
     config.use_external_data_format = True
@@ -351,61 +356,29 @@ def quantize_a16(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]], kv:
     quantize(str(src), str(dst), config)
     q = onnx.load(str(dst))
     strip_kv_io(q, kv)
-    if WEIGHTS_A16 == "int8block":
-        block_weights(q, matrices)
-    return q
-
-
-def block_weights(q: onnx.ModelProto, matrices: dict[str, np.ndarray]) -> int:
-    """Each MatMul weight of the QDQ graph q (int8 per output channel, as the quantizer writes it)
-    re-quantized from its float matrix (`matrices`, by the float graph's initializer name) as
-    symmetric int8 blocks of 32 along K:
-
-        DequantizeLinear(w_q (K, N) int8, scale (N,), axis 1)
-     -> DequantizeLinear(w_b (K, N) int8, scale (K/32, N) = block absmax / 127, axis 0, block_size 32)
-
-    A GGUF Q8_0 matrix is such blocks exactly, and a Q4_1 block (16 levels between its minimum and
-    maximum) keeps a step of 1/127 of its own largest value, where one scale per column spans every
-    block of it. The compiler follows symmetric int8 blocks (zero point 0; benchmarks/htp_a16_weights.py
-    int8block); it reads asymmetric blocks' zero points as 0 (docs/architecture.md). Returns how many."""
-    users = _consumers(q)
-    count = 0
-    for dq in q.graph.node:
-        base = dq.input[0].removesuffix("_quantized")
-        if dq.op_type != "DequantizeLinear" or base == dq.input[0] or base not in matrices:
-            continue
-        if not all(n.op_type == "MatMul" and n.input[1] == dq.output[0] for n in users.get(dq.output[0], [])):
-            continue  # the token table's gather, not a matrix
-        w = matrices[base].astype(np.float32)
-        if w.shape[0] % BLOCK:
-            continue
-        K, N = w.shape
-        scale = np.abs(w.reshape(K // BLOCK, BLOCK, N)).max(axis=1) / 127.0  # (K/32, N)
-        scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
-        codes = np.clip(np.rint(w / np.repeat(scale, BLOCK, axis=0)), -127, 127).astype(np.int8)
-        q.graph.initializer.extend([numpy_helper.from_array(codes, f"{base}_block8"),
-                                    numpy_helper.from_array(scale, f"{base}_block8_scale")])  # fmt: skip
-        dq.input[:] = [f"{base}_block8", f"{base}_block8_scale"]
-        del dq.attribute[:]
-        dq.attribute.extend([onnx.helper.make_attribute("axis", 0), onnx.helper.make_attribute("block_size", BLOCK)])
-        count += 1
-    still = {i for n in q.graph.node for i in n.input}  # the per-channel codes and scales replaced
-    kept = [t for t in q.graph.initializer if t.name in still]
-    del q.graph.initializer[:]
-    q.graph.initializer.extend(kept)
-    return count
+    if PER_CHANNEL is not None:
+        return q, {"weight_blocks": 0, "weight_blocks_int8": 0}
+    bits = {"int8": 8, "int4": 4}[weights]
+    return q, block_weights(q, matrices, bits, a16_weights.HEAD_BITS if bits == 4 else None)
 
 
 # The check's floors (a16_feeds.stream_fidelity, held-out text through the runtime): the graph that lost
 # SmolLM2 (perplexity 1.9e9) and the tiny Q4_1 model (correlation 0.43) fail both by far
 MIN_FIDELITY = 0.95  # the QDQ graph's logits against the float graph's, correlation over every row
+# int4 weights: their rounding alone moves the logits (SmolLM2's int4 QDQ graph 0.908 on the held-out dialogue,
+# 0.936 over 512 tokens of prose, perplexity +21% / +2.5%; docs/benchmarks.md section 15); the broken graphs
+# above still fail by far
+MIN_FIDELITY_INT4 = 0.85
 MAX_PERPLEXITY_RATIO = 1.25  # the QDQ graph's perplexity over the float graph's, the same text
 
 
-def a16_graph(artifact: Path, manifest, calib: Path | None, workdir: Path,
-              log: Callable[[str], None] = lambda s: None) -> tuple[onnx.ModelProto, dict, dict[str, float], dict]:
-    """The whole pipeline (module docstring) for an int8-KV export. Returns (the QDQ graph, the
-    rewrites' counts, the cache's {input name: scale}, the calibration's record for the manifest)."""
+def a16_graph(artifact: Path, manifest, calib: Path | None, workdir: Path, log: Callable[[str], None] = lambda s: None,
+              weights: str = "int8") -> tuple[onnx.ModelProto, dict, dict[str, float], dict]:
+    """The whole pipeline (module docstring) for an int8-KV export, its matrices `weights` blocks
+    (a16_weights.WEIGHT_FORMATS). Returns (the QDQ graph, the rewrites' counts, the cache's
+    {input name: scale}, the calibration's record for the manifest)."""
+    if weights not in WEIGHT_FORMATS:
+        raise BuildError(f"--a16-weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
     from cabinlm.engines.onnxruntime.offline import read_graph
     from cabinlm.engines.qnn_htp.graph import float_embedding, fuse_rms_norms, per_tensor_kv_scales, uint8_kv
 
@@ -425,18 +398,19 @@ def a16_graph(artifact: Path, manifest, calib: Path | None, workdir: Path,
             if name in f:
                 f[name] = (f[name].astype(np.float32) - 128.0) * np.float32(kv[name])
     log(f"calibrating 16-bit activations on {len(ids)} tokens ({source}), {len(feeds)} runs of the float graph")
-    q = quantize_a16(model, feeds, kv, workdir)
-    rewrites["weight_blocks"] = sum(n.op_type == "DequantizeLinear" and any(a.name == "block_size" for a in n.attribute)
-                                    for n in q.graph.node)  # fmt: skip
+    q, blocks = quantize_a16(model, feeds, kv, workdir, weights)
+    rewrites.update(blocks)
     del feeds, model
     held = held_out_ids(artifact, manifest, calib)
     fid = stream_fidelity(reference, q, artifact, manifest, held)
     corr, (ppl_f, ppl_q) = fid["correlation"], fid["perplexity"]
-    if corr < MIN_FIDELITY or not ppl_q <= ppl_f * MAX_PERPLEXITY_RATIO:
+    bar = MIN_FIDELITY_INT4 if weights == "int4" else MIN_FIDELITY
+    if corr < bar or not ppl_q <= ppl_f * MAX_PERPLEXITY_RATIO:
         raise BuildError(f"the 16-bit graph does not follow the float graph over {len(held)} held-out tokens through the "
-                         f"runtime on the CPU (logit correlation {corr:.3f}, at least {MIN_FIDELITY}; perplexity {ppl_q:.4g} "
-                         f"against {ppl_f:.4g}, at most {MAX_PERPLEXITY_RATIO}x): per-tensor 16-bit ranges lose this model; "
-                         "build it with --activations fp16")  # fmt: skip
+                         f"runtime on the CPU (logit correlation {corr:.3f}, at least {bar}; perplexity {ppl_q:.4g} "
+                         f"against {ppl_f:.4g}, at most {MAX_PERPLEXITY_RATIO}x): per-tensor 16-bit ranges "
+                         + ("or int4 weight blocks lose this model; build it with --a16-weights int8 or --activations fp16"
+                            if weights == "int4" else "lose this model; build it with --activations fp16"))  # fmt: skip
     rewrites["fidelity"] = round(corr, 5)
     rewrites["fidelity_perplexity"] = [round(ppl_f, 4), round(ppl_q, 4)]
     rewrites["fidelity_tokens"] = len(held)
