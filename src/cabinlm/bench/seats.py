@@ -2,16 +2,19 @@
 seats talk to one assistant. Each round, every seat gets its next user turn (bench/script.py, a seed
 per seat), its prompt is fed (prefill, seat after seat), then the seats decode their greedy replies:
 
-    together   every seat's next token in one step (runtime.step_seats: the fused cpu build's batched
-               graphs), a seat leaving the step when its reply ends (a stop id or --max-new)
-    turns      the same steps one seat after another, as `cabinlm serve` ran seats before they
-               decoded together (ModelTurns hands the model over at every token)
+    together   every seat's next token in one step (runtime.reply.advance_seats: the fused cpu build's
+               batched graphs), a seat leaving the step when its reply ends (a stop id or --max-new);
+               a seat that drafts (prompt lookup, as chat's default) verifies its drafts in the same
+               run as the other seats' tokens and drafts
+    turns      the same steps one seat after another (runtime.reply.advance), as `cabinlm serve` ran
+               seats before they decoded together (ModelTurns hands the model over at every token)
 
-Both modes give every seat the same tokens (the steps are the seats' own steps); what differs is the
-time. Reported per mode: aggregate decode tokens/s (every seat's decoded tokens over the decode
-phases' wall time), each seat's decode tokens/s over the same time, time to first token (from the
-round's start: the prefills before a seat's own count, as they would for requests arriving at
-once), and resident memory at the start and the end. A first round warms the sessions up and is not
+Both modes give every seat the same tokens (the steps are the seats' own steps, and drafting gives
+plain decoding's greedy tokens); what differs is the time. Reported per mode: aggregate decode
+tokens/s (every seat's decoded tokens over the decode phases' wall time), each seat's decode tokens/s
+over the same time, time to first token (from the round's start: the prefills before a seat's own
+count, as they would for requests arriving at once), resident memory at the start and the end, and
+the drafts verified and accepted. A first round warms the sessions up and is not
 counted. Each mode runs in a process of its own (`python -m cabinlm.bench.seats`: one JSON line),
 so that its memory is its own. Only numpy, onnxruntime and tokenizers."""
 
@@ -46,6 +49,9 @@ class SeatsRun:
     warmup_replies: list[list[int]] = field(default_factory=list)  # the warm-up round's, seat by seat
     rss_rounds_mb: list[float] = field(default_factory=list)  # RSS after each counted round
     evicted: int = 0  # window tokens the seats' caches dropped over the counted rounds (cabinlm's modes)
+    drafts: bool = False  # the seats drafted by prompt lookup (cabinlm's modes)
+    drafted: int = 0  # drafts verified over the counted rounds
+    accepted: int = 0  # and accepted
 
     def to_dict(self) -> dict:
         total = sum(self.decoded)
@@ -63,23 +69,29 @@ class SeatsRun:
             "rss_end_mb": round(self.rss_end_mb, 1),
             "rss_rounds_mb": [round(x, 1) for x in self.rss_rounds_mb],
             "evicted": self.evicted,
+            "drafts": self.drafts,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
         }
 
 
 def run_seats(artifact: Path, seats: int, rounds: int, max_new: int, threads: int | None, seed: int,
-              mode: str, system: str = SYSTEM) -> SeatsRun:  # fmt: skip
+              mode: str, system: str = SYSTEM, speculative: bool | None = None) -> SeatsRun:  # fmt: skip
     """`rounds` rounds of every seat's turn on a freshly opened runtime with `seats` seats, each
-    with `system` pinned ("": none)."""
-    from cabinlm.runtime import RuntimeConfig, open_runtime, step_seats
+    with `system` pinned ("": none); speculative: the seats draft by prompt lookup (None: as chat
+    does on this build, runtime.speculative.drafting_by_default)."""
+    from cabinlm.runtime import RuntimeConfig, Sampler, open_runtime
+    from cabinlm.runtime.reply import advance, advance_seats
 
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    rt = open_runtime(RuntimeConfig(Path(artifact), seats=seats, threads=threads, system=system, speculative=False,
+    rt = open_runtime(RuntimeConfig(Path(artifact), seats=seats, threads=threads, system=system, speculative=speculative,
                                     max_new_tokens=max_new))  # fmt: skip
     dialogues = rt.dialogues()  # each pins the system prompt
+    greedy = Sampler()
     stop = set(rt.manifest.stop_ids)
     scripts = [user_turns(seed + i) for i in range(seats)]
-    run = SeatsRun(mode, seats, rounds, decoded=[0] * seats, rss_start_mb=rss_mb())
+    run = SeatsRun(mode, seats, rounds, decoded=[0] * seats, rss_start_mb=rss_mb(), drafts=rt.drafts)
     pending: list[list[int]] = [[] for _ in range(seats)]  # the closing tokens of each seat's last reply
     evicted_at_start = 0
     for r in range(rounds + 1):  # round 0 warms the sessions up (their first runs allocate) and is not counted
@@ -87,10 +99,12 @@ def run_seats(artifact: Path, seats: int, rounds: int, max_new: int, threads: in
             run.warmup_replies = run.replies
             run.decoded, run.decode_s, run.prefill_s, run.ttft_s, run.replies = [0] * seats, 0.0, 0.0, [], []
             evicted_at_start = sum(_evicted(d.decoder) for d in dialogues)
+            drafts_at_start = [(d.drafting.drafted, d.drafting.accepted) for d in dialogues]
         t0 = time.perf_counter()
         nxt: list[int] = []
         for i, d in enumerate(dialogues):  # the prompts, seat after seat
             ids = pending[i] + d.render_user(next(scripts[i]))
+            d.drafting.observe(ids)
             logits = d.decoder.feed(ids)
             nxt.append(int(np.argmax(logits)))
             run.ttft_s.append(time.perf_counter() - t0)
@@ -105,17 +119,18 @@ def run_seats(artifact: Path, seats: int, rounds: int, max_new: int, threads: in
             live = [i for i in live if len(replies[i]) < max_new]
             if not live:
                 break
-            chunks = [np.array([replies[i][-1]], dtype=np.int64) for i in live]
-            if mode == "together":
-                got = step_seats([dialogues[i].decoder for i in live], chunks)
+            args = [(dialogues[i].decoder, replies[i][-1], max_new - len(replies[i]), dialogues[i].drafting)
+                    for i in live]  # fmt: skip
+            if mode == "together":  # every seat's token (and drafts) in one run
+                decs, tokens, budgets, draftings = zip(*args)
+                got = advance_seats(decs, [greedy] * len(live), tokens, budgets, stop, draftings)
             else:
-                got = [dialogues[i].decoder.step(c, logits="last")[-1] for i, c in zip(live, chunks)]
+                got = [advance(dec, greedy, token, budget, stop, drafting) for dec, token, budget, drafting in args]
             still = []
-            for i, logits in zip(live, got):
-                run.decoded[i] += 1
-                token = int(np.argmax(logits))
-                if token not in stop:
-                    replies[i].append(token)
+            for i, new in zip(live, got):
+                run.decoded[i] += len(new)  # a stop id that ends the reply comes last
+                replies[i] += [t for t in new if t not in stop]
+                if new[-1] not in stop:
                     still.append(i)
             live = still
         run.decode_s += time.perf_counter() - t1
@@ -128,6 +143,8 @@ def run_seats(artifact: Path, seats: int, rounds: int, max_new: int, threads: in
             run.rss_rounds_mb.append(rss_mb())
     run.rss_end_mb = rss_mb()
     run.evicted = sum(_evicted(d.decoder) for d in dialogues) - evicted_at_start
+    run.drafted = sum(d.drafting.drafted - a for d, (a, _) in zip(dialogues, drafts_at_start))
+    run.accepted = sum(d.drafting.accepted - b for d, (_, b) in zip(dialogues, drafts_at_start))
     return run
 
 
@@ -226,7 +243,7 @@ def run_llama_seats(artifact: Path, gguf: Path, seats: int, rounds: int, max_new
 
 def run_in_child(artifact: Path, seats: int, rounds: int, max_new: int, threads: int | None, seed: int,
                  mode: str, timeout_s: float, system: str = SYSTEM, gguf: Path | None = None,
-                 replies: list[list[int]] | None = None) -> dict:  # fmt: skip
+                 replies: list[list[int]] | None = None, speculative: bool | None = None) -> dict:  # fmt: skip
     """run_seats (or, mode "llama.cpp", run_llama_seats on GGUF with REPLIES) in a fresh process: its
     figures (SeatsRun.to_dict, with "replies")."""
     import json
@@ -236,8 +253,9 @@ def run_in_child(artifact: Path, seats: int, rounds: int, max_new: int, threads:
 
     from cabinlm.errors import CabinlmError
 
+    drafting = {None: "default", True: "on", False: "off"}[speculative]
     cmd = [sys.executable, "-m", "cabinlm.bench.seats", str(artifact), str(seats), str(rounds), str(max_new),
-           str(threads or 0), str(seed), mode, system]  # fmt: skip
+           str(threads or 0), str(seed), mode, system, drafting]  # fmt: skip
     tmp = None
     if mode == "llama.cpp":
         tmp = tempfile.NamedTemporaryFile("w", suffix=".json", prefix="cabinlm-seats-", delete=False)
@@ -264,6 +282,9 @@ def report(runs: list[dict]) -> list[str]:
                      f"{d['aggregate_decode_tok_s']} tok/s in all, per seat {d['per_seat_decode_tok_s']}; time to first "
                      f"token median {d['ttft_ms_median']} ms, max {d['ttft_ms_max']} ms; RSS {d['rss_start_mb']} -> "
                      f"{d['rss_end_mb']} MB")  # fmt: skip
+        if d.get("drafts"):
+            lines.append(f"          drafting by prompt lookup: {d['drafted']} drafts verified, "
+                         f"{d['accepted']} accepted")  # fmt: skip
         per_round = d.get("rss_rounds_mb") or []
         if len(per_round) >= 2:
             half = per_round[len(per_round) // 2 :]
@@ -286,14 +307,15 @@ if __name__ == "__main__":  # one mode in a process of its own (run_in_child)
     import json
     import sys
 
-    art, n, rounds, max_new, threads, seed, mode, system = sys.argv[1:9]
+    art, n, rounds, max_new, threads, seed, mode, system, drafting = sys.argv[1:10]
     if mode == "llama.cpp":
-        gguf, replies_file = sys.argv[9:11]
+        gguf, replies_file = sys.argv[10:12]
         forced = json.loads(Path(replies_file).read_text())
         done = run_llama_seats(Path(art), Path(gguf), int(n), int(rounds), int(max_new), int(threads) or 2, int(seed),
                                system, forced)  # fmt: skip
         extra = {"config": done.config, "greedy_agreement": list(done.agree)}  # type: ignore[attr-defined]
     else:
-        done = run_seats(Path(art), int(n), int(rounds), int(max_new), int(threads) or None, int(seed), mode, system)
+        done = run_seats(Path(art), int(n), int(rounds), int(max_new), int(threads) or None, int(seed), mode, system,
+                         {"default": None, "on": True, "off": False}[drafting])  # fmt: skip
         extra = {}
     print(json.dumps({**done.to_dict(), **extra, "replies": done.replies, "warmup_replies": done.warmup_replies}))

@@ -114,14 +114,14 @@ def bench(
     trace_out: Optional[Path] = typer.Option(None, "--trace", help="Write every per-token sample (JSON) here."),
     seats: int = typer.Option(
         1, help="Seats talking at once (2 or more): N scripted dialogues on the one loaded model, rounds of a turn each, "
-        "decoded together (runtime.step_seats) and in turns, aggregate and per-seat decode tok/s, time to first token, "
-        "RSS; --tokens then bounds the tokens decoded per seat and mode.",
+        "decoded together (one batched run per step, each seat's drafts verified in it) and in turns, aggregate and "
+        "per-seat decode tok/s, time to first token, RSS; --tokens then bounds the tokens decoded per seat and mode.",
     ),
     speculative: Optional[bool] = typer.Option(
         None, "--speculative/--no-speculative",
         help="Draft reply tokens by prompt lookup and verify them in chunks, as `cabinlm chat` does (the same "
-        "greedy replies; a call that keeps n tokens counts each at 1/n of its time). [default: as chat: on for "
-        "the fused cpu build]",
+        "greedy replies; a call that keeps n tokens counts each at 1/n of its time; with --seats, every seat "
+        "drafts, together and in turns). [default: as chat: on for the fused cpu build]",
     ),
 ) -> None:
     """A long scripted in-car dialogue (seeded user turns, greedy replies) through the runtime,
@@ -173,7 +173,8 @@ def bench(
         rounds = max(1, math.ceil(tokens / max_new))
         info(f"cabinlm: {seats} seats at once through {artifact}, {rounds} rounds of one turn each (replies up to {max_new} "
              f"tokens), {threads} threads; decoded together, then in turns")  # fmt: skip
-        runs = [run_in_child(artifact, seats, rounds, max_new, threads, seed, mode, time_limit, system) for mode in MODES]
+        runs = [run_in_child(artifact, seats, rounds, max_new, threads, seed, mode, time_limit, system,
+                             speculative=speculative) for mode in MODES]  # fmt: skip
         if peer:  # llama.cpp: the seats' sequences in one batch, decoding the replies cabinlm decoded together
             from cabinlm.bench.prepare import resolve_model
 

@@ -43,7 +43,8 @@ def serve(
     """Serve an exported model over HTTP: POST /v1/chat/completions (OpenAI's API, streaming or not),
     GET /v1/models, GET /health, and GET/DELETE /v1/seats. Requests run one token at a time in turns
     across seats; on a fused cpu build with batched graphs the seats' tokens run together, one graph
-    run for up to 4 seats. A new conversation when every seat is taken gets a 503."""
+    run for up to 4 seats, each seat's drafts (--speculative) verified in the same runs. A new
+    conversation when every seat is taken gets a 503."""
     try:
         from cabinlm.serve.app import run_server
     except ImportError as e:

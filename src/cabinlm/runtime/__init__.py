@@ -9,7 +9,7 @@ from pathlib import Path
 
 from cabinlm.manifest import Manifest, load_manifest, verify_checksums
 from cabinlm.engines.backend import Backend, BackendError
-from cabinlm.runtime.decoder import Decoder, step_seats
+from cabinlm.runtime.decoder import Decoder, seats_together, step_seats
 from cabinlm.runtime.dialogue import Dialogue, TurnResult
 from cabinlm.runtime.perplexity import PerplexityResult, stream_perplexity, token_nll
 from cabinlm.runtime.sampler import Sampler
@@ -51,6 +51,7 @@ __all__ = [
     "load_manifest",
     "open_artifact",
     "open_runtime",
+    "seats_together",
     "step_seats",
     "stream_perplexity",
     "token_nll",

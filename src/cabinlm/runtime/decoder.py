@@ -13,7 +13,7 @@ the backend's loaded graphs and weights; each has its own table and buffers.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +22,7 @@ from cabinlm.manifest import Manifest, load_manifest
 from cabinlm.engines.backend import Backend
 from cabinlm.engines.registry import open_backend
 from cabinlm.runtime.interrupts import defer_sigint
-from cabinlm.runtime.slots import SlotTable
+from cabinlm.runtime.slots import SlotTable, StepPlan
 
 
 class Decoder:
@@ -107,8 +107,6 @@ class Decoder:
         is token for token what plain decoding gives (greedy) or distributed as it."""
         if not self.backend.verifies_drafts:
             return 0
-        if self.together is not None and self.together.crowded():
-            return 0  # other seats' steps ride with this one's: a verified chunk would run alone
         if self.backend.verifies_after_turnover:
             return self.layout.chunk - 1 if self.cache.sink_fill == self.layout.sink else 0
         return min(self.layout.chunk - 1, self.layout.window - self.cache.window_fill - 1)
@@ -119,20 +117,27 @@ class Decoder:
         first tokens join the stream (1..len(ids)), and commit only those. The graph returns the new
         K/V without writing the cache's slots (engines/backend.py), so rejected drafts need no
         rollback: the cache is what feeding the accepted tokens alone would have made it.
-        Returns (logits (tokens, vocab), accepted)."""
+        Returns (logits (tokens, vocab), accepted). Under a scheduler (Decoder.together) the chunk
+        rides with other seats' steps like any step (seats_together), with the same result."""
         if self.together is not None:
-            self.together.hold()  # a chunk with every row's logits runs alone, holding the model
-        steps = self.backend.verifies_after_turnover
-        plan = self.cache.plan(len(ids), steps=steps)
-        out = self.backend.run(plan, ids, True, None)
-        k = int(accept(out.logits))
-        if not 1 <= k <= len(ids):
-            raise ValueError(f"accept() must keep 1..{len(ids)} tokens, got {k}")
-        kept = plan if k == len(ids) else self.cache.plan(k, steps=steps)  # the first k tokens' plan: a prefix of this one
-        with defer_sigint():
-            self.backend.commit(kept, out)
-            self.cache.advance(kept)
-        return out.logits, k
+            return self.together.verify(self, np.ascontiguousarray(ids, dtype=np.int64), accept)
+        return self._verify(ids, accept)
+
+    def _verify(self, ids: np.ndarray, accept) -> tuple[np.ndarray, int]:
+        """verify() on this seat alone."""
+        logits, k = seats_together([self], [ids], accepts=[accept])[0]
+        return logits, k
+
+    def plan_chunk(self, n: int, pin: bool | str = False, verify: bool = False) -> StepPlan:
+        """The plan of this seat's next chunk of n tokens (nothing changes yet): a step's (pinned where
+        pin), or a verification's (verify: window tokens, as one-token steps where the backend runs a
+        chunk's rows so, Backend.verifies_after_turnover). The plan of a verification's first k
+        tokens is a prefix of its plan: the same slots, positions and mask rows for those tokens."""
+        if verify:
+            if pin:
+                raise ValueError("a verified chunk holds window tokens: it is not pinned")
+            return self.cache.plan(n, steps=self.backend.verifies_after_turnover)
+        return self.cache.plan(n, pin)
 
     def feed(self, ids, pin: bool | str = False, all_logits: bool = False, embeds: np.ndarray | None = None) -> np.ndarray:
         """Feed any number of tokens in chunks. Returns the last token's logits (vocab,), or all (n, vocab)."""
@@ -161,17 +166,52 @@ def step_seats(decoders: Sequence[Decoder], chunks: Sequence, pins: Sequence[boo
     build: tests/test_batched_seats.py).
 
     The decoders are seats of one loaded model (Decoder.seat), each at most once; which seats step
-    together may change from one step to the next (a seat joins or leaves between steps)."""
+    together may change from one step to the next (a seat joins or leaves between steps). Seats that
+    verify drafts in the same run: seats_together."""
+    return [logits[-1] for logits, _ in seats_together(decoders, chunks, pins)]
+
+
+def seats_together(decoders: Sequence[Decoder], chunks: Sequence, pins: Sequence[bool | str] | None = None,
+                   accepts: Sequence[Callable[[np.ndarray], int] | None] | None = None) -> list[tuple[np.ndarray, int]]:
+    """step_seats where some seats verify drafts (speculative decoding) in the same run:
+
+        seat i plain      (accepts[i] None)  its chunk planned, run and committed whole, as step_seats;
+                                             -> (its last token's logits (1, vocab), len(chunk))
+        seat i verifying  (accepts[i] given) its chunk [token, d1 .. dk] planned as Decoder.verify plans
+                                             it, run with every row's logits, k = accepts[i](logits)
+                                             (1..len(chunk)), and only the first k tokens committed
+                                             (their plan: a prefix of the chunk's, Decoder.plan_chunk)
+                                             -> (every row's logits (tokens, vocab), k)
+
+    One run_seats for all (the fused cpu build: a seat's rows of every kind in one batched run), then
+    every accept called, then every seat's commit with Ctrl-C held over all of them: a step interrupted
+    anywhere (an accept that raises included) leaves every seat as it was. Each seat's logits and cache
+    are what its own Decoder.step / Decoder.verify gives (bit for bit on the fused cpu build:
+    tests/test_batched_drafting.py). The arrays returned are copies of their own."""
     if not decoders:
         return []
+    n = len(decoders)
     chunks = [np.ascontiguousarray(c, dtype=np.int64) for c in chunks]
-    pins = list(pins) if pins is not None else [False] * len(decoders)
-    if not len(decoders) == len(chunks) == len(pins):
-        raise ValueError(f"step_seats: {len(decoders)} seats, {len(chunks)} chunks, {len(pins)} pins")
-    plans = [d.cache.plan(len(c), p) for d, c, p in zip(decoders, chunks, pins)]
-    outs = decoders[0].backend.run_seats([d.backend for d in decoders], plans, chunks)
+    pins = list(pins) if pins is not None else [False] * n
+    checks = list(accepts) if accepts is not None else [None] * n
+    if not n == len(chunks) == len(pins) == len(checks):
+        extra = f", {len(checks)} accept callbacks" if accepts is not None else ""
+        raise ValueError(f"step_seats: {n} seats, {len(chunks)} chunks, {len(pins)} pins{extra}")
+    plans = [d.plan_chunk(len(c), p, a is not None) for d, c, p, a in zip(decoders, chunks, pins, checks)]
+    outs = decoders[0].backend.run_seats([d.backend for d in decoders], plans, chunks, [a is not None for a in checks])
+    kept, got = [], []
+    for d, c, plan, out, accept in zip(decoders, chunks, plans, outs, checks):
+        if accept is None:
+            kept.append(plan)
+            got.append((out.logits[-1:].copy(), len(c)))
+            continue
+        k = int(accept(out.logits))
+        if not 1 <= k <= len(c):
+            raise ValueError(f"accept() must keep 1..{len(c)} tokens, got {k}")
+        kept.append(plan if k == len(c) else d.plan_chunk(k, verify=True))  # a prefix of the chunk's plan
+        got.append((out.logits.copy(), k))
     with defer_sigint():
-        for d, plan, out in zip(decoders, plans, outs):
+        for d, plan, out in zip(decoders, kept, outs):
             d.backend.commit(plan, out)
             d.cache.advance(plan)
-    return [out.logits[-1].copy() for out in outs]
+    return got

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cabinlm.runtime.decoder import Decoder
+from cabinlm.runtime.decoder import Decoder, seats_together
 from cabinlm.runtime.sampler import Sampler
 from cabinlm.runtime.speculative import Drafting
 
@@ -101,36 +101,78 @@ def advance(dec: Decoder, sampler: Sampler, token: int, budget: int, stop_ids: s
     return [*r.ids, nxt]
 
 
+def advance_seats(decs: Sequence[Decoder], samplers: Sequence[Sampler], tokens: Sequence[int], budgets: Sequence[int],
+                  stop_ids: set[int], draftings: Sequence[Drafting]) -> list[list[int]]:  # fmt: skip
+    """advance() for several seats of one loaded model in one run (runtime.seats_together): each seat's
+    token fed, with its own drafts verified where its strategy proposes some, the others' plain steps
+    beside them. Returns each seat's tokens, what advance() on that seat alone returns (bit for bit on
+    the fused cpu build: tests/test_batched_drafting.py). An interrupted run feeds no seat."""
+    chunks, checks = [], []
+    for dec, sampler, token, budget, drafting in zip(decs, samplers, tokens, budgets, draftings, strict=True):
+        drafting.push(token)
+        drafts = drafting.propose(dec) if budget > 1 else ()
+        chunks.append(np.array([token, *drafts], dtype=np.int64))
+        checks.append(_Check(sampler, drafts, budget, stop_ids) if drafts else None)
+    got = seats_together(decs, chunks, accepts=checks)
+    out = []
+    for (logits, kept), check, sampler, drafting in zip(got, checks, samplers, draftings):
+        if check is None:
+            out.append([sampler(logits[-1])])
+            continue
+        r = Reply()
+        check.take(kept, lambda t: None, drafting, r)
+        out.append([*r.ids, check.tally(kept, drafting, r)])
+    return out
+
+
+class _Check:
+    """One verification of [token, drafts]: its accept() (Decoder.verify, seats_together), then what
+    follows the commit (take, tally)."""
+
+    def __init__(self, sampler: Sampler, drafts: Sequence[int], budget: int, stop_ids: set[int]):
+        self.sampler, self.drafts, self.budget, self.stop_ids = sampler, list(drafts), budget, stop_ids
+        self.chosen: list[int] = []  # the token each row decided, in order
+
+    def __call__(self, rows: np.ndarray) -> int:
+        for i, d in enumerate(self.drafts):
+            ok, t = self.sampler.accept_draft(rows[i], d)
+            self.chosen.append(t)
+            # a rejection, a stop id (never fed) or the reply's last token (fed with the next
+            # prompt) ends the accepted run before this draft
+            if not ok or t in self.stop_ids or len(self.chosen) >= self.budget:
+                return 1 + i
+        self.chosen.append(self.sampler(rows[len(self.drafts)]))
+        return 1 + len(self.drafts)
+
+    def take(self, fed: int, on_token: Callable[[int], None], drafting: Drafting, r: Reply) -> None:
+        """`fed` tokens were committed (0: none; else 1 + the accepted drafts): the accepted drafts join
+        the reply (also when the verification is interrupted right after its commit)."""
+        if fed:
+            r.unfed = []
+            for t in self.chosen[: fed - 1]:
+                r.ids.append(t)
+                on_token(t)
+                drafting.push(t)
+
+    def tally(self, fed: int, drafting: Drafting, r: Reply) -> int:
+        """The verification's counts; returns the next token (a correction, a bonus, a stop id or the
+        draft that reaches max_new), chosen but not fed."""
+        accepted = fed - 1
+        drafting.verified(len(self.drafts), accepted)
+        r.drafted += len(self.drafts)
+        r.accepted += accepted
+        return self.chosen[fed - 1]
+
+
 def _verify(dec: Decoder, sampler: Sampler, token: int, drafts: Sequence[int], budget: int, stop_ids: set[int],
             on_token: Callable[[int], None], drafting: Drafting, r: Reply) -> int:
     """One verification: [token, drafts] as a chunk; returns the next token (a correction, a bonus,
     a stop id or the draft that reaches max_new), chosen but not fed."""
-    chosen: list[int] = []  # the token each row decided, in order
-
-    def accept(rows: np.ndarray) -> int:
-        for i, d in enumerate(drafts):
-            ok, t = sampler.accept_draft(rows[i], d)
-            chosen.append(t)
-            # a rejection, a stop id (never fed) or the reply's last token (fed with the next
-            # prompt) ends the accepted run before this draft
-            if not ok or t in stop_ids or len(chosen) >= budget:
-                return 1 + i
-        chosen.append(sampler(rows[len(drafts)]))
-        return 1 + len(drafts)
-
+    check = _Check(sampler, drafts, budget, stop_ids)
     seen = dec.cache.seen
     try:
-        dec.verify(np.array([token, *drafts], dtype=np.int64), accept)
+        dec.verify(np.array([token, *drafts], dtype=np.int64), check)
     finally:
         fed = dec.cache.seen - seen  # 0, or 1 + the accepted drafts (committed together)
-        if fed:
-            r.unfed = []
-            for t in chosen[: fed - 1]:
-                r.ids.append(t)
-                on_token(t)
-                drafting.push(t)
-    accepted = fed - 1
-    drafting.verified(len(drafts), accepted)
-    r.drafted += len(drafts)
-    r.accepted += accepted
-    return chosen[fed - 1]
+        check.take(fed, on_token, drafting, r)
+    return check.tally(fed, drafting, r)

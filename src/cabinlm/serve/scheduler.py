@@ -72,38 +72,48 @@ class ModelTurns:
 
 
 class _Posted:
-    """A step posted by a seat that rides (holds no model): run by the model's holder along with its own."""
+    """A step posted by a seat that rides (holds no model): run by the model's holder along with its own.
+    (The holder's own step is described the same way, never posted.)"""
 
-    __slots__ = ("dec", "ids", "pin", "done", "logits", "error", "lead")
+    __slots__ = ("dec", "ids", "pin", "accept", "done", "logits", "kept", "error", "lead")
 
-    def __init__(self, dec, ids: np.ndarray, pin: bool | str):
+    def __init__(self, dec, ids: np.ndarray, pin: bool | str, accept=None):
         self.dec, self.ids, self.pin = dec, ids, pin
+        self.accept = accept  # a verified draft's accept (Decoder.verify), run in the holder's thread; None: a step
         self.done = threading.Event()  # set once the step ran (logits or error), or the model is handed over (lead)
-        self.logits: np.ndarray | None = None  # (1, vocab): what the seat's own step would return
+        self.logits: np.ndarray | None = None  # what the seat's own step / verify returns: (1, vocab) / (tokens, vocab)
+        self.kept = 0  # how many of its tokens were committed (a verified draft's accepted ones)
         self.error: BaseException | None = None
         self.lead = False  # the model was handed to this rider: it runs its step itself
+
+    def check(self) -> None:
+        """Raises what the seat's own step would raise for a chunk its table refuses (nothing changes)."""
+        self.dec.plan_chunk(len(self.ids), self.pin, self.accept is not None)
 
 
 class SeatSteps(ModelTurns):
     """ModelTurns for a build whose seats decode together (Backend.seat_batches): the same turns, in
     the same order, with the same hand-over, and one thing more. A seat that passes its turn on
     between two tokens (pass_turn, another request waiting) no longer queues for the model: it *rides*.
-    Its next steps (Decoder.step routes them here: Decoder.together) are posted, and whoever holds the
-    model runs them with its own step in one batched run (runtime.step_seats):
+    Its next steps and verified drafts (Decoder.step and Decoder.verify route them here:
+    Decoder.together) are posted, and whoever holds the model runs them with its own step or verified
+    draft in one batched run (runtime.seats_together):
 
         time ->   seat A:  [prefill A][tok A] (rides)   [tok A ........ A's steps go with B's, then C's]
-                  seat B:        waits  [prefill B + A's tok][tok B + A's][tok B] (rides) ...
+                  seat B:        waits  [prefill B + A's tok][B's draft + A's][tok B + A's draft] (rides) ...
                   seat C:              waits                              [prefill C + A's + B's] ...
 
-    A rider's step is run as its own step would be, bit for bit (tests/test_batched_seats.py), so
-    replies are those of turns taken one after another. Admission does not change: a new turn still
-    waits for the model in arrival order (acquire) and takes it at the holder's next pass_turn; its
-    prefill chunks then carry the riders' decode steps, so their replies go on while it prefills. The
-    holder waits at most RIDER_WAIT_S for riders that have their step's result but have not posted
-    the next one yet (a rider between two tokens: sampling, streaming its text). When the holder's turn
-    ends with riders posted and no turn queued, the oldest rider takes the model. A step that cannot
-    ride (a camera frame's embeddings, every row's logits, a verified draft: Decoder.verify calls
-    hold()) takes the model in turn; the holder runs the posted steps before anything it runs alone."""
+    A rider's step is run as its own step would be, bit for bit, and a verified draft commits the
+    tokens its own accept() keeps, as its own Decoder.verify would (tests/test_batched_seats.py,
+    test_batched_drafting.py), so replies are those of turns taken one after another, drafting or
+    not. Admission does not change: a new turn still waits for the model in arrival order (acquire)
+    and takes it at the holder's next pass_turn; its prefill chunks then carry the riders' decode
+    steps, so their replies go on while it prefills. The holder waits at most RIDER_WAIT_S for riders
+    that have their step's result but have not posted the next one yet (a rider between two tokens:
+    sampling, streaming its text). When the holder's turn ends with riders posted and no turn queued,
+    the oldest rider takes the model. A step that cannot ride (a camera frame's embeddings, every row's
+    logits of a plain chunk) takes the model in turn; the holder runs the posted steps before anything
+    it runs alone."""
 
     RIDER_WAIT_S = 0.004
 
@@ -115,6 +125,7 @@ class SeatSteps(ModelTurns):
         self._changed = threading.Condition(self._mutex)  # a step posted, or a rider gone
         self._local = threading.local()  # .riding: this thread passed its turn on and holds no model
         self.batched_runs = 0  # runs of two or more seats' steps (reports, tests)
+        self.verified_riding = 0  # verified drafts that ran with other seats' steps (reports, tests)
 
     def _riding(self) -> bool:
         return getattr(self._local, "riding", False)
@@ -154,16 +165,9 @@ class SeatSteps(ModelTurns):
             self._local.riding = True
             self._riders += 1
 
-    def crowded(self) -> bool:
-        """Other seats' steps go with the holder's now (riders), or a turn waits: a seat then does not
-        draft (Decoder.draft_room), since a verified draft runs alone and the riders would wait for it;
-        alone again, it drafts again. Replies do not change (drafting gives plain decoding's tokens)."""
-        with self._mutex:
-            return self._riders > 0 or bool(self._waiting) or bool(self._posted)
-
     def hold(self) -> None:
-        """The calling seat is about to run something alone (a verified draft): take the model in turn
-        if it rides; the riders' posted steps run first, together."""
+        """The calling seat is about to run something alone (a camera frame's chunk): take the model in
+        turn if it rides; the riders' posted steps run first, together."""
         self._take_model()
         self._run_posted()
 
@@ -180,29 +184,39 @@ class SeatSteps(ModelTurns):
         if alone:
             self.hold()
             return dec._step(ids, pin, embeds, logits)
+        return self._go(_Posted(dec, ids, pin))[0]
+
+    def verify(self, dec, ids: np.ndarray, accept) -> tuple[np.ndarray, int]:
+        """Decoder.verify of a seat under this scheduler: the verified draft rides (or carries the
+        riders) as a step does; accept() runs in the thread of whoever holds the model."""
+        return self._go(_Posted(dec, ids, False, accept))
+
+    def _go(self, own: _Posted) -> tuple[np.ndarray, int]:
+        """The seat's step or verified draft: posted while it rides (the holder runs it), else run by
+        this thread with the riders' posted steps. Returns (logits, tokens committed)."""
         if self._riding():
-            rider = _Posted(dec, ids, pin)
             with self._mutex:
                 if self._held:
-                    self._posted.append(rider)
+                    self._posted.append(own)
                     self._changed.notify_all()
                 else:  # nobody holds the model: this seat takes it
                     self._held = True
                     self._stop_riding()
             if self._riding():
-                rider.done.wait()
-                if not rider.lead:
-                    if rider.error is not None:
-                        raise rider.error
-                    return rider.logits
+                own.done.wait()
+                if not own.lead:
+                    if own.error is not None:
+                        raise own.error
+                    return own.logits, own.kept
                 with self._mutex:  # handed the model (release): this seat holds it now
                     self._stop_riding()
-        dec.cache.plan(len(ids), pin)  # a chunk the table refuses is refused before riders are taken
+        own.check()  # a chunk the table refuses is refused before riders are taken
         riders = self._ready(self._take(self.max_batch - 1))
         if not riders:
-            return dec._step(ids, pin, None, logits)
-        return self._run([dec, *(r.dec for r in riders)], [ids, *(r.ids for r in riders)], [pin, *(r.pin for r in riders)],
-                         riders)[0][None]  # fmt: skip
+            if own.accept is not None:
+                return own.dec._verify(own.ids, own.accept)
+            return own.dec._step(own.ids, own.pin, None, "last"), len(own.ids)
+        return self._run([own, *riders], riders)
 
     def _take(self, room: int, wait: bool = True) -> list[_Posted]:
         """Up to `room` posted steps, oldest first; wait: after waiting (at most RIDER_WAIT_S) for
@@ -219,7 +233,7 @@ class SeatSteps(ModelTurns):
         ok = []
         for r in riders:
             try:
-                r.dec.cache.plan(len(r.ids), r.pin)
+                r.check()
             except Exception as e:  # noqa: BLE001 - handed to the rider's thread, which raises it
                 r.error = e
                 r.done.set()
@@ -227,25 +241,29 @@ class SeatSteps(ModelTurns):
                 ok.append(r)
         return ok
 
-    def _run(self, decoders, chunks, pins, riders: list[_Posted]) -> list[np.ndarray]:
-        """One step_seats over the holder's step (if any) and the riders'; every rider woken with its
-        logits, or with the error that stopped the run."""
-        from cabinlm.runtime.decoder import step_seats
+    def _run(self, steps: list[_Posted], riders: list[_Posted]) -> tuple[np.ndarray, int]:
+        """One seats_together over `steps` (the holder's own first, if any, then the riders'); every
+        rider woken with its result, or with the error that stopped the run (an interrupted run
+        commits no seat's step). Returns the first step's (logits, tokens committed)."""
+        from cabinlm.runtime.decoder import seats_together
 
         try:
-            got = step_seats(decoders, chunks, pins)
+            got = seats_together([s.dec for s in steps], [s.ids for s in steps], [s.pin for s in steps],
+                                 [s.accept for s in steps])  # fmt: skip
         except BaseException as e:
             for r in riders:
                 r.error = e
                 r.done.set()
             raise
-        for r, logits in zip(riders, got[len(got) - len(riders) :]):
-            r.logits = logits[None]
+        for r, (logits, kept) in zip(riders, got[len(got) - len(riders) :]):
+            r.logits, r.kept = logits, kept
             r.done.set()
-        self.batched_runs += len(decoders) > 1
-        return got
+        if len(steps) > 1:
+            self.batched_runs += 1
+            self.verified_riding += sum(s.accept is not None for s in steps)
+        return got[0]
 
     def _run_posted(self) -> None:
         riders = self._ready(self._take(self.max_batch, wait=False))
         if riders:
-            self._run([r.dec for r in riders], [r.ids for r in riders], [r.pin for r in riders], riders)
+            self._run(riders, riders)

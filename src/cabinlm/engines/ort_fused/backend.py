@@ -354,9 +354,10 @@ class FusedBackend(Backend):
     def seat_batches(self) -> tuple[int, ...]:
         return self.graphs.batches
 
-    def run_seats(self, seats: Sequence[Backend], plans: Sequence[StepPlan], ids: Sequence[np.ndarray]) -> list[StepOutput]:
+    def run_seats(self, seats: Sequence[Backend], plans: Sequence[StepPlan], ids: Sequence[np.ndarray],
+                  all_logits: Sequence[bool] | None = None) -> list[StepOutput]:  # fmt: skip
         """Several seats of this loaded build in batched runs (engines/ort_fused/seats.py)."""
-        return run_batched(self, seats, plans, ids)
+        return run_batched(self, seats, plans, ids, all_logits)
 
     def commit(self, plan: StepPlan, out: StepOutput) -> None:
         """Keep the sink / pinned tokens' un-rotated keys, then move the chunk's rows F.. into their

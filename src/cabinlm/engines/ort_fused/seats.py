@@ -43,16 +43,19 @@ _BOUND_INPUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # (rows, vocab))}): its input and its logits arrays of ours, bound once. The logits are read (step_seats
 # copies each seat's row) before the next run rewrites them.
 _HEAD_BINDINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+HEAD_BOUND_ROWS = 8  # the largest row count bound so (one row per seat of the largest batch, 4 or 8)
 
 
 def run_batched(solo: FusedBackend, seats: Sequence[Backend], plans: Sequence[StepPlan],
-                ids: Sequence[np.ndarray]) -> list[StepOutput]:  # fmt: skip
+                ids: Sequence[np.ndarray], all_logits: Sequence[bool] | None = None) -> list[StepOutput]:  # fmt: skip
     """The seats in runs of the largest batch while more seats are left than it holds, then the
     rest (2 or more) in the smallest batch that holds it, the places left taken by the idle seat
     (idle_step), or a rest of one seat alone (a (2, 4) build: 3 seats, one run of the graph for 4;
-    5: 4, then one alone; 7: 4, then 3 in the graph for 4). `solo`: any seat of the loaded build."""
-    if not len(seats) == len(plans) == len(ids):
-        raise ValueError(f"run_seats: {len(seats)} seats, {len(plans)} plans, {len(ids)} chunks")
+    5: 4, then one alone; 7: 4, then 3 in the graph for 4). `solo`: any seat of the loaded build.
+    all_logits[i]: seat i gets every row's logits (a verified draft), else its last row's."""
+    every = list(all_logits) if all_logits is not None else [False] * len(seats)
+    if not len(seats) == len(plans) == len(ids) == len(every):
+        raise ValueError(f"run_seats: {len(seats)} seats, {len(plans)} plans, {len(ids)} chunks, {len(every)} flags")
     if any(getattr(b, "graphs", None) is not solo.graphs for b in seats):
         raise ValueError("run_seats takes seats of this loaded build (Decoder.seat), not another's")
     if len({id(b) for b in seats}) != len(seats):
@@ -64,14 +67,15 @@ def run_batched(solo: FusedBackend, seats: Sequence[Backend], plans: Sequence[St
     while start < len(fused):
         rest = len(fused) - start
         if rest == 1 or not batches:
-            outs.append(fused[start].run(plans[start], ids[start], False, None))
+            outs.append(fused[start].run(plans[start], ids[start], every[start], None))
             start += 1
             continue
         b = min([b for b in batches if b >= rest] or [max(batches)])
         n = min(b, rest)
         pad = [idle_step(solo) for _ in range(b - n)]
         got = run_batch(solo.graphs, [*fused[start : start + n], *(p[0] for p in pad)],
-                        [*plans[start : start + n], *(p[1] for p in pad)], [*ids[start : start + n], *(p[2] for p in pad)])  # fmt: skip
+                        [*plans[start : start + n], *(p[1] for p in pad)], [*ids[start : start + n], *(p[2] for p in pad)],
+                        [*every[start : start + n], *(False for _ in pad)])  # fmt: skip
         start += n
         if start < len(fused):  # another run of the head follows: keep these logits out of its way
             got = [StepOutput(o.logits.copy(), o.new) for o in got]
@@ -110,16 +114,24 @@ def seat_binding(graphs: FusedGraphs, seats: Sequence[FusedBackend]):
 
 
 def run_batch(graphs: FusedGraphs, seats: Sequence[FusedBackend], plans: Sequence[StepPlan],
-              ids: Sequence[np.ndarray]) -> list[StepOutput]:  # fmt: skip
+              ids: Sequence[np.ndarray], all_logits: Sequence[bool]) -> list[StepOutput]:  # fmt: skip
     """One run of the batched graph for len(seats) seats (io_spec.seats_io): seat s's inputs under
     its own names, its cache bound in place (the kernel writes its chunk's K/V into seat s's rows F..,
-    as its own run would), the rows stacked seat after seat; the logits of each seat's last row."""
+    as its own run would), the rows stacked seat after seat; the logits of each seat's last row, or
+    of every row of a seat with all_logits[s] (a verified draft: logit_rows names them all).
+
+        rows      [ seat 0: a b c | seat 1: d | seat 2: e f g h ]     seat_tokens (3, 1, 4)
+        logit_rows   (2,            3,         4, 5, 6, 7)            seat 2 verifies: all its rows
+        logits    (6, vocab): seat 0's row 0, seat 1's row 1, seat 2's rows 2..5"""
     binding = seat_binding(graphs, seats)
     session = graphs.seats[len(seats)]
     counts = np.array([p.tokens for p in plans], dtype=np.int64)
     ends = np.cumsum(counts)
+    starts = ends - counts
+    picked = [np.arange(a, e) if every else np.array([e - 1])
+              for a, e, every in zip(starts, ends, all_logits, strict=True)]  # fmt: skip
     inputs = {io.INPUT_IDS: np.concatenate([np.asarray(i, dtype=np.int64) for i in ids]),
-              io.SEAT_TOKENS: counts, io.LOGIT_ROWS: ends - 1}  # fmt: skip
+              io.SEAT_TOKENS: counts, io.LOGIT_ROWS: np.concatenate(picked).astype(np.int64)}  # fmt: skip
     for s, (seat, plan, chunk) in enumerate(zip(seats, plans, ids, strict=True)):
         if plan.tokens != len(chunk):
             raise ValueError(f"seat {s}: a plan of {plan.tokens} tokens for a chunk of {len(chunk)}")
@@ -135,10 +147,10 @@ def run_batch(graphs: FusedGraphs, seats: Sequence[FusedBackend], plans: Sequenc
     got = _run(session, binding, int(ends[-1]), len(seats))  # in declared order: hidden, then qkv.{l}
     hidden, qkv = got[0], got[1:]
     assert graphs.head is not None  # a build with batched graphs has their head graph
-    logits = _head_logits(graphs.head, hidden)  # (seats, vocab)
-    starts = ends - counts
-    return [StepOutput(logits[s : s + 1], (plan.extent, [q[:, a:e] for q in qkv]))
-            for s, (plan, a, e) in enumerate(zip(plans, starts, ends))]  # fmt: skip
+    logits = _head_logits(graphs.head, hidden)  # (logit rows, vocab)
+    to = np.cumsum([len(p) for p in picked])
+    return [StepOutput(logits[t - len(p) : t], (plan.extent, [q[:, a:e] for q in qkv]))
+            for p, t, plan, a, e in zip(picked, to, plans, starts, ends)]  # fmt: skip
 
 
 def _bind_inputs(binding, inputs: dict[str, np.ndarray]) -> None:
@@ -160,11 +172,15 @@ def _bind_inputs(binding, inputs: dict[str, np.ndarray]) -> None:
 
 def _head_logits(head, hidden: np.ndarray) -> np.ndarray:
     """The LM head over hidden (rows, D): (rows, vocab) logits, written into the array bound for
-    this many rows (_HEAD_BINDINGS), valid until the next run of the head for as many rows."""
+    this many rows (_HEAD_BINDINGS), valid until the next run of the head for as many rows. Row
+    counts above HEAD_BOUND_ROWS (a run with a verified draft's rows) get arrays of their own per run:
+    their counts vary from run to run, and each bound count would keep a (rows, vocab) array."""
+    rows = hidden.shape[0]
+    if rows > HEAD_BOUND_ROWS:
+        return head.run(None, {io.HIDDEN: hidden})[0]
     heads = _HEAD_BINDINGS.get(head)
     if heads is None:
         heads = _HEAD_BINDINGS[head] = {}
-    rows = hidden.shape[0]
     entry = heads.get(rows)
     if entry is None:
         vocab = head.get_outputs()[0].shape[-1]
