@@ -82,6 +82,11 @@ def new_value_scale_name(layer: int) -> str:
     return f"new_value_scale.{layer}"
 
 
+def new_key_source_name(layer: int) -> str:
+    """A rotated-key build's un-rotated copy of the chunk's keys (decoder_io(rotated_keys=True))."""
+    return f"new_key_source.{layer}"
+
+
 IMAGE_EMBEDS = "image_embeds"
 IMAGE_MASK = "image_mask"
 
@@ -116,8 +121,18 @@ def cached_key_rope(layer: int) -> str:
 CACHED_KEY_ROPE_PARTS = ("half", "rot", "xcos", "rsin")  # Split, Concat, Mul (x cos), Mul (rot x sin)
 
 
+def chunk_key_rope(layer: int) -> str:
+    """The exported subgraph that rotates the chunk's keys with position_ids (as cached_key_rope)."""
+    return f"n/layers.{layer}/rope_kn"
+
+
+def query_rope(layer: int) -> str:
+    """The exported subgraph that rotates the chunk's queries (the softmax scale in its tables)."""
+    return f"n/layers.{layer}/rope_q"
+
+
 def decoder_io(layout: CacheLayout, vocab_size: int, index_dtype: str = "int64", embed_dim: int = 0,
-               mrope: bool = False, cache_dtype: str | None = None) -> DecoderIO:
+               mrope: bool = False, cache_dtype: str | None = None, rotated_keys: bool = False) -> DecoderIO:
     """The graph contract for a layout.
 
     inputs (index = int64, or int32 for TensorRT targets, whose bindings need INT32 before 9.0)
@@ -145,6 +160,15 @@ def decoder_io(layout: CacheLayout, vocab_size: int, index_dtype: str = "int64",
     cache_dtype (a build's own cache, e.g. "uint8" for the HTP's 8-bit KV, engines/qnn_htp): the
     key_cache / value_cache / new_key / new_value type, one static scale per tensor held by the
     graph, so no value_scale inputs or outputs.
+    rotated_keys (the HTP's uint8 cache with rotated keys, engines/qnn_htp/rotated_graph.py; uint8
+    cache_dtype only): the cache holds keys rotated once, at their virtual positions, so no
+    position_ids and no cache_position_ids; instead
+      rope_cos, rope_sin  float  (tokens, head_dim / 2)      the chunk's rotation at L + i + E (E: window
+                                                             evictions so far), times the RoPE factor,
+                                                             computed by the runtime in float64
+    and one more output per layer
+      new_key_source.{l}  fp16   (kv_heads, tokens, head_dim) the chunk's keys un-rotated: the copy the
+                                                             runtime re-rotates sink / pinned keys from
     and, for vision-language models (embed_dim = the language model's hidden size):
       image_embeds        float  (tokens, embed_dim)          rows used where image_mask is true
       image_mask          bool   (tokens, 1)                  true: the token is an image token
@@ -156,10 +180,16 @@ def decoder_io(layout: CacheLayout, vocab_size: int, index_dtype: str = "int64",
     h, d = layout.kv_heads, layout.head_dim
     if index_dtype not in ("int64", "int32"):
         raise ValueError(f"index_dtype must be int64 or int32, got {index_dtype!r}")
+    if rotated_keys and (cache_dtype != "uint8" or mrope or layout.local_layers or embed_dim):
+        raise ValueError("rotated_keys: the HTP's uint8 cache of a text model without local layers only")
+    if rotated_keys:
+        positions = [TensorSpec(ROPE_COS, "float", ("tokens", d // 2)), TensorSpec(ROPE_SIN, "float", ("tokens", d // 2))]
+    else:
+        positions = [TensorSpec(POSITION_IDS, index_dtype, (3, "tokens") if mrope else ("tokens",)),
+                     TensorSpec(CACHE_POSITION_IDS, index_dtype, (3, layout.slots) if mrope else (layout.slots,))]  # fmt: skip
     inputs = [
         TensorSpec(INPUT_IDS, index_dtype, ("tokens",)),
-        TensorSpec(POSITION_IDS, index_dtype, (3, "tokens") if mrope else ("tokens",)),
-        TensorSpec(CACHE_POSITION_IDS, index_dtype, (3, layout.slots) if mrope else (layout.slots,)),
+        *positions,
         TensorSpec(ATTENTION_MASK, "float", ("tokens", "total")),
         TensorSpec(LOGIT_ROWS, index_dtype, ("rows",)),
     ]
@@ -178,6 +208,8 @@ def decoder_io(layout: CacheLayout, vocab_size: int, index_dtype: str = "int64",
         for layer in range(layout.layers):
             inputs.append(TensorSpec(value_scale_name(layer), "float16", (h, layout.layer_slots(layer), 1)))
             outputs.append(TensorSpec(new_value_scale_name(layer), "float16", (h, "tokens", 1)))
+    if rotated_keys:
+        outputs += [TensorSpec(new_key_source_name(layer), "float16", (h, "tokens", d)) for layer in range(layout.layers)]
     if embed_dim:
         inputs.append(TensorSpec(IMAGE_EMBEDS, "float", ("tokens", embed_dim)))
         inputs.append(TensorSpec(IMAGE_MASK, "bool", ("tokens", 1)))

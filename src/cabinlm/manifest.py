@@ -53,15 +53,18 @@ from cabinlm.io_spec import (  # noqa: F401 - re-exported: the manifest is where
     DecoderIO,
     TensorSpec,
     cached_key_rope,
+    chunk_key_rope,
     decoder_io,
     fused_decoder_io,
     key_cache_name,
     new_key_name,
+    new_key_source_name,
     new_value_name,
     new_value_scale_name,
     present_key_name,
     present_value_name,
     qkv_name,
+    query_rope,
     value_cache_name,
     value_scale_name,
     weight_name,
@@ -336,7 +339,8 @@ class Manifest:
         qnn = spec.facts_as(QnnSettings) if spec.backend == BackendKind.QNN_HTP else None
         return decoder_io(self.cache, self.model.vocab_size, self.index_dtype, embed_dim,
                           mrope=self.vision is not None and self.vision.mrope,
-                          cache_dtype=qnn.kv_cache if qnn is not None and qnn.kv_cache != "fp16" else None)  # fmt: skip
+                          cache_dtype=qnn.kv_cache if qnn is not None and qnn.kv_cache != "fp16" else None,
+                          rotated_keys=qnn is not None and qnn.rotated_keys)  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -300,8 +300,8 @@ def build_decoder(
         at = kinds[i in layout.local_layers]
         N = at.slots
         kc = rope(k_cache, *at.cache_rope, mf.cached_key_rope(i).removeprefix("n/"))  # (Hkv, N, Dh)
-        kn = rope(k, *at.chunk_rope, f"{p}/rope_kn")  # (Hkv, T, Dh)
-        q = rope(q, *at.query_rope, f"{p}/rope_q")  # (H, T, Dh), scaled
+        kn = rope(k, *at.chunk_rope, mf.chunk_key_rope(i).removeprefix("n/"))  # (Hkv, T, Dh)
+        q = rope(q, *at.query_rope, mf.query_rope(i).removeprefix("n/"))  # (H, T, Dh), scaled
         q_g = g.op("Reshape", q, g.ints([Hkv, -1, Dh]), name=f"{p}/q_groups")  # (Hkv, G*T, Dh): head h uses KV head h // G
         s_cache = g.op("MatMul", q_g, g.op("Transpose", kc, perm=[0, 2, 1], name=f"{p}/kc_t"), name=f"{p}/s_cache")
         s_chunk = g.op("MatMul", q_g, g.op("Transpose", kn, perm=[0, 2, 1], name=f"{p}/kn_t"), name=f"{p}/s_chunk")

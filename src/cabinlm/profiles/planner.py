@@ -9,7 +9,9 @@ Qualcomm HTP profiles (QNNExecutionProvider) also count the context binaries: a 
 graph, one binary holding both with one weights copy where the HTP shares weights between graphs
 (v73 on), two binaries and two weights copies where it does not (v68). The token table is a float
 gather on the HTP (fp16). The HTP runs them in one process on the NPU, whose 32-bit address space
-caps binaries + KV + activations (htp_process_limit_bytes).
+caps binaries + KV + activations (htp_process_limit_bytes). Their int8 KV is a uint8 cache (one byte per
+K / V element, no value scales) and, where it holds rotated keys (qnn_htp/spec.rotated_keys_possible: a
+text model without local layers), the sink and pinned keys' un-rotated fp16 copy beside it.
 
 ONNX Runtime CPU profiles (the cpu profile) count what the build being planned holds, since their
 builds hold the same weights in different layouts (docs/benchmarks.md, "Planner against peak RSS"):
@@ -63,7 +65,7 @@ from cabinlm.profiles.weights import (  # noqa: F401 - PlanError re-exported: ca
     tokenizer_estimate,
     weight_bytes,
 )
-from cabinlm.engines.qnn_htp.spec import shares_weights, uint8_cache_bytes
+from cabinlm.engines.qnn_htp.spec import key_source_bytes, rotated_keys_possible, shares_weights, uint8_cache_bytes
 from cabinlm.profiles import htp_estimate
 
 
@@ -260,6 +262,8 @@ def plan(
         kv_total = layout.cache_bytes + layout.key_scale_bytes
         if htp and layout.quantized:  # int8 KV on the HTP: its uint8 cache, no value scales (engines/qnn_htp)
             kv_total = uint8_cache_bytes(layout)
+            if rotated_keys_possible(layout, vision=vision_params > 0):  # rotated keys: the sink / pinned fp16 copy
+                kv_total += key_source_bytes(layout)
         act = int(activation_bytes(spec, layout) * act_factor)
         batch = 0
         if batches:  # a decode step of the largest batch: its rows through the layers, each seat's own cache

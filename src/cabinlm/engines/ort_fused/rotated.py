@@ -53,7 +53,7 @@ class RotatedKeys:
     AHEAD = 256  # positions of cos / sin computed at once for decode steps (see _run)
 
     def __init__(self, layout: CacheLayout, keys: np.ndarray, key_source: np.ndarray, inv_freq, rope_scale: float,
-                 key_scales=None, session=None, mrope: tuple | None = None):
+                 key_scales=None, session=None, mrope: tuple | None = None, zero_point: int = 0):
         """Every fact of the slot table a step needs comes with its plan (StepPlan: E, the fills, the
         slot table as it stood): this class holds no table.
 
@@ -62,7 +62,9 @@ class RotatedKeys:
         un-rotated copies of those keys. session: the build's rotation graph
         (engines/ort_fused/graph.py's rotation model), an ONNX Runtime session; without one the refresh runs
         in numpy (the same arithmetic). mrope: (frame tokens, grid, mrope_section) of a multimodal-RoPE
-        model (StepPlan.mrope_positions): every position then has three components."""
+        model (StepPlan.mrope_positions): every position then has three components. zero_point: added
+        to the rounded codes (128: the HTP's uint8 cache, engines/qnn_htp/backend.py, whose key_scales
+        are one per tensor, repeated over the channels); with key_scales only."""
         lay = layout
         self.mrope = mrope
         self.owner = None if mrope is None else np.repeat(np.arange(3), mrope[2])  # each pair's component
@@ -77,6 +79,7 @@ class RotatedKeys:
         # int8 KV: static per-channel key scales (layers, kv_heads, 1, head_dim); None for float KV.
         self.key_scales = None if key_scales is None else np.asarray(key_scales, np.float32)[:, :, None, :]
         self.session = session
+        self.zero_point = zero_point
         rows = lay.slots + lay.chunk
         self.cos = np.zeros((rows, lay.head_dim // 2), dtype=np.float32)
         self.sin = np.zeros_like(self.cos)
@@ -181,17 +184,21 @@ class RotatedKeys:
     def keep_sources(self, plan: StepPlan, qkv: list[np.ndarray], num_heads: int) -> None:
         """Keep the un-rotated keys of the chunk's tokens that go to sink or pinned slots (qkv: the
         q|k|v outputs of the layers this class refreshes, the global ones)."""
+        H, Hkv, D = num_heads, self.layout.kv_heads, self.layout.head_dim
+        # (1, tokens, (heads + 2 kv_heads) head_dim) -> (kv_heads, tokens, head_dim), views
+        self.keep_keys(plan, [x[0, :, H * D : (H + Hkv) * D].reshape(-1, Hkv, D).transpose(1, 0, 2) for x in qkv])
+
+    def keep_keys(self, plan: StepPlan, keys: list[np.ndarray]) -> None:
+        """keep_sources from the chunk's un-rotated keys, (kv_heads, tokens, head_dim) per layer (the
+        HTP build's new_key_source outputs)."""
         lay = self.layout
         if not plan.pin and plan.sink_fill >= lay.sink:  # a window chunk: nothing to keep
             return
-        pinned = plan.slots < lay.window_start  # sink, pinned and camera-frame slots
-        if not pinned.any():
+        rows = np.flatnonzero(plan.slots < lay.window_start)  # sink, pinned and camera-frame slots
+        if not len(rows):
             return
-        H, Hkv, D = num_heads, lay.kv_heads, lay.head_dim
-        rows = np.flatnonzero(pinned)
-        for layer, x in enumerate(qkv):  # (1, tokens, (heads + 2 kv_heads) head_dim)
-            k = x[0, rows, H * D : (H + Hkv) * D].reshape(len(rows), Hkv, D)
-            self.key_source[layer][:, plan.slots[rows]] = k.transpose(1, 0, 2)
+        for layer, k in enumerate(keys):
+            self.key_source[layer][:, plan.slots[rows]] = k[:, rows]
         self._slots = None
 
     def _ranks(self, plan: StepPlan, slots: np.ndarray) -> np.ndarray:
@@ -243,7 +250,7 @@ class RotatedKeys:
             x1, x2 = self._scaled[..., :half], self._scaled[..., half:]
             rotated = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
             if self.key_scales is not None:
-                rotated = np.clip(np.rint(rotated), -127, 127)
+                rotated = np.clip(np.rint(rotated), -127, 127) + self.zero_point
         self._write(rotated)
         self._refreshed = state  # recorded after the keys are written: an interrupt before it redoes them
 

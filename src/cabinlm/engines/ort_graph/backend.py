@@ -126,6 +126,16 @@ class ExportedGraphBackend(Backend):
             if self.value_scales is not None:
                 cache.append((io.value_scale_name(i), ortvalue(layer_view(self.bufs, "value_scales", lay, i), "float16")))
         self._cache_values = cache
+        outs = self._outputs(kv, kv_onnx)
+        self._decode = Binding(self.graphs.decode, cache, outs, tokens=1, rows=1)
+        size = lay.chunk if self.graphs.static else None  # a static prefill graph returns a row per token
+        self._prefill = Binding(self.graphs.prefill, cache, outs, tokens=size, rows=size)
+
+    def _outputs(self, kv: np.dtype, kv_onnx: str) -> list[tuple[str, tuple, np.dtype, str]]:
+        """(name, shape, numpy dtype, ONNX type) of the graph's outputs, in the order run() splits
+        them: logits, new keys, new values, then the value scales (int8 / fp8 KV), or what a
+        subclass adds (QnnBackend: the rotated-key build's new_key_source)."""
+        lay = self.layout
         H, D, V = lay.kv_heads, lay.head_dim, self.graphs.manifest.model.vocab_size
         outs = [(io.LOGITS, ("rows", V), np.dtype(np.float32), "float")]
         outs += [(io.new_key_name(i), (H, "tokens", D), kv, kv_onnx) for i in range(lay.layers)]
@@ -133,9 +143,13 @@ class ExportedGraphBackend(Backend):
         if self.value_scales is not None:
             f16 = np.dtype(np.float16)
             outs += [(io.new_value_scale_name(i), (H, "tokens", 1), f16, "float16") for i in range(lay.layers)]
-        self._decode = Binding(self.graphs.decode, cache, outs, tokens=1, rows=1)
-        size = lay.chunk if self.graphs.static else None  # a static prefill graph returns a row per token
-        self._prefill = Binding(self.graphs.prefill, cache, outs, tokens=size, rows=size)
+        return outs
+
+    def _positions(self, plan: StepPlan, pos: np.ndarray, cache_pos: np.ndarray | None, size: int) -> dict[str, np.ndarray]:
+        """The chunk's position inputs (pos: padded to `size` tokens where the graph is static)."""
+        index = self._index
+        return {io.POSITION_IDS: pos,
+                io.CACHE_POSITION_IDS: plan.cache_position_ids.astype(index, copy=False) if cache_pos is None else cache_pos}  # fmt: skip
 
     @property
     def fixed_chunk(self) -> bool:
@@ -191,9 +205,8 @@ class ExportedGraphBackend(Backend):
             logit_rows = self._rows[:size]
         else:
             logit_rows = self._rows[:n] if all_logits and n > 1 else self._rows[n - 1 : n]
-        inputs.update({io.INPUT_IDS: ids, io.POSITION_IDS: pos,
-                       io.CACHE_POSITION_IDS: plan.cache_position_ids.astype(index, copy=False) if cache_pos is None else cache_pos,
-                       io.ATTENTION_MASK: mask, io.LOGIT_ROWS: logit_rows})  # fmt: skip
+        inputs.update({io.INPUT_IDS: ids, io.ATTENTION_MASK: mask, io.LOGIT_ROWS: logit_rows})
+        inputs.update(self._positions(plan, pos, cache_pos, size))
         outs = binding.run(inputs)
         L = self.layout.layers
         logits = outs[0]

@@ -7,6 +7,17 @@ backend's host buffers, bound once (fp16, or for an int8-KV build uint8 with zer
 scale per tensor held by the binaries: half the bytes, no value scales); each run hands the chunk's K/V back, and commit writes the
 accepted tokens' K/V into their slots. Nothing in a session can run on the CPU (fallback is off and
 the context models are EPContext nodes only), so `device` is "qnn-htp" because that is what ran.
+
+A uint8 cache with rotated keys (build.qnn.rotated_keys; engines/qnn_htp/rotated_graph.py) holds every
+key rotated once, at its virtual position, as the fused cpu build does, with that build's bookkeeping
+(engines/ort_fused/rotated.RotatedKeys): before each run the chunk's rotation rows at L + i + E
+(rope_cos / rope_sin), and after a step that evicted the sink / pinned keys re-rotated at rank + E from
+their un-rotated fp16 copy, rounded with the key tensor's one scale, written as uint8 (+ 128):
+
+    key_source   (layers, kv_heads, sink + pinned, head_dim)  float16   the sink / pinned keys, un-rotated
+                                                                        (the graph's new_key_source)
+
+Sessions save it with the cache (buffers()); E is the slot table's.
 """
 
 from __future__ import annotations
@@ -14,14 +25,20 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
+import numpy as np
+
 from cabinlm.engines.registry import BackendKind
+from cabinlm import io_spec as io
+from cabinlm.engines.backend import StepOutput
+from cabinlm.engines.ort_fused.rotated import RotatedKeys
+from cabinlm.engines.qnn_htp.graph import KV_ZERO_POINT
 from cabinlm.engines.qnn_htp.spec import SIMULATOR, QnnSettings
 from cabinlm.manifest import Manifest
 from cabinlm.engines.qnn_htp import plugin as qnn_plugin
 from cabinlm.engines.backend import BackendError
 from cabinlm.engines.ort_graph.backend import ExportedGraphBackend, LoadedGraphs
 from cabinlm.engines.onnxruntime.session import check_io
-from cabinlm.runtime.slots import SlotTable
+from cabinlm.runtime.slots import SlotTable, StepPlan
 
 
 def simulated() -> bool:
@@ -56,11 +73,66 @@ class QnnBackend(ExportedGraphBackend):
 
     kind = BackendKind.QNN_HTP
 
+    def __init__(self, graphs: LoadedGraphs, table: SlotTable):
+        self.graphs = graphs  # rotated_keys (read while the base class binds) asks its manifest
+        self.rotated: RotatedKeys | None = None
+        self.key_source: np.ndarray | None = None
+        super().__init__(graphs, table)
+        if self.rotated_keys:
+            m, lay = self.manifest, self.layout
+            L, H, _, D = lay.buffer_shape
+            self.key_source = np.zeros((L, H, lay.sink + lay.pinned, D), dtype=np.float16)
+            qnn = m.runtime_spec.facts_as(QnnSettings)
+            scales = np.array([qnn.kv_scales[io.key_cache_name(i)] for i in range(L)], np.float32)  # one per tensor
+            self.rotated = RotatedKeys(lay, self.keys, self.key_source, m.rotary.inv_freq, m.rotary.scale,
+                                       np.broadcast_to(scales[:, None, None], (L, H, D)), zero_point=KV_ZERO_POINT)  # fmt: skip
+
     @property
     def cache_dtype(self) -> str | None:  # type: ignore[override]
         """uint8 for a build with the HTP's 8-bit cache (build.qnn.kv_cache): half the bytes of fp16."""
         qnn = self.graphs.manifest.runtime_spec.facts_as(QnnSettings)
         return "uint8" if qnn is not None and qnn.kv_cache == "uint8" else None
+
+    @property
+    def rotated_keys(self) -> bool:
+        """The uint8 cache holds rotated keys (build.qnn.rotated_keys; module docstring)."""
+        qnn = self.graphs.manifest.runtime_spec.facts_as(QnnSettings)
+        return qnn is not None and qnn.rotated_keys
+
+    def _outputs(self, kv: np.dtype, kv_onnx: str) -> list[tuple[str, tuple, np.dtype, str]]:
+        outs = super()._outputs(kv, kv_onnx)
+        if self.rotated_keys:  # after the new K/V (a uint8 cache has no value scales): run()'s out.new[2]
+            lay, f16 = self.layout, np.dtype(np.float16)
+            outs += [(io.new_key_source_name(i), (lay.kv_heads, "tokens", lay.head_dim), f16, "float16") for i in range(lay.layers)]
+        return outs
+
+    def _positions(self, plan: StepPlan, pos: np.ndarray, cache_pos: np.ndarray | None, size: int) -> dict[str, np.ndarray]:
+        """Rotated keys: the sink / pinned keys at rank + E (re-written only when E or their set changed),
+        and the chunk's rotation rows at L + i + E (rows past the chunk: pad tokens, whose outputs go)."""
+        if self.rotated is None:
+            return super()._positions(plan, pos, cache_pos, size)
+        self.rotated.refresh(plan)
+        self.rotated.chunk_tables(plan)
+        return {io.ROPE_COS: self.rotated.cos[:size], io.ROPE_SIN: self.rotated.sin[:size]}
+
+    def commit(self, plan: StepPlan, out: StepOutput) -> None:
+        super().commit(plan, out)
+        if self.rotated is not None:  # the un-rotated copy of the chunk's sink / pinned keys
+            self.rotated.keep_keys(plan, out.new[2])
+
+    def buffers(self) -> dict[str, np.ndarray]:
+        bufs = super().buffers()
+        if self.key_source is not None:
+            bufs["key_source"] = self.key_source
+        return bufs
+
+    def reset(self) -> None:
+        if self.rotated is not None:
+            self.rotated.forget()
+
+    def restored(self) -> None:
+        if self.rotated is not None:  # the sink / pinned rows are re-written before the next step
+            self.rotated.forget()
 
     @property
     def device(self) -> str:

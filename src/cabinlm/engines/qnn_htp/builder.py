@@ -32,10 +32,11 @@ from cabinlm.engines.onnxruntime.offline import fix_tokens, read_graph
 from cabinlm.engines.output import BuildOutput
 from cabinlm.engines.qnn_htp import plugin as qnn_plugin
 from cabinlm.engines.qnn_htp.graph import KV_ZERO_POINT, htp_ready, per_tensor_kv_scales, uint8_kv
+from cabinlm.engines.qnn_htp.rotated_graph import rotate_cached_keys, rotated_key_scales
 from cabinlm.engines.qnn_htp import qdq
 from cabinlm.engines.qnn_htp.qdq import a16_graph, a16_refusal
 from cabinlm.engines.qnn_htp.vision_build import place_vision
-from cabinlm.engines.qnn_htp.spec import QNN_PROVIDER, SIMULATOR, QnnSettings, shares_weights
+from cabinlm.engines.qnn_htp.spec import QNN_PROVIDER, SIMULATOR, QnnSettings, rotated_keys_possible, shares_weights
 from cabinlm.engines.registry import BackendKind
 from cabinlm.manifest import Manifest
 
@@ -168,6 +169,7 @@ class QnnBuilder(Builder):
         t0 = time.perf_counter()
         # a vision-language model's camera encoder: its own context binary, or vision.onnx on the CPU (the reason recorded)
         vision = place_vision(output, profile, log) if manifest.vision is not None else {}
+        rotated_keys = False  # the uint8 cache's keys rotated (rotated_graph.py): fp16 activations only, below
         if request.activations == "a16":  # the calibrated 16-bit QDQ graph (qdq.py), its uint8 cache tied as uint8_kv's
             with tempfile.TemporaryDirectory(prefix="cabinlm-a16-") as work:
                 model, rewrites, kv_scales, calibration = a16_graph(artifact, manifest, request.calib, Path(work), log,
@@ -189,10 +191,16 @@ class QnnBuilder(Builder):
                 f"{rewrites['matmul_4bit']} 4-bit and {rewrites['matmul_8bit']} 8-bit weight matrices as MatMulNBits"
                 + (", the token table as a float gather" if rewrites["float_embedding"] else ""))  # fmt: skip
             kv_scales = {}
+            vlm = manifest.vision is not None
+            rotated_keys = rotated = rotated_keys_possible(lay, mrope=vlm and manifest.vision.mrope, vision=vlm)
             if lay.quantized:  # int8 KV (check): the uint8 cache, one calibrated scale per tensor (graph.uint8_kv)
-                kv_scales = per_tensor_kv_scales(manifest.kv_scales.array("keys"), manifest.kv_scales.array("values"), lay.layers)
+                scales_of = rotated_key_scales if rotated else per_tensor_kv_scales  # rotated: the keys' pair bound
+                kv_scales = scales_of(manifest.kv_scales.array("keys"), manifest.kv_scales.array("values"), lay.layers)
                 uint8_kv(model, kv_scales)
-                log(f"the KV cache as uint8 (zero point {KV_ZERO_POINT}, one calibrated scale per tensor, the same in and out)")
+                if rotated:  # the cache holds keys rotated at their virtual positions (rotated_graph.py)
+                    rotate_cached_keys(model, lay.head_dim)
+                log(f"the KV cache as uint8 (zero point {KV_ZERO_POINT}, one calibrated scale per tensor, the same in and out"
+                    + ("; keys rotated when written, the sink / pinned keys re-rotated by the runtime)" if rotated else ")"))  # fmt: skip
         share = shares_weights(profile.htp_arch)
         with tempfile.TemporaryDirectory(prefix="cabinlm-htp-") as tmp:
             sources = []
@@ -217,7 +225,8 @@ class QnnBuilder(Builder):
                 files.update(_compile_pair(sources, out, (PREFILL_CTX, DECODE_CTX), profile, True, log))
             else:
                 files = _compile_pair(sources, out, (PREFILL_CTX, DECODE_CTX), profile, False, log)
-            check = _check_decode(sources[1][0], out / files["graph_decode" + (SIMULATOR if share else "")], manifest, profile)
+            check = _check_decode(sources[1][0], out / files["graph_decode" + (SIMULATOR if share else "")], manifest, profile,
+                                  rotated=rotated_keys)  # fmt: skip
         compile_seconds = round(time.perf_counter() - t0, 1)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         binaries = [p for r, p in files.items() if r.startswith("context_binary")]
@@ -230,6 +239,7 @@ class QnnBuilder(Builder):
             chip=profile.chip, activations="int16" if a16 else "fp16", weights=weights, weight_sharing=share,
             binaries=tuple(binaries), compile_seconds=compile_seconds, peak_host_bytes=int(peak),
             rewrites=dict(rewrites), check=check, kv_cache="uint8" if kv_scales else "fp16", kv_scales=kv_scales,
+            rotated_keys=rotated_keys,
             vision=vision,
         )  # fmt: skip
         for role, name in files.items():
@@ -248,10 +258,12 @@ class QnnBuilder(Builder):
                          profile=profile.name, engine="qnn", engine_version=settings.qairt_version, facts=settings)  # fmt: skip
 
 
-def _check_decode(src: Path, ctx: Path, manifest: Manifest, profile, min_correlation: float = 0.99) -> dict:
+def _check_decode(src: Path, ctx: Path, manifest: Manifest, profile, min_correlation: float = 0.99,
+                  rotated: bool = False) -> dict:
     """One decode step (the first token of a dialogue, empty cache) of the compiled graph in the
     HTP (the simulator on x86) against the same HTP-ready graph on ONNX Runtime's CPU provider. A
-    graph that overflows fp16 or was miscompiled has near-random logits: refused."""
+    graph that overflows fp16 or was miscompiled has near-random logits: refused. rotated: the graph
+    takes the chunk's rotation rows (rotated_graph.py), here position 0's."""
     import onnxruntime as ort
 
     from cabinlm import io_spec as io
@@ -266,6 +278,11 @@ def _check_decode(src: Path, ctx: Path, manifest: Manifest, profile, min_correla
     mask = np.full((1, lay.slots + 1), io.MASK_VALUE, np.float32)
     mask[0, -1] = 0
     feed[io.ATTENTION_MASK] = mask
+    if rotated:
+        del feed[io.POSITION_IDS], feed[io.CACHE_POSITION_IDS]
+        half = lay.head_dim // 2  # angle 0: cos = the RoPE factor, sin = 0
+        feed[io.ROPE_COS] = np.full((1, half), manifest.rotary.scale, np.float32)
+        feed[io.ROPE_SIN] = np.zeros((1, half), np.float32)
     uint8 = lay.quantized  # the HTP's int8 KV is the uint8 cache of graph.uint8_kv: no value scales
     kv = np.dtype(np.uint8) if uint8 else np.dtype(lay.kv_dtype.numpy_name)
     if lay.local_layers:  # the local rings, empty too

@@ -15,7 +15,8 @@ Two rewrites, each exact on ONNX Runtime's CPU provider (tests/test_qnn.py check
                is accepted on v68 and v73 and keeps the weights at 4 / 8 bits in the binary.
 
 And for an int8-KV export, the cache as uint8 with one scale per tensor (uint8_kv: the export's
-int8 Q/DQ nodes are rejected on v68 and v73; docs/architecture.md "The HTP's 8-bit cache").
+int8 Q/DQ nodes are rejected on v68 and v73; docs/architecture.md "The HTP's 8-bit cache"), then, for
+a text model without local layers, its keys cached rotated (rotated_graph.rotate_cached_keys).
 
 Everything else of the export (its attention over the cache, rotary tables, the embedding gather)
 compiles as it is. Functions here edit the graph in place and return what they changed.
@@ -268,8 +269,9 @@ FP16_MAX = 65504.0
 def per_tensor_kv_scales(keys: np.ndarray, values: np.ndarray, layers: int) -> dict[str, float]:
     """The export's calibrated per-channel scales (KVScales.keys: un-rotated keys, .values), each
     (layers, Hkv, Dh), reduced to one scale per cache tensor (the largest channel's): the uint8
-    cache of uint8_kv_io. Un-rotated keys, because the exported graph caches keys un-rotated and
-    rotates every slot itself (in fp16 here). A scale whose codes reach beyond fp16 (128 x scale >
+    cache of uint8_kv. Un-rotated keys, as the exported graph caches them and rotates every slot
+    itself (in fp16 here); a cache of rotated keys (rotated_graph.py) takes its keys' scales from the
+    rotation pairs' bounds instead (rotated_graph.rotated_key_scales, through this function). A scale whose codes reach beyond fp16 (128 x scale >
     65504: the dequantized cache overflows the HTP's fp16 activations) or that is no positive finite
     number is a calibration that went wrong: BuildError, naming the tensor."""
     from cabinlm import io_spec as io

@@ -9,6 +9,9 @@ only; written by engines/qnn_htp/builder.py, read by engines/qnn_htp/backend.py 
       "kv_cache": "uint8",                     the cache the binaries read and write: fp16, or uint8 (zero
       "kv_scales": {"key_cache.0": 0.031, ...}   point 128, one scale per tensor, the new K/V quantized
                                                with the cache's own scale: the runtime copies bytes)
+      "rotated_keys": true,                    the uint8 cache holds keys rotated at their virtual
+                                               positions (engines/qnn_htp/rotated_graph.py; the runtime
+                                               keeps the sink / pinned keys' un-rotated copy)
       "weight_sharing": true,                  prefill and decode graphs share one weights copy
       "binaries": ["decoder.prefill.ctx_qnn.bin"],
       "compile_seconds": 31.2, "peak_host_bytes": 2400000000,
@@ -47,6 +50,19 @@ def uint8_cache_bytes(layout) -> int:
     return layout.cache_bytes // layout.layer_bytes_per_token * per_token
 
 
+def rotated_keys_possible(layout, mrope: bool = False, vision: bool = False) -> bool:
+    """Whether the HTP's uint8 cache of this layout holds rotated keys (rotated_graph.py): an int8-KV
+    text model without local layers. Others keep un-rotated keys (the rewrite covers one RoPE table
+    over every layer). The builder and the planner both ask here."""
+    return layout.quantized and not (mrope or vision or layout.image or layout.local_layers)
+
+
+def key_source_bytes(layout) -> int:
+    """The fp16 un-rotated copy of the sink and pinned keys a rotated-key uint8 cache keeps beside
+    it (engines/qnn_htp/backend.py): (layers, kv_heads, sink + pinned, head_dim) x 2 bytes."""
+    return layout.layers * layout.kv_heads * (layout.sink + layout.pinned) * layout.head_dim * 2
+
+
 @dataclass(frozen=True)
 class QnnSettings:
     """A QNN HTP build's facts: the chip and compiler its context binaries were made for and by."""
@@ -67,6 +83,7 @@ class QnnSettings:
     check: dict[str, Any] = field(default_factory=dict)
     kv_cache: str = "fp16"  # KV_CACHES
     kv_scales: dict[str, float] = field(default_factory=dict)  # uint8: cache input name -> its scale (tied)
+    rotated_keys: bool = False  # uint8: the cache holds keys rotated at their virtual positions
     # a vision-language build's camera encoder: {"runs_on": "htp", "binary": ..., "check": ...} or
     # {"runs_on": "cpu", "reason": ...} (engines/qnn_htp/vision_build.py); {} for a text model
     vision: dict[str, Any] = field(default_factory=dict)
@@ -95,6 +112,8 @@ class QnnSettings:
         if not isinstance(self.kv_scales, dict) or not all(
                 isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in self.kv_scales.values()):  # fmt: skip
             raise ValueError("build.qnn.kv_scales: expected {cache tensor: positive scale}")
+        if not isinstance(self.rotated_keys, bool) or (self.rotated_keys and self.kv_cache != "uint8"):
+            raise ValueError(f"build.qnn.rotated_keys: true or false, true only with a uint8 cache, got {self.rotated_keys!r}")
         if (self.kv_cache == "uint8") != bool(self.kv_scales):
             raise ValueError("build.qnn.kv_scales: a uint8 cache has one scale per cache tensor, an fp16 cache none")
         if not isinstance(self.vision, dict) or (self.vision and self.vision.get("runs_on") not in ("htp", "cpu")):
