@@ -183,7 +183,7 @@ class QnnBuilder(Builder):
                 f"({rewrites['offsets_folded']} Q4_1 offsets folded in), the KV cache as uint8 (zero point {KV_ZERO_POINT}, one "
                 f"scale per tensor, the same in and out); on the CPU, through the runtime over {rewrites['fidelity_tokens']} held-out "
                 f"tokens, its logits follow the float graph's at correlation {rewrites['fidelity']:.4f}, perplexity {ppl_q:.4g} "
-                f"against {ppl_f:.4g}")  # fmt: skip
+                f"against {ppl_f:.4g} (16-bit activations are measured in Qualcomm's x86 simulator only, not on an SA8775P)")  # fmt: skip
         else:
             model = read_graph(artifact, manifest)
             rewrites = htp_ready(model)
