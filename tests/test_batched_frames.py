@@ -3,8 +3,8 @@ KV and built for the cpu with cabinlm's attention kernel (FloatKVAttention, the 
 arithmetic over a float32 cache) carries batched graphs, each seat's image rows its own
 (graph.fused_model(seats=B)); the image region's keys are re-written at positions + E by the runtime
 before a step (frames.FrameKeys.refresh_image), for a seat alone and in a batched run alike. A
-frame's own chunk runs alone (Decoder.feed with its embeddings, as serve's scheduler runs it); the
-seats' text steps ride together whatever frame each holds.
+frame's own chunks ride too (runtime.seats_together with the seat's embeddings, as serve's scheduler
+runs them); the seats' text steps ride together whatever frame each holds.
 
 Two models: a LLaVA-style one (SigLIP tower, Llama text model, ranks of one component) and Qwen2-VL
 (multimodal RoPE: three components per key). The first cases check the build and that its one-seat
@@ -251,11 +251,63 @@ def test_a_seat_saved_with_its_frame_after_batched_steps_resumes_in_another_mode
         step_together(group, greedy(group))
 
 
+def test_a_frames_chunks_ride_with_other_seats_steps_and_a_verified_draft(vlm):
+    """runtime.seats_together takes a camera frame's chunks (embeds, pin "image") beside another seat's
+    decode steps and a third seat's verified drafts (keeping 1..all of their rows) in one batched run
+    per chunk: every seat's logits (every row of a verification) are its solo step's / verify's, bit
+    for bit, and every buffer ends as its solo twin's (the frame's image rows, key_source included)."""
+    from cabinlm.runtime import seats_together
+
+    _, loaded, _, built = vlm
+    together, alone = seats(built, 3), seats(built, 3)
+    v = together[0].manifest.vision
+    C = together[0].layout.chunk
+    rows = frames_of(vlm, together[0], (73,))[0]
+    text = text_ids(loaded)
+    for d in together + alone:
+        d.feed(text[:5], pin=True)
+        d.feed(text[5:9])
+    for d in (together[0], alone[0]):
+        if v.image_prefix:
+            d.feed(v.image_prefix)
+        d.cache.begin_frame()
+    last = [alone[i].step(np.array([text[9 + i]]))[-1].copy() for i in (1, 2)]
+    for i in (1, 2):
+        together[i].step(np.array([text[9 + i]]))
+    rng = np.random.default_rng(8)
+    verified = 0
+    for start in range(0, len(rows), C):
+        frame = rows[start : start + C]
+        ids0 = np.full(len(frame), v.image_token_id, np.int64)
+        room = together[2].draft_room()
+        n = int(rng.integers(1, room + 1)) if room > 0 else 0
+        k = int(rng.integers(1, n + 2))
+        chunk2 = np.array([int(last[1].argmax()), *rng.integers(3, 200, n)], np.int64)
+        accept = (lambda r, k=k: k) if n else None
+        got = seats_together(together, [ids0, [int(last[0].argmax())], chunk2], ["image", False, False],
+                             [None, None, accept], [frame, None, None])  # fmt: skip
+        np.testing.assert_array_equal(got[0][0], alone[0].step(ids0, pin="image", embeds=frame, logits="last"))
+        want1 = alone[1].step(np.array([int(last[0].argmax())]), logits="last")
+        np.testing.assert_array_equal(got[1][0], want1)
+        if accept is None:
+            want2, kept = alone[2].step(chunk2, logits="last"), len(chunk2)
+        else:
+            want2, kept = alone[2].verify(chunk2, accept)
+            verified += 1
+        np.testing.assert_array_equal(got[2][0], want2)
+        assert got[2][1] == kept
+        last = [want1[-1].copy(), want2[kept - 1 if accept else -1].copy()]
+    assert verified > 0 and together[0].cache.image_fill == len(rows)
+    for d, twin in zip(together, alone, strict=True):
+        for name, buf in d.backend.buffers().items():
+            np.testing.assert_array_equal(buf, twin.backend.buffers()[name], err_msg=name)
+
+
 def test_seats_with_frames_under_the_server_scheduler_give_their_own_greedy_replies(vlm):
     """Three seats in three threads, each a turn as the server runs it (hold the model, a frame, a
-    prompt, then greedy tokens with pass_turn between them; serve.scheduler.SeatSteps): a frame's chunk
-    runs alone (the scheduler holds the model for it), the riders' text steps go with the holder's in
-    batched runs, and every seat's greedy reply is the one it gives alone."""
+    prompt, then greedy tokens with pass_turn between them; serve.scheduler.SeatSteps): a frame's chunks
+    ride like text steps (the holder's frame carries the riders' steps), the riders' text steps go with
+    the holder's in batched runs, and every seat's greedy reply is the one it gives alone."""
     from cabinlm.serve.scheduler import SeatSteps
 
     _, _, _, built = vlm
@@ -365,7 +417,7 @@ def test_drafting_with_frames_on_the_float_kernel_gives_the_plain_replies(vlm, e
 
 
 def test_a_frames_chunk_beside_a_text_chunk_in_one_run_of_the_batched_graph_is_each_seats_own(vlm):
-    """The runtime runs a frame's chunk alone; the batched graph can take it too, each seat's image
+    """The batched graph takes a frame's chunk beside another seat's, each seat's image
     rows its own (image_embeds.seat{s}, image_mask.seat{s}, stacked as the rows are): one run of
     decoder.seats2.onnx with seat 0's first frame chunk and seat 1's text chunk gives each seat's solo
     logits of every row and leaves each cache as its solo step does, bit for bit. (Driven here as

@@ -141,15 +141,19 @@ class Backend(abc.ABC):
         return ()
 
     def run_seats(self, seats: Sequence[Backend], plans: Sequence[StepPlan], ids: Sequence[np.ndarray],
-                  all_logits: Sequence[bool] | None = None) -> list[StepOutput]:  # fmt: skip
+                  all_logits: Sequence[bool] | None = None,
+                  embeds: Sequence[np.ndarray | None] | None = None) -> list[StepOutput]:  # fmt: skip
         """Several seats' chunks (seats: backends of this loaded engine, made by seat(); plans and ids:
         each seat's own, planned on its own table) in as few graph runs as the build allows, each
         seat's last token's logits (1, vocab), or every token's (tokens, vocab) where all_logits[i] (a
-        verified draft). Nothing is committed: each seat's output goes to that seat's commit, exactly as
-        its own run's would. A seat's output is what its own run gives (bit for bit where the build says
-        so: tests/test_batched_seats.py, test_batched_drafting.py). Here: each seat alone."""
+        verified draft); embeds[i]: seat i's chunk is a camera frame's (its image-token embeddings, as
+        run() takes them). Nothing is committed: each seat's output goes to that seat's commit, exactly
+        as its own run's would. A seat's output is what its own run gives (bit for bit where the build
+        says so: tests/test_batched_seats.py, test_batched_drafting.py, test_batched_frames.py). Here:
+        each seat alone."""
         every = list(all_logits) if all_logits is not None else [False] * len(seats)
-        return [b.run(p, i, a, None) for b, p, i, a in zip(seats, plans, ids, every, strict=True)]
+        rows = list(embeds) if embeds is not None else [None] * len(seats)
+        return [b.run(p, i, a, e) for b, p, i, a, e in zip(seats, plans, ids, every, rows, strict=True)]
 
     def nbytes(self) -> int:
         """Bytes held by the cache buffers, read from the arrays themselves."""

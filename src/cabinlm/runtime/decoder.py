@@ -172,7 +172,8 @@ def step_seats(decoders: Sequence[Decoder], chunks: Sequence, pins: Sequence[boo
 
 
 def seats_together(decoders: Sequence[Decoder], chunks: Sequence, pins: Sequence[bool | str] | None = None,
-                   accepts: Sequence[Callable[[np.ndarray], int] | None] | None = None) -> list[tuple[np.ndarray, int]]:
+                   accepts: Sequence[Callable[[np.ndarray], int] | None] | None = None,
+                   embeds: Sequence[np.ndarray | None] | None = None) -> list[tuple[np.ndarray, int]]:  # fmt: skip
     """step_seats where some seats verify drafts (speculative decoding) in the same run:
 
         seat i plain      (accepts[i] None)  its chunk planned, run and committed whole, as step_seats;
@@ -182,6 +183,8 @@ def seats_together(decoders: Sequence[Decoder], chunks: Sequence, pins: Sequence
                                              (1..len(chunk)), and only the first k tokens committed
                                              (their plan: a prefix of the chunk's, Decoder.plan_chunk)
                                              -> (every row's logits (tokens, vocab), k)
+        seat i's frame    (embeds[i] given)  a camera frame's chunk (pins[i] "image", its image-token
+                                             embeddings), planned, run and committed as its own step
 
     One run_seats for all (the fused cpu build: a seat's rows of every kind in one batched run), then
     every accept called, then every seat's commit with Ctrl-C held over all of them: a step interrupted
@@ -194,11 +197,18 @@ def seats_together(decoders: Sequence[Decoder], chunks: Sequence, pins: Sequence
     chunks = [np.ascontiguousarray(c, dtype=np.int64) for c in chunks]
     pins = list(pins) if pins is not None else [False] * n
     checks = list(accepts) if accepts is not None else [None] * n
-    if not n == len(chunks) == len(pins) == len(checks):
+    frames = list(embeds) if embeds is not None else [None] * n
+    if not n == len(chunks) == len(pins) == len(checks) == len(frames):
         extra = f", {len(checks)} accept callbacks" if accepts is not None else ""
+        extra += f", {len(frames)} embeddings" if embeds is not None else ""
         raise ValueError(f"step_seats: {n} seats, {len(chunks)} chunks, {len(pins)} pins{extra}")
+    for d, a, e in zip(decoders, checks, frames):
+        if e is not None and (a is not None or d.manifest.vision is None):
+            raise ValueError("embeddings go with a camera frame's chunk of a vision-language model, "
+                             "never with a verified one")
     plans = [d.plan_chunk(len(c), p, a is not None) for d, c, p, a in zip(decoders, chunks, pins, checks)]
-    outs = decoders[0].backend.run_seats([d.backend for d in decoders], plans, chunks, [a is not None for a in checks])
+    outs = decoders[0].backend.run_seats([d.backend for d in decoders], plans, chunks, [a is not None for a in checks],
+                                         frames if embeds is not None else None)  # fmt: skip
     kept, got = [], []
     for d, c, plan, out, accept in zip(decoders, chunks, plans, outs, checks):
         if accept is None:

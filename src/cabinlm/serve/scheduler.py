@@ -75,11 +75,12 @@ class _Posted:
     """A step posted by a seat that rides (holds no model): run by the model's holder along with its own.
     (The holder's own step is described the same way, never posted.)"""
 
-    __slots__ = ("dec", "ids", "pin", "accept", "done", "logits", "kept", "error", "lead")
+    __slots__ = ("dec", "ids", "pin", "accept", "embeds", "done", "logits", "kept", "error", "lead")
 
-    def __init__(self, dec, ids: np.ndarray, pin: bool | str, accept=None):
+    def __init__(self, dec, ids: np.ndarray, pin: bool | str, accept=None, embeds: np.ndarray | None = None):
         self.dec, self.ids, self.pin = dec, ids, pin
         self.accept = accept  # a verified draft's accept (Decoder.verify), run in the holder's thread; None: a step
+        self.embeds = embeds  # a camera frame's chunk: its image-token embeddings
         self.done = threading.Event()  # set once the step ran (logits or error), or the model is handed over (lead)
         self.logits: np.ndarray | None = None  # what the seat's own step / verify returns: (1, vocab) / (tokens, vocab)
         self.kept = 0  # how many of its tokens were committed (a verified draft's accepted ones)
@@ -111,9 +112,9 @@ class SeatSteps(ModelTurns):
     steps, so their replies go on while it prefills. The holder waits at most RIDER_WAIT_S for riders
     that have their step's result but have not posted the next one yet (a rider between two tokens:
     sampling, streaming its text). When the holder's turn ends with riders posted and no turn queued,
-    the oldest rider takes the model. A step that cannot ride (a camera frame's embeddings, every row's
-    logits of a plain chunk) takes the model in turn; the holder runs the posted steps before anything
-    it runs alone."""
+    the oldest rider takes the model. A camera frame's chunks ride too (its embeddings go with the
+    step). A step that cannot ride (a plain chunk with every row's logits) takes the model in turn; the
+    holder runs the posted steps before anything it runs alone."""
 
     RIDER_WAIT_S = 0.004
 
@@ -166,8 +167,8 @@ class SeatSteps(ModelTurns):
             self._riders += 1
 
     def hold(self) -> None:
-        """The calling seat is about to run something alone (a camera frame's chunk): take the model in
-        turn if it rides; the riders' posted steps run first, together."""
+        """The calling seat is about to run something alone (a plain chunk with every row's logits):
+        take the model in turn if it rides; the riders' posted steps run first, together."""
         self._take_model()
         self._run_posted()
 
@@ -180,11 +181,10 @@ class SeatSteps(ModelTurns):
     def step(self, dec, ids: np.ndarray, pin: bool | str, embeds: np.ndarray | None, logits: str) -> np.ndarray:
         """Decoder.step of a seat under this scheduler (Decoder.together)."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        alone = embeds is not None or (logits == "all" and len(ids) > 1)
-        if alone:
+        if logits == "all" and len(ids) > 1:  # every row's logits of a plain chunk: alone
             self.hold()
             return dec._step(ids, pin, embeds, logits)
-        return self._go(_Posted(dec, ids, pin))[0]
+        return self._go(_Posted(dec, ids, pin, embeds=embeds))[0]
 
     def verify(self, dec, ids: np.ndarray, accept) -> tuple[np.ndarray, int]:
         """Decoder.verify of a seat under this scheduler: the verified draft rides (or carries the
@@ -215,7 +215,7 @@ class SeatSteps(ModelTurns):
         if not riders:
             if own.accept is not None:
                 return own.dec._verify(own.ids, own.accept)
-            return own.dec._step(own.ids, own.pin, None, "last"), len(own.ids)
+            return own.dec._step(own.ids, own.pin, own.embeds, "last"), len(own.ids)
         return self._run([own, *riders], riders)
 
     def _take(self, room: int, wait: bool = True) -> list[_Posted]:
@@ -249,7 +249,7 @@ class SeatSteps(ModelTurns):
 
         try:
             got = seats_together([s.dec for s in steps], [s.ids for s in steps], [s.pin for s in steps],
-                                 [s.accept for s in steps])  # fmt: skip
+                                 [s.accept for s in steps], [s.embeds for s in steps])  # fmt: skip
         except BaseException as e:
             for r in riders:
                 r.error = e

@@ -22,7 +22,7 @@ key_source and re-written at their positions + E before each step (GroupQueryAtt
 pinned ones, RotatedKeys.refresh; cabinlm's FloatKVAttention, which rotates the sink / pinned ones
 itself: FrameKeys.refresh_image); a new frame turns the window keys it moved (frames.FrameKeys, whose
 buffers a session file carries). On FloatKVAttention a seat with a frame steps in batched runs too
-(seats.py): its text chunks' image rows are empty; a frame's own chunk runs alone (Decoder.feed).
+(seats.py): its text chunks' image rows are empty, a frame's own chunks carry its image rows.
 """
 
 from __future__ import annotations
@@ -355,9 +355,10 @@ class FusedBackend(Backend):
         return self.graphs.batches
 
     def run_seats(self, seats: Sequence[Backend], plans: Sequence[StepPlan], ids: Sequence[np.ndarray],
-                  all_logits: Sequence[bool] | None = None) -> list[StepOutput]:  # fmt: skip
+                  all_logits: Sequence[bool] | None = None,
+                  embeds: Sequence[np.ndarray | None] | None = None) -> list[StepOutput]:  # fmt: skip
         """Several seats of this loaded build in batched runs (engines/ort_fused/seats.py)."""
-        return run_batched(self, seats, plans, ids, all_logits)
+        return run_batched(self, seats, plans, ids, all_logits, embeds)
 
     def commit(self, plan: StepPlan, out: StepOutput) -> None:
         """Keep the sink / pinned tokens' un-rotated keys, then move the chunk's rows F.. into their

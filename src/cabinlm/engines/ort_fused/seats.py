@@ -47,15 +47,19 @@ HEAD_BOUND_ROWS = 8  # the largest row count bound so (one row per seat of the l
 
 
 def run_batched(solo: FusedBackend, seats: Sequence[Backend], plans: Sequence[StepPlan],
-                ids: Sequence[np.ndarray], all_logits: Sequence[bool] | None = None) -> list[StepOutput]:  # fmt: skip
+                ids: Sequence[np.ndarray], all_logits: Sequence[bool] | None = None,
+                embeds: Sequence[np.ndarray | None] | None = None) -> list[StepOutput]:  # fmt: skip
     """The seats in runs of the largest batch while more seats are left than it holds, then the
     rest (2 or more) in the smallest batch that holds it, the places left taken by the idle seat
     (idle_step), or a rest of one seat alone (a (2, 4) build: 3 seats, one run of the graph for 4;
     5: 4, then one alone; 7: 4, then 3 in the graph for 4). `solo`: any seat of the loaded build.
-    all_logits[i]: seat i gets every row's logits (a verified draft), else its last row's."""
+    all_logits[i]: seat i gets every row's logits (a verified draft), else its last row's; embeds[i]:
+    seat i's chunk is a camera frame's (its image-token embeddings, (tokens, embed_dim))."""
     every = list(all_logits) if all_logits is not None else [False] * len(seats)
-    if not len(seats) == len(plans) == len(ids) == len(every):
-        raise ValueError(f"run_seats: {len(seats)} seats, {len(plans)} plans, {len(ids)} chunks, {len(every)} flags")
+    frames = list(embeds) if embeds is not None else [None] * len(seats)
+    if not len(seats) == len(plans) == len(ids) == len(every) == len(frames):
+        raise ValueError(f"run_seats: {len(seats)} seats, {len(plans)} plans, {len(ids)} chunks, {len(every)} flags, "
+                         f"{len(frames)} embeddings")  # fmt: skip
     if any(getattr(b, "graphs", None) is not solo.graphs for b in seats):
         raise ValueError("run_seats takes seats of this loaded build (Decoder.seat), not another's")
     if len({id(b) for b in seats}) != len(seats):
@@ -67,7 +71,7 @@ def run_batched(solo: FusedBackend, seats: Sequence[Backend], plans: Sequence[St
     while start < len(fused):
         rest = len(fused) - start
         if rest == 1 or not batches:
-            outs.append(fused[start].run(plans[start], ids[start], every[start], None))
+            outs.append(fused[start].run(plans[start], ids[start], every[start], frames[start]))
             start += 1
             continue
         b = min([b for b in batches if b >= rest] or [max(batches)])
@@ -75,7 +79,8 @@ def run_batched(solo: FusedBackend, seats: Sequence[Backend], plans: Sequence[St
         pad = [idle_step(solo) for _ in range(b - n)]
         got = run_batch(solo.graphs, [*fused[start : start + n], *(p[0] for p in pad)],
                         [*plans[start : start + n], *(p[1] for p in pad)], [*ids[start : start + n], *(p[2] for p in pad)],
-                        [*every[start : start + n], *(False for _ in pad)])  # fmt: skip
+                        [*every[start : start + n], *(False for _ in pad)],
+                        [*frames[start : start + n], *(None for _ in pad)])  # fmt: skip
         start += n
         if start < len(fused):  # another run of the head follows: keep these logits out of its way
             got = [StepOutput(o.logits.copy(), o.new) for o in got]
@@ -114,7 +119,8 @@ def seat_binding(graphs: FusedGraphs, seats: Sequence[FusedBackend]):
 
 
 def run_batch(graphs: FusedGraphs, seats: Sequence[FusedBackend], plans: Sequence[StepPlan],
-              ids: Sequence[np.ndarray], all_logits: Sequence[bool]) -> list[StepOutput]:  # fmt: skip
+              ids: Sequence[np.ndarray], all_logits: Sequence[bool],
+              embeds: Sequence[np.ndarray | None] | None = None) -> list[StepOutput]:  # fmt: skip
     """One run of the batched graph for len(seats) seats (io_spec.seats_io): seat s's inputs under
     its own names, its cache bound in place (the kernel writes its chunk's K/V into seat s's rows F..,
     as its own run would), the rows stacked seat after seat; the logits of each seat's last row, or
@@ -122,7 +128,11 @@ def run_batch(graphs: FusedGraphs, seats: Sequence[FusedBackend], plans: Sequenc
 
         rows      [ seat 0: a b c | seat 1: d | seat 2: e f g h ]     seat_tokens (3, 1, 4)
         logit_rows   (2,            3,         4, 5, 6, 7)            seat 2 verifies: all its rows
-        logits    (6, vocab): seat 0's row 0, seat 1's row 1, seat 2's rows 2..5"""
+        logits    (6, vocab): seat 0's row 0, seat 1's row 1, seat 2's rows 2..5
+
+    embeds[s]: seat s's chunk is a camera frame's: its image rows (image_embeds.seat{s}, image_mask.seat{s}
+    all true), as its own run() puts them in."""
+    frames = list(embeds) if embeds is not None else [None] * len(seats)
     binding = seat_binding(graphs, seats)
     session = graphs.seats[len(seats)]
     counts = np.array([p.tokens for p in plans], dtype=np.int64)
@@ -139,6 +149,11 @@ def run_batch(graphs: FusedGraphs, seats: Sequence[FusedBackend], plans: Sequenc
             raise ValueError("this build's attention cannot run a chunk as one-token steps")
         seat.rotated.chunk_tables(plan)
         own = seat._chunk_inputs(plan, chunk, all_logits=True)
+        if frames[s] is not None:
+            if not seat.embed_dim:
+                raise ValueError("this model has no vision input")
+            own[io.IMAGE_EMBEDS] = np.ascontiguousarray(frames[s], dtype=np.float32)
+            own[io.IMAGE_MASK] = seat._all_image[: plan.tokens]
         for name in io.SHARED_BY_SEATS:
             own.pop(name)
         for name, value in own.items():
