@@ -13,7 +13,8 @@ another seat's whole reply, and N streaming seats decode round-robin at 1/N of t
 A prefill (a prompt, or a seat starting over from a long history) is not split.
 
 Where the build's seats decode together (a fused cpu build's batched graphs), SeatSteps below keeps
-these turns and lets the seat that passed the model on ride: its steps go with the holder's in one run.
+these turns and lets the seat that passed the model on ride: its steps, verified drafts and camera
+frames' chunks go with the holder's in one run.
 
 A plain threading.Lock is not used: its release-then-acquire lets the releasing thread take it again
 at once (no hand-over), which would starve every other seat.

@@ -43,7 +43,7 @@ _BOUND_INPUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # (rows, vocab))}): its input and its logits arrays of ours, bound once. The logits are read (step_seats
 # copies each seat's row) before the next run rewrites them.
 _HEAD_BINDINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-HEAD_BOUND_ROWS = 8  # the largest row count bound so (one row per seat of the largest batch, 4 or 8)
+HEAD_BOUND_ROWS = 8  # the largest row count whose logits array stays bound (a decode run's: one row a seat)
 
 
 def run_batched(solo: FusedBackend, seats: Sequence[Backend], plans: Sequence[StepPlan],
