@@ -31,8 +31,7 @@ from cabinlm.engines.registry import BackendKind
 from cabinlm import io_spec as io
 from cabinlm.engines.backend import StepOutput
 from cabinlm.engines.ort_fused.rotated import RotatedKeys
-from cabinlm.engines.qnn_htp.graph import KV_ZERO_POINT
-from cabinlm.engines.qnn_htp.spec import SIMULATOR, QnnSettings
+from cabinlm.engines.qnn_htp.spec import KV_ZERO_POINT, SIMULATOR, QnnSettings
 from cabinlm.manifest import Manifest
 from cabinlm.engines.qnn_htp import plugin as qnn_plugin
 from cabinlm.engines.backend import BackendError

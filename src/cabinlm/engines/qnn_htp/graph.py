@@ -30,6 +30,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from cabinlm.engines.builder import BuildError
 from cabinlm.engines.ort_fused.block_layouts import pack4
+from cabinlm.engines.qnn_htp.spec import KV_ZERO_POINT as QNN_KV_ZERO_POINT
 
 MS = "com.microsoft"
 BLOCK = 32  # the export's block size along K (export/wquant.py)
@@ -262,7 +263,7 @@ def htp_ready(model: onnx.ModelProto) -> dict[str, int]:
             "matmul_8bit": sum(b == 8 for b in blocks.values())}
 
 
-KV_ZERO_POINT = 128  # uint8 KV: symmetric around 128 (Qualcomm's own uint8 past_key/value pad with 128)
+KV_ZERO_POINT = QNN_KV_ZERO_POINT  # spec.KV_ZERO_POINT (the runtime reads it there, without onnx)
 FP16_MAX = 65504.0
 
 

@@ -31,6 +31,7 @@ QNN_PROVIDER = "QNNExecutionProvider"
 SIMULATOR = "_simulator"
 PRECISIONS = ("fp16", "int16", "int8", "int4")  # int16: --activations a16 (engines/qnn_htp/qdq.py)
 KV_CACHES = ("fp16", "uint8")
+KV_ZERO_POINT = 128  # uint8 KV: symmetric around 128 (Qualcomm's own uint8 past_key/value pad with 128)
 WEIGHT_SHARING_MIN_ARCH = 73  # QNN shares weights between the graphs of one context from HTP v73 on
 
 
