@@ -34,7 +34,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from cabinlm import io_spec as io
 from cabinlm.engines.builder import BuildError
-from cabinlm.engines.qnn_htp.graph import _consts, _consumers, _prune, per_tensor_kv_scales
+from cabinlm.engines.qnn_htp.graph import _consts, _prune, per_tensor_kv_scales
 
 
 def pair_bounds(keys: np.ndarray) -> np.ndarray:
@@ -158,12 +158,11 @@ def rotate_cached_keys(model: onnx.ModelProto, head_dim: int) -> list[str]:
     g.input.extend(kept)
     g.input.extend([helper.make_tensor_value_info(io.ROPE_COS, TensorProto.FLOAT, ["tokens", half]),
                     helper.make_tensor_value_info(io.ROPE_SIN, TensorProto.FLOAT, ["tokens", half])])  # fmt: skip
-    g.output.extend(helper.make_tensor_value_info(s, TensorProto.FLOAT16, [None, "tokens", head_dim]) for s in sources)
-    for t in g.output:  # new_key_source.l: (kv_heads, tokens, head_dim), as new_key.l
-        if t.name.startswith("new_key_source."):
-            layer = int(t.name.split(".")[1])
-            like = next(o for o in g.output if o.name == io.new_key_name(layer))
-            t.type.tensor_type.shape.CopyFrom(like.type.tensor_type.shape)
+    shapes = {o.name: o.type.tensor_type.shape for o in g.output}
+    for layer, name in zip(layers, sources):  # new_key_source.l: (kv_heads, tokens, head_dim), as new_key.l
+        out = helper.make_tensor_value_info(name, TensorProto.FLOAT16, None)
+        out.type.tensor_type.shape.CopyFrom(shapes[io.new_key_name(layer)])
+        g.output.append(out)
     _toposort(g)
     _prune(model)
     left = [n.name for n in g.node if {io.POSITION_IDS, io.CACHE_POSITION_IDS} & set(n.input)]
