@@ -18,9 +18,8 @@ from onnx import numpy_helper
 from tokenizers import Tokenizer
 
 from cabinlm.manifest import load_manifest
-from cabinlm.engines.qnn_htp import a16_feeds, a16_weights, qdq, graph as G
+from cabinlm.engines.qnn_htp import a16_feeds, a16_weights, qdq
 from cabinlm.runtime.perplexity import token_nll
-from cabinlm.engines.onnxruntime.offline import read_graph
 
 ap = argparse.ArgumentParser()
 ap.add_argument("artifact"); ap.add_argument("text")
@@ -29,9 +28,8 @@ ap.add_argument("--variants", default="int8,int4,int4-c7,int4-c8,int4-head4")
 a = ap.parse_args()
 qdq.PER_CHANNEL, qdq.MIN_FIDELITY, qdq.MAX_PERPLEXITY_RATIO = "int8", -1.0, float("inf")  # blocks below; measure
 art = Path(a.artifact); m = load_manifest(art)
-f = read_graph(art, m); G.fuse_rms_norms(f); G.float_embedding(f); qdq.float_weights(f)
-sc = G.per_tensor_kv_scales(m.kv_scales.array("keys"), m.kv_scales.array("values"), m.cache.layers)
-G.uint8_kv(f, sc); qdq.floor_masks(f)
+f, _, sc, rot = qdq.a16_float_graph(art, m)  # the build's float graph: keys rotated where the build rotates them
+kv = sc if rot else None  # a16_feeds: the rotated cache's scales
 matrices = {t.name: numpy_helper.to_array(t) for t in f.graph.initializer if len(t.dims) == 2}
 ids = Tokenizer.from_file(str(art / "tokenizer.json")).encode(Path(a.text).read_text()).ids[: a.tokens]
 t = time.time()
@@ -39,7 +37,7 @@ with tempfile.TemporaryDirectory() as w:
     q8, _, _, _ = qdq.a16_graph(art, m, None, Path(w))
 print(f"QDQ graph (int8 per channel) in {time.time() - t:.0f} s", flush=True)
 nll = lambda x: np.array([token_nll(x[i], ids[i + 1]) for i in range(len(ids) - 1)])  # noqa: E731
-lf = a16_feeds.stream_logits(f, art, m, ids)
+lf = a16_feeds.stream_logits(f, art, m, ids, kv)
 print(f"float graph: perplexity {np.exp(nll(lf).mean()):.4f} over {len(ids)} tokens", flush=True)
 divisors = a16_weights.INT4_DIVISORS
 for v in a.variants.split(","):
@@ -49,7 +47,7 @@ for v in a.variants.split(","):
     q = onnx.ModelProto(); q.CopyFrom(q8)
     t = time.time()
     counts = a16_weights.block_weights(q, matrices, bits, head)
-    lq = a16_feeds.stream_logits(q, art, m, ids)
+    lq = a16_feeds.stream_logits(q, art, m, ids, kv)
     corr = np.corrcoef(lf.astype(np.float64).ravel(), lq.astype(np.float64).ravel())[0, 1]
     print(f"{v}: perplexity {np.exp(nll(lq).mean()):.4f}, logit correlation {corr:.5f}, {counts}, "
           f"{time.time() - t:.0f} s", flush=True)

@@ -14,16 +14,13 @@ from onnx import numpy_helper
 from tokenizers import Tokenizer
 
 from cabinlm.manifest import load_manifest
-from cabinlm.engines.qnn_htp import qdq, graph as G
-from cabinlm.engines.onnxruntime.offline import read_graph
+from cabinlm.engines.qnn_htp import qdq
 
 art, text, work = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 which = int(sys.argv[4]) if len(sys.argv) > 4 else 0
 work.mkdir(parents=True, exist_ok=True)
 m = load_manifest(art)
-f = read_graph(art, m); G.fuse_rms_norms(f); G.float_embedding(f); qdq.float_weights(f)
-sc = G.per_tensor_kv_scales(m.kv_scales.array("keys"), m.kv_scales.array("values"), m.cache.layers)
-G.uint8_kv(f, sc); qdq.floor_masks(f)
+f, _, sc, rot = qdq.a16_float_graph(art, m)  # the build's float graph: keys rotated where the build rotates them
 qp = work / "q.onnx"
 if not qp.exists():
     qdq.MIN_FIDELITY, qdq.MAX_PERPLEXITY_RATIO = -1.0, float("inf")
@@ -44,7 +41,7 @@ for n in q.graph.node:
         zf = float(z)
         rng[n.input[0]] = ((info.min - zf) * float(s), (info.max - zf) * float(s))
 ids = Tokenizer.from_file(str(art / "tokenizer.json")).encode(text.read_text()).ids[: m.cache.chunk * (which + 1) + 65]
-feeds = [x for x in qdq.calibration_feeds(f, art, m, ids) if x["input_ids"].shape[0] > 1]
+feeds = [x for x in qdq.calibration_feeds(f, art, m, ids, sc if rot else None) if x["input_ids"].shape[0] > 1]
 fd = feeds[which]
 print("chunk", which, "tokens", fd["input_ids"][:8], flush=True)
 have = {o.name for o in f.graph.output}

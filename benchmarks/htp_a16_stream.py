@@ -19,9 +19,8 @@ import numpy as np, onnx
 from tokenizers import Tokenizer
 
 from cabinlm.manifest import load_manifest
-from cabinlm.engines.qnn_htp import a16_feeds, qdq, graph as G
+from cabinlm.engines.qnn_htp import a16_feeds, qdq
 from cabinlm.runtime.perplexity import token_nll
-from cabinlm.engines.onnxruntime.offline import read_graph
 
 ap = argparse.ArgumentParser()
 ap.add_argument("artifact"); ap.add_argument("text")
@@ -36,9 +35,8 @@ blocks = a.weights.removesuffix("block") if a.weights.endswith("block") else "in
 qdq.PER_CHANNEL = None if a.weights.endswith("block") else a.weights
 qdq.MIN_FIDELITY = qdq.MIN_FIDELITY_INT4 = -1.0; qdq.MAX_PERPLEXITY_RATIO = float("inf")  # measure, do not refuse
 art = Path(a.artifact); m = load_manifest(art)
-f = read_graph(art, m); G.fuse_rms_norms(f); G.float_embedding(f); n, folded = qdq.float_weights(f)
-sc = G.per_tensor_kv_scales(m.kv_scales.array("keys"), m.kv_scales.array("values"), m.cache.layers)
-G.uint8_kv(f, sc); qdq.floor_masks(f)
+f, _, sc, rot = qdq.a16_float_graph(art, m)  # the build's float graph: keys rotated where the build rotates them
+kv = sc if rot else None  # a16_feeds: the rotated cache's scales
 ids = Tokenizer.from_file(str(art / "tokenizer.json")).encode(Path(a.text).read_text()).ids[: a.tokens]
 t = time.time()
 with tempfile.TemporaryDirectory() as w:
@@ -49,7 +47,7 @@ print(f"QDQ graph: weights {a.weights}, {rw['float_weights']} matrices, {rw['off
 if a.save:
     onnx.save_model(q, a.save, save_as_external_data=True, location=Path(a.save).name + ".data")
 nll = lambda x: np.array([token_nll(x[i], ids[i + 1]) for i in range(len(ids) - 1)])  # noqa: E731
-lf, lq = a16_feeds.stream_logits(f, art, m, ids), a16_feeds.stream_logits(q, art, m, ids)
+lf, lq = a16_feeds.stream_logits(f, art, m, ids, kv), a16_feeds.stream_logits(q, art, m, ids, kv)
 ref, got = nll(lf), nll(lq)
 corr = np.corrcoef(lf.astype(np.float64).ravel(), lq.astype(np.float64).ravel())[0, 1]
 print(f"logit correlation, QDQ against float, over the stream: {corr:.5f}")

@@ -9,15 +9,13 @@ import sys, numpy as np, onnxruntime as ort, tempfile, onnx
 from pathlib import Path
 from tokenizers import Tokenizer
 from cabinlm.manifest import load_manifest
-from cabinlm.engines.qnn_htp import qdq, graph as G
-from cabinlm.engines.onnxruntime.offline import read_graph
+from cabinlm.engines.qnn_htp import qdq
 from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 art=Path(sys.argv[1]); m=load_manifest(art)
-f=read_graph(art,m); G.fuse_rms_norms(f); G.float_embedding(f); qdq.float_weights(f)
-sc=G.per_tensor_kv_scales(m.kv_scales.array("keys"), m.kv_scales.array("values"), m.cache.layers); G.uint8_kv(f, sc); qdq.floor_masks(f)
+f, _, sc, rot = qdq.a16_float_graph(art, m)  # the build's float graph: keys rotated where the build rotates them
 qdq.MIN_FIDELITY, qdq.MAX_PERPLEXITY_RATIO = -1.0, float("inf")  # measure, do not refuse
 ids=Tokenizer.from_file(str(art/"tokenizer.json")).encode(Path(sys.argv[2]).read_text()).ids[:129]
-feeds=qdq.calibration_feeds(f, art, m, ids)  # records feeds of this text (pinned head, chunks)
+feeds=qdq.calibration_feeds(f, art, m, ids, sc if rot else None)  # records feeds of this text (pinned head, chunks)
 fd=[x for x in feeds if x["input_ids"].shape[0]>1][0]
 print("feed tokens", fd["input_ids"].shape, flush=True)
 W=Path(tempfile.mkdtemp(prefix="smoldiag-"))

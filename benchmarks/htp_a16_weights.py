@@ -18,7 +18,7 @@ import sys, os, tempfile, numpy as np, onnx, onnxruntime as ort
 from pathlib import Path
 from cabinlm.manifest import load_manifest
 from cabinlm.engines.onnxruntime.offline import read_graph, fix_tokens
-from cabinlm.engines.qnn_htp import qdq, graph as G
+from cabinlm.engines.qnn_htp import qdq
 from cabinlm.engines.qnn_htp.builder import compile_graph, profile_provider
 from cabinlm.engines.qnn_htp import plugin as qp
 from cabinlm.profiles import load_profile
@@ -27,10 +27,9 @@ qdq.MIN_FIDELITY = qdq.MIN_FIDELITY_INT4 = -1.0; qdq.MAX_PERPLEXITY_RATIO = floa
 qdq.PER_CHANNEL = None if variant == "a16w4" else "int4" if variant.startswith("int4") else "int8" if variant.startswith("int8") else variant
 W=Path(tempfile.mkdtemp(prefix="a16-weights-")); art=Path(sys.argv[1]); m=load_manifest(art)
 # float reference with the same rewrites (uint8 cache I/O)
-f=read_graph(art,m); G.fuse_rms_norms(f); G.float_embedding(f); qdq.float_weights(f)
-sc=G.per_tensor_kv_scales(m.kv_scales.array("keys"), m.kv_scales.array("values"), m.cache.layers); G.uint8_kv(f, sc); qdq.floor_masks(f)
+f, _, kv_sc, rot = qdq.a16_float_graph(art, m)  # the build's float graph: keys rotated where the build rotates them
 ids,_=qdq.calibration_ids(art,m,None)
-feeds=[x for x in qdq.calibration_feeds(f, art, m, ids) if x["input_ids"].shape[0]==4][-8:]
+feeds=[x for x in qdq.calibration_feeds(f, art, m, ids, kv_sc if rot else None) if x["input_ids"].shape[0]==4][-8:]
 q,_,_,_=qdq.a16_graph(art,m,None,W,weights="int4" if variant=="a16w4" else "int8")
 if variant=="int4block":
     orig=read_graph(art,m); oc={t.name:t for t in orig.graph.initializer}

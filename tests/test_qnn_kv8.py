@@ -252,10 +252,14 @@ def test_a_session_saved_from_the_uint8_cache_resumes_the_same_stream(kv8_builds
     bytes and the next steps' logits are the uninterrupted dialogue's, bit for bit (the same binary,
     the same inputs; the first step re-rotates the sink / pinned keys from the restored copy). The
     cache is copied as bytes: nothing is re-quantized."""
+    session_resumes_the_same_stream(kv8_builds["sa8775p"], tmp_path)
+
+
+def session_resumes_the_same_stream(build, tmp_path) -> None:
+    """The session test above on any rotated-key uint8-cache build (test_qnn_a16's too)."""
     from cabinlm.runtime import Dialogue, Tokenizer
     from cabinlm.runtime.persist import load_session, save_session
 
-    build = kv8_builds["sa8775p"]
     tok = Tokenizer(build / load_manifest(build).files["tokenizer"].path)
     first = Dialogue(Decoder(build), tok, system="")
     dec = first.decoder
@@ -286,7 +290,11 @@ def test_the_sink_and_pinned_keys_are_their_copies_rotated_at_rank_plus_e(kv8_bu
     and float64 round a half differently), their un-rotated copy rotated at rank + E in float64,
     divided by the key tensor's one scale, rounded, + 128: the state the last step ran with. Rotated
     at the rank alone (E left out), the bytes differ."""
-    build = kv8_builds["sa8775p"]
+    sink_and_pinned_keys_are_rotated_at_rank_plus_e(kv8_builds["sa8775p"])
+
+
+def sink_and_pinned_keys_are_rotated_at_rank_plus_e(build) -> None:
+    """The test above on any rotated-key uint8-cache build (test_qnn_a16's too)."""
     m = load_manifest(build)
     dec = Decoder(build)
     rng = np.random.default_rng(5)

@@ -57,7 +57,7 @@ def build(
         "fp16", help="Snapdragon HTP builds: 'fp16' computes the float graph in fp16; 'a16' (experimental: SmolLM2 in "
         "the simulator 76.8 perplexity against 79.4 for fp16 and 73.6 on the CPU, its speed on a chip not measured, "
         "docs/benchmarks.md section 15) compiles a calibrated QDQ graph with "
-        "16-bit integer activations, symmetric weight blocks of 32 (--a16-weights) and the uint8 KV cache (needs an --kv int8 "
+        "16-bit integer activations, symmetric weight blocks of 32 (--a16-weights) and the uint8 KV cache of rotated keys (needs an --kv int8 "
         "export; HTP v73: sa8775p). docs/architecture.md \"16-bit activations on the HTP\"."),
     a16_weights: str = typer.Option(
         "int8", "--a16-weights", help="--activations a16: the weight matrices as symmetric blocks of 32, 'int8' (w8a16) "

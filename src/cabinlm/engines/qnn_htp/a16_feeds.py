@@ -17,13 +17,19 @@ import onnx
 DECODE_CALIB_TOKENS = 64  # the calibration text's last tokens fed one at a time (the decode graph's ranges)
 
 
-def cpu_decoder(model: onnx.ModelProto | bytes | str, artifact: Path, manifest):
+def cpu_decoder(model: onnx.ModelProto | bytes | str, artifact: Path, manifest, kv_scales: dict[str, float] | None = None):
     """The runtime (Decoder, the HTP backend's own contract: its slot table, masks, uint8 cache
     buffers, zero point 128 in empty slots) driving `model` (a graph with graph.uint8_kv's cache I/O,
     float or QDQ; a path, bytes or proto) on ONNX Runtime's CPU provider: what the HTP is fed, for
-    calibration_feeds and stream_fidelity. Returns (decoder, backend)."""
+    calibration_feeds and stream_fidelity. Returns (decoder, backend).
+
+    kv_scales: for a graph whose cache holds rotated keys (rotated_graph.rotate_cached_keys: it takes
+    rope_cos / rope_sin), the cache's {input name: scale}; the backend then feeds the chunk's rotation
+    rows and re-rotates the sink / pinned keys from their copy with the key tensors' scales, as on the
+    HTP. The export's manifest has no build facts, so the flag and the scales come from here."""
     import onnxruntime as ort
 
+    from cabinlm import io_spec as io
     from cabinlm.engines.qnn_htp.backend import LoadedGraphs, QnnBackend
     from cabinlm.runtime import Decoder, SlotTable
 
@@ -31,9 +37,17 @@ def cpu_decoder(model: onnx.ModelProto | bytes | str, artifact: Path, manifest):
     so.log_severity_level = 3
     src = model.SerializeToString() if isinstance(model, onnx.ModelProto) else model
     session = ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
+    rotated = io.ROPE_COS in {i.name for i in session.get_inputs()}
+    if rotated and kv_scales is None:
+        raise ValueError("this graph's cache holds rotated keys (it takes rope_cos / rope_sin): pass its kv_scales")
+    if not rotated and kv_scales is not None:
+        raise ValueError("this graph's cache holds un-rotated keys (no rope_cos input): kv_scales are for rotated keys only")
+    scales = dict(kv_scales or {})
 
     class OnCpu(QnnBackend):  # the HTP backend's own contract, its sessions the graph on the CPU
         cache_dtype = "uint8"  # graph.uint8_kv's cache
+        rotated_keys = rotated  # what the build's manifest would say (build.qnn.rotated_keys, kv_scales)
+        kv_scales = scales
 
     table = SlotTable(manifest.cache)
     backend = OnCpu(LoadedGraphs(manifest, session, session, False, []), table)
@@ -42,11 +56,12 @@ def cpu_decoder(model: onnx.ModelProto | bytes | str, artifact: Path, manifest):
     return dec, backend
 
 
-def calibration_feeds(model: onnx.ModelProto, artifact: Path, manifest, ids: list[int]) -> list[dict[str, np.ndarray]]:
+def calibration_feeds(model: onnx.ModelProto, artifact: Path, manifest, ids: list[int],
+                      kv_scales: dict[str, float] | None = None) -> list[dict[str, np.ndarray]]:
     """The feeds the runtime gives the graph over `ids` (prefill chunks, the cache filling, the window
     turning over where the text is longer than it), each with the cache as it was: the CPU runs the
-    float graph through the runtime's own backend (cpu_decoder)."""
-    dec, backend = cpu_decoder(model, artifact, manifest)
+    float graph through the runtime's own backend (cpu_decoder; kv_scales: a graph of rotated keys)."""
+    dec, backend = cpu_decoder(model, artifact, manifest, kv_scales)
     feeds: list[dict[str, np.ndarray]] = []
     for binding in (backend._prefill, backend._decode):
         run = binding.run
@@ -58,8 +73,9 @@ def calibration_feeds(model: onnx.ModelProto, artifact: Path, manifest, ids: lis
 
         binding.run = record
     lay = manifest.cache
-    # a pinned head first (a system prompt: the sink and pinned slots full), so the positions reach
-    # their largest rank (sink + pinned + window + chunk); then prefill chunks, then decode steps
+    # a pinned head first (a system prompt: the sink and pinned slots full), so an un-rotated graph's
+    # positions reach their largest rank (sink + pinned + window + chunk) and a rotated one's sink /
+    # pinned keys are re-rotated as the window evicts; then prefill chunks, then decode steps
     pinned, split = lay.sink + lay.pinned, len(ids) - DECODE_CALIB_TOKENS
     start = 0
     while start < split:
@@ -71,24 +87,26 @@ def calibration_feeds(model: onnx.ModelProto, artifact: Path, manifest, ids: lis
     return feeds
 
 
-def stream_logits(model: onnx.ModelProto | bytes | str, artifact: Path, manifest, ids: list[int]) -> np.ndarray:
+def stream_logits(model: onnx.ModelProto | bytes | str, artifact: Path, manifest, ids: list[int],
+                  kv_scales: dict[str, float] | None = None) -> np.ndarray:
     """(len(ids) - 1, vocab) logits of `model` fed ids[:-1] through the runtime on the CPU (cpu_decoder:
     prefill chunks from an empty cache, eviction once the window is full, as a dialogue runs)."""
-    dec, _ = cpu_decoder(model, artifact, manifest)
+    dec, _ = cpu_decoder(model, artifact, manifest, kv_scales)
     return dec.feed(np.asarray(ids[:-1]), all_logits=True)
 
 
-def stream_fidelity(reference: bytes, q: onnx.ModelProto, artifact: Path, manifest, ids: list[int]) -> dict:
+def stream_fidelity(reference: bytes, q: onnx.ModelProto, artifact: Path, manifest, ids: list[int],
+                    kv_scales: dict[str, float] | None = None) -> dict:
     """The QDQ graph q against the float graph (serialized, the same uint8 cache I/O), both fed `ids`
     through the runtime on ONNX Runtime's CPU provider (stream_logits): what the 16-bit ranges cost on
     text the calibration did not see, apart from the compiler (whose own faithfulness the build's
     decode check measures). A check on a calibration chunk cannot see a range that this text leaves
     (issue 33: 0.998 there, perplexity 3.8e9 on the stream). Returns {"correlation": logits over all
-    rows, "perplexity": (float graph, QDQ graph)}."""
+    rows, "perplexity": (float graph, QDQ graph)}. kv_scales: both graphs' cache holds rotated keys (cpu_decoder)."""
     from cabinlm.runtime import token_nll
 
-    ref = stream_logits(reference, artifact, manifest, ids)
-    got = stream_logits(q, artifact, manifest, ids)
+    ref = stream_logits(reference, artifact, manifest, ids, kv_scales)
+    got = stream_logits(q, artifact, manifest, ids, kv_scales)
     if not np.isfinite(got).all():
         return {"correlation": 0.0, "perplexity": (float("nan"), float("inf"))}
     corr = float(np.corrcoef(ref.astype(np.float64).ravel(), got.astype(np.float64).ravel())[0, 1])

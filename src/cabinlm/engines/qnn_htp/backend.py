@@ -81,8 +81,7 @@ class QnnBackend(ExportedGraphBackend):
             m, lay = self.manifest, self.layout
             L, H, _, D = lay.buffer_shape
             self.key_source = np.zeros((L, H, lay.sink + lay.pinned, D), dtype=np.float16)
-            qnn = m.runtime_spec.facts_as(QnnSettings)
-            scales = np.array([qnn.kv_scales[io.key_cache_name(i)] for i in range(L)], np.float32)  # one per tensor
+            scales = np.array([self.kv_scales[io.key_cache_name(i)] for i in range(L)], np.float32)  # one per tensor
             self.rotated = RotatedKeys(lay, self.keys, self.key_source, m.rotary.inv_freq, m.rotary.scale,
                                        np.broadcast_to(scales[:, None, None], (L, H, D)), zero_point=KV_ZERO_POINT)  # fmt: skip
 
@@ -97,6 +96,13 @@ class QnnBackend(ExportedGraphBackend):
         """The uint8 cache holds rotated keys (build.qnn.rotated_keys; module docstring)."""
         qnn = self.graphs.manifest.runtime_spec.facts_as(QnnSettings)
         return qnn is not None and qnn.rotated_keys
+
+    @property
+    def kv_scales(self) -> dict[str, float]:
+        """The uint8 cache's {cache input name: its one scale} (build.qnn.kv_scales); the rotated keys'
+        refresh rounds with the key tensors'."""
+        qnn = self.graphs.manifest.runtime_spec.facts_as(QnnSettings)
+        return qnn.kv_scales if qnn is not None else {}
 
     def _outputs(self, kv: np.dtype, kv_onnx: str) -> list[tuple[str, tuple, np.dtype, str]]:
         outs = super()._outputs(kv, kv_onnx)

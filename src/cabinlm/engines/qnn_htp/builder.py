@@ -36,7 +36,7 @@ from cabinlm.engines.qnn_htp.rotated_graph import rotate_cached_keys, rotated_ke
 from cabinlm.engines.qnn_htp import qdq
 from cabinlm.engines.qnn_htp.qdq import a16_graph, a16_refusal
 from cabinlm.engines.qnn_htp.vision_build import place_vision
-from cabinlm.engines.qnn_htp.spec import QNN_PROVIDER, SIMULATOR, QnnSettings, rotated_keys_possible, shares_weights
+from cabinlm.engines.qnn_htp.spec import QNN_PROVIDER, SIMULATOR, QnnSettings, builds_rotated_keys, shares_weights
 from cabinlm.engines.registry import BackendKind
 from cabinlm.manifest import Manifest
 
@@ -169,7 +169,8 @@ class QnnBuilder(Builder):
         t0 = time.perf_counter()
         # a vision-language model's camera encoder: its own context binary, or vision.onnx on the CPU (the reason recorded)
         vision = place_vision(output, profile, log) if manifest.vision is not None else {}
-        rotated_keys = False  # the uint8 cache's keys rotated (rotated_graph.py): fp16 activations only, below
+        # the uint8 cache's keys rotated when written (rotated_graph.py): an int8-KV text model without local layers
+        rotated_keys = builds_rotated_keys(manifest)
         if request.activations == "a16":  # the calibrated 16-bit QDQ graph (qdq.py), its uint8 cache tied as uint8_kv's
             with tempfile.TemporaryDirectory(prefix="cabinlm-a16-") as work:
                 model, rewrites, kv_scales, calibration = a16_graph(artifact, manifest, request.calib, Path(work), log,
@@ -179,10 +180,11 @@ class QnnBuilder(Builder):
             form = f"symmetric {request.a16_weights} blocks of 32" if rewrites["weight_blocks"] else f"{qdq.PER_CHANNEL} per channel"
             if request.a16_weights == "int4" and rewrites["weight_blocks_int8"]:
                 form += f" ({rewrites['weight_blocks_int8']} of them, the LM head, int8)"
+            keys = "; keys rotated when written, QK^T reading them 8-bit" if rotated_keys else ""
             log(f"the graph with 16-bit activations: {rewrites['float_weights']} weight matrices as {form} "
                 f"({rewrites['offsets_folded']} Q4_1 offsets folded in), the KV cache as uint8 (zero point {KV_ZERO_POINT}, one "
-                f"scale per tensor, the same in and out); on the CPU, through the runtime over {rewrites['fidelity_tokens']} held-out "
-                f"tokens, its logits follow the float graph's at correlation {rewrites['fidelity']:.4f}, perplexity {ppl_q:.4g} "
+                f"scale per tensor, the same in and out{keys}); on the CPU, through the runtime over {rewrites['fidelity_tokens']} "
+                f"held-out tokens, its logits follow the float graph's at correlation {rewrites['fidelity']:.4f}, perplexity {ppl_q:.4g} "
                 f"against {ppl_f:.4g} (16-bit activations are measured in Qualcomm's x86 simulator only, not on an SA8775P)")  # fmt: skip
         else:
             model = read_graph(artifact, manifest)
@@ -191,16 +193,14 @@ class QnnBuilder(Builder):
                 f"{rewrites['matmul_4bit']} 4-bit and {rewrites['matmul_8bit']} 8-bit weight matrices as MatMulNBits"
                 + (", the token table as a float gather" if rewrites["float_embedding"] else ""))  # fmt: skip
             kv_scales = {}
-            vlm = manifest.vision is not None
-            rotated_keys = rotated = rotated_keys_possible(lay, mrope=vlm and manifest.vision.mrope, vision=vlm)
             if lay.quantized:  # int8 KV (check): the uint8 cache, one calibrated scale per tensor (graph.uint8_kv)
-                scales_of = rotated_key_scales if rotated else per_tensor_kv_scales  # rotated: the keys' pair bound
+                scales_of = rotated_key_scales if rotated_keys else per_tensor_kv_scales  # rotated: the keys' pair bound
                 kv_scales = scales_of(manifest.kv_scales.array("keys"), manifest.kv_scales.array("values"), lay.layers)
                 uint8_kv(model, kv_scales)
-                if rotated:  # the cache holds keys rotated at their virtual positions (rotated_graph.py)
+                if rotated_keys:  # the cache holds keys rotated at their virtual positions (rotated_graph.py)
                     rotate_cached_keys(model, lay.head_dim)
                 log(f"the KV cache as uint8 (zero point {KV_ZERO_POINT}, one calibrated scale per tensor, the same in and out"
-                    + ("; keys rotated when written, the sink / pinned keys re-rotated by the runtime)" if rotated else ")"))  # fmt: skip
+                    + ("; keys rotated when written, the sink / pinned keys re-rotated by the runtime)" if rotated_keys else ")"))  # fmt: skip
         share = shares_weights(profile.htp_arch)
         with tempfile.TemporaryDirectory(prefix="cabinlm-htp-") as tmp:
             sources = []

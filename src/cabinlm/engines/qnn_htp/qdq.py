@@ -1,7 +1,8 @@
 """16-bit activations on the HTP (`cabinlm build --activations a16`, issue 33): the HTP-ready float
 graph of an int8-KV export made a calibrated QDQ graph, as Qualcomm's own v73 deployments run.
 
-    HTP-ready graph (graph.py: fused RMSNorms, float token table, the uint8 cache of uint8_kv)
+    HTP-ready graph (graph.py: fused RMSNorms, float token table, the uint8 cache of uint8_kv, its
+      keys rotated when written: rotated_graph.rotate_cached_keys, a16_float_graph)
       ─ weight blocks as float matrices (float_weights: exactly the export's dequantized blocks,
         a GGUF Q4_1 block's offset folded in: one MatMul of the true weights, not two that cancel)
       ─ calibration: the CPU runs the float graph over the calibration text, the runtime's own
@@ -18,7 +19,10 @@ Invariants: graph inputs and outputs keep their types (the runtime feeds float m
 float logits; their Quantize / Dequantize run on the HTP, CPU fallback off), so the runtime and its
 buffers are those of the uint8-cache fp16 build; the cache's uint8 codes enter the 16-bit graph
 through a DequantizeLinear with the cache's own scale, and the new K/V leave it through a
-QuantizeLinear with the same scale and zero point (strip_kv_io checks both).
+QuantizeLinear with the same scale and zero point (strip_kv_io checks both). With rotated keys the
+new keys are rotated before that QuantizeLinear and neither the cache nor the chunk's keys are
+rotated after their DequantizeLinear, so QK^T reads 8-bit keys (16-bit queries x 8-bit keys, as
+Qualcomm's own w4a16 graphs do; un-rotated keys would be rotated into 16-bit keys and a 16x16 matmul).
 """
 
 from __future__ import annotations
@@ -214,7 +218,10 @@ def float_kv_io(model: onnx.ModelProto, scales: dict[str, float]) -> dict[str, f
         value cache ─ DQ(1, 128) ─ Mul 1 ... probabilities ─ Mul s         ->  value cache (float) ... probabilities
 
     Returns {tensor: scale} for every cache input and new K/V output (the input's and its output's
-    scale the same number: tied). A multiplier that is not the tensor's scale: BuildError."""
+    scale the same number: tied), and the output of a Transpose that is a cache input's only reader
+    (rotated keys: key_cache ─ Transpose ─ QK^T): the quantizer leaves a Transpose of an unquantized
+    input float, so its output is quantized only where QK^T reads it, and with this override as the
+    cache's uint8. A multiplier that is not the tensor's scale: BuildError."""
     from cabinlm import io_spec as io
 
     g = model.graph
@@ -255,6 +262,9 @@ def float_kv_io(model: onnx.ModelProto, scales: dict[str, float]) -> dict[str, f
             m_cache = read_back(dq_c.output[0], s, cache == io.value_cache_name(i))
             _rewire(g, m_cache, cache)
             out[cache] = out[new] = s
+            readers = [n for n in g.node if cache in n.input and n.name not in drop]
+            if all(n.op_type == "Transpose" for n in readers):  # rotated keys: the cache straight into QK^T
+                out.update((n.output[0], s) for n in readers)  # stays uint8 there (strip_kv_io adds its DQ)
         s_v = f"{io.value_cache_name(i)}.u8_scale"  # the probabilities over the cached values scaled by s
         for mul in [n for n in g.node if n.op_type == "Mul" and s_v in n.input and n.name not in drop]:
             drop.add(mul.name)
@@ -293,12 +303,24 @@ def strip_kv_io(model: onnx.ModelProto, scales: dict[str, float]) -> None:
                              f"{KV_ZERO_POINT} ({n.name}); report this")  # fmt: skip
 
     for t in g.input:
-        if t.name in scales:
-            (q,) = users[t.name]
+        if t.name not in scales:
+            continue
+        readers = users[t.name]
+        if all(n.op_type == "Transpose" and n.output[0] in scales for n in readers):
+            # read only by Transposes (float_kv_io: rotated keys), which the quantizer left float: the
+            # cache's DequantizeLinear added here, so QK^T reads DQ ─ Transpose ─ Q ─ DQ, uint8 throughout
+            dq, scale, zp = f"{t.name}/dq", f"{t.name}/u8_scale", f"{t.name}/u8_zero_point"
+            g.initializer.extend([numpy_helper.from_array(np.array(scales[t.name], np.float32), scale),
+                                  numpy_helper.from_array(np.array(KV_ZERO_POINT, np.uint8), zp)])  # fmt: skip
+            g.node.insert(0, onnx.helper.make_node("DequantizeLinear", [t.name, scale, zp], [dq], name=f"htp/{dq}"))
+            for n in readers:
+                n.input[0] = dq
+        else:
+            (q,) = readers
             check(q, t.name)
             drop.add(q.name)
             _rewire(g, q.output[0], t.name)
-            t.type.tensor_type.elem_type = onnx.TensorProto.UINT8
+        t.type.tensor_type.elem_type = onnx.TensorProto.UINT8
     for t in g.output:
         if t.name in scales:
             dq = producer[t.name]
@@ -372,25 +394,43 @@ MIN_FIDELITY_INT4 = 0.85
 MAX_PERPLEXITY_RATIO = 1.25  # the QDQ graph's perplexity over the float graph's, the same text
 
 
-def a16_graph(artifact: Path, manifest, calib: Path | None, workdir: Path, log: Callable[[str], None] = lambda s: None,
-              weights: str = "int8") -> tuple[onnx.ModelProto, dict, dict[str, float], dict]:
-    """The whole pipeline (module docstring) for an int8-KV export, its matrices `weights` blocks
-    (a16_weights.WEIGHT_FORMATS). Returns (the QDQ graph, the rewrites' counts, the cache's
-    {input name: scale}, the calibration's record for the manifest)."""
-    if weights not in WEIGHT_FORMATS:
-        raise BuildError(f"--a16-weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
+def a16_float_graph(artifact: Path, manifest) -> tuple[onnx.ModelProto, dict, dict[str, float], bool]:
+    """The float graph the quantizer calibrates (the module docstring's first steps): the HTP-ready
+    rewrites, the float matrices, the uint8 cache (graph.uint8_kv) holding rotated keys where the
+    layout allows (spec.builds_rotated_keys: rotated_graph.rotate_cached_keys, the keys' scales the
+    rotation pairs' bound), the masks floored. Returns (graph, rewrites' counts, the cache's
+    {input name: scale}, whether it holds rotated keys)."""
     from cabinlm.engines.onnxruntime.offline import read_graph
     from cabinlm.engines.qnn_htp.graph import float_embedding, fuse_rms_norms, per_tensor_kv_scales, uint8_kv
+    from cabinlm.engines.qnn_htp.rotated_graph import rotate_cached_keys, rotated_key_scales
+    from cabinlm.engines.qnn_htp.spec import builds_rotated_keys
 
     lay = manifest.cache
     model = read_graph(artifact, manifest)
     rewrites = {"rms_norms": fuse_rms_norms(model), "float_embedding": int(float_embedding(model))}
     rewrites["float_weights"], rewrites["offsets_folded"] = float_weights(model)
-    scales = per_tensor_kv_scales(manifest.kv_scales.array("keys"), manifest.kv_scales.array("values"), lay.layers)
+    rotated = builds_rotated_keys(manifest)
+    scales_of = rotated_key_scales if rotated else per_tensor_kv_scales
+    scales = scales_of(manifest.kv_scales.array("keys"), manifest.kv_scales.array("values"), lay.layers)
     uint8_kv(model, scales)
+    if rotated:  # the cache's keys rotated when written: QK^T reads the 8-bit keys as the cache holds them
+        rotate_cached_keys(model, lay.head_dim)
     rewrites["masks_floored"] = len(floor_masks(model))
+    return model, rewrites, scales, rotated
+
+
+def a16_graph(artifact: Path, manifest, calib: Path | None, workdir: Path, log: Callable[[str], None] = lambda s: None,
+              weights: str = "int8") -> tuple[onnx.ModelProto, dict, dict[str, float], dict]:
+    """The whole pipeline (module docstring) for an int8-KV export, its matrices `weights` blocks
+    (a16_weights.WEIGHT_FORMATS). Returns (the QDQ graph, the rewrites' counts, the cache's
+    {input name: scale}, the calibration's record for the manifest). The cache holds rotated keys
+    where spec.builds_rotated_keys says so (a16_float_graph)."""
+    if weights not in WEIGHT_FORMATS:
+        raise BuildError(f"--a16-weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
+    model, rewrites, scales, rotated = a16_float_graph(artifact, manifest)
+    rotated_scales = scales if rotated else None  # the runtime's refresh on the CPU rounds with them (a16_feeds)
     ids, source = calibration_ids(artifact, manifest, calib)
-    feeds = calibration_feeds(model, artifact, manifest, ids)
+    feeds = calibration_feeds(model, artifact, manifest, ids, rotated_scales)
     reference = model.SerializeToString()  # the float graph, uint8 cache I/O: the fidelity check's reference
     kv = float_kv_io(model, scales)
     for f in feeds:  # the recorded uint8 cache as the float cache the quantizer's graph reads
@@ -402,7 +442,7 @@ def a16_graph(artifact: Path, manifest, calib: Path | None, workdir: Path, log: 
     rewrites.update(blocks)
     del feeds, model
     held = held_out_ids(artifact, manifest, calib)
-    fid = stream_fidelity(reference, q, artifact, manifest, held)
+    fid = stream_fidelity(reference, q, artifact, manifest, held, rotated_scales)
     corr, (ppl_f, ppl_q) = fid["correlation"], fid["perplexity"]
     bar = MIN_FIDELITY_INT4 if weights == "int4" else MIN_FIDELITY
     if corr < bar or not ppl_q <= ppl_f * MAX_PERPLEXITY_RATIO:

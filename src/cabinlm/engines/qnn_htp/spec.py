@@ -58,6 +58,13 @@ def rotated_keys_possible(layout, mrope: bool = False, vision: bool = False) -> 
     return layout.quantized and not (mrope or vision or layout.image or layout.local_layers)
 
 
+def builds_rotated_keys(manifest) -> bool:
+    """Whether an HTP build of this export caches rotated keys: rotated_keys_possible for its layout and
+    vision (fp16 and 16-bit activations alike). builder.py and qdq.a16_float_graph both ask here."""
+    vlm = manifest.vision is not None
+    return rotated_keys_possible(manifest.cache, mrope=vlm and manifest.vision.mrope, vision=vlm)
+
+
 def key_source_bytes(layout) -> int:
     """The fp16 un-rotated copy of the sink and pinned keys a rotated-key uint8 cache keeps beside
     it (engines/qnn_htp/backend.py): (layers, kv_heads, sink + pinned, head_dim) x 2 bytes."""
