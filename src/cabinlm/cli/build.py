@@ -55,14 +55,16 @@ def build(
         "'onnxruntime' keeps MatMulNBits (as --minimums says); 'auto' takes cabinlm's where that CPU has AVX-512 VNNI."),
     activations: str = typer.Option(
         "fp16", help="Snapdragon HTP builds: 'fp16' computes the float graph in fp16; 'a16' (experimental: SmolLM2 in "
-        "the simulator 76.8 perplexity against 79.4 for fp16 and 73.6 on the CPU, its speed on a chip not measured, "
+        "the simulator 77.0 perplexity against 76.1 for fp16 (both with --kv int8's cache) and 73.6 on the CPU, its "
+        "speed on a chip not measured, "
         "docs/benchmarks.md section 15) compiles a calibrated QDQ graph with "
         "16-bit integer activations, symmetric weight blocks of 32 (--a16-weights) and the uint8 KV cache of rotated keys (needs an --kv int8 "
         "export; HTP v73: sa8775p). docs/architecture.md \"16-bit activations on the HTP\"."),
     a16_weights: str = typer.Option(
         "int8", "--a16-weights", help="--activations a16: the weight matrices as symmetric blocks of 32, 'int8' (w8a16) "
         "or 'int4' (w4a16: int4 codes, the LM head int8 blocks; SmolLM2 in the simulator 81.2 perplexity against 76.8 for "
-        "int8, a 153 MB binary against 206 MB; nothing ran on an SA8775P). docs/benchmarks.md section 15."),
+        "int8, both measured with un-rotated keys, a 153 MB binary against 206 MB; nothing ran on an SA8775P). "
+        "docs/benchmarks.md section 15."),
     calib: Optional[Path] = typer.Option(None, help="--activations a16: calibration text (UTF-8, at least 256 tokens) "
                                          "[default: the built-in prose + in-car dialogue mix, as export's --calib]."),
 ) -> None:
