@@ -48,11 +48,11 @@ on_arm = pytest.mark.skipif(not ON_ARM, reason="runs on aarch64: `make test-arm`
 
 
 def matmul_outputs(library: Path) -> dict[str, np.ndarray]:
-    """BlockQ4MatMul and BlockQ4SwiGLUMatMul through `library` on fixed cases (K x N = 64 x 16,
-    160 x 64, 576 x 48; 1, 2, 3 and 7 rows; a block of zeros): {name: y}, and {name + "/x": x}."""
+    """BlockQ4MatMul, BlockQ4SwiGLUMatMul and BlockQ8MatMul through `library` on fixed cases (K x N =
+    64 x 16, 160 x 64, 576 x 48; 1, 2, 3 and 7 rows; a block of zeros): {name: y}, and {name + "/x": x}."""
     from test_kernels import _matmul_session, _q4_case
 
-    from cabinlm.engines.ort_fused.block_layouts import block_q4_layout
+    from cabinlm.engines.ort_fused.block_layouts import block_q4_layout, block_q8_layout
 
     out = {}
     for K, N in ((64, 16), (160, 64), (576, 48)):
@@ -65,6 +65,15 @@ def matmul_outputs(library: Path) -> dict[str, np.ndarray]:
                 x[0, 0, :32] = 0.0  # a block of zeros: scale 0
                 name = f"{K}x{N}{'-swiglu' if swiglu else ''}-{rows}"
                 out[name], out[name + "/x"] = session.run(None, {"x": x})[0], x
+        # BlockQ8MatMul, the LM head's kernel, on the same shapes
+        from test_block_q8 import _q8_case
+
+        head = _matmul_session(block_q8_layout(*_q8_case(K, N, seed=K * N)), library, op=kernels.Q8_MATMUL_OP)
+        for rows in (1, 2, 3, 7):
+            x = (rng.standard_normal((1, rows, K)) * 2).astype(np.float32)
+            x[0, 0, :32] = 0.0
+            name = f"{K}x{N}-q8-{rows}"
+            out[name], out[name + "/x"] = head.run(None, {"x": x})[0], x
     return out
 
 

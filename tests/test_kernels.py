@@ -247,9 +247,11 @@ def _q4_case(K: int, N: int, seed: int = 0):
     return q, d, m
 
 
-def _matmul_session(blob: np.ndarray, library, width: int | str | None = None, swiglu: bool = False) -> ort.InferenceSession:
+def _matmul_session(blob: np.ndarray, library, width: int | str | None = None, swiglu: bool = False,
+                    op: str | None = None) -> ort.InferenceSession:  # fmt: skip
     T, nb, _ = blob.shape
-    node = helper.make_node(kernels.SWIGLU_MATMUL_OP if swiglu else kernels.MATMUL_OP, ["x", "w"], ["y"], domain=kernels.DOMAIN)
+    op = op or (kernels.SWIGLU_MATMUL_OP if swiglu else kernels.MATMUL_OP)
+    node = helper.make_node(op, ["x", "w"], ["y"], domain=kernels.DOMAIN)
     g = helper.make_graph([node], "matmul", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "n", width or nb * 32 * (2 if swiglu else 1)])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
                           [onnx.numpy_helper.from_array(blob, "w")])  # fmt: skip

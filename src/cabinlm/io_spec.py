@@ -369,7 +369,7 @@ def seat_name(name: str, seat: int) -> str:
 HIDDEN = "hidden"  # the final norm's rows, which the LM head turns into logits
 
 
-def seats_io(io: DecoderIO, seats: int, hidden_size: int) -> DecoderIO:
+def seats_io(io: DecoderIO, seats: int, hidden_size: int, head: bool = False) -> DecoderIO:
     """The contract of a graph that runs `seats` seats' chunks in one run, from the one-seat contract
     `io` (fused_decoder_io(steps=True)). The seats' rows are stacked, seat 0's first, through every
     weight matmul; the attention reads each seat's own inputs:
@@ -382,6 +382,8 @@ def seats_io(io: DecoderIO, seats: int, hidden_size: int) -> DecoderIO:
     outputs
       hidden          float  (rows, hidden_size)  the final norm of those rows: the LM head's input
                                                   (head_io: one LM head graph for every batch size)
+        or, with head (the head in the graph itself: cabinlm's BlockQ8MatMul)
+      logits          float  (rows, vocab)        as `io`, those rows' logits
       qkv.{l}         float  (1, tokens, width)   as `io`, the stacked rows"""
     if seats < 2:
         raise ValueError(f"a batched graph runs 2 or more seats, got {seats}")
@@ -393,7 +395,7 @@ def seats_io(io: DecoderIO, seats: int, hidden_size: int) -> DecoderIO:
     inputs = [t for t in io.inputs if t.name in SHARED_BY_SEATS] + [TensorSpec(SEAT_TOKENS, "int64", (seats,))]
     for s in range(seats):
         inputs += [own(t, s) for t in io.inputs if t.name not in SHARED_BY_SEATS]
-    outputs = [TensorSpec(HIDDEN, "float", ("rows", hidden_size)) if t.name == LOGITS else t for t in io.outputs]
+    outputs = [TensorSpec(HIDDEN, "float", ("rows", hidden_size)) if t.name == LOGITS and not head else t for t in io.outputs]
     return DecoderIO(tuple(inputs), tuple(outputs))
 
 

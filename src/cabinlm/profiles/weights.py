@@ -130,6 +130,10 @@ def held_weights(fmt: WeightFormat | str, build: str = FUSED, *, block_minimums:
     if not block_minimums:
         return HeldWeights(build, 4 + scale + 4 / BLOCK, head_bits, "MatMulNBits 4-bit blocks")
     if matmul_kernel == "cabinlm":  # nothing prepacked at load: the mapped gather copy is read one row per token
+        # The int8 head on cabinlm's BlockQ8MatMul: its tiles hold float32 scales of their own beside the
+        # table's, which a tied embedding gathers (one bit more per head weight; an untied head's table
+        # has none: an upper estimate there).
+        head_bits += scale if head == "int8" else 0.0
         return HeldWeights(build, 4 + 2 * 16 / BLOCK, head_bits, "cabinlm BlockQ4 (4-bit, fp16 scale + minimum)",
                            gather_copy=False)
     if minimums == "int8":
@@ -155,9 +159,12 @@ TOKENIZER_BYTES_PER_FILE_BYTE = 9
 ACTIVATION_FACTOR = {EXPORT: 2.0, GRAPH: 3.0, FUSED: 1.0, STATIC: 3.0}
 
 
-# Seats decoding together (a fused build's batched graphs, FusedSettings.seat_batches): the LM head is
-# a graph of its own, and ONNX Runtime keeps a packed copy of its 8-bit matrix in that session (38 MB for
-# SmolLM2's 28 MB of head codes, docs/benchmarks.md section 20): bytes per head code.
+# Seats decoding together (a fused build's batched graphs, FusedSettings.seat_batches) with the LM head
+# on MatMulNBits: the head is a graph of its own, and ONNX Runtime keeps a packed copy of its 8-bit
+# matrix in that session (38 MB for SmolLM2's 28 MB of head codes, docs/benchmarks.md section 20): bytes
+# per head code. A build whose head runs on cabinlm's BlockQ8MatMul (a CPU with AVX-512 VNNI or Arm's dot
+# product, FusedSettings.head_kernel) holds no copy; the plan, made before the build knows its CPU's
+# kernels, counts the copy: an upper estimate there (the runtime's seat limit counts what the build holds).
 PACKED_HEAD_BYTES_PER_CODE = 1.35
 
 

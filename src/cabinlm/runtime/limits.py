@@ -74,14 +74,15 @@ def seat_bytes(manifest: Manifest) -> int:
 def together_bytes(manifest: Manifest) -> int:
     """What a build whose seats decode together (FusedSettings.seat_batches) holds once beyond its files:
     ONNX Runtime's packed copy of the LM head in the head graph's session (profiles/weights.packed_head_bytes,
-    as the planner counts it), and the idle seat that fills a batched run's empty places (one
-    seat_bytes). 0 for any other build."""
+    as the planner counts it; none where the head is cabinlm's BlockQ8MatMul, which every graph reads in
+    place), and the idle seat that fills a batched run's empty places (one seat_bytes). 0 for any other build."""
     from cabinlm.engines.ort_fused.spec import FusedSettings
 
     facts = manifest.runtime_spec.facts_as(FusedSettings) if manifest.build is not None else None
     if facts is None or not facts.seat_batches:
         return 0
-    return packed_head_bytes(manifest.model) + seat_bytes(manifest)
+    head = 0 if facts.head_kernel == "cabinlm" else packed_head_bytes(manifest.model)
+    return head + seat_bytes(manifest)
 
 
 def seat_limit(manifest: Manifest, available: int | None = None) -> SeatLimit:

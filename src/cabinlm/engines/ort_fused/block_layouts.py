@@ -40,6 +40,24 @@ def block_q4_layout(q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> np.
     return np.ascontiguousarray(np.concatenate([codes, d, m], axis=2))
 
 
+def block_q8_layout(q: np.ndarray, scale: np.ndarray) -> np.ndarray | None:
+    """Symmetric int8 blocks (w = s * q, q in -127..127) in the layout of cabinlm's BlockQ8MatMul
+    (kernels/block_q8_matmul.cc): per tile of 16 columns and block of 32 rows, 512 bytes of codes
+    (byte 64 j + 4 c + i holds column c's row 4 j + i, as q + 128), then the 16 scales as float32.
+    The same codes and scales as the export; None where the shape is not tiles of 16 columns by
+    blocks of 32 rows or a code is -128 (then the kernel does not apply).
+
+    q (K, N) int8 codes; scale (K / 32, N). Returns uint8 (N / 16, K / 32, 576)."""
+    K, N = q.shape
+    if N % 16 or K % BLOCK or q.dtype != np.int8 or (q == -128).any():
+        return None
+    T, nb = N // 16, K // BLOCK
+    c = (q.astype(np.int16) + 128).astype(np.uint8).reshape(nb, 8, 4, T, 16)  # (block, j, i, tile, column)
+    codes = c.transpose(3, 0, 1, 4, 2).reshape(T, nb, 512)  # byte 64 j + 4 c + i
+    s = np.ascontiguousarray(scale, dtype=np.float32).reshape(nb, T, 16).transpose(1, 0, 2).copy().view(np.uint8)
+    return np.ascontiguousarray(np.concatenate([codes, s.reshape(T, nb, 64)], axis=2))
+
+
 def q4_1_as_int8(q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """GGUF Q4_1 blocks (w = d * q + m, q in 0..15) re-expressed as 8-bit blocks with an integer zero
     point, w' = s * (q8 - z), without a block-sum kernel for the minimum.

@@ -17,7 +17,7 @@ from cabinlm.buildspec import BuildSpec, OptimizationLevel
 from cabinlm.engines.builder import Builder, BuildError, BuildRequest
 from cabinlm.engines.onnxruntime.offline import OPT_DATA, OPT_GRAPH, log_weights, optimize_offline, read_graph
 from cabinlm.engines.ort_fused import graph as fused_graph
-from cabinlm.engines.ort_fused.kernels import FAST_MATMUL_ISAS, LIBRARY, MATMUL_OP, SWIGLU_MATMUL_OP, host_machine
+from cabinlm.engines.ort_fused.kernels import FAST_MATMUL_ISAS, LIBRARY, MATMUL_OP, Q8_MATMUL_OP, SWIGLU_MATMUL_OP, host_machine
 from cabinlm.engines.ort_fused.head_graph import head_model
 from cabinlm.engines.ort_fused.kernels.compiler import registrable
 from cabinlm.engines.ort_fused.spec import FusedSettings, KernelLibrary
@@ -179,12 +179,15 @@ def _seat_graphs(request: BuildRequest, output: BuildOutput, graph: onnx.ModelPr
         onnx.save_model(shared, str(output.path(file)))
         output.add(role, file)
 
-    write(head_model(solo, manifest), HEAD_GRAPH, "graph_head")
+    own_head = any(n.op_type == Q8_MATMUL_OP for n in solo.graph.node)
+    if not own_head:  # MatMulNBits: packed once per session, so the batched graphs share one head graph
+        write(head_model(solo, manifest), HEAD_GRAPH, "graph_head")
     for b in batches:
         write(fused_graph.fused_model(graph, manifest, request.options.accuracy_level, request.options.minimums, kernel,
                                       matmul, seats=b), seats_graph_file(b), f"graph_seats{b}")  # fmt: skip
+    head = "each with the LM head" if own_head else "and their LM head"
     request.log(f"seats decode together: batched graphs for {', '.join(map(str, batches))} seats (one attention per "
-                "seat over its own cache) and their LM head, every graph reading one map of the weights")  # fmt: skip
+                f"seat over its own cache) {head}, every graph reading one map of the weights")  # fmt: skip
     return batches, base
 
 
@@ -232,10 +235,14 @@ class FusedBuilder(Builder):
         op = f"cabinlm's {own_op}" if kernel == "cabinlm" else "GroupQueryAttention"
         mm = "BlockQ4MatMul for the Q4_1 matrices, " if any(n.op_type in (MATMUL_OP, SWIGLU_MATMUL_OP) for n in model.graph.node) else ""
         log(f"fused the decoder: {len(model.graph.node)} nodes (the export has {len(graph.graph.node)}), "
-            f"{op} over {manifest.cache.kv_dtype.value} KV, {mm}MatMulNBits accuracy level {opts.accuracy_level}")
+            f"{op} over {manifest.cache.kv_dtype.value} KV, {mm}" + (f"MatMulNBits accuracy level {opts.accuracy_level}"
+            if any(n.op_type == "MatMulNBits" for n in model.graph.node) else "no MatMulNBits"))  # fmt: skip
         own = sum(n.op_type in (MATMUL_OP, SWIGLU_MATMUL_OP) for n in model.graph.node)
         if own:
             log(f"{own} Q4_1 matrices: cabinlm's BlockQ4MatMul ({library.matmul_isa}), 4-bit codes and minimums as exported")
+        head_kernel = "cabinlm" if any(n.op_type == Q8_MATMUL_OP for n in model.graph.node) else "onnxruntime"
+        if head_kernel == "cabinlm":
+            log(f"the LM head: cabinlm's BlockQ8MatMul ({library.matmul_isa}), its int8 blocks read in place (no packed copy)")
         on_nbits = q4_1 - own
         if on_nbits:
             if matmul == "cabinlm":
@@ -257,7 +264,8 @@ class FusedBuilder(Builder):
         del graph, model
         facts = FusedSettings(accuracy_level=opts.accuracy_level, minimums=opts.minimums.value,
                               attention_kernel=kernel, matmul_kernel=matmul, kernels=library,
-                              step_rows=kernel == "cabinlm", seat_batches=batches, shared_weights=shared)  # fmt: skip
+                              step_rows=kernel == "cabinlm", seat_batches=batches, shared_weights=shared,
+                              head_kernel=head_kernel)  # fmt: skip
         output.add("graph", OPT_GRAPH)
         output.add("graph_data", OPT_DATA)
         log(f"optimized the graph offline for {request.profile.execution_provider}")

@@ -59,7 +59,7 @@ from onnx import TensorProto, helper
 from cabinlm import io_spec
 from cabinlm import manifest as mf
 from cabinlm.engines.builder import BuildError
-from cabinlm.engines.ort_fused.block_layouts import BLOCK, block_q4_layout, pack4, q4_1_as_int8
+from cabinlm.engines.ort_fused.block_layouts import BLOCK, block_q4_layout, block_q8_layout, pack4, q4_1_as_int8
 from cabinlm.engines.ort_fused.node_builder import ExportedWeights, NodeBuilder
 from cabinlm.layout import KVDType
 from cabinlm.manifest import Manifest
@@ -105,7 +105,9 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
     matmul_kernel (builders.MatmulKernel): "cabinlm" runs each Q4_1 matrix whose scales and minimums
     are float16 (a GGUF's always are) on ai.cabinlm::BlockQ4MatMul (kernels/block_q4_matmul.cc),
     its 4-bit codes and minimums as exported, the down projection as BlockQ4SwiGLUMatMul (the SwiGLU
-    computed in its kernel); `minimums` then applies to any other Q4_1 matrix.
+    computed in its kernel); `minimums` then applies to any other Q4_1 matrix. It also runs the LM
+    head's symmetric int8 blocks on ai.cabinlm::BlockQ8MatMul (kernels/block_q8_matmul.cc), in the
+    batched graphs too (then they end in logits, not at the final norm: no head graph of their own).
 
     seats: 0, the one-seat graph; 2 or more, the batched graph of that many seats (io_spec.seats_io,
     cabinlm's attention kernel only): the seats' rows stacked through every weight matmul, norm and
@@ -144,6 +146,20 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
             return None
         own_ops = True
         return b.weight(f"{name}.blocks", blob)
+
+    def own_head() -> str | None:
+        """The LM head's symmetric int8 blocks laid out for cabinlm's BlockQ8MatMul (its initializer:
+        every graph of the build reads it in place), or None where the head runs on MatMulNBits
+        (matmul_kernel "onnxruntime", or a head with zero points, minimums or another shape)."""
+        nonlocal own_ops
+        if (matmul_kernel != MatmulKernel.CABINLM or not W.has("lm_head.q") or W.has("lm_head.zero_point")
+                or W.has("lm_head.offset")):  # fmt: skip
+            return None
+        blob = block_q8_layout(W.get("lm_head.q"), W.get("lm_head.scale").astype(np.float32))
+        if blob is None:
+            return None
+        own_ops = True
+        return b.weight("lm_head.blocks8", blob)
 
     def linear(x: str, name: str, out: str | None = None, bias: str | None = None) -> str:
         """x (1, tokens, K) @ W: a GGUF Q4_1 matrix on cabinlm's BlockQ4MatMul (matmul_kernel
@@ -205,20 +221,32 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
 
     own_ops_allowed = spec.activation == "silu"  # BlockQ4SwiGLUMatMul computes SiLU(gate) * up inside
     # Embedding: as exported (a float table, or int8 / int4 rows scaled per block). A tied int8 table
-    # (Gemma 3's 262k x 640 is 168 MB) is held once: the output projection's MatMulNBits blocks are
-    # (vocab, D / 32, 32) codes + 128 and (vocab, D / 32) scales, row v being token v's embedding, so
-    # the embedding gathers its rows from them instead of from a second copy.
+    # (Gemma 3's 262k x 640 is 168 MB) is held once: the output projection's blocks (BlockQ8MatMul's
+    # tiles, or MatMulNBits' (vocab, D / 32, 32) codes + 128) hold token v's embedding as column v, and
+    # (vocab, D / 32) scales beside them, so the embedding gathers its rows from them, not a second copy.
     ids = mf.INPUT_IDS
     int8_blobs: dict[str, tuple[str, str]] = {}
     tied_int8 = (spec.tie_embeddings and W.has("lm_head.q") and W.get("lm_head.q").dtype == np.int8
                  and not W.has("lm_head.zero_point") and not W.has("lm_head.offset"))  # fmt: skip
+    head8 = own_head()  # the LM head on BlockQ8MatMul (None: on MatMulNBits)
     if tied_int8:
         q = W.get("lm_head.q")  # (D, V)
         nb, V = D // BLOCK, q.shape[1]
-        blob = b.weight("lm_head.nbits", (q.T.astype(np.int16) + 128).astype(np.uint8).reshape(V, nb, BLOCK))
         scales = b.weight("lm_head.nbits_scale", np.ascontiguousarray(W.get("lm_head.scale").astype(np.float32).T))
-        int8_blobs["lm_head"] = (blob, scales)
-        rows = b.op("Cast", b.op("Gather", blob, ids, axis=0), to=TensorProto.FLOAT)  # (T, nb, 32)
+        if head8 is not None:
+            # token v's codes from BlockQ8MatMul's tiles: tile v // 16, byte 64 j + 4 (v % 16) + i of
+            # each block for its row 4 j + i (block_q8_layout), gathered without a second copy
+            k = np.arange(BLOCK)
+            within = np.broadcast_to(64 * (k // 4) + k % 4, (1, nb, BLOCK)).astype(np.int64)
+            tiles = b.op("Gather", head8, b.op("Div", ids, b.const(np.array(16, np.int64))), axis=0)  # (T, nb, 576)
+            column = b.op("Mul", b.op("Mod", ids, b.const(np.array(16, np.int64))), b.const(np.array(4, np.int64)))
+            at = b.op("Add", b.op("Reshape", column, b.const(np.array([-1, 1, 1], np.int64))), b.const(within))
+            codes = b.op("GatherElements", tiles, at, axis=2, hint="embed_codes")  # (T, nb, 32)
+        else:
+            blob = b.weight("lm_head.nbits", (q.T.astype(np.int16) + 128).astype(np.uint8).reshape(V, nb, BLOCK))
+            int8_blobs["lm_head"] = (blob, scales)
+            codes = b.op("Gather", blob, ids, axis=0)  # (T, nb, 32)
+        rows = b.op("Cast", codes, to=TensorProto.FLOAT)
         rows = b.op("Sub", rows, b.const(np.array(128.0, np.float32)))
         rows = b.op("Mul", rows, b.op("Unsqueeze", b.op("Gather", scales, ids, axis=0), b.const(np.array([2], np.int64))))
         x = b.op("Reshape", rows, b.const(np.array([1, -1, D], np.int64)), hint="embed")
@@ -376,7 +404,10 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
     x = b.op("Gather", x, mf.LOGIT_ROWS, axis=0, hint="logit_rows")
     h = b.op("SimplifiedLayerNormalization", x, float_weight("final_norm.weight"), axis=-1, epsilon=eps, stash_type=1,
              out=io_spec.HIDDEN)  # fmt: skip
-    if seats:
+    head = head8
+    if head is not None:  # in every graph, the batched ones included: the kernel reads the blocks in place
+        b.op(kernels.Q8_MATMUL_OP, h, head, domain=kernels.DOMAIN, out=mf.LOGITS, hint="lm_head")
+    elif seats:
         pass  # a batched graph ends at the rows' final norm: the LM head runs apart (head_model)
     elif W.has("lm_head.q"):
         linear(h, "lm_head", out=mf.LOGITS)
@@ -390,7 +421,7 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
         _rotation(b, lay, mf.REFRESH_SOURCE, mf.REFRESH_POSITION_IDS, mf.REFRESH_COS, mf.REFRESH_SIN, mf.REFRESH_KEYS)
     io = mf.fused_decoder_io(lay, H, spec.vocab_size, present=not own_kernel, steps=own_kernel, embed_dim=embed_dim)
     if seats:
-        io = io_spec.seats_io(io, seats, D)
+        io = io_spec.seats_io(io, seats, D, head=head is not None)
     elem = {"float": TensorProto.FLOAT, "int64": TensorProto.INT64, "int32": TensorProto.INT32,
             "int8": TensorProto.INT8, "bool": TensorProto.BOOL}  # fmt: skip
     inputs = [helper.make_tensor_value_info(t.name, elem[t.dtype], list(t.shape)) for t in io.inputs]

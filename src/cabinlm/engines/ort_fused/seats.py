@@ -1,12 +1,13 @@
 """Seats decoding together on the fused cpu build: several seats' chunks in one run of a batched graph
-(graph.fused_model(seats=B), io_spec.seats_io), then the shared LM head (graph's head graph).
+(graph.fused_model(seats=B), io_spec.seats_io), the LM head in that graph where it runs on cabinlm's
+BlockQ8MatMul (FusedSettings.head_kernel "cabinlm"), else in the head graph they share.
 
     seat 0 rows ┐                                   ┌ seat 0's Int8KVAttention over seat 0's cache ┐
     seat 1 rows ├ every weight matmul over all rows ┤ ...                                          ├ ... ─ head ─ logits (seats, vocab)
     ...         ┘                                   └ seat B-1's over its own cache                ┘
 
 Each seat's rows are computed as its own run would compute them: the weight matmuls take every seat's
-rows (BlockQ4MatMul computes each row by the same sequence whatever the rows beside it), and the
+rows (BlockQ4MatMul and BlockQ8MatMul compute each row by the same sequence whatever the rows beside it), and the
 attention is each seat's own node over its own cache, fed the inputs of its own chunk
 (FusedBackend._chunk_inputs). So a seat's logits are its solo logits bit for bit, and each seat
 commits its own step exactly as alone (FusedBackend.commit). Places of a batch no seat takes are
@@ -159,10 +160,10 @@ def run_batch(graphs: FusedGraphs, seats: Sequence[FusedBackend], plans: Sequenc
         for name, value in own.items():
             inputs[io.seat_name(name, s)] = value
     _bind_inputs(binding, inputs)
-    got = _run(session, binding, int(ends[-1]), len(seats))  # in declared order: hidden, then qkv.{l}
-    hidden, qkv = got[0], got[1:]
-    assert graphs.head is not None  # a build with batched graphs has their head graph
-    logits = _head_logits(graphs.head, hidden)  # (logit rows, vocab)
+    got = _run(session, binding, int(ends[-1]), len(seats))  # in declared order: logits or hidden, then qkv.{l}
+    qkv = got[1:]
+    # (logit rows, vocab): the graph's own (its head on BlockQ8MatMul), or the head graph's over its hidden rows
+    logits = got[0] if graphs.head is None else _head_logits(graphs.head, got[0])
     to = np.cumsum([len(p) for p in picked])
     return [StepOutput(logits[t - len(p) : t], (plan.extent, [q[:, a:e] for q in qkv]))
             for p, t, plan, a, e in zip(picked, to, plans, starts, ends)]  # fmt: skip
@@ -223,7 +224,8 @@ def _run(session, binding, rows: int, seats: int) -> list[np.ndarray]:
     if rows == seats:
         if held is None or held[0] != rows:
             shapes = {o.name: o.shape for o in session.get_outputs()}
-            arrays = [np.empty((rows, shapes[n][-1]) if n == io.HIDDEN else (1, rows, shapes[n][-1]), np.float32) for n in names]
+            arrays = [np.empty((rows, shapes[n][-1]) if n in (io.HIDDEN, io.LOGITS) else (1, rows, shapes[n][-1]), np.float32)
+                      for n in names]  # fmt: skip
             for n, a in zip(names, arrays):
                 binding.bind_output(n, "cpu", element_type=np.float32, shape=a.shape, buffer_ptr=a.ctypes.data)
             held = _DECODE_OUTPUTS[binding] = (rows, arrays)

@@ -31,11 +31,12 @@ class FusedGraphs:
     decoder: ort.InferenceSession
     rotate: ort.InferenceSession | None  # the sink / pinned keys' refresh graph (numpy without it)
     # seats decoding together: the batch sizes the build carries (FusedSettings.seat_batches), and
-    # once open (open_batched) the batched graph of each and their LM head (io_spec.head_io)
+    # once open (open_batched) the batched graph of each and their LM head (io_spec.head_io; None where
+    # the batched graphs hold the head themselves, FusedSettings.head_kernel "cabinlm")
     batches: tuple[int, ...] = ()
     seats: dict[int, ort.InferenceSession] = field(default_factory=dict)
     head: ort.InferenceSession | None = None
-    opener: Callable[[], tuple[dict[int, ort.InferenceSession], ort.InferenceSession]] | None = None
+    opener: Callable[[], tuple[dict[int, ort.InferenceSession], ort.InferenceSession | None]] | None = None
     weights: list[tuple[str, ort.OrtValue]] = field(default_factory=list)  # every graph's weights, one map, kept alive here
     # batched graphs' bindings with their seats' caches bound, by the seats (seats.seat_binding)
     seat_bindings: dict[tuple, tuple] = field(default_factory=dict)
@@ -87,16 +88,19 @@ def load_fused(folder: Path, manifest: Manifest, threads: int | None, extra: dic
     decoder = open_session(folder / manifest.files["graph"].path, options(), spec)
     check_io(decoder, manifest.io, folder, built=True)
     batches = tuple(facts.seat_batches) if facts is not None else ()
-    for role in [f"graph_seats{b}" for b in batches] + (["graph_head"] if batches else []):
+    own_head = facts is not None and facts.head_kernel == "cabinlm"  # the batched graphs end in logits: no head graph
+    for role in [f"graph_seats{b}" for b in batches] + (["graph_head"] if batches and not own_head else []):
         if role not in manifest.files:
             raise BackendError(f"{folder}: the build has batched graphs but lists no {role}; run `cabinlm build` again")
 
-    def open_batched() -> tuple[dict[int, ort.InferenceSession], ort.InferenceSession]:
+    def open_batched() -> tuple[dict[int, ort.InferenceSession], ort.InferenceSession | None]:
         model = manifest.model
         seats = {}
         for b in batches:
             seats[b] = open_session(folder / manifest.files[f"graph_seats{b}"].path, options(batched=True), spec)
-            check_io(seats[b], io.seats_io(manifest.io, b, model.hidden_size), folder, built=True)
+            check_io(seats[b], io.seats_io(manifest.io, b, model.hidden_size, head=own_head), folder, built=True)
+        if own_head:
+            return seats, None
         head = open_session(folder / manifest.files["graph_head"].path, options(head=True), spec)
         check_io(head, io.head_io(model.hidden_size, model.vocab_size), folder, built=True)
         return seats, head

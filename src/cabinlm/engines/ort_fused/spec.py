@@ -115,6 +115,11 @@ class FusedSettings:
     # in it), so they are held once. Builds before it: none.
     seat_batches: tuple[int, ...] = ()
     shared_weights: SharedWeights | None = None
+    # The LM head: "onnxruntime" (MatMulNBits; the batched graphs end at the final norm and share the
+    # head graph "graph_head", io_spec.head_io) or "cabinlm" (kernels/block_q8_matmul.cc, the head's
+    # int8 blocks read in place by every graph: the batched graphs end in logits, no head graph).
+    # Builds before it: "onnxruntime".
+    head_kernel: str = "onnxruntime"
 
     @property
     def own_kernels(self) -> bool:
@@ -130,6 +135,8 @@ class FusedSettings:
             raise ValueError(f"attention_kernel must be onnxruntime or cabinlm, got {self.attention_kernel!r}")
         if self.matmul_kernel not in ("onnxruntime", "cabinlm"):
             raise ValueError(f"matmul_kernel must be onnxruntime or cabinlm, got {self.matmul_kernel!r}")
+        if self.head_kernel not in ("onnxruntime", "cabinlm") or (self.head_kernel == "cabinlm" and self.matmul_kernel != "cabinlm"):
+            raise ValueError(f"head_kernel must be onnxruntime, or cabinlm with matmul_kernel cabinlm, got {self.head_kernel!r}")
         if not isinstance(self.step_rows, bool) or (self.step_rows and self.attention_kernel != "cabinlm"):
             raise ValueError(f"step_rows: true only with cabinlm's attention kernel, got {self.step_rows!r}")
         if self.kernels is not None and not self.own_kernels:

@@ -10,6 +10,9 @@ it computes and what it guarantees):
 * `block_q4_matmul.cc`: `BlockQ4MatMul`, the layers' matmuls over GGUF Q4_1 blocks (4-bit codes,
   float16 scale and minimum) read as they are, and `BlockQ4SwiGLUMatMul`, the MLP's down projection
   of silu(gate) * up;
+* `block_q8_matmul.cc`: `BlockQ8MatMul`, the LM head over symmetric int8 blocks (float32 scales),
+  read in place from the one map of the weights by every graph of the build; `row_quantize.h`: the
+  rows' int8 codes both block matmuls multiply;
 * `register.cc`: the entry point ONNX Runtime calls, which refuses an onnxruntime older than the C
   API version compiled for; `ort_api.h`: how the kernels reach ONNX Runtime's C API, through
   `ort_api_entries.h`, generated from onnxruntime_c_api.h by tools/gen_ort_api.py (no ONNX Runtime
@@ -29,8 +32,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SOURCES = tuple(HERE / name for name in ("register.cc", "int8_kv_attention.cc", "block_q4_matmul.cc"))
-HEADERS = (HERE / "ort_api.h", HERE / "ort_api_entries.h", HERE / "vector_math.h")
+SOURCES = tuple(HERE / name for name in ("register.cc", "int8_kv_attention.cc", "block_q4_matmul.cc", "block_q8_matmul.cc"))
+HEADERS = (HERE / "ort_api.h", HERE / "ort_api_entries.h", HERE / "vector_math.h", HERE / "row_quantize.h")
 LIBRARY = "libcabinlm_kernels.so"  # the file in a build folder (manifest files: "kernel_library")
 DOMAIN = "ai.cabinlm"
 ATTENTION_OP = "Int8KVAttention"
@@ -39,6 +42,7 @@ FLOAT_ATTENTION_OP = "FloatKVAttention"  # the two above over a float32 cache (f
 FLOAT_SEATS_ATTENTION_OP = "FloatKVSeatsAttention"
 MATMUL_OP = "BlockQ4MatMul"
 SWIGLU_MATMUL_OP = "BlockQ4SwiGLUMatMul"  # the MLP's down projection, its SwiGLU included
+Q8_MATMUL_OP = "BlockQ8MatMul"  # the LM head's symmetric int8 blocks, read in place
 MACHINE_ALIASES = {"amd64": "x86_64", "arm64": "aarch64", "x64": "x86_64"}
 # BlockQ4MatMul's paths (block_q4_matmul.cc, cabinlm_block_q4_isa()): a library holds one. The fast
 # ones are what `--matmul-kernel auto` takes the kernel for; "generic" is plain C++.

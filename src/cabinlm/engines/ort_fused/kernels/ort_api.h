@@ -202,5 +202,6 @@ const CustomOp* int8_kv_attention_op();
 const CustomOp* int8_kv_seats_attention_op();
 const CustomOp* block_q4_matmul_op();
 const CustomOp* block_q4_swiglu_matmul_op();
+const CustomOp* block_q8_matmul_op();
 
 }  // namespace cabinlm_ort

@@ -33,7 +33,8 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
   OrtCustomOpDomain* domain = nullptr;
   CABIN_TRY(api<kCreateCustomOpDomain>()("ai.cabinlm", &domain));
   for (const CustomOp* op : {int8_kv_attention_op(), int8_kv_seats_attention_op(), float_kv_attention_op(),
-                             float_kv_seats_attention_op(), block_q4_matmul_op(), block_q4_swiglu_matmul_op()})
+                             float_kv_seats_attention_op(), block_q4_matmul_op(), block_q4_swiglu_matmul_op(),
+                             block_q8_matmul_op()})
     CABIN_TRY(api<kCustomOpDomainAdd>()(domain, reinterpret_cast<const OrtCustomOp*>(op)));
   // The domain lives as long as the process: ONNX Runtime reads it for every session that uses it.
   return api<kAddCustomOpDomain>()(options, domain);

@@ -1,0 +1,236 @@
+// cabinlm's matmul over symmetric int8 weight blocks: an ONNX Runtime custom operator,
+// ai.cabinlm::BlockQ8MatMul, the fused cpu build's LM head (engines/ort_fused/graph.py).
+//
+// It takes the place of com.microsoft::MatMulNBits (8 bits, accuracy level 4) for the head's int8
+// blocks: blocks of 32 weights along K, each weight s * q with a code q in -127..127 and the block's
+// float32 scale s. Why an own kernel: a session packs its own copy of every MatMulNBits matrix
+// (vocab x hidden x ~1.35 bytes: 38 MB for SmolLM2's head, 226 MB for Gemma 3's), once per graph that
+// holds it, so the batched graphs ran the head in a session of its own, whose threads woke for every
+// step; this kernel reads the blocks in place from the build's one map of the weights, so every graph
+// holds the head and no copy is made.
+//
+//   inputs   0 x        float (..., K)
+//            1 weights  uint8 (N / 16, K / 32, 576)  per tile of 16 columns and block of 32 rows of W:
+//                       512 bytes of codes, then 16 float32 scales (block_q8_layout in
+//                       engines/ort_fused/block_layouts.py writes them; byte 64 j + 4 c + i holds
+//                       column c's code for row 4 j + i, plus 128, as unsigned)
+//   output   0 y        float (..., N)                 y = x @ W
+//
+// How it computes (llama.cpp's Q8_0 x Q8_0 dot product; MatMulNBits' accuracy level 4 does the
+// same): each row of x quantized per block of 32 (row_quantize.h, as BlockQ4MatMul's rows), then
+//   y[n] = sum over blocks of  s[n] d (q[n] . c)
+// with the integer sum exact: VNNI multiplies the unsigned q + 128 by c and takes 128 sum(c) off;
+// NEON flips the stored byte's top bit back to the signed q and multiplies signed by signed. The
+// float terms are added block after block, one fused multiply-add each.
+//
+// Invariant the runtime relies on (as BlockQ4MatMul's): a row's result is a function of that row
+// alone, one fixed sequence of operations whatever the rows beside it (rows are grouped to share
+// each tile's loads, never to change a row's arithmetic): a batched graph's row is its seat's own
+// row bit for bit, and a chunk's row its one-token step. Every path computes the same integers and
+// adds the same float terms in the same order, so the paths agree bit for bit.
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(CABINLM_GENERIC)
+#define CABINLM_Q8_VNNI 1
+#include <immintrin.h>
+#elif defined(__aarch64__) && defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD) && !defined(CABINLM_GENERIC)
+#define CABINLM_Q8_NEON 1
+#include <arm_neon.h>
+#endif
+
+#include "ort_api.h"
+#include "row_quantize.h"
+
+namespace {
+
+using namespace cabinlm_ort;
+using cabinlm_rows::kBlock;
+using cabinlm_rows::quantize_row;
+
+constexpr int kCols = 16;                                               // columns per tile
+constexpr int kCodeBytes = kCols * kBlock;                              // 512
+constexpr int kTileBlockBytes = kCodeBytes + kCols * sizeof(float);    // + 16 float32 scales
+#if CABINLM_Q8_NEON
+constexpr int kRowBlock = 2;  // a group's 2 x 4 integer and float accumulators, its codes, in 32 registers
+#else
+constexpr int kRowBlock = 4;
+#endif
+
+struct Problem {
+  const int8_t* xq;     // (M, nb, 32) the rows' codes
+  const float* dx;      // (M, nb) their scales
+  const int32_t* csum;  // (M, nb) their blocks' code sums
+  const uint8_t* w;
+  float* y;
+  int64_t M, K, N, nb, tiles;
+};
+
+#if CABINLM_Q8_VNNI
+typedef int32_t int32_alias __attribute__((may_alias));
+
+// Rows r0 .. r0+R-1 of one tile of 16 columns.
+template <int R>
+void tile_rows(const Problem& p, int64_t t, int64_t r0) {
+  const uint8_t* w = p.w + t * p.nb * kTileBlockBytes;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < p.nb; ++b, w += kTileBlockBytes) {
+    __m512i codes[8];
+    for (int j = 0; j < 8; ++j) codes[j] = _mm512_loadu_si512(w + 64 * j);
+    float d_[kCols];
+    std::memcpy(d_, w + kCodeBytes, sizeof d_);
+    const __m512 d = _mm512_loadu_ps(d_);
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (r0 + r) * p.nb + b;
+      const int32_alias* x4 = reinterpret_cast<const int32_alias*>(p.xq + at * kBlock);
+      // (q + 128) . c - 128 sum(c) = q . c: integers, exact in any order
+      __m512i even = _mm512_set1_epi32(-128 * p.csum[at]), odd = _mm512_setzero_si512();
+      for (int j = 0; j < 8; j += 2) {
+        even = _mm512_dpbusd_epi32(even, codes[j], _mm512_set1_epi32(x4[j]));
+        odd = _mm512_dpbusd_epi32(odd, codes[j + 1], _mm512_set1_epi32(x4[j + 1]));
+      }
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
+      acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(p.dx[at])), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(p.y + (r0 + r) * p.N + t * kCols, acc[r]);
+}
+#elif CABINLM_Q8_NEON
+// Code rows j of a block (bytes 64 j .. 64 j + 63: columns 4 q .. 4 q + 3 in the q-th 16 bytes, four
+// bytes a column, rows 4 j .. 4 j + 3) against lane j % 4 of the row's codes j / 4 (J: an immediate).
+template <int J, int R>
+inline void dot_rows(const uint8_t* w, const int8x16_t (&x)[R][2], int32x4_t (&dot)[R][4]) {
+  const uint8x16_t flip = vdupq_n_u8(0x80);
+  for (int q = 0; q < 4; ++q) {
+    const int8x16_t codes = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(w + 64 * J + 16 * q), flip));  // q + 128 -> q
+    for (int r = 0; r < R; ++r) dot[r][q] = vdotq_laneq_s32(dot[r][q], codes, x[r][J / 4], J % 4);
+  }
+}
+
+template <int R>
+void tile_rows(const Problem& p, int64_t t, int64_t r0) {
+  const uint8_t* w = p.w + t * p.nb * kTileBlockBytes;
+  float32x4_t acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < 4; ++q) acc[r][q] = vdupq_n_f32(0.0f);
+  for (int64_t b = 0; b < p.nb; ++b, w += kTileBlockBytes) {
+    int8x16_t x[R][2];
+    int32x4_t dot[R][4];  // integer: exact in any order
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xq = p.xq + ((r0 + r) * p.nb + b) * kBlock;
+      x[r][0] = vld1q_s8(xq);
+      x[r][1] = vld1q_s8(xq + 16);
+      for (int q = 0; q < 4; ++q) dot[r][q] = vdupq_n_s32(0);
+    }
+    dot_rows<0>(w, x, dot);
+    dot_rows<1>(w, x, dot);
+    dot_rows<2>(w, x, dot);
+    dot_rows<3>(w, x, dot);
+    dot_rows<4>(w, x, dot);
+    dot_rows<5>(w, x, dot);
+    dot_rows<6>(w, x, dot);
+    dot_rows<7>(w, x, dot);
+    for (int q = 0; q < 4; ++q) {
+      float d_[4];
+      std::memcpy(d_, w + kCodeBytes + 16 * q, sizeof d_);
+      const float32x4_t d = vld1q_f32(d_);
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (r0 + r) * p.nb + b;
+        acc[r][q] = vfmaq_f32(acc[r][q], vcvtq_f32_s32(dot[r][q]), vmulq_f32(d, vdupq_n_f32(p.dx[at])));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < 4; ++q) vst1q_f32(p.y + (r0 + r) * p.N + t * kCols + 4 * q, acc[r][q]);
+}
+#else
+template <int R>
+void tile_rows(const Problem& p, int64_t t, int64_t r0) {
+  const uint8_t* w = p.w + t * p.nb * kTileBlockBytes;
+  float acc[R][kCols] = {};
+  for (int64_t b = 0; b < p.nb; ++b, w += kTileBlockBytes) {
+    float d[kCols];
+    std::memcpy(d, w + kCodeBytes, sizeof d);
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (r0 + r) * p.nb + b;
+      const int8_t* xq = p.xq + at * kBlock;
+      for (int c = 0; c < kCols; ++c) {
+        int32_t dot = 0;
+        for (int j = 0; j < 8; ++j)
+          for (int i = 0; i < 4; ++i) dot += (static_cast<int32_t>(w[64 * j + 4 * c + i]) - 128) * xq[4 * j + i];
+        acc[r][c] = std::fma(static_cast<float>(dot), d[c] * p.dx[at], acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) std::memcpy(p.y + (r0 + r) * p.N + t * kCols, acc[r], sizeof acc[r]);
+}
+#endif
+
+void tile_unit(void* data, size_t unit) {
+  const Problem& p = *static_cast<const Problem*>(data);
+  const int64_t t = static_cast<int64_t>(unit);
+  int64_t r = 0;
+  for (; r + kRowBlock <= p.M; r += kRowBlock) tile_rows<kRowBlock>(p, t, r);
+  switch (p.M - r) {
+    case 3: tile_rows<3>(p, t, r); break;
+    case 2: tile_rows<2>(p, t, r); break;
+    case 1: tile_rows<1>(p, t, r); break;
+    default: break;
+  }
+}
+
+struct BlockQ8MatMul {
+  static constexpr const char* kName = "BlockQ8MatMul";
+  static constexpr ElementType kInputTypes[2] = {kFloat, kUint8};
+
+  static OrtStatus* compute(OrtKernelContext* ctx) {
+    const OrtValue *xv = nullptr, *wv = nullptr;
+    std::vector<int64_t> dx, dw;
+    CABIN_TRY(input(ctx, 0, &xv));
+    CABIN_TRY(input(ctx, 1, &wv));
+    CABIN_TRY(dims_of(xv, &dx));
+    CABIN_TRY(dims_of(wv, &dw));
+    if (dx.empty() || dw.size() != 3 || dw[2] != kTileBlockBytes || dx.back() != dw[1] * kBlock)
+      return error(kInvalidArgument, "BlockQ8MatMul: x " + shape_str(dx) + " and weights " + shape_str(dw) +
+                                         " are not (..., K) and (N / 16, K / 32, 576)");
+    Problem p{};
+    p.K = dx.back();
+    p.nb = dw[1];
+    p.tiles = dw[0];
+    p.N = p.tiles * kCols;
+    p.M = 1;
+    for (size_t i = 0; i + 1 < dx.size(); ++i) p.M *= dx[i];
+    const float* x = nullptr;
+    CABIN_TRY(data_of(xv, &x));
+    CABIN_TRY(data_of(wv, &p.w));
+    std::vector<int64_t> dy(dx);
+    dy.back() = p.N;
+    OrtValue* yv = nullptr;
+    CABIN_TRY(output(ctx, 0, dy, &yv));
+    CABIN_TRY(data_of(yv, &p.y));
+    if (p.M == 0) return nullptr;
+
+    std::vector<int8_t> xq(static_cast<size_t>(p.M * p.K));
+    std::vector<float> scales(static_cast<size_t>(p.M * p.nb)), scaled(scales.size());
+    std::vector<int32_t> sums(scales.size());
+    for (int64_t r = 0; r < p.M; ++r)
+      quantize_row(x + r * p.K, p.nb, xq.data() + r * p.K, scales.data() + r * p.nb, scaled.data() + r * p.nb,
+                   sums.data() + r * p.nb);
+    p.xq = xq.data();
+    p.dx = scales.data();
+    p.csum = sums.data();
+    return parallel_for(ctx, tile_unit, static_cast<size_t>(p.tiles), &p);
+  }
+};
+
+}  // namespace
+
+const cabinlm_ort::CustomOp* cabinlm_ort::block_q8_matmul_op() {
+  static const CustomOp op = make_op<BlockQ8MatMul>();
+  return &op;
+}
