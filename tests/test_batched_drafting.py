@@ -422,13 +422,14 @@ def test_ctrl_c_inside_a_step_with_a_verified_draft_leaves_every_seat_as_it_was_
         t.same_cache()
 
 
-def test_bench_seats_drafting_gives_the_same_replies_together_in_turns_and_without_drafting(build):
-    """`cabinlm bench --seats`' two modes with every seat drafting (prompt lookup, bench.seats.run_seats in
-    this process) and without: the same greedy replies all four ways, and the figures say who drafted."""
+def test_bench_seats_drafting_gives_the_same_replies_in_every_mode_and_without_drafting(build):
+    """`cabinlm bench --seats`' three modes with every seat drafting (prompt lookup, bench.seats.run_seats in
+    this process) and without: the same greedy replies all six ways (streams: drafts verified in the
+    runs that carry other seats' prompt pieces), and the figures say who drafted."""
     from cabinlm.bench.seats import run_seats
 
     runs = {(mode, spec): run_seats(build, 3, 2, 12, 1, 0, mode, system="", speculative=spec)
-            for mode in ("together", "turns") for spec in (True, False)}  # fmt: skip
+            for mode in ("together", "turns", "streams") for spec in (True, False)}  # fmt: skip
     replies = {key: r.replies for key, r in runs.items()}
     assert len({repr(v) for v in replies.values()}) == 1 and len(replies["together", True]) == 3 * 2
     for (mode, spec), r in runs.items():

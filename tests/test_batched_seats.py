@@ -330,22 +330,25 @@ def test_three_clients_at_once_on_a_fused_server_get_the_replies_chat_gives_each
     assert got == expected
 
 
-def test_bench_seats_reports_both_modes_with_the_same_replies(build):
-    """`cabinlm bench --seats 3`: the seats' dialogues decoded together and in turns, each mode in a
-    process of its own, the same greedy replies in both; the figures a report needs are there."""
+def test_bench_seats_reports_every_mode_with_the_same_replies(build):
+    """`cabinlm bench --seats 3`: the seats' dialogues decoded together and in turns (rounds), and as
+    streams (each seat's next prompt fed in pieces riding with the others' steps the moment its reply
+    ends), each mode in a process of its own, the same greedy replies in all; the figures a report
+    needs are there, streams' aggregate while every seat still talked too."""
     import json
 
     from cabinlm.bench.seats import run_in_child
     from test_cli import assert_clean_error, cabinlm
 
-    runs = [run_in_child(build, 3, 2, 6, 1, 0, mode, 300, system="") for mode in ("together", "turns")]
-    assert runs[0]["replies"] == runs[1]["replies"] and len(runs[0]["replies"]) == 3 * 2
+    runs = [run_in_child(build, 3, 2, 6, 1, 0, mode, 300, system="") for mode in ("together", "turns", "streams")]
+    assert runs[0]["replies"] == runs[1]["replies"] == runs[2]["replies"] and len(runs[0]["replies"]) == 3 * 2
     for r in runs:
         assert r["seats"] == 3 and r["decoded_tokens"] == sum(map(len, r["replies"])) - sum(len(x) == 6 for x in r["replies"])
         assert len(r["per_seat_decode_tok_s"]) == 3 and r["aggregate_decode_tok_s"] > 0 and r["rss_end_mb"] > 0
+        assert (r["all_seats_decode_tok_s"] is not None) == (r["mode"] == "streams")
     p = cabinlm("bench", build, "--seats", 2, "--tokens", 8, "--max-new", 4, "--threads", 1, "--json")
     assert p.returncode == 0, p.stderr
-    assert [r["mode"] for r in json.loads(p.stdout)["seats"]] == ["together", "turns"]
+    assert [r["mode"] for r in json.loads(p.stdout)["seats"]] == ["together", "turns", "streams"]
     assert_clean_error(cabinlm("bench", build, "--seats", 2, "--baseline", "hf"), "--seats takes --baseline llama.cpp only")
     assert_clean_error(cabinlm("bench", build, "--seats", 0), "seats")
 

@@ -9,12 +9,22 @@ per seat), its prompt is fed (prefill, seat after seat), then the seats decode t
     turns      the same steps one seat after another (runtime.reply.advance), as `cabinlm serve` ran
                seats before they decoded together (ModelTurns hands the model over at every token)
 
-Both modes give every seat the same tokens (the steps are the seats' own steps, and drafting gives
+and one mode without rounds, each seat's dialogue at its own pace, as independent conversations go:
+
+    streams    after the warm-up round, a seat's next turn starts the moment its reply ends: its
+               prompt is fed in pieces of the cache's chunk that ride in the same batched runs as
+               the other seats' decode steps and drafts (advance_seats' prompts), so no seat waits
+               for another's reply to end and no decode step waits for a prompt
+
+Every mode gives every seat the same tokens (the steps are the seats' own steps, and drafting gives
 plain decoding's greedy tokens); what differs is the time. Reported per mode: aggregate decode
-tokens/s (every seat's decoded tokens over the decode phases' wall time), each seat's decode tokens/s
-over the same time, time to first token (from the round's start: the prefills before a seat's own
-count, as they would for requests arriving at once), resident memory at the start and the end, and
-the drafts verified and accepted. A first round warms the sessions up and is not
+tokens/s (every seat's decoded tokens over the decode phases' wall time; streams: over the whole
+span from the first counted turn's start to the last reply's end, the prompts' pieces included, as
+they share the runs), each seat's decode tokens/s over the same time, time to first token (from the
+round's start: the prefills before a seat's own count, as they would for requests arriving at once;
+streams: from the turn's start, the other seats' steps riding along), resident memory at the start
+and the end, and the drafts verified and accepted; streams also the aggregate while every seat still
+talks (the span up to the first seat's last reply: after it, fewer seats are left). A first round warms the sessions up and is not
 counted. Each mode runs in a process of its own (`python -m cabinlm.bench.seats`: one JSON line),
 so that its memory is its own. Only numpy, onnxruntime and tokenizers."""
 
@@ -29,7 +39,8 @@ import numpy as np
 from cabinlm.bench.script import SYSTEM, user_turns
 from cabinlm.runtime.memory import rss_mb
 
-MODES = ("together", "turns")
+MODES = ("together", "turns", "streams")
+ROUND_MODES = ("together", "turns")  # every seat's turn k starts when every seat's turn k - 1 has ended
 
 
 @dataclass
@@ -52,6 +63,10 @@ class SeatsRun:
     drafts: bool = False  # the seats drafted by prompt lookup (cabinlm's modes)
     drafted: int = 0  # drafts verified over the counted rounds
     accepted: int = 0  # and accepted
+    # streams: the span while every seat still had turns to take (from the first counted turn's start
+    # to the moment the first seat ended its last reply) and the tokens decoded in it
+    full_s: float = 0.0
+    full_decoded: int = 0
 
     def to_dict(self) -> dict:
         total = sum(self.decoded)
@@ -72,6 +87,7 @@ class SeatsRun:
             "drafts": self.drafts,
             "drafted": self.drafted,
             "accepted": self.accepted,
+            "all_seats_decode_tok_s": round(self.full_decoded / self.full_s, 1) if self.full_s else None,
         }
 
 
@@ -95,6 +111,14 @@ def run_seats(artifact: Path, seats: int, rounds: int, max_new: int, threads: in
     pending: list[list[int]] = [[] for _ in range(seats)]  # the closing tokens of each seat's last reply
     evicted_at_start = 0
     for r in range(rounds + 1):  # round 0 warms the sessions up (their first runs allocate) and is not counted
+        if r == 1 and mode == "streams":  # the counted turns at each seat's own pace
+            run.warmup_replies = run.replies
+            run.decoded, run.decode_s, run.prefill_s, run.ttft_s, run.replies = [0] * seats, 0.0, 0.0, [], []
+            drafts_at_start = [(d.drafting.drafted, d.drafting.accepted) for d in dialogues]
+            evicted_at_start = sum(_evicted(d.decoder) for d in dialogues)
+            _streams(run, dialogues, scripts, pending, rounds, max_new, stop, greedy)
+            run.rss_rounds_mb.append(rss_mb())
+            break
         if r == 1:
             run.warmup_replies = run.replies
             run.decoded, run.decode_s, run.prefill_s, run.ttft_s, run.replies = [0] * seats, 0.0, 0.0, [], []
@@ -121,7 +145,7 @@ def run_seats(artifact: Path, seats: int, rounds: int, max_new: int, threads: in
                 break
             args = [(dialogues[i].decoder, replies[i][-1], max_new - len(replies[i]), dialogues[i].drafting)
                     for i in live]  # fmt: skip
-            if mode == "together":  # every seat's token (and drafts) in one run
+            if mode != "turns":  # every seat's token (and drafts) in one run (streams: its warm-up round)
                 decs, tokens, budgets, draftings = zip(*args)
                 got = advance_seats(decs, [greedy] * len(live), tokens, budgets, stop, draftings)
             else:
@@ -146,6 +170,79 @@ def run_seats(artifact: Path, seats: int, rounds: int, max_new: int, threads: in
     run.drafted = sum(d.drafting.drafted - a for d, (a, _) in zip(dialogues, drafts_at_start))
     run.accepted = sum(d.drafting.accepted - b for d, (_, b) in zip(dialogues, drafts_at_start))
     return run
+
+
+def _streams(run: SeatsRun, dialogues, scripts, pending: list[list[int]], rounds: int, max_new: int, stop: set[int],
+             greedy) -> None:  # fmt: skip
+    """`rounds` turns of every seat, each at its own pace (mode streams): a seat's next prompt starts
+    when its reply ends and is fed in pieces of the cache's chunk, riding in the batched runs with the
+    other seats' decode steps (runtime.reply.advance_seats' prompts). Fills run.decoded, decode_s (the
+    whole span), ttft_s (from each turn's start) and replies (round after round, seat after seat, as
+    the round modes order them), and full_s / full_decoded: the span while every seat still talked
+    (the seats' scripts differ in length, so the last ones end alone)."""
+    from cabinlm.runtime.reply import advance_seats
+
+    n = len(dialogues)
+    chunk = dialogues[0].decoder.manifest.cache.chunk
+    turns = [0] * n
+    feed: list[list[int]] = [[] for _ in range(n)]  # the prompt's pieces still to feed
+    reply: list[list[int]] = [[] for _ in range(n)]
+    started = [0.0] * n
+    done: list[list[list[int]]] = [[] for _ in range(n)]  # each seat's replies, turn after turn
+
+    def start(i: int, now: float) -> None:
+        ids = pending[i] + dialogues[i].render_user(next(scripts[i]))
+        dialogues[i].drafting.observe(ids)
+        feed[i], reply[i], started[i] = list(ids), [], now
+
+    t0 = time.perf_counter()
+    for i in range(n):
+        start(i, t0)
+    active = list(range(n))
+    while active:
+        prompts, tokens, budgets = [], [], []
+        for i in active:
+            if feed[i]:
+                prompts.append(np.array(feed[i][:chunk], dtype=np.int64))
+                feed[i] = feed[i][chunk:]
+                tokens.append(0)
+                budgets.append(1)
+            else:
+                prompts.append(None)
+                tokens.append(reply[i][-1])
+                budgets.append(max_new - len(reply[i]))
+        got = advance_seats([dialogues[i].decoder for i in active], [greedy] * len(active), tokens, budgets, stop,
+                            [dialogues[i].drafting for i in active], prompts)  # fmt: skip
+        now = time.perf_counter()
+        still = []
+        for i, piece, new in zip(active, prompts, got):
+            if piece is not None:
+                if feed[i]:  # more of the prompt to feed
+                    still.append(i)
+                    continue
+                run.ttft_s.append(now - started[i])
+                ended = new[0] in stop
+                if not ended:
+                    reply[i].append(new[0])
+            else:
+                run.decoded[i] += len(new)  # a stop id that ends the reply comes last
+                reply[i] += [t for t in new if t not in stop]
+                ended = new[-1] in stop
+            if not ended and len(reply[i]) < max_new:
+                still.append(i)
+                continue
+            # the reply's last token (never fed) and the assistant's closing, fed with the next prompt
+            pending[i] = (reply[i][-1:] if len(reply[i]) == max_new else []) + dialogues[i].template.closing()
+            done[i].append(reply[i])
+            turns[i] += 1
+            if turns[i] < rounds:
+                start(i, now)
+                still.append(i)
+        if len(still) < n and not run.full_s:  # a seat has taken its last turn: every seat talked until now
+            run.full_s, run.full_decoded = now - t0, sum(run.decoded)
+        active = still
+    run.decode_s = time.perf_counter() - t0
+    run.replies = [done[i][r] for r in range(rounds) for i in range(n)]
 
 
 def _evicted(decoder) -> int:
@@ -282,6 +379,8 @@ def report(runs: list[dict]) -> list[str]:
                      f"{d['aggregate_decode_tok_s']} tok/s in all, per seat {d['per_seat_decode_tok_s']}; time to first "
                      f"token median {d['ttft_ms_median']} ms, max {d['ttft_ms_max']} ms; RSS {d['rss_start_mb']} -> "
                      f"{d['rss_end_mb']} MB")  # fmt: skip
+        if d.get("all_seats_decode_tok_s"):
+            lines.append(f"          while every seat still talked: {d['all_seats_decode_tok_s']} tok/s in all")
         if d.get("drafts"):
             lines.append(f"          drafting by prompt lookup: {d['drafted']} drafts verified, "
                          f"{d['accepted']} accepted")  # fmt: skip
@@ -290,11 +389,12 @@ def report(runs: list[dict]) -> list[str]:
             half = per_round[len(per_round) // 2 :]
             lines.append(f"          RSS after each round {min(per_round)}-{max(per_round)} MB (second half {min(half)}-"
                          f"{max(half)} MB); window tokens evicted: {d.get('evicted', 0)}")  # fmt: skip
-    ours = [d for d in runs if d["mode"] in MODES]
-    if len(ours) == 2 and all(d["aggregate_decode_tok_s"] for d in ours):
-        a, b = (d["aggregate_decode_tok_s"] for d in ours)
-        lines.append(f"together / turns: {a / b:.2f}x aggregate decode throughput; replies identical: "
-                     f"{ours[0]['replies'] == ours[1]['replies']}")  # fmt: skip
+    ours = {d["mode"]: d for d in runs if d["mode"] in MODES}
+    if all(m in ours and ours[m]["aggregate_decode_tok_s"] for m in ROUND_MODES):
+        a, b = (ours[m]["aggregate_decode_tok_s"] for m in ROUND_MODES)
+        same = len({repr(d["replies"]) for d in ours.values()}) == 1
+        lines.append(f"together / turns: {a / b:.2f}x aggregate decode throughput; replies identical in "
+                     f"{', '.join(ours)}: {same}")  # fmt: skip
     for d in runs:
         if d["mode"] == "llama.cpp" and d.get("greedy_agreement"):
             ok, n = d["greedy_agreement"]

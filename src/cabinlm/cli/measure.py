@@ -172,7 +172,7 @@ def bench(
             system = ""
         rounds = max(1, math.ceil(tokens / max_new))
         info(f"cabinlm: {seats} seats at once through {artifact}, {rounds} rounds of one turn each (replies up to {max_new} "
-             f"tokens), {threads} threads; decoded together, then in turns")  # fmt: skip
+             f"tokens), {threads} threads; decoded together, in turns, then as streams (each seat at its own pace)")  # fmt: skip
         runs = [run_in_child(artifact, seats, rounds, max_new, threads, seed, mode, time_limit, system,
                              speculative=speculative) for mode in MODES]  # fmt: skip
         if peer:  # llama.cpp: the seats' sequences in one batch, decoding the replies cabinlm decoded together

@@ -102,13 +102,24 @@ def advance(dec: Decoder, sampler: Sampler, token: int, budget: int, stop_ids: s
 
 
 def advance_seats(decs: Sequence[Decoder], samplers: Sequence[Sampler], tokens: Sequence[int], budgets: Sequence[int],
-                  stop_ids: set[int], draftings: Sequence[Drafting]) -> list[list[int]]:  # fmt: skip
+                  stop_ids: set[int], draftings: Sequence[Drafting],
+                  prompts: Sequence[np.ndarray | None] | None = None) -> list[list[int]]:  # fmt: skip
     """advance() for several seats of one loaded model in one run (runtime.seats_together): each seat's
     token fed, with its own drafts verified where its strategy proposes some, the others' plain steps
     beside them. Returns each seat's tokens, what advance() on that seat alone returns (bit for bit on
-    the fused cpu build: tests/test_batched_drafting.py). An interrupted run feeds no seat."""
+    the fused cpu build: tests/test_batched_drafting.py). An interrupted run feeds no seat.
+
+    prompts[i], where given: seat i feeds that piece of a prompt instead (at most the cache's chunk,
+    unpinned; its strategy observes the prompt itself; tokens[i] and budgets[i] are not read) and gets
+    [the token its last row chooses]: the prompt's next token once its last piece is fed, as
+    Decoder.feed in pieces of a chunk gives it. A seat's prompt rides with the others' steps."""
     chunks, checks = [], []
-    for dec, sampler, token, budget, drafting in zip(decs, samplers, tokens, budgets, draftings, strict=True):
+    pieces = list(prompts) if prompts is not None else [None] * len(decs)
+    for dec, sampler, token, budget, drafting, piece in zip(decs, samplers, tokens, budgets, draftings, pieces, strict=True):
+        if piece is not None:
+            chunks.append(np.ascontiguousarray(piece, dtype=np.int64))
+            checks.append(None)
+            continue
         drafting.push(token)
         drafts = drafting.propose(dec) if budget > 1 else ()
         chunks.append(np.array([token, *drafts], dtype=np.int64))
