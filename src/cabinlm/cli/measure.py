@@ -114,7 +114,8 @@ def bench(
     trace_out: Optional[Path] = typer.Option(None, "--trace", help="Write every per-token sample (JSON) here."),
     seats: int = typer.Option(
         1, help="Seats talking at once (2 or more): N scripted dialogues on the one loaded model, rounds of a turn each, "
-        "decoded together (one batched run per step, each seat's drafts verified in it) and in turns, aggregate and "
+        "decoded together (one batched run per step, each seat's drafts verified in it) and in turns, then as streams "
+        "(each seat at its own pace: its next prompt rides in the runs with the others' steps); aggregate and "
         "per-seat decode tok/s, time to first token, RSS; --tokens then bounds the tokens decoded per seat and mode.",
     ),
     speculative: Optional[bool] = typer.Option(

@@ -185,6 +185,8 @@ class RotatedKeys:
         """Keep the un-rotated keys of the chunk's tokens that go to sink or pinned slots (qkv: the
         q|k|v outputs of the layers this class refreshes, the global ones)."""
         H, Hkv, D = num_heads, self.layout.kv_heads, self.layout.head_dim
+        if not plan.pin and plan.sink_fill >= self.layout.sink:  # a window chunk: nothing to keep (keep_keys')
+            return
         # (1, tokens, (heads + 2 kv_heads) head_dim) -> (kv_heads, tokens, head_dim), views
         self.keep_keys(plan, [x[0, :, H * D : (H + Hkv) * D].reshape(-1, Hkv, D).transpose(1, 0, 2) for x in qkv])
 
