@@ -17,7 +17,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
-from test_kernels import _matmul_session, library  # noqa: F401  (library: the module fixture)
+from test_kernels import _matmul_session, _row_codes, library  # noqa: F401  (library: the module fixture)
 
 from cabinlm.engines.onnxruntime.offline import read_graph
 from cabinlm.engines.ort_fused import kernels
@@ -40,13 +40,9 @@ def _q8_case(K: int, N: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 def _q8_reference(x: np.ndarray, q: np.ndarray, s: np.ndarray) -> np.ndarray:
     """The kernel's arithmetic in float64: each row quantized per block of 32 to int8 codes (scale
     amax / 127, half to even), times the exported blocks."""
-    M, K = x.shape
-    xb = x.reshape(M, K // 32, 32)
-    amax = np.abs(xb).max(-1)
-    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), np.float32(0)).astype(np.float32)
-    codes = np.rint(xb * inv[..., None]).astype(np.float64)
+    K = x.shape[1]
+    codes, scale = _row_codes(x)
     dot = np.einsum("mbk,bkn->mbn", codes, q.reshape(K // 32, 32, -1).astype(np.float64))
-    scale = (amax / np.float32(127)).astype(np.float64)
     return (dot * s[None].astype(np.float64) * scale[..., None]).sum(1)
 
 

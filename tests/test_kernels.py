@@ -264,17 +264,24 @@ def _matmul_session(blob: np.ndarray, library, width: int | str | None = None, s
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def _q4_reference(x: np.ndarray, q, d, m) -> np.ndarray:
-    """The kernel's arithmetic in float64: each row quantized per block of 32 to int8 codes (scale
-    amax / 127, half to even), the integer dot products with the codes and with the minimums: the
-    exported weights times the quantized row."""
+def _row_codes(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The block matmuls' activations (kernels/block_matmul.h): each row of x (M, K) quantized per
+    block of 32 to int8 codes (scale amax / 127, half to even). Returns the codes (M, K / 32, 32) and
+    the scales (M, K / 32), as float64."""
     M, K = x.shape
     xb = x.reshape(M, K // 32, 32)
     amax = np.abs(xb).max(-1)
     inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), np.float32(0)).astype(np.float32)
-    codes = np.rint(xb * inv[..., None]).astype(np.float64)
+    return np.rint(xb * inv[..., None]).astype(np.float64), (amax / np.float32(127)).astype(np.float64)
+
+
+def _q4_reference(x: np.ndarray, q, d, m) -> np.ndarray:
+    """The kernel's arithmetic in float64: each row quantized per block of 32 to int8 codes (scale
+    amax / 127, half to even), the integer dot products with the codes and with the minimums: the
+    exported weights times the quantized row."""
+    K = x.shape[1]
+    codes, scale = _row_codes(x)
     dot = np.einsum("mbk,bkn->mbn", codes, q.reshape(K // 32, 32, -1).astype(np.float64))
-    scale = (amax / np.float32(127)).astype(np.float64)
     sums = (scale.astype(np.float32) * codes.sum(-1).astype(np.float32)).astype(np.float64)  # float32, as the kernel
     return (dot * d[None] * scale[..., None] + m[None] * sums[..., None]).sum(1)
 

@@ -11,8 +11,8 @@ it computes and what it guarantees):
   float16 scale and minimum) read as they are, and `BlockQ4SwiGLUMatMul`, the MLP's down projection
   of silu(gate) * up;
 * `block_q8_matmul.cc`: `BlockQ8MatMul`, the LM head over symmetric int8 blocks (float32 scales),
-  read in place from the one map of the weights by every graph of the build; `row_quantize.h`: the
-  rows' int8 codes both block matmuls multiply;
+  read in place from the one map of the weights by every graph of the build; `block_matmul.h`: what
+  both block matmuls share (their operands, the rows' int8 codes, the walk over a tile's rows);
 * `register.cc`: the entry point ONNX Runtime calls, which refuses an onnxruntime older than the C
   API version compiled for; `ort_api.h`: how the kernels reach ONNX Runtime's C API, through
   `ort_api_entries.h`, generated from onnxruntime_c_api.h by tools/gen_ort_api.py (no ONNX Runtime
@@ -33,7 +33,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / name for name in ("register.cc", "int8_kv_attention.cc", "block_q4_matmul.cc", "block_q8_matmul.cc"))
-HEADERS = (HERE / "ort_api.h", HERE / "ort_api_entries.h", HERE / "vector_math.h", HERE / "row_quantize.h")
+HEADERS = (HERE / "ort_api.h", HERE / "ort_api_entries.h", HERE / "vector_math.h", HERE / "block_matmul.h")
 LIBRARY = "libcabinlm_kernels.so"  # the file in a build folder (manifest files: "kernel_library")
 DOMAIN = "ai.cabinlm"
 ATTENTION_OP = "Int8KVAttention"

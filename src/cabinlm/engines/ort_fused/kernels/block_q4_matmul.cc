@@ -73,17 +73,17 @@
 #endif
 
 #include "ort_api.h"
-#include "row_quantize.h"
+#include "block_matmul.h"
 #include "vector_math.h"
 
 namespace {
 
 using namespace cabinlm_ort;
 using namespace cabinlm_vec;
-using cabinlm_rows::quantize_row;
+using cabinlm_blocks::quantize_row;
 
-constexpr int kCols = 16;                               // columns per tile
-constexpr int kBlock = 32;                              // rows of W per block
+using cabinlm_blocks::kBlock;  // rows of W per block
+using cabinlm_blocks::kCols;   // columns per tile
 constexpr int kCodeBytes = kCols * kBlock / 2;          // 256
 constexpr int kTileBlockBytes = kCodeBytes + 4 * kCols;  // + 16 float16 scales + 16 float16 minimums
 // Rows of x that share a tile's unpacking. NEON: 2, so that a group's int32 and float accumulators
@@ -94,13 +94,10 @@ constexpr int kRowBlock = 2;
 constexpr int kRowBlock = 4;
 #endif
 
-struct Problem {
-  const int8_t* xq;  // (M, nb, 32) the rows' codes
-  const float* dx;   // (M, nb) their scales
-  const float* sx;   // (M, nb) their scales times the blocks' code sums
-  const uint8_t* w;
-  float* y;
-  int64_t M, K, N, nb, tiles;
+struct Problem : cabinlm_blocks::Operands {
+  const int8_t* xq = nullptr;  // (M, nb, 32) the rows' codes
+  const float* dx = nullptr;   // (M, nb) their scales
+  const float* sx = nullptr;   // (M, nb) their scales times the blocks' code sums
 };
 
 float half_to_float(uint16_t h) {  // exact: every float16 is a float32
@@ -293,46 +290,17 @@ void tile_rows(const Problem& p, int64_t t, int64_t r0) {
 }
 #endif
 
-void tile_unit(void* data, size_t unit) {
-  const Problem& p = *static_cast<const Problem*>(data);
-  const int64_t t = static_cast<int64_t>(unit);
-  int64_t r = 0;
-  for (; r + kRowBlock <= p.M; r += kRowBlock) tile_rows<kRowBlock>(p, t, r);
-  switch (p.M - r) {
-    case 3: tile_rows<3>(p, t, r); break;
-    case 2: tile_rows<2>(p, t, r); break;
-    case 1: tile_rows<1>(p, t, r); break;
-    default: break;
-  }
-}
+struct Tiles {  // cabinlm_blocks::tile_unit's rows
+  template <int R>
+  static void rows(const Problem& p, int64_t t, int64_t r0) { tile_rows<R>(p, t, r0); }
+};
 
 OrtStatus* compute(OrtKernelContext* ctx, bool swiglu) {
-  const OrtValue *xv = nullptr, *wv = nullptr;
-  std::vector<int64_t> dx, dw;
-  CABIN_TRY(input(ctx, 0, &xv));
-  CABIN_TRY(input(ctx, 1, &wv));
-  CABIN_TRY(dims_of(xv, &dx));
-  CABIN_TRY(dims_of(wv, &dw));
-  const std::string where = swiglu ? "BlockQ4SwiGLUMatMul: " : "BlockQ4MatMul: ";
   const int64_t width = swiglu ? 2 : 1;  // x holds gate | up for the SwiGLU
-  if (dx.empty() || dw.size() != 3 || dw[2] != kTileBlockBytes || dx.back() != width * dw[1] * kBlock)
-    return error(kInvalidArgument, where + "x " + shape_str(dx) + " and weights " + shape_str(dw) + " are not (..., " +
-                                       (swiglu ? "2 K" : "K") + ") and (N / 16, K / 32, 320)");
-  Problem p{};
-  p.K = dx.back() / width;
-  p.nb = dw[1];
-  p.tiles = dw[0];
-  p.N = p.tiles * kCols;
-  p.M = 1;
-  for (size_t i = 0; i + 1 < dx.size(); ++i) p.M *= dx[i];
-  const float* x = nullptr;
-  CABIN_TRY(data_of(xv, &x));
-  CABIN_TRY(data_of(wv, &p.w));
-  std::vector<int64_t> dy(dx);
-  dy.back() = p.N;
-  OrtValue* yv = nullptr;
-  CABIN_TRY(output(ctx, 0, dy, &yv));
-  CABIN_TRY(data_of(yv, &p.y));
+  Problem p;
+  CABIN_TRY(cabinlm_blocks::operands(ctx, swiglu ? "BlockQ4SwiGLUMatMul: " : "BlockQ4MatMul: ", width, kTileBlockBytes,
+                                     swiglu ? "2 K" : "K", &p));
+  const float* x = p.x;
   if (p.M == 0) return nullptr;
 
   std::vector<int8_t> xq(static_cast<size_t>(p.M * p.K));
@@ -349,7 +317,7 @@ OrtStatus* compute(OrtKernelContext* ctx, bool swiglu) {
   p.xq = xq.data();
   p.dx = scales.data();
   p.sx = sums.data();
-  return parallel_for(ctx, tile_unit, static_cast<size_t>(p.tiles), &p);
+  return parallel_for(ctx, cabinlm_blocks::tile_unit<Tiles, kRowBlock, Problem>, static_cast<size_t>(p.tiles), &p);
 }
 
 struct BlockQ4MatMul {

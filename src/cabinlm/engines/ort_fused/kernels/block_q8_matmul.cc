@@ -17,7 +17,7 @@
 //   output   0 y        float (..., N)                 y = x @ W
 //
 // How it computes (llama.cpp's Q8_0 x Q8_0 dot product; MatMulNBits' accuracy level 4 does the
-// same): each row of x quantized per block of 32 (row_quantize.h, as BlockQ4MatMul's rows), then
+// same): each row of x quantized per block of 32 (block_matmul.h, as BlockQ4MatMul's rows), then
 //   y[n] = sum over blocks of  s[n] d (q[n] . c)
 // with the integer sum exact: VNNI multiplies the unsigned q + 128 by c and takes 128 sum(c) off;
 // NEON flips the stored byte's top bit back to the signed q and multiplies signed by signed. The
@@ -44,15 +44,15 @@
 #endif
 
 #include "ort_api.h"
-#include "row_quantize.h"
+#include "block_matmul.h"
 
 namespace {
 
 using namespace cabinlm_ort;
-using cabinlm_rows::kBlock;
-using cabinlm_rows::quantize_row;
+using cabinlm_blocks::kBlock;
+using cabinlm_blocks::kCols;
+using cabinlm_blocks::quantize_row;
 
-constexpr int kCols = 16;                                               // columns per tile
 constexpr int kCodeBytes = kCols * kBlock;                              // 512
 constexpr int kTileBlockBytes = kCodeBytes + kCols * sizeof(float);    // + 16 float32 scales
 #if CABINLM_Q8_NEON
@@ -61,13 +61,10 @@ constexpr int kRowBlock = 2;  // a group's 2 x 4 integer and float accumulators,
 constexpr int kRowBlock = 4;
 #endif
 
-struct Problem {
-  const int8_t* xq;     // (M, nb, 32) the rows' codes
-  const float* dx;      // (M, nb) their scales
-  const int32_t* csum;  // (M, nb) their blocks' code sums
-  const uint8_t* w;
-  float* y;
-  int64_t M, K, N, nb, tiles;
+struct Problem : cabinlm_blocks::Operands {
+  const int8_t* xq = nullptr;     // (M, nb, 32) the rows' codes
+  const float* dx = nullptr;      // (M, nb) their scales
+  const int32_t* csum = nullptr;  // (M, nb) their blocks' code sums
 };
 
 #if CABINLM_Q8_VNNI
@@ -171,48 +168,19 @@ void tile_rows(const Problem& p, int64_t t, int64_t r0) {
 }
 #endif
 
-void tile_unit(void* data, size_t unit) {
-  const Problem& p = *static_cast<const Problem*>(data);
-  const int64_t t = static_cast<int64_t>(unit);
-  int64_t r = 0;
-  for (; r + kRowBlock <= p.M; r += kRowBlock) tile_rows<kRowBlock>(p, t, r);
-  switch (p.M - r) {
-    case 3: tile_rows<3>(p, t, r); break;
-    case 2: tile_rows<2>(p, t, r); break;
-    case 1: tile_rows<1>(p, t, r); break;
-    default: break;
-  }
-}
+struct Tiles {  // cabinlm_blocks::tile_unit's rows
+  template <int R>
+  static void rows(const Problem& p, int64_t t, int64_t r0) { tile_rows<R>(p, t, r0); }
+};
 
 struct BlockQ8MatMul {
   static constexpr const char* kName = "BlockQ8MatMul";
   static constexpr ElementType kInputTypes[2] = {kFloat, kUint8};
 
   static OrtStatus* compute(OrtKernelContext* ctx) {
-    const OrtValue *xv = nullptr, *wv = nullptr;
-    std::vector<int64_t> dx, dw;
-    CABIN_TRY(input(ctx, 0, &xv));
-    CABIN_TRY(input(ctx, 1, &wv));
-    CABIN_TRY(dims_of(xv, &dx));
-    CABIN_TRY(dims_of(wv, &dw));
-    if (dx.empty() || dw.size() != 3 || dw[2] != kTileBlockBytes || dx.back() != dw[1] * kBlock)
-      return error(kInvalidArgument, "BlockQ8MatMul: x " + shape_str(dx) + " and weights " + shape_str(dw) +
-                                         " are not (..., K) and (N / 16, K / 32, 576)");
-    Problem p{};
-    p.K = dx.back();
-    p.nb = dw[1];
-    p.tiles = dw[0];
-    p.N = p.tiles * kCols;
-    p.M = 1;
-    for (size_t i = 0; i + 1 < dx.size(); ++i) p.M *= dx[i];
-    const float* x = nullptr;
-    CABIN_TRY(data_of(xv, &x));
-    CABIN_TRY(data_of(wv, &p.w));
-    std::vector<int64_t> dy(dx);
-    dy.back() = p.N;
-    OrtValue* yv = nullptr;
-    CABIN_TRY(output(ctx, 0, dy, &yv));
-    CABIN_TRY(data_of(yv, &p.y));
+    Problem p;
+    CABIN_TRY(cabinlm_blocks::operands(ctx, "BlockQ8MatMul: ", 1, kTileBlockBytes, "K", &p));
+    const float* x = p.x;
     if (p.M == 0) return nullptr;
 
     std::vector<int8_t> xq(static_cast<size_t>(p.M * p.K));
@@ -224,7 +192,7 @@ struct BlockQ8MatMul {
     p.xq = xq.data();
     p.dx = scales.data();
     p.csum = sums.data();
-    return parallel_for(ctx, tile_unit, static_cast<size_t>(p.tiles), &p);
+    return parallel_for(ctx, cabinlm_blocks::tile_unit<Tiles, kRowBlock, Problem>, static_cast<size_t>(p.tiles), &p);
   }
 };
 

@@ -1,0 +1,123 @@
+// What the block matmuls (block_q4_matmul.cc, block_q8_matmul.cc) share: their operands (x, the
+// weight tiles, y), the rows of x as they read them (each row quantized per block of 32 to int8 codes
+// c with the block's scale s = a / 127, a its largest magnitude, rounded half to even: llama.cpp's
+// Q8_1 activations; one fixed sequence for every row, so a row's codes are a function of that row
+// alone), and the walk over a tile's rows.
+
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ort_api.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(CABINLM_GENERIC)
+#include <immintrin.h>
+#define CABINLM_ROW_QUANT_AVX512 1
+#endif
+
+namespace cabinlm_blocks {
+
+constexpr int kBlock = 32;  // values per block along K
+
+// Row r of x (K floats) -> its codes, scales and scaled code sums (and, where `sums` is given, the
+// integer code sums); the same sequence for every row.
+// (It runs before the parallel_for, on one thread: AVX-512 does a block in a few instructions, with
+// the plain loop's results: the largest magnitude is exact in any order, x * inv is the same float
+// product, rounding half to even is the default rounding mode's, the code sum an integer.)
+#if CABINLM_ROW_QUANT_AVX512
+inline void quantize_row(const float* x, int64_t nb, int8_t* q, float* d, float* s, int32_t* sums = nullptr) {
+  for (int64_t b = 0; b < nb; ++b, x += kBlock, q += kBlock) {
+    const __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const __m512 vinv = _mm512_set1_ps(inv);
+    constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(lo, vinv), kNearest));
+    const __m512i qhi = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(hi, vinv), kNearest));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qhi));
+    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    d[b] = amax / 127.0f;
+    s[b] = d[b] * static_cast<float>(sum);
+    if (sums) sums[b] = sum;
+  }
+}
+#else
+inline void quantize_row(const float* x, int64_t nb, int8_t* q, float* d, float* s, int32_t* sums = nullptr) {
+  for (int64_t b = 0; b < nb; ++b, x += kBlock, q += kBlock) {
+    float amax = 0.0f;
+    for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int32_t sum = 0;
+    for (int i = 0; i < kBlock; ++i) {
+      q[i] = static_cast<int8_t>(std::nearbyint(x[i] * inv));  // |q| <= 127
+      sum += q[i];
+    }
+    d[b] = amax / 127.0f;
+    s[b] = d[b] * static_cast<float>(sum);
+    if (sums) sums[b] = sum;
+  }
+}
+#endif
+
+constexpr int kCols = 16;  // columns per weight tile
+
+// A block matmul's operands: x (..., width K) floats, the weight tiles uint8 (N / 16, K / 32,
+// tile_bytes), y (..., N) allocated here; M the rows of x. A shape that is not that is the
+// operator's error (`where` names it, `k_text` x's last dimension: "K", "2 K").
+struct Operands {
+  const float* x = nullptr;
+  const uint8_t* w = nullptr;
+  float* y = nullptr;
+  int64_t M = 1, K = 0, N = 0, nb = 0, tiles = 0;
+};
+
+inline OrtStatus* operands(OrtKernelContext* ctx, const std::string& where, int64_t width, int64_t tile_bytes,
+                           const char* k_text, Operands* o) {
+  using namespace cabinlm_ort;
+  const OrtValue *xv = nullptr, *wv = nullptr;
+  std::vector<int64_t> dx, dw;
+  CABIN_TRY(input(ctx, 0, &xv));
+  CABIN_TRY(input(ctx, 1, &wv));
+  CABIN_TRY(dims_of(xv, &dx));
+  CABIN_TRY(dims_of(wv, &dw));
+  if (dx.empty() || dw.size() != 3 || dw[2] != tile_bytes || dx.back() != width * dw[1] * kBlock)
+    return error(kInvalidArgument, where + "x " + shape_str(dx) + " and weights " + shape_str(dw) + " are not (..., " +
+                                       k_text + ") and (N / 16, K / 32, " + std::to_string(tile_bytes) + ")");
+  o->K = dx.back() / width;
+  o->nb = dw[1];
+  o->tiles = dw[0];
+  o->N = o->tiles * kCols;
+  o->M = 1;
+  for (size_t i = 0; i + 1 < dx.size(); ++i) o->M *= dx[i];
+  CABIN_TRY(data_of(xv, &o->x));
+  CABIN_TRY(data_of(wv, &o->w));
+  std::vector<int64_t> dy(dx);
+  dy.back() = o->N;
+  OrtValue* yv = nullptr;
+  CABIN_TRY(output(ctx, 0, dy, &yv));
+  return data_of(yv, &o->y);
+}
+
+// One parallel_for unit: every row of tile `unit`, kRowBlock rows at a time, then the rest (1..3) in
+// one group; Tiles::rows<R>(problem, tile, r0) computes rows r0 .. r0 + R - 1 of the tile.
+template <class Tiles, int kRowBlock, class Problem>
+void tile_unit(void* data, size_t unit) {
+  const Problem& p = *static_cast<const Problem*>(data);
+  const int64_t t = static_cast<int64_t>(unit);
+  int64_t r = 0;
+  for (; r + kRowBlock <= p.M; r += kRowBlock) Tiles::template rows<kRowBlock>(p, t, r);
+  switch (p.M - r) {
+    case 3: Tiles::template rows<3>(p, t, r); break;
+    case 2: Tiles::template rows<2>(p, t, r); break;
+    case 1: Tiles::template rows<1>(p, t, r); break;
+    default: break;
+  }
+}
+
+}  // namespace cabinlm_blocks
