@@ -373,7 +373,8 @@ def test_the_weights_term_is_what_the_builds_graph_holds(cpu_builds, case):
     # the batched graphs the build carries (the fused int8 builds of the cpu profile: 2 and 4 seats)
     assert p.seat_batches == facts["seat_batches"] == tuple(getattr(
         m.runtime_spec.facts_as(FusedSettings), "seat_batches", ()) if m.build is not None else ())
-    assert (p.together_bytes > 0) == bool(p.seat_batches)
+    # a packed copy of the LM head where seats decode together, unless the head runs on BlockQ8MatMul
+    assert (p.together_bytes > 0) == (bool(p.seat_batches) and facts.get("packed_head", True))
 
 
 def test_the_tokenizer_term_is_within_reach_of_the_vocabulary(cpu_builds):
@@ -433,6 +434,24 @@ def test_the_plan_counts_what_seats_decoding_together_hold(specs):
         assert (other.seat_batches, other.together_bytes, other.batch_bytes) == ((), 0, 0)
         assert "batched" not in format_plan(other)
     assert plan(spec, cpu, window=1020, seat_batches=(2, 8)).batch_bytes > p.batch_bytes  # the largest batch's rows
+
+
+def test_a_build_whose_head_runs_on_blockq8matmul_packs_no_head_for_its_seats(smollm2_fused):
+    """The plan of a built artifact reads its facts: SmolLM2's default cpu build runs its LM head on
+    cabinlm's BlockQ8MatMul (FusedSettings.head_kernel), which every graph reads in place, so seats
+    decoding together add no packed copy of it; the batch's activations and idle seat still count,
+    and the breakdown says which."""
+    from cabinlm.manifest import load_manifest
+    from cabinlm.profiles.planner import format_plan, plan_for_manifest
+    from cabinlm.profiles.weights import build_facts
+
+    m = load_manifest(smollm2_fused)
+    assert build_facts(m)["packed_head"] is False
+    p = plan_for_manifest(m, load_profile("cpu"))
+    assert p.seat_batches == (2, 4) and p.together_bytes == 0 and p.batch_bytes > 0
+    text = format_plan(p)
+    assert "hold the LM head once (cabinlm's BlockQ8MatMul reads it in place)" in text and "packed again" not in text
+    assert plan(m.model, load_profile("cpu"), window=m.cache.window).together_bytes > 0  # before a build: counted
 
 
 def test_the_plan_counts_local_layers_on_their_rings():

@@ -20,7 +20,8 @@ builds hold the same weights in different layouts (docs/benchmarks.md, "Planner 
 
 A fused build with batched graphs (FusedSettings.seat_batches) also says what seats decoding together
 add, beside the total, which plans one dialogue: the head graph's packed LM head (together_bytes: its
-sessions open when a loaded build gets its second seat, engines/ort_fused/sessions.FusedGraphs), and the
+sessions open when a loaded build gets its second seat, engines/ort_fused/sessions.FusedGraphs; none for a
+build whose head runs on cabinlm's BlockQ8MatMul, FusedSettings.head_kernel, as its facts say), and the
 largest batch's activations with the idle seat's cache while a batched step runs (batch_bytes).
 
 held weights (held_weights): the matrices at the build's bits per weight, block scales, zero points
@@ -202,6 +203,7 @@ def plan(
     held: HeldWeights | None = None,
     tokenizer_bytes: int | None = None,
     seat_batches: tuple[int, ...] | None = None,
+    packed_head: bool = True,
 ) -> Plan:
     """The memory breakdown and the largest window that fits `profile`'s budget.
 
@@ -216,7 +218,9 @@ def plan(
     ORT_CPU_RUNTIME_BYTES, measured, not the profile's runtime_overhead_bytes; activations are scaled
     by ACTIVATION_FACTOR[build]. Other profiles count weights at precision x count and the profile's
     runtime_overhead_bytes, as before. seat_batches: the batched graphs of the build (default: what
-    `cabinlm build --profile` gives the build kind, weights.batched_seats); their term is together_bytes.
+    `cabinlm build --profile` gives the build kind, weights.batched_seats); their term is together_bytes,
+    with the LM head's packed copy where packed_head (a build whose head runs on cabinlm's BlockQ8MatMul
+    holds none: its facts say so; before a build, the copy is counted).
     """
     kv = resolve_kv(profile, kv)
     sink = profile.default_sink if sink is None else sink
@@ -245,7 +249,7 @@ def plan(
     vision = weight_bytes(vision_params, vision_dtype)
     fixed = weights + vision + overhead + tokenizer
     batches = batched_seats(profile, kind, kv) if seat_batches is None else tuple(seat_batches)
-    head_copy = packed_head_bytes(spec) if batches else 0
+    head_copy = packed_head_bytes(spec) if batches and packed_head else 0
     htp = profile.htp_arch is not None
     binaries = binary_bytes = 0
     if htp:
@@ -368,11 +372,11 @@ def format_plan(p: Plan) -> str:
         lines.append(f"{'HTP process (binaries + KV + activations)':<{width}}  {mib(p.htp_process_bytes)}  of "
                      f"{p.htp_process_limit_bytes / MIB:.1f} MiB a 32-bit NPU process maps")  # fmt: skip
     if p.seat_batches:
-        lines.append(f"seats decoding together (graphs for {', '.join(map(str, p.seat_batches))} seats) add "
-                     f"{p.together_bytes / MIB:.1f} MiB from a second seat on (the LM head packed again for the "
-                     f"batched graphs) and up to {p.batch_bytes / MIB:.1f} MiB while they step (the largest batch's "
-                     "activations and an idle seat), beside each seat's own KV and activations; `--seats` counts "
-                     "them against memory")
+        head = (f"add {p.together_bytes / MIB:.1f} MiB from a second seat on (the LM head packed again for the batched "
+                "graphs) and" if p.together_bytes else "hold the LM head once (cabinlm's BlockQ8MatMul reads it in place) and add")
+        lines.append(f"seats decoding together (graphs for {', '.join(map(str, p.seat_batches))} seats) {head} up to "
+                     f"{p.batch_bytes / MIB:.1f} MiB while they step (the largest batch's activations and an idle seat), "
+                     "beside each seat's own KV and activations; `--seats` counts them against memory")  # fmt: skip
     if p.htp_estimate:
         lines.append(p.htp_estimate)
     verdict = "fits" if p.fits else "does NOT fit"

@@ -226,5 +226,7 @@ def build_facts(manifest: Any) -> dict[str, Any]:
         bits = max(0.0, (data.bytes - bare.nbytes(spec)) * 8 / max(matrices, 1))
         held = dataclasses.replace(held, matrix_bits=round(bits, 2), layout=f"as built: {bits:.2f} bits per matrix weight "
                                    "(the weights file's size: GGUF blocks of several widths)")  # fmt: skip
-    # the batched graphs the build carries (none for an export, or a build made before seats decoded together)
-    return {"weights": fmt, "build": kind, "held": held, "seat_batches": tuple(fused.get("seat_batches") or ())}
+    # the batched graphs the build carries (none for an export, or a build made before seats decoded together),
+    # and whether its LM head is packed by a session (MatMulNBits) or read in place (cabinlm's BlockQ8MatMul)
+    return {"weights": fmt, "build": kind, "held": held, "seat_batches": tuple(fused.get("seat_batches") or ()),
+            "packed_head": fused.get("head_kernel", "onnxruntime") != "cabinlm"}  # fmt: skip
