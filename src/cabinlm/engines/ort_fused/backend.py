@@ -177,8 +177,9 @@ class FusedBackend(Backend):
         self._seqlens1 = np.zeros(1, dtype=np.int32)
         self._total1 = np.zeros((), dtype=np.int32)
         self._zero_bias = np.zeros((1, 1, 1, lay.slots + 1), dtype=np.float32)
-        self._bias: np.ndarray | None = None  # the bias bound now, kept alive while bound
+        self._bias: np.ndarray | None = None  # a one-token step's bias (_one_token_bias)
         self._bias_held: tuple | None = None  # the slots in use it was made for
+        self._bias_bound: np.ndarray | None = None  # the bias the decode binding holds, kept alive while bound
         fixed = {io.INPUT_IDS: self._ids1, io.POSITION_IDS: np.zeros((1, 1), dtype=np.int64),
                  io.ROPE_COS: self.rotated.cos, io.ROPE_SIN: self.rotated.sin, io.SEQLENS_K: self._seqlens1,
                  io.TOTAL_SEQUENCE_LENGTH: self._total1, io.LOGIT_ROWS: np.zeros(1, dtype=np.int64)}  # fmt: skip
@@ -259,8 +260,11 @@ class FusedBackend(Backend):
         hands the graph (a vision-language decoder's: no image rows; run() puts a frame's in)."""
         self._frame_keys(plan)
         n, N, F = plan.tokens, self.layout.slots, plan.extent
-        mask = plan.attention_mask
-        bias = mask[None, None] if F == N else np.concatenate([mask[:, :F], mask[:, N:]], axis=1)[None, None]
+        if n == 1:  # a seat's one-token step in a batched run: the bias a one-token step keeps
+            bias = self._one_token_bias(plan)
+        else:
+            mask = plan.attention_mask
+            bias = mask[None, None] if F == N else np.concatenate([mask[:, :F], mask[:, N:]], axis=1)[None, None]
         rows = self._rows[:n] if all_logits else self._rows[n - 1 : n]
         inputs = {
             io.INPUT_IDS: np.ascontiguousarray(ids, dtype=np.int64),
@@ -292,23 +296,31 @@ class FusedBackend(Backend):
             inputs.update({io.IMAGE_EMBEDS: self._no_embeds[:n], io.IMAGE_MASK: self._no_image[:n]})
         return inputs
 
+    def _one_token_bias(self, plan: StepPlan) -> np.ndarray:
+        """A one-token step's bias (1, 1, 1, F + 1), the same array while the set of slots in use stays:
+        it changes only with F and the sink / pinned / camera-frame fills (a window step replaces the
+        oldest window token, a slot that stays in use). Never written once made: bindings hold it."""
+        F = plan.extent
+        held = (F, plan.sink_fill, plan.pinned_fill, plan.image_fill, plan.frames)
+        if held != self._bias_held:
+            if plan.cached == F:  # every slot below F holds a token: nothing to mask
+                self._bias = self._zero_bias[..., : F + 1]
+            else:  # empty slots below F (pinned slots not yet used, for one): plan.attention_mask's
+                bias = np.zeros((1, 1, 1, F + 1), dtype=np.float32)  # row, its slots below F and itself
+                bias[0, 0, 0, :F][plan.slot_token[:F] < 0] = io.MASK_VALUE
+                self._bias = bias
+            self._bias_held = held
+        return self._bias
+
     def _run_one(self, ids: np.ndarray, plan: StepPlan, F: int) -> StepOutput:
         """One token: the inputs bound at load are written in place."""
         self._ids1[0] = ids[0]
         self._seqlens1[0] = F
         self._total1[()] = F + 1
         bias = {}
-        # The bias changes only with the set of slots in use: F, and the sink / pinned / camera-frame
-        # fills (a window step replaces the oldest window token, a slot that stays in use).
-        held = (F, plan.sink_fill, plan.pinned_fill, plan.image_fill, plan.frames)
-        if held != self._bias_held:
-            if plan.cached == F:  # every slot below F holds a token: nothing to mask
-                self._bias = self._zero_bias[..., : F + 1]
-            else:  # empty slots below F (pinned slots not yet used, for one): the plan's mask
-                mask = plan.attention_mask
-                self._bias = np.concatenate([mask[:, :F], mask[:, self.layout.slots :]], axis=1)[None, None]
-            bias[io.ATTENTION_BIAS] = self._bias
-            self._bias_held = held
+        one = self._one_token_bias(plan)
+        if one is not self._bias_bound:
+            bias[io.ATTENTION_BIAS] = self._bias_bound = one
         if self.ring is not None:
             # One token sees every ring token while the ring fills (they are the stream's first), and all
             # but the oldest once it is full (the one w tokens back, in slot seen mod R): that bias is

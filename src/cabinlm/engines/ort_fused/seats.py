@@ -16,6 +16,7 @@ filled by the idle seat, whose output is dropped.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -36,10 +37,14 @@ IDLE_IDS = np.zeros(1, dtype=np.int64)  # the idle seat's token (any id: its out
 # are arrays of their own.
 _DECODE_OUTPUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _OUTPUT_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # session -> its output names, in order
-# A binding's inputs (binding -> {name: an array of ours bound to it}): written in place while a
-# name's shape and type stay (a decode step's do, but for the bias, which grows by a column a step
-# until the window is full), bound again when they change. Bound arrays stay alive with the binding.
+# A binding's inputs (binding -> {name: (the array bound to it, ours)}): an array of ours is written
+# in place while the name's shape and type stay, bound again when they change; a seat's own array
+# that it keeps valid (KEPT_BY_SEAT, a one-token step's bias) is bound as it is, again only when
+# another comes. Bound arrays stay alive with the binding.
 _BOUND_INPUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Inputs a seat keeps in arrays of its own, written in place (RotatedKeys.chunk_tables, RingTables.fill)
+# before each run: bound once per binding, never copied.
+KEPT_BY_SEAT = (io.ROPE_COS, io.ROPE_SIN, io.LOCAL_ROPE_COS, io.LOCAL_ROPE_SIN)
 # The head's binding per number of rows (head session -> {rows: (binding, hidden (rows, D), logits
 # (rows, vocab))}): its input and its logits arrays of ours, bound once. The logits are read (step_seats
 # copies each seat's row) before the next run rewrites them.
@@ -143,6 +148,7 @@ def run_batch(graphs: FusedGraphs, seats: Sequence[FusedBackend], plans: Sequenc
               for a, e, every in zip(starts, ends, all_logits, strict=True)]  # fmt: skip
     inputs = {io.INPUT_IDS: np.concatenate([np.asarray(i, dtype=np.int64) for i in ids]),
               io.SEAT_TOKENS: counts, io.LOGIT_ROWS: np.concatenate(picked).astype(np.int64)}  # fmt: skip
+    kept = set()
     for s, (seat, plan, chunk) in enumerate(zip(seats, plans, ids, strict=True)):
         if plan.tokens != len(chunk):
             raise ValueError(f"seat {s}: a plan of {plan.tokens} tokens for a chunk of {len(chunk)}")
@@ -157,9 +163,13 @@ def run_batch(graphs: FusedGraphs, seats: Sequence[FusedBackend], plans: Sequenc
             own[io.IMAGE_MASK] = seat._all_image[: plan.tokens]
         for name in io.SHARED_BY_SEATS:
             own.pop(name)
+        names = _seat_names(s)
         for name, value in own.items():
-            inputs[io.seat_name(name, s)] = value
-    _bind_inputs(binding, inputs)
+            inputs[names[name]] = value
+        kept.update(names[n] for n in KEPT_BY_SEAT if n in own)
+        if plan.tokens == 1:  # FusedBackend._one_token_bias: the same array while the slots in use stay
+            kept.add(names[io.ATTENTION_BIAS])
+    _bind_inputs(binding, inputs, kept)
     got = _run(session, binding, int(ends[-1]), len(seats))  # in declared order: logits or hidden, then qkv.{l}
     qkv = got[1:]
     # (logit rows, vocab): the graph's own (its head on BlockQ8MatMul), or the head graph's over its hidden rows
@@ -169,21 +179,44 @@ def run_batch(graphs: FusedGraphs, seats: Sequence[FusedBackend], plans: Sequenc
             for p, t, plan, a, e in zip(picked, to, plans, starts, ends)]  # fmt: skip
 
 
-def _bind_inputs(binding, inputs: dict[str, np.ndarray]) -> None:
-    """The run's inputs into the binding (_BOUND_INPUTS): copied into the array of ours already bound
-    under that name where its shape and type are the same (a few bytes to a few KB: cheaper than
-    binding), else copied into a new array of ours and bound."""
+def _bind_inputs(binding, inputs: dict[str, np.ndarray], kept: set[str] = frozenset()) -> None:
+    """The run's inputs into the binding (_BOUND_INPUTS): a name in `kept` bound to the seat's own
+    array unless it is bound already; any other copied into the array of ours already bound under that
+    name where its shape and type are the same (a few bytes to a few KB: cheaper than binding), else
+    copied into a new array of ours and bound."""
     held = _BOUND_INPUTS.get(binding)
     if held is None:
         held = _BOUND_INPUTS[binding] = {}
     for name, value in inputs.items():
+        have, ours = held.get(name, (None, False))
+        if name in kept:
+            if have is not value:
+                binding.bind_cpu_input(name, value)
+                held[name] = (value, False)
+            continue
         value = np.asarray(value)
-        have = held.get(name)
-        if have is not None and have.shape == value.shape and have.dtype == value.dtype:
+        if ours and have.shape == value.shape and have.dtype == value.dtype:
             np.copyto(have, value)
         else:
-            have = held[name] = np.array(value, order="C")  # a copy of our own
+            have = np.array(value, order="C")  # a copy of our own
             binding.bind_cpu_input(name, have)
+            held[name] = (have, True)
+
+
+@functools.lru_cache(maxsize=64)
+def _seat_names(seat: int) -> dict[str, str]:
+    """Every per-seat input's name in a batched graph for seat `seat` (io.seat_name), made once."""
+    return _SeatNames(seat)
+
+
+class _SeatNames(dict):
+    def __init__(self, seat: int):
+        super().__init__()
+        self.seat = seat
+
+    def __missing__(self, name: str) -> str:
+        self[name] = io.seat_name(name, self.seat)
+        return self[name]
 
 
 def _head_logits(head, hidden: np.ndarray) -> np.ndarray:

@@ -309,15 +309,6 @@ inline const C* key_row(const Problem<C>& p, int64_t g, int32_t code, int64_t j)
 }
 inline int32_t value_code(int32_t code, int64_t j) { return code >= 0 ? code : (code == kEmpty ? kEmpty : static_cast<int32_t>(j)); }
 
-// Positions j0 .. j0+width-1 are cached tokens' rows that every row sees as they are (the uniform
-// case, past the step keys, below F): their codes are the positions themselves, so a tile of them
-// skips the per-position codes below and reads keys, values and bias contiguously. The same
-// arithmetic on the same operands: only the bookkeeping is skipped.
-template <typename C>
-inline bool cached_tile(const Problem<C>& p, int64_t j0, int64_t width) {
-  return p.uniform && j0 >= p.K && j0 + width <= p.F;
-}
-
 // Rows i0 .. i1-1 (at most kRowBlock) and kv head g: every query head of the group. Each row's
 // arithmetic is the same sequence whatever block it is computed in: the keys at its positions 0..X[i]
 // in position order, a position's score a function of (query, key, bias) alone.
@@ -339,6 +330,21 @@ void attend(const Problem<C>& p, int64_t i0, int64_t i1, int64_t g) {
   }
   auto code = [&](int64_t b, int64_t j) -> int32_t {
     return p.uniform ? uniform_code(p, i0 + b, j) : table[static_cast<size_t>(b * Lmax + j)];
+  };
+  // A tile of positions j0 .. j0+width-1 that are cached tokens' rows every row of the block sees as
+  // they are (past the step keys, below F, none a slot an earlier chunk row took: rows as steps after
+  // the window turned over): their codes are the positions themselves, so such a tile skips the codes
+  // and reads keys, values and bias contiguously -- the same arithmetic on the same operands.
+  thread_local std::vector<int64_t> taken;  // slots below F some row of the block sees a chunk row in
+  taken.clear();
+  if (!p.uniform)
+    for (int64_t m = 0; m + 1 < i1; ++m)
+      if (p.slots[m] < p.F) taken.push_back(p.slots[m]);
+  auto cached_tile = [&](int64_t j0, int64_t width) {
+    if (j0 < p.K || j0 + width > p.F) return false;
+    for (const int64_t s : taken)
+      if (s >= j0 && s < j0 + width) return false;
+    return true;
   };
 
   alignas(64) float q[kRowBlock][kMaxGroup][kMaxHeadDim];
@@ -365,7 +371,7 @@ void attend(const Problem<C>& p, int64_t i0, int64_t i1, int64_t g) {
   for (int64_t j0 = 0; j0 < Lmax; j0 += kLanes) {
     for (int64_t j = j0 + 2 * kLanes; j < std::min<int64_t>(j0 + 3 * kLanes, p.F); ++j)
       __builtin_prefetch(K0 + j * D);  // two tiles ahead (a hint: changes no arithmetic)
-    if (cached_tile(p, j0, kLanes)) {  // every row sees the cache's rows j0 .. j0+15 as they are
+    if (cached_tile(j0, kLanes)) {  // every row sees the cache's rows j0 .. j0+15 as they are
       for (int64_t l = 0; l < kLanes; ++l)
         for (int64_t c = 0; c < V16; ++c) store(keys + l * D + c * kLanes, load_kv(K0 + (j0 + l) * D + c * kLanes));
       for (int64_t b = 0; b < B; ++b) {
@@ -441,7 +447,7 @@ void attend(const Problem<C>& p, int64_t i0, int64_t i1, int64_t g) {
     for (int64_t j = j0 + kTile; j < std::min<int64_t>(j0 + 2 * kTile, p.F); ++j)
       __builtin_prefetch(V + j * D);  // the next tile's values
     const int64_t count = std::min<int64_t>(kTile, Lmax - j0);
-    if (cached_tile(p, j0, kTile)) {  // every row sees the cache's values j0 .. j0+31 as they are
+    if (cached_tile(j0, kTile)) {  // every row sees the cache's values j0 .. j0+31 as they are
       for (int64_t j = 0; j < kTile; ++j)
         for (int64_t c = 0; c < V16; ++c) store(tile + j * D + c * kLanes, load_kv(V + (j0 + j) * D + c * kLanes));
       for (int64_t b = 0; b < B; ++b)
