@@ -6,7 +6,7 @@ STEPS of 4 seats together (step_seats). Per session: its mean run time, and the 
 type, ms per step (ONNX Runtime's "_kernel_time" events, summed over the pool's threads' share of a
 node as the profiler records it: one event per node run).
 
-    python benchmarks/seats_profile.py BUILD [--fill 512] [--steps 30] [--session-config JSON]
+    python benchmarks/seats_profile.py BUILD [--fill 512] [--pinned 0] [--steps 30] [--session-config JSON]
 
 Profiles are written under a temporary folder and removed. One JSON line."""
 
@@ -46,6 +46,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("build")
     ap.add_argument("--fill", type=int, default=512)
+    ap.add_argument("--pinned", type=int, default=0, help="tokens each seat pins first (a system prompt)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--session-config", default="{}")
@@ -66,6 +67,8 @@ def main() -> None:
         first = Decoder(a.build, threads=a.threads, session_config=json.loads(a.session_config) or None)
         seats = [first] + [first.seat() for _ in range(3)]
         C = first.layout.chunk
+        for d in seats if a.pinned else ():
+            d.feed(np.arange(1000, 1000 + a.pinned), pin=True)
         for start in range(0, a.fill, C):
             step_seats(seats, [np.arange(100 + start, 100 + min(start + C, a.fill))] * 4)
         for _ in range(a.steps):
@@ -73,7 +76,7 @@ def main() -> None:
         for _ in range(a.steps):
             step_seats(seats, [[5]] * 4)
         g = first.backend.graphs
-        row = {"fill": a.fill, "steps": a.steps, "load1": open("/proc/loadavg").read().split()[0],
+        row = {"fill": a.fill, "pinned": a.pinned, "steps": a.steps, "load1": open("/proc/loadavg").read().split()[0],
                "one_seat": summarize(g.decoder.end_profiling(), a.steps),
                "four_seats": summarize(g.seats[4].end_profiling(), a.steps)}
         if g.head is not None:  # builds whose LM head runs in a graph of its own (head_kernel "onnxruntime")

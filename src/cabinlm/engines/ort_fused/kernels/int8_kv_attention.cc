@@ -154,6 +154,12 @@ template <>
 inline int8_t to_cache<int8_t>(float x) { return quantize(x); }
 template <>
 inline float to_cache<float>(float x) { return x; }
+// A row of D values divided by their per-channel scales into the cache's element type (to_cache),
+// every element on its own: vectorized where the target has the instructions, the same results.
+template <typename C>
+inline void to_cache_row(const float* __restrict x, const float* __restrict scale, int64_t D, C* __restrict out) {
+  for (int64_t d = 0; d < D; ++d) out[d] = to_cache<C>(x[d] / scale[d]);
+}
 template <typename C>
 struct Names;
 template <>
@@ -167,8 +173,11 @@ struct Names<float> {
   static constexpr const char* seats = "FloatKVSeatsAttention: ";
 };
 
-// rotate-half rotary embedding of one head (x: D values), into out
-inline void rotate(const float* x, const float* cos, const float* sin, int64_t D, float* out) {
+// rotate-half rotary embedding of one head (x: D values), into out. The pointers never overlap (out
+// is a local row): declared so, the loops below vectorize, each lane the same operations as a scalar
+// element (the compiler contracts the same products in both forms).
+inline void rotate(const float* __restrict x, const float* __restrict cos, const float* __restrict sin, int64_t D,
+                   float* __restrict out) {
   const int64_t h = D / 2;
   for (int64_t d = 0; d < h; ++d) {
     out[d] = x[d] * cos[d] - x[d + h] * sin[d];
@@ -331,21 +340,23 @@ void attend(const Problem<C>& p, int64_t i0, int64_t i1, int64_t g) {
   auto code = [&](int64_t b, int64_t j) -> int32_t {
     return p.uniform ? uniform_code(p, i0 + b, j) : table[static_cast<size_t>(b * Lmax + j)];
   };
-  // A tile of positions j0 .. j0+width-1 that are cached tokens' rows every row of the block sees as
-  // they are (past the step keys, below F, none a slot an earlier chunk row took: rows as steps after
-  // the window turned over): their codes are the positions themselves, so such a tile skips the codes
-  // and reads keys, values and bias contiguously -- the same arithmetic on the same operands.
+  // A plain tile: positions j0 .. j0+width-1 below F that every row of the block sees alike -- the
+  // step keys of one version (V = 1) or the cache's rows, none a slot an earlier chunk row took (rows
+  // as steps after the window turned over). Position j's code is then kStepKey (j < K) or j itself for
+  // every row, so such a tile skips the codes: its keys are step_rows[j] / the cache's row j, its values
+  // and bias the cache's and the bias's column j -- the same arithmetic on the same operands.
   thread_local std::vector<int64_t> taken;  // slots below F some row of the block sees a chunk row in
   taken.clear();
   if (!p.uniform)
     for (int64_t m = 0; m + 1 < i1; ++m)
       if (p.slots[m] < p.F) taken.push_back(p.slots[m]);
-  auto cached_tile = [&](int64_t j0, int64_t width) {
-    if (j0 < p.K || j0 + width > p.F) return false;
+  auto plain_tile = [&](int64_t j0, int64_t width) {
+    if (j0 + width > p.F || (j0 < p.K && p.V != 1)) return false;
     for (const int64_t s : taken)
       if (s >= j0 && s < j0 + width) return false;
     return true;
   };
+  const C* step_rows = p.K > 0 ? p.step + g * p.K * D : nullptr;  // version 0's step keys of this kv head
 
   alignas(64) float q[kRowBlock][kMaxGroup][kMaxHeadDim];
   for (int64_t b = 0; b < B; ++b) {
@@ -371,9 +382,12 @@ void attend(const Problem<C>& p, int64_t i0, int64_t i1, int64_t g) {
   for (int64_t j0 = 0; j0 < Lmax; j0 += kLanes) {
     for (int64_t j = j0 + 2 * kLanes; j < std::min<int64_t>(j0 + 3 * kLanes, p.F); ++j)
       __builtin_prefetch(K0 + j * D);  // two tiles ahead (a hint: changes no arithmetic)
-    if (cached_tile(j0, kLanes)) {  // every row sees the cache's rows j0 .. j0+15 as they are
-      for (int64_t l = 0; l < kLanes; ++l)
-        for (int64_t c = 0; c < V16; ++c) store(keys + l * D + c * kLanes, load_kv(K0 + (j0 + l) * D + c * kLanes));
+    if (plain_tile(j0, kLanes)) {  // every row sees the same keys at j0 .. j0+15: the step keys, then the cache's
+      for (int64_t l = 0; l < kLanes; ++l) {
+        const int64_t j = j0 + l;
+        const C* src = j < p.K ? step_rows + j * D : K0 + j * D;
+        for (int64_t c = 0; c < V16; ++c) store(keys + l * D + c * kLanes, load_kv(src + c * kLanes));
+      }
       for (int64_t b = 0; b < B; ++b) {
         const vf16 bv = load(p.bias + (i0 + b) * p.T + j0);
         for (int64_t r = 0; r < G; ++r) store(scores.data() + (b * G + r) * stride + j0, qk_tile(V16, q[b][r], keys, D) + bv);
@@ -447,7 +461,7 @@ void attend(const Problem<C>& p, int64_t i0, int64_t i1, int64_t g) {
     for (int64_t j = j0 + kTile; j < std::min<int64_t>(j0 + 2 * kTile, p.F); ++j)
       __builtin_prefetch(V + j * D);  // the next tile's values
     const int64_t count = std::min<int64_t>(kTile, Lmax - j0);
-    if (cached_tile(j0, kTile)) {  // every row sees the cache's values j0 .. j0+31 as they are
+    if (plain_tile(j0, kTile)) {  // every row sees the cache's values j0 .. j0+31 as they are
       for (int64_t j = 0; j < kTile; ++j)
         for (int64_t c = 0; c < V16; ++c) store(tile + j * D + c * kLanes, load_kv(V + (j0 + j) * D + c * kLanes));
       for (int64_t b = 0; b < B; ++b)
@@ -509,7 +523,7 @@ void step_keys_unit(void* data, size_t unit) {
     const int64_t t = (v * p.K + r) * (D / 2);
     rotate(p.source + (g * p.P + r) * D, p.src_cos + t, p.src_sin + t, D, rotated);
     C* k = p.step + ((v * p.Hkv + g) * p.K + r) * D;
-    for (int64_t d = 0; d < D; ++d) k[d] = to_cache<C>(rotated[d] / ks[d]);
+    to_cache_row<C>(rotated, ks, D, k);
   }
 }
 
@@ -528,10 +542,8 @@ void write_rows(const Problem<C>& p) {
       C* k = p.keys + (g * p.R + p.F + i) * D;
       C* v = p.values + (g * p.R + p.F + i) * D;
       const float* vin = row + (p.H + p.Hkv + g) * D;
-      for (int64_t d = 0; d < D; ++d) {
-        k[d] = to_cache<C>(rotated[d] / ks[d]);
-        v[d] = to_cache<C>(vin[d] / vs[d]);
-      }
+      to_cache_row<C>(rotated, ks, D, k);
+      to_cache_row<C>(vin, vs, D, v);
     }
   }
 }
