@@ -271,9 +271,12 @@ def test_bench_modules_import_each_other_one_way():
     # The layering the modules' docstrings describe.
     assert graph["catalog"] == set() and graph["child"] == {"catalog"}
     assert "baselines" not in graph["peers"] and not {"peers", "baselines"} & graph["prepare"]
+    # the seats bench: cabinlm's modes, the llama.cpp peer on top of them, the child process on top of both
+    assert not {"llama_seats", "seats_child"} & graph["seats"] and "seats_child" not in graph["llama_seats"]
+    assert {"seats", "llama_seats"} <= graph["seats_child"]
 
 
-@pytest.mark.parametrize("module", ["catalog", "child", "prepare", "peers", "baselines"])
+@pytest.mark.parametrize("module", ["catalog", "child", "prepare", "peers", "baselines", "seats", "llama_seats", "seats_child"])
 def test_each_bench_module_imports_alone_and_light(module):
     """Each module first, in a fresh interpreter (a cycle shows as an ImportError or a half-made module
     only when the import starts from one side of it); none loads a peer's heavy package."""

@@ -337,7 +337,7 @@ def test_bench_seats_reports_every_mode_with_the_same_replies(build):
     needs are there, streams' aggregate while every seat still talked too."""
     import json
 
-    from cabinlm.bench.seats import run_in_child
+    from cabinlm.bench.seats_child import run_in_child
     from test_cli import assert_clean_error, cabinlm
 
     runs = [run_in_child(build, 3, 2, 6, 1, 0, mode, 300, system="") for mode in ("together", "turns", "streams")]

@@ -57,7 +57,8 @@ def test_the_peer_decodes_cabinlms_replies_in_one_batch(smollm2_fused, gguf):
     round, and its own greedy choice agrees with cabinlm's on most steps (two int4 engines on one GGUF);
     on its own it stops where its replies end."""
     _skip_without_llama_cpp()
-    from cabinlm.bench.seats import run_llama_seats, run_seats
+    from cabinlm.bench.llama_seats import run_llama_seats
+    from cabinlm.bench.seats import run_seats
 
     ours = run_seats(smollm2_fused, 2, 1, 10, 1, 0, "together")
     peer = run_llama_seats(smollm2_fused, gguf, 2, 1, 10, 1, 0, replies=ours.warmup_replies + ours.replies)

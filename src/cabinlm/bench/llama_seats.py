@@ -1,16 +1,22 @@
 """llama.cpp decoding several dialogues in one batch: the peer of `cabinlm bench --seats N
---baseline llama.cpp` (bench/seats.py), on llama-cpp-python's low-level batch API.
+--baseline llama.cpp` (bench/seats.py's modes are cabinlm's), on llama-cpp-python's low-level batch
+API: the engine (LlamaCppSeats) and its run of the bench's scripted rounds (run_llama_seats).
 
-Imported by the bench's child process; llama_cpp is imported when the engine is made.
+Imported by the bench's child process (bench/seats_child.py); llama_cpp is imported when the engine
+is made.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from cabinlm.bench.catalog import INSTALL, BaselineError, BaselineUnavailable
 from cabinlm.bench.peers import load_llama_model
 from cabinlm.bench.protocol import ContextFull
+from cabinlm.bench.script import SYSTEM, user_turns
+from cabinlm.bench.seats import SeatsRun
+from cabinlm.runtime.memory import rss_mb
 
 
 class LlamaCppSeats:
@@ -93,3 +99,90 @@ class LlamaCppSeats:
         self.L.llama_batch_free(self.batch)
         self.L.llama_free(self.ctx)
         self.L.llama_model_free(self.model)
+
+
+def run_llama_seats(artifact: Path, gguf: Path, seats: int, rounds: int, max_new: int, threads: int, seed: int,
+                    system: str = SYSTEM, replies: list[list[int]] | None = None) -> SeatsRun:  # fmt: skip
+    """The peer: llama.cpp decoding the seats' sequences in one batch (LlamaCppSeats), on
+    the same token ids as run_seats (the artifact's tokenizer and chat template, the same scripted
+    turns per seat, the system prompt as each sequence's first tokens), prompts fed seat after seat,
+    then one llama_decode per step for every seat still replying.
+
+    replies: a cabinlm run's replies (run_seats' warmup_replies + replies): each seat then decodes
+    exactly as many steps as it did there and is fed those reply tokens, so both engines decode the
+    same dialogues token for token (llama.cpp's own argmax is still computed every step; `agree`
+    counts the steps where it chose cabinlm's token). Without them: llama.cpp's own greedy replies."""
+    from cabinlm.manifest import load_manifest
+    from cabinlm.runtime.template import Template
+    from cabinlm.runtime.tokenizer import Tokenizer
+
+    m = load_manifest(artifact)
+    tok = Tokenizer(Path(artifact) / m.files["tokenizer"].path)
+    template = Template(tok, m.chat)
+    stop = set(m.stop_ids)
+    if replies is not None and len(replies) != (rounds + 1) * seats:
+        raise ValueError(f"replies holds {len(replies)} replies, not {(rounds + 1) * seats} ({rounds + 1} rounds x {seats} seats)")
+    scripts = [user_turns(seed + i) for i in range(seats)]
+    run = SeatsRun("llama.cpp", seats, rounds, decoded=[0] * seats, rss_start_mb=rss_mb())
+    engine = LlamaCppSeats(gguf, threads, seats, n_ctx_seq=(rounds + 1) * (max_new + 512) + 512)
+    run.config = engine.config  # type: ignore[attr-defined]
+    agree = steps = 0
+    try:
+        start = template.start(system)
+        pending: list[list[int]] = [list(start) for _ in range(seats)]
+        for r in range(rounds + 1):
+            if r == 1:
+                run.warmup_replies = run.replies
+                run.decoded, run.decode_s, run.prefill_s, run.ttft_s, run.replies = [0] * seats, 0.0, 0.0, [], []
+            forced = replies[r * seats : (r + 1) * seats] if replies is not None else None
+            t0 = time.perf_counter()
+            nxt: list[int] = []
+            for i in range(seats):
+                nxt.append(engine.feed(i, pending[i] + template.user(next(scripts[i]))))
+                run.ttft_s.append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            run.prefill_s += t1 - t0
+            if forced is not None:  # cabinlm's replies: its steps, its tokens
+                got: list[list[int]] = [[] for _ in range(seats)]
+                for i in range(seats):
+                    agree += bool(forced[i]) and nxt[i] == forced[i][0]
+                    steps += bool(forced[i])
+                # seat i steps while it has fed fewer than len(reply) tokens, and once more where the
+                # reply ended at a stop id (len < max_new): the step that chose it
+                todo = [len(f) - (len(f) == max_new) if f else 0 for f in forced]
+                fed = [0] * seats
+                while any(fed[i] < todo[i] for i in range(seats)):
+                    live = [i for i in range(seats) if fed[i] < todo[i]]
+                    out = engine.step({i: forced[i][fed[i]] for i in live})
+                    for i in live:
+                        run.decoded[i] += 1
+                        fed[i] += 1
+                        want = forced[i][fed[i]] if fed[i] < len(forced[i]) else None
+                        agree += out[i] == want or (want is None and out[i] in stop)
+                        steps += 1
+                reps = [list(f) for f in forced]
+            else:
+                reps = [[t] if t not in stop else [] for t in nxt]
+                live = [i for i in range(seats) if reps[i]]
+                while live:
+                    live = [i for i in live if len(reps[i]) < max_new]
+                    if not live:
+                        break
+                    out = engine.step({i: reps[i][-1] for i in live})
+                    still = []
+                    for i in live:
+                        run.decoded[i] += 1
+                        if out[i] not in stop:
+                            reps[i].append(out[i])
+                            still.append(i)
+                    live = still
+            run.decode_s += time.perf_counter() - t1
+            for i in range(seats):
+                last = reps[i][-1:] if len(reps[i]) == max_new else []
+                pending[i] = last + template.closing()
+            run.replies += reps
+    finally:
+        engine.close()
+    run.rss_end_mb = rss_mb()
+    run.agree = (agree, steps)  # type: ignore[attr-defined]
+    return run

@@ -25,8 +25,9 @@ round's start: the prefills before a seat's own count, as they would for request
 streams: from the turn's start, the other seats' steps riding along), resident memory at the start
 and the end, and the drafts verified and accepted; streams also the aggregate while every seat still
 talks (the span up to the first seat's last reply: after it, fewer seats are left). A first round warms the sessions up and is not
-counted. Each mode runs in a process of its own (`python -m cabinlm.bench.seats`: one JSON line),
-so that its memory is its own. Only numpy, onnxruntime and tokenizers."""
+counted. Each mode runs in a process of its own (bench/seats_child.py: one JSON line), so that its
+memory is its own; the peer, llama.cpp decoding the seats' sequences in one batch, is
+bench/llama_seats.py. Only numpy, onnxruntime and tokenizers."""
 
 from __future__ import annotations
 
@@ -250,128 +251,6 @@ def _evicted(decoder) -> int:
     return int(decoder.cache.evicted)
 
 
-def run_llama_seats(artifact: Path, gguf: Path, seats: int, rounds: int, max_new: int, threads: int, seed: int,
-                    system: str = SYSTEM, replies: list[list[int]] | None = None) -> SeatsRun:  # fmt: skip
-    """The peer: llama.cpp decoding the seats' sequences in one batch (bench/llama_seats.LlamaCppSeats), on
-    the same token ids as run_seats (the artifact's tokenizer and chat template, the same scripted
-    turns per seat, the system prompt as each sequence's first tokens), prompts fed seat after seat,
-    then one llama_decode per step for every seat still replying.
-
-    replies: a cabinlm run's replies (run_seats' warmup_replies + replies): each seat then decodes
-    exactly as many steps as it did there and is fed those reply tokens, so both engines decode the
-    same dialogues token for token (llama.cpp's own argmax is still computed every step; `agree`
-    counts the steps where it chose cabinlm's token). Without them: llama.cpp's own greedy replies."""
-    from cabinlm.bench.llama_seats import LlamaCppSeats
-    from cabinlm.manifest import load_manifest
-    from cabinlm.runtime.template import Template
-    from cabinlm.runtime.tokenizer import Tokenizer
-
-    m = load_manifest(artifact)
-    tok = Tokenizer(Path(artifact) / m.files["tokenizer"].path)
-    template = Template(tok, m.chat)
-    stop = set(m.stop_ids)
-    if replies is not None and len(replies) != (rounds + 1) * seats:
-        raise ValueError(f"replies holds {len(replies)} replies, not {(rounds + 1) * seats} ({rounds + 1} rounds x {seats} seats)")
-    scripts = [user_turns(seed + i) for i in range(seats)]
-    run = SeatsRun("llama.cpp", seats, rounds, decoded=[0] * seats, rss_start_mb=rss_mb())
-    engine = LlamaCppSeats(gguf, threads, seats, n_ctx_seq=(rounds + 1) * (max_new + 512) + 512)
-    run.config = engine.config  # type: ignore[attr-defined]
-    agree = steps = 0
-    try:
-        start = template.start(system)
-        pending: list[list[int]] = [list(start) for _ in range(seats)]
-        for r in range(rounds + 1):
-            if r == 1:
-                run.warmup_replies = run.replies
-                run.decoded, run.decode_s, run.prefill_s, run.ttft_s, run.replies = [0] * seats, 0.0, 0.0, [], []
-            forced = replies[r * seats : (r + 1) * seats] if replies is not None else None
-            t0 = time.perf_counter()
-            nxt: list[int] = []
-            for i in range(seats):
-                nxt.append(engine.feed(i, pending[i] + template.user(next(scripts[i]))))
-                run.ttft_s.append(time.perf_counter() - t0)
-            t1 = time.perf_counter()
-            run.prefill_s += t1 - t0
-            if forced is not None:  # cabinlm's replies: its steps, its tokens
-                got: list[list[int]] = [[] for _ in range(seats)]
-                for i in range(seats):
-                    agree += bool(forced[i]) and nxt[i] == forced[i][0]
-                    steps += bool(forced[i])
-                # seat i steps while it has fed fewer than len(reply) tokens, and once more where the
-                # reply ended at a stop id (len < max_new): the step that chose it
-                todo = [len(f) - (len(f) == max_new) if f else 0 for f in forced]
-                fed = [0] * seats
-                while any(fed[i] < todo[i] for i in range(seats)):
-                    live = [i for i in range(seats) if fed[i] < todo[i]]
-                    out = engine.step({i: forced[i][fed[i]] for i in live})
-                    for i in live:
-                        run.decoded[i] += 1
-                        fed[i] += 1
-                        want = forced[i][fed[i]] if fed[i] < len(forced[i]) else None
-                        agree += out[i] == want or (want is None and out[i] in stop)
-                        steps += 1
-                reps = [list(f) for f in forced]
-            else:
-                reps = [[t] if t not in stop else [] for t in nxt]
-                live = [i for i in range(seats) if reps[i]]
-                while live:
-                    live = [i for i in live if len(reps[i]) < max_new]
-                    if not live:
-                        break
-                    out = engine.step({i: reps[i][-1] for i in live})
-                    still = []
-                    for i in live:
-                        run.decoded[i] += 1
-                        if out[i] not in stop:
-                            reps[i].append(out[i])
-                            still.append(i)
-                    live = still
-            run.decode_s += time.perf_counter() - t1
-            for i in range(seats):
-                last = reps[i][-1:] if len(reps[i]) == max_new else []
-                pending[i] = last + template.closing()
-            run.replies += reps
-    finally:
-        engine.close()
-    run.rss_end_mb = rss_mb()
-    run.agree = (agree, steps)  # type: ignore[attr-defined]
-    return run
-
-
-def run_in_child(artifact: Path, seats: int, rounds: int, max_new: int, threads: int | None, seed: int,
-                 mode: str, timeout_s: float, system: str = SYSTEM, gguf: Path | None = None,
-                 replies: list[list[int]] | None = None, speculative: bool | None = None) -> dict:  # fmt: skip
-    """run_seats (or, mode "llama.cpp", run_llama_seats on GGUF with REPLIES) in a fresh process: its
-    figures (SeatsRun.to_dict, with "replies")."""
-    import json
-    import subprocess
-    import sys
-    import tempfile
-
-    from cabinlm.errors import CabinlmError
-
-    drafting = {None: "default", True: "on", False: "off"}[speculative]
-    cmd = [sys.executable, "-m", "cabinlm.bench.seats", str(artifact), str(seats), str(rounds), str(max_new),
-           str(threads or 0), str(seed), mode, system, drafting]  # fmt: skip
-    tmp = None
-    if mode == "llama.cpp":
-        tmp = tempfile.NamedTemporaryFile("w", suffix=".json", prefix="cabinlm-seats-", delete=False)
-        json.dump(replies, tmp)
-        tmp.close()
-        cmd += [str(gguf), tmp.name]
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as e:
-        raise CabinlmError(f"--seats {seats} ({mode}) ran past --time-limit {timeout_s:g} s") from e
-    finally:
-        if tmp is not None:
-            Path(tmp.name).unlink(missing_ok=True)
-    if p.returncode != 0:
-        last = (p.stderr.strip().splitlines() or ["no output"])[-1]
-        raise CabinlmError(f"--seats {seats} ({mode}) failed: {last}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
-
-
 def report(runs: list[dict]) -> list[str]:
     lines = []
     for d in runs:
@@ -401,21 +280,3 @@ def report(runs: list[dict]) -> list[str]:
             lines.append(f"llama.cpp decoded cabinlm's replies ({d['config'].get('n_seq_max')} sequences in one batch); "
                          f"its own argmax chose cabinlm's token at {ok} of {n} steps")  # fmt: skip
     return lines
-
-
-if __name__ == "__main__":  # one mode in a process of its own (run_in_child)
-    import json
-    import sys
-
-    art, n, rounds, max_new, threads, seed, mode, system, drafting = sys.argv[1:10]
-    if mode == "llama.cpp":
-        gguf, replies_file = sys.argv[10:12]
-        forced = json.loads(Path(replies_file).read_text())
-        done = run_llama_seats(Path(art), Path(gguf), int(n), int(rounds), int(max_new), int(threads) or 2, int(seed),
-                               system, forced)  # fmt: skip
-        extra = {"config": done.config, "greedy_agreement": list(done.agree)}  # type: ignore[attr-defined]
-    else:
-        done = run_seats(Path(art), int(n), int(rounds), int(max_new), int(threads) or None, int(seed), mode, system,
-                         {"default": None, "on": True, "off": False}[drafting])  # fmt: skip
-        extra = {}
-    print(json.dumps({**done.to_dict(), **extra, "replies": done.replies, "warmup_replies": done.warmup_replies}))

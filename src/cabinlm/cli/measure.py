@@ -152,7 +152,8 @@ def bench(
     check_output_file("trace", trace_out)
     m = load_manifest(artifact)  # a wrong path or a broken manifest fails here, before any run
     if seats != 1:
-        from cabinlm.bench.seats import MODES, report as seats_report, run_in_child
+        from cabinlm.bench.seats import MODES, report as seats_report
+        from cabinlm.bench.seats_child import run_in_child
         from cabinlm.runtime.limits import check_seat_count
 
         check_seat_count(seats)
