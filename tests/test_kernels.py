@@ -352,19 +352,20 @@ def test_block_q4_matmul_computes_the_q4_1_product(path, library, tmp_path):
     assert np.abs(y - exact).max() <= 0.02 * np.abs(exact).max()
 
 
-def test_block_q4_matmul_rows_are_one_row_runs_bit_for_bit(library):
+@pytest.mark.parametrize("rows", [7, 13, 19])  # groups of the kernel's rows: 7; 8 + 5; 8 + 8 + 3 (AVX-512), 2s and a 1 (NEON)
+def test_block_q4_matmul_rows_are_one_row_runs_bit_for_bit(library, rows):
     from cabinlm.engines.ort_fused.block_layouts import block_q4_layout
 
     q, d, m = _q4_case(96, 32, seed=3)
     session = _matmul_session(block_q4_layout(q, d, m), library)
-    x = np.random.default_rng(4).standard_normal((1, 7, 96)).astype(np.float32)
+    x = np.random.default_rng(4).standard_normal((1, rows, 96)).astype(np.float32)
     chunk = session.run(None, {"x": x})[0]
-    steps = np.concatenate([session.run(None, {"x": x[:, i : i + 1]})[0] for i in range(7)], axis=1)
+    steps = np.concatenate([session.run(None, {"x": x[:, i : i + 1]})[0] for i in range(rows)], axis=1)
     assert np.array_equal(chunk, steps)
     swiglu = _matmul_session(block_q4_layout(q, d, m), library, swiglu=True)
-    gu = np.random.default_rng(5).standard_normal((1, 7, 192)).astype(np.float32)
+    gu = np.random.default_rng(5).standard_normal((1, rows, 192)).astype(np.float32)
     chunk = swiglu.run(None, {"x": gu})[0]
-    steps = np.concatenate([swiglu.run(None, {"x": gu[:, i : i + 1]})[0] for i in range(7)], axis=1)
+    steps = np.concatenate([swiglu.run(None, {"x": gu[:, i : i + 1]})[0] for i in range(rows)], axis=1)
     assert np.array_equal(chunk, steps)
 
 

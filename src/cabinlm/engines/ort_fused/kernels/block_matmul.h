@@ -104,20 +104,26 @@ inline OrtStatus* operands(OrtKernelContext* ctx, const std::string& where, int6
   return data_of(yv, &o->y);
 }
 
-// One parallel_for unit: every row of tile `unit`, kRowBlock rows at a time, then the rest (1..3) in
-// one group; Tiles::rows<R>(problem, tile, r0) computes rows r0 .. r0 + R - 1 of the tile.
+// The last `left` (0 .. R) rows of a tile, from row r, in one group of that many.
+template <class Tiles, int R, class Problem>
+inline void rest_rows(const Problem& p, int64_t t, int64_t r, int64_t left) {
+  if constexpr (R > 0) {
+    if (left == R)
+      Tiles::template rows<R>(p, t, r);
+    else
+      rest_rows<Tiles, R - 1>(p, t, r, left);
+  }
+}
+
+// One parallel_for unit: every row of tile `unit`, kRowBlock rows at a time, then the rest (1 ..
+// kRowBlock - 1) in one group; Tiles::rows<R>(problem, tile, r0) computes rows r0 .. r0 + R - 1 of the tile.
 template <class Tiles, int kRowBlock, class Problem>
 void tile_unit(void* data, size_t unit) {
   const Problem& p = *static_cast<const Problem*>(data);
   const int64_t t = static_cast<int64_t>(unit);
   int64_t r = 0;
   for (; r + kRowBlock <= p.M; r += kRowBlock) Tiles::template rows<kRowBlock>(p, t, r);
-  switch (p.M - r) {
-    case 3: Tiles::template rows<3>(p, t, r); break;
-    case 2: Tiles::template rows<2>(p, t, r); break;
-    case 1: Tiles::template rows<1>(p, t, r); break;
-    default: break;
-  }
+  rest_rows<Tiles, kRowBlock - 1>(p, t, r, p.M - r);
 }
 
 }  // namespace cabinlm_blocks

@@ -87,11 +87,14 @@ using cabinlm_blocks::kCols;   // columns per tile
 constexpr int kCodeBytes = kCols * kBlock / 2;          // 256
 constexpr int kTileBlockBytes = kCodeBytes + 4 * kCols;  // + 16 float16 scales + 16 float16 minimums
 // Rows of x that share a tile's unpacking. NEON: 2, so that a group's int32 and float accumulators
-// (8 + 8 vectors), its codes (4) and the tile's scales and minimums stay in the 32 registers.
+// (8 + 8 vectors), its codes (4) and the tile's scales and minimums stay in the 32 registers. AVX-512:
+// 8 (a group's 8 integer and 8 float accumulators, 64 bytes of codes unpacked at a time), so that a
+// verified draft's 5 to 8 rows, or 4 seats' and their drafts', unpack each tile once instead of
+// leaving one to three rows a pass of their own (docs/benchmarks.md section 20, stop 45).
 #if CABINLM_NEON_DOT
 constexpr int kRowBlock = 2;
 #else
-constexpr int kRowBlock = 4;
+constexpr int kRowBlock = 8;
 #endif
 
 struct Problem : cabinlm_blocks::Operands {
@@ -134,33 +137,38 @@ void swiglu_row(const float* gu, int64_t K, float* out) {
 #if CABINLM_VNNI
 typedef int32_t int32_alias __attribute__((may_alias));
 
-// Rows r0 .. r0+R-1 of one tile of 16 columns.
+// Rows r0 .. r0+R-1 of one tile of 16 columns: each 64 bytes of a block's codes unpacked once (low and
+// high nibbles: 8 code rows of W) and met by every row's codes, four at a time (broadcast by the load
+// itself, {1to16}), into that row's integer sums -- two per row for R <= 4 (to keep the dot-product
+// chains short enough to overlap), one for more rows (R independent chains already; fewer registers).
+// The integer sums are exact in any order, so the split changes no result.
 template <int R>
 void tile_rows(const Problem& p, int64_t t, int64_t r0) {
+  constexpr int A = R <= 4 ? 2 : 1;  // integer accumulators per row
   const uint8_t* w = p.w + t * p.nb * kTileBlockBytes;
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < p.nb; ++b, w += kTileBlockBytes) {
-    __m512i codes[8];
+    __m512i dot[R][A];
+    for (int r = 0; r < R; ++r)
+      for (int a = 0; a < A; ++a) dot[r][a] = _mm512_setzero_si512();
     for (int j = 0; j < 4; ++j) {
       const __m512i packed = _mm512_loadu_si512(w + 64 * j);
-      codes[j] = _mm512_and_si512(packed, low);
-      codes[j + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+      const __m512i lo = _mm512_and_si512(packed, low);                       // code rows 4 j .. 4 j + 3
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);  // code rows 16 + 4 j ..
+      for (int r = 0; r < R; ++r) {
+        const int32_alias* x4 = reinterpret_cast<const int32_alias*>(p.xq + ((r0 + r) * p.nb + b) * kBlock);
+        dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], lo, _mm512_set1_epi32(x4[j]));
+        dot[r][A - 1] = _mm512_dpbusd_epi32(dot[r][A - 1], hi, _mm512_set1_epi32(x4[j + 4]));
+      }
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kCodeBytes)));
     const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kCodeBytes + 32)));
     for (int r = 0; r < R; ++r) {
       const int64_t at = (r0 + r) * p.nb + b;
-      // the row's codes, four at a time, each broadcast by the load itself ({1to16})
-      const int32_alias* x4 = reinterpret_cast<const int32_alias*>(p.xq + at * kBlock);
-      __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();  // integer: exact in any order
-      for (int j = 0; j < 8; j += 2) {
-        even = _mm512_dpbusd_epi32(even, codes[j], _mm512_set1_epi32(x4[j]));
-        odd = _mm512_dpbusd_epi32(odd, codes[j + 1], _mm512_set1_epi32(x4[j + 1]));
-      }
-      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
-      acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(p.dx[at])), acc[r]);
+      const __m512i sum = A == 2 ? _mm512_add_epi32(dot[r][0], dot[r][A - 1]) : dot[r][0];
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(p.dx[at])), acc[r]);
       acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(p.sx[at]), acc[r]);
     }
   }
