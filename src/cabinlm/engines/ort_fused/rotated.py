@@ -171,6 +171,9 @@ class RotatedKeys:
             return empty, empty
         if plan.steps and plan.tokens > 1:
             positions = plan.row_pinned_ranks + plan.row_evicted[:, None]
+            if (positions == positions[0]).all():  # no row's step evicts (the window has room): one version
+                cos, sin = self._tables(positions[0])  # for every row, the same numbers as n copies
+                return cos.astype(np.float32)[None], sin.astype(np.float32)[None]
             cos, sin = self._tables(positions.reshape(-1))
             shape = (plan.tokens, K, half)
             return cos.astype(np.float32).reshape(shape), sin.astype(np.float32).reshape(shape)
