@@ -145,7 +145,7 @@ def reference(c: Case) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 @pytest.mark.parametrize("n,F,hidden", [(1, 0, (0, 0)), (1, 37, (3, 9)), (5, 20, (0, 4)), (4, 15, (2, 3)), (16, 40, (10, 30)),
                                          (17, 63, (1, 2)), (1, 79, (30, 31)), (3, 70, (0, 1))])  # fmt: skip
 # (4, 15): a row whose keys end on a 16-lane edge; F >= 32: tiles of cached rows only (the kernel's
-# cached_tile path: 16 keys and 32 values read as they lie), then the tiles with the chunk's rows
+# plain_tile path: 16 keys and 32 values read as they lie), then the tiles with the chunk's rows
 
 def test_the_kernel_computes_what_plain_numpy_computes(sessions, n, F, hidden):
     c = Case(np.random.default_rng(n * 100 + F), n, F, hidden)
