@@ -62,6 +62,7 @@
 // kernels; it reaches the ONNX Runtime C API through ort_api.h.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -255,6 +256,78 @@ inline void pv_tile(int64_t nv, const float* w, const float* tile, int64_t count
   }
 }
 
+// A plain tile's P V for several accumulators at once (rows and heads that all see the tile's values
+// alike): o[a][0 .. D) += sum over the tile's keys j (in order) of w[a][j] * tile[j], for a < A. Each
+// accumulator is pv_tile_n's, term for term; interleaving A of them (A * NV registers) keeps the FMA
+// units busy where one accumulator's chain waits on its own latency. A key of weight 0 is not
+// skipped here: it adds +-0 to a sum that is never -0 (it starts at +0, and x + -x is +0), which
+// leaves every sum bit for bit as pv_tile_n's skip does.
+template <int NV, int A>
+void pv_many_n(const float* const* w, const float* tile, int64_t count, int64_t D, float* const* o) {
+  vf16 acc[A][NV];
+  for (int a = 0; a < A; ++a)
+    for (int c = 0; c < NV; ++c) acc[a][c] = load(o[a] + c * kLanes);
+  for (int64_t j = 0; j < count; ++j) {
+    const float* v = tile + j * D;
+    for (int a = 0; a < A; ++a) {
+      const float wj = w[a][j];
+      for (int c = 0; c < NV; ++c) acc[a][c] += wj * load(v + c * kLanes);
+    }
+  }
+  for (int a = 0; a < A; ++a)
+    for (int c = 0; c < NV; ++c) store(o[a] + c * kLanes, acc[a][c]);
+}
+
+// Accumulators held at once for NV vectors each: about 24 of the 32 vector registers (AVX-512).
+constexpr int many_for(int nv) { return nv <= 4 ? 6 : (nv <= 8 ? 3 : 1); }
+
+template <int NV>
+void pv_many_nv(const float* const* w, const float* tile, int64_t count, int64_t D, float* const* o, int64_t n) {
+  constexpr int kMost = many_for(NV);
+  for (int64_t a0 = 0; a0 < n; a0 += kMost) {
+    const int64_t k = std::min<int64_t>(kMost, n - a0);
+    switch (k) {
+#define CABIN_MANY(K)                                                                      \
+  case K:                                                                                  \
+    if constexpr (K <= kMost) pv_many_n<NV, K>(w + a0, tile, count, D, o + a0);            \
+    break;
+      CABIN_MANY(1) CABIN_MANY(2) CABIN_MANY(3) CABIN_MANY(4) CABIN_MANY(5) CABIN_MANY(6)
+#undef CABIN_MANY
+    }
+  }
+}
+
+// pv_tile for n accumulators over one plain tile (w[a], o[a]: accumulator a's weights and sums).
+inline void pv_many(int64_t nv, const float* const* w, const float* tile, int64_t count, int64_t D, float* const* o, int64_t n) {
+  switch (nv) {
+#define CABIN_PVM(N) \
+  case N:            \
+    return pv_many_nv<N>(w, tile, count, D, o, n);
+    CABIN_PVM(1) CABIN_PVM(2) CABIN_PVM(3) CABIN_PVM(4) CABIN_PVM(5) CABIN_PVM(6) CABIN_PVM(7) CABIN_PVM(8)
+    CABIN_PVM(9) CABIN_PVM(10) CABIN_PVM(11) CABIN_PVM(12) CABIN_PVM(13) CABIN_PVM(14) CABIN_PVM(15) CABIN_PVM(16)
+#undef CABIN_PVM
+  }
+}
+
+// Rows of the cache (rows * D elements from src, contiguous) converted to float into dst: D / 16
+// vectors a row, the count known to the compiler (an unrolled loop per head_dim).
+template <int NV, typename C>
+void rows_to_float_n(const C* __restrict src, int64_t rows, float* __restrict dst) {
+  for (int64_t j = 0; j < rows; ++j)
+    for (int c = 0; c < NV; ++c) store(dst + (j * NV + c) * kLanes, load_kv(src + (j * NV + c) * kLanes));
+}
+template <typename C>
+inline void rows_to_float(int64_t nv, const C* src, int64_t rows, float* dst) {
+  switch (nv) {
+#define CABIN_RTF(N) \
+  case N:            \
+    return rows_to_float_n<N, C>(src, rows, dst);
+    CABIN_RTF(1) CABIN_RTF(2) CABIN_RTF(3) CABIN_RTF(4) CABIN_RTF(5) CABIN_RTF(6) CABIN_RTF(7) CABIN_RTF(8)
+    CABIN_RTF(9) CABIN_RTF(10) CABIN_RTF(11) CABIN_RTF(12) CABIN_RTF(13) CABIN_RTF(14) CABIN_RTF(15) CABIN_RTF(16)
+#undef CABIN_RTF
+  }
+}
+
 template <typename C>
 struct Problem {
   const float* qkv;
@@ -279,6 +352,33 @@ struct Problem {
   C* step = nullptr;               // (V, Hkv, K, D): the sink / pinned keys as each version sees them
   int64_t P = 0, K = 0, V = 1;
   bool uniform = true;  // every row sees the same key at every position it sees (no slot table, V = 1)
+};
+
+// --- the order of memory reads --------------------------------------------------------------------
+//
+// Inside a decode step a unit's cached keys and values come from memory (the layers' weights stream
+// through the caches between two attentions), in short runs: kv head g's keys rows 0 .. L-1, then its
+// values, then the next unit's keys. A core's own prefetchers learn each run anew, so a unit asks for
+// its rows kAhead rows before it converts them, along one stream that runs on from its keys into its
+// values and from its values into the keys of the unit its thread most likely takes next (the first
+// one not yet claimed). These are hints: they change no arithmetic, only when lines arrive.
+constexpr int64_t kAhead = 64;
+
+template <typename C>
+struct Units;
+
+// One unit's stream of rows, asked for ahead of their use.
+template <typename C>
+struct ReadAhead {
+  const C* keys;
+  const C* values;
+  int64_t rows, D;
+  const Units<C>* units;  // where the next unit is found (null: no next unit)
+  bool resolved = false;  // whether next_keys / next_rows name it yet (found when first needed: by then
+  const C* next_keys = nullptr;  // the other threads have claimed theirs)
+  int64_t next_rows = 0;
+  // Asks for stream positions from .. from+count-1: keys rows, then values rows, then the next unit's keys.
+  void fetch(int64_t from, int64_t count);
 };
 
 // What row i sees at position j, as a code: >= 0 a row of the key / value buffers (a cached token's
@@ -322,7 +422,7 @@ inline int32_t value_code(int32_t code, int64_t j) { return code >= 0 ? code : (
 // arithmetic is the same sequence whatever block it is computed in: the keys at its positions 0..X[i]
 // in position order, a position's score a function of (query, key, bias) alone.
 template <typename C>
-void attend(const Problem<C>& p, int64_t i0, int64_t i1, int64_t g) {
+void attend(const Problem<C>& p, int64_t i0, int64_t i1, int64_t g, const Units<C>* units) {
   const int64_t D = p.D, V16 = D / kLanes, G = p.group, W = (p.H + 2 * p.Hkv) * D;
   const int64_t B = i1 - i0;
   int64_t Lmax = 0;  // positions any row of the block sees
@@ -331,6 +431,8 @@ void attend(const Problem<C>& p, int64_t i0, int64_t i1, int64_t g) {
   const float* ks = p.k_scale + g * D;
   const float* vs = p.v_scale + g * D;
   const C* V = p.values + g * p.R * D;
+  ReadAhead<C> ahead{p.keys + g * p.R * D, V, Lmax, D, units};
+  ahead.fetch(0, kAhead);  // the first rows at once (the unit before may have asked for them already)
 
   thread_local std::vector<int32_t> table;
   if (!p.uniform) {
@@ -380,13 +482,15 @@ void attend(const Problem<C>& p, int64_t i0, int64_t i1, int64_t g) {
   alignas(64) float own[kLanes * kMaxHeadDim];
   const C* K0 = p.keys + g * p.R * D;  // this kv head's cached keys, row after row
   for (int64_t j0 = 0; j0 < Lmax; j0 += kLanes) {
-    for (int64_t j = j0 + 2 * kLanes; j < std::min<int64_t>(j0 + 3 * kLanes, p.F); ++j)
-      __builtin_prefetch(K0 + j * D);  // two tiles ahead (a hint: changes no arithmetic)
+    ahead.fetch(j0 + kAhead, kLanes);  // keys kAhead rows on (then the values, which follow them)
     if (plain_tile(j0, kLanes)) {  // every row sees the same keys at j0 .. j0+15: the step keys, then the cache's
-      for (int64_t l = 0; l < kLanes; ++l) {
-        const int64_t j = j0 + l;
-        const C* src = j < p.K ? step_rows + j * D : K0 + j * D;
-        for (int64_t c = 0; c < V16; ++c) store(keys + l * D + c * kLanes, load_kv(src + c * kLanes));
+      if (j0 >= p.K) {  // the cache's rows j0 .. j0+15, contiguous
+        rows_to_float(V16, K0 + j0 * D, kLanes, keys);
+      } else {
+        for (int64_t l = 0; l < kLanes; ++l) {
+          const int64_t j = j0 + l;
+          rows_to_float(V16, j < p.K ? step_rows + j * D : K0 + j * D, 1, keys + l * D);
+        }
       }
       for (int64_t b = 0; b < B; ++b) {
         const vf16 bv = load(p.bias + (i0 + b) * p.T + j0);
@@ -457,15 +561,17 @@ void attend(const Problem<C>& p, int64_t i0, int64_t i1, int64_t g) {
     for (int64_t r = 0; r < G; ++r) std::memset(o[b][r], 0, sizeof(float) * D);
   alignas(64) float tile[kTile * kMaxHeadDim];
   thread_local std::vector<float> own_values;
+  float* sums[kRowBlock * kMaxGroup];  // accumulator b * G + r: row b's head r (pv_many)
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t r = 0; r < G; ++r) sums[b * G + r] = o[b][r];
+  const float* weights[kRowBlock * kMaxGroup];
   for (int64_t j0 = 0; j0 < Lmax; j0 += kTile) {
-    for (int64_t j = j0 + kTile; j < std::min<int64_t>(j0 + 2 * kTile, p.F); ++j)
-      __builtin_prefetch(V + j * D);  // the next tile's values
+    ahead.fetch(Lmax + j0 + kAhead, kTile);  // values kAhead rows on (then the next unit's keys)
     const int64_t count = std::min<int64_t>(kTile, Lmax - j0);
     if (plain_tile(j0, kTile)) {  // every row sees the cache's values j0 .. j0+31 as they are
-      for (int64_t j = 0; j < kTile; ++j)
-        for (int64_t c = 0; c < V16; ++c) store(tile + j * D + c * kLanes, load_kv(V + (j0 + j) * D + c * kLanes));
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t r = 0; r < G; ++r) pv_tile(V16, scores.data() + (b * G + r) * stride + j0, tile, kTile, D, o[b][r]);
+      for (int64_t a = 0; a < B * G; ++a) weights[a] = scores.data() + a * stride + j0;
+      rows_to_float(V16, V + j0 * D, kTile, tile);
+      pv_many(V16, weights, tile, kTile, D, sums, B * G);
       continue;
     }
     int32_t shared[kTile];
@@ -548,12 +654,56 @@ void write_rows(const Problem<C>& p) {
   }
 }
 
+// One parallel_for's units: seat s's (block of rows, kv head) pairs are units first[s] ..
+// first[s+1]-1. Each call of the parallel_for's function claims the next unit in order (so the units
+// run in order, and a unit can tell which one comes next: the first not yet claimed).
 template <typename C>
-void attend_unit(void* data, size_t unit) {
-  const Problem<C>& p = *static_cast<const Problem<C>*>(data);
-  const int64_t u = static_cast<int64_t>(unit), block = u / p.Hkv, g = u % p.Hkv;
-  const int64_t i0 = block * kRowBlock, i1 = std::min(p.n, i0 + kRowBlock);
-  attend(p, i0, i1, g);
+struct Units {
+  const Problem<C>* seats;
+  const size_t* first;
+  size_t count, total;  // seats, units
+  std::atomic<size_t> next{0};
+
+  struct Unit {
+    const Problem<C>* p;
+    int64_t i0, i1, g;
+  };
+  Unit at(size_t u) const {
+    const size_t s = static_cast<size_t>(std::upper_bound(first, first + count, u) - first) - 1;
+    const Problem<C>& p = seats[s];
+    const int64_t local = static_cast<int64_t>(u - first[s]), block = local / p.Hkv;
+    return {&p, block * kRowBlock, std::min(p.n, (block + 1) * kRowBlock), local % p.Hkv};
+  }
+};
+
+template <typename C>
+void ReadAhead<C>::fetch(int64_t from, int64_t count) {
+  constexpr int64_t kLine = 64;
+  const int64_t bytes = D * static_cast<int64_t>(sizeof(C));
+  for (int64_t s = from; s < from + count; ++s) {
+    const C* row = s < rows ? keys + s * D : (s < 2 * rows ? values + (s - rows) * D : nullptr);
+    if (row == nullptr) {
+      if (!resolved) {
+        resolved = true;
+        const size_t u = units == nullptr ? 0 : units->next.load(std::memory_order_relaxed);
+        if (units != nullptr && u < units->total) {
+          const typename Units<C>::Unit n = units->at(u);
+          next_keys = n.p->keys + n.g * n.p->R * n.p->D;
+          next_rows = n.p->X[n.i1 - 1] + 1;
+        }
+      }
+      if (s - 2 * rows >= next_rows) return;
+      row = next_keys + (s - 2 * rows) * D;
+    }
+    for (int64_t b = 0; b < bytes; b += kLine) __builtin_prefetch(reinterpret_cast<const char*>(row) + b);
+  }
+}
+
+template <typename C>
+void attend_claimed(void* data, size_t) {
+  Units<C>& w = *static_cast<Units<C>*>(data);
+  const typename Units<C>::Unit u = w.at(w.next.fetch_add(1, std::memory_order_relaxed));
+  attend(*u.p, u.i0, u.i1, u.g, &w);
 }
 
 // Inputs 11..15, where given: the slot table's view of the rows (the header's "rows as steps").
@@ -720,8 +870,9 @@ OrtStatus* compute(OrtKernelContext* ctx) {
   CABIN_TRY(output(ctx, 0, {1, p.n, p.H * p.D}, &out));
   CABIN_TRY(data_of(out, &p.out));
   CABIN_TRY(write_seat(ctx, p));
-  const size_t units = static_cast<size_t>(p.blocks * p.Hkv);
-  return parallel_for(ctx, attend_unit<C>, units, &p);
+  const size_t first = 0;
+  Units<C> units{&p, &first, 1, static_cast<size_t>(p.blocks * p.Hkv)};
+  return parallel_for(ctx, attend_claimed<C>, units.total, &units);
 }
 
 // ai.cabinlm::Int8KVSeatsAttention: S seats' rows in one node (a batched graph's layer), each seat's
@@ -741,13 +892,6 @@ struct SeatsProblem {
   std::vector<Problem<C>> seats;
   std::vector<size_t> first;  // seat s's units start at first[s]
 };
-
-template <typename C>
-void seats_attend_unit(void* data, size_t unit) {
-  const SeatsProblem<C>& sp = *static_cast<const SeatsProblem<C>*>(data);
-  const size_t s = static_cast<size_t>(std::upper_bound(sp.first.begin(), sp.first.end(), unit) - sp.first.begin()) - 1;
-  attend_unit<C>(const_cast<Problem<C>*>(&sp.seats[s]), unit - sp.first[s]);
-}
 
 template <typename C>
 OrtStatus* compute_seats(OrtKernelContext* ctx) {
@@ -807,7 +951,8 @@ OrtStatus* compute_seats(OrtKernelContext* ctx) {
     units += static_cast<size_t>(p.blocks * p.Hkv);
   }
   if (units == 0) return nullptr;
-  return parallel_for(ctx, seats_attend_unit<C>, units, &sp);
+  Units<C> claims{sp.seats.data(), sp.first.data(), static_cast<size_t>(S), units};
+  return parallel_for(ctx, attend_claimed<C>, units, &claims);
 }
 
 struct Int8KVAttention {
