@@ -55,6 +55,9 @@ class StepOutput:
 
     logits: np.ndarray  # (rows, vocab) float32
     new: Any = field(default=None, repr=False)
+    # True: the arrays are this run's own (no later run writes them), so a caller keeps them without a
+    # copy; False: they may be the backend's reused output buffers, valid until its next run
+    owned: bool = False
 
 
 class Backend(abc.ABC):

@@ -190,7 +190,8 @@ def seats_together(decoders: Sequence[Decoder], chunks: Sequence, pins: Sequence
     every accept called, then every seat's commit with Ctrl-C held over all of them: a step interrupted
     anywhere (an accept that raises included) leaves every seat as it was. Each seat's logits and cache
     are what its own Decoder.step / Decoder.verify gives (bit for bit on the fused cpu build:
-    tests/test_batched_drafting.py). The arrays returned are copies of their own."""
+    tests/test_batched_drafting.py). The arrays returned are the caller's (copies, or arrays no later run
+    writes: StepOutput.owned)."""
     if not decoders:
         return []
     n = len(decoders)
@@ -219,7 +220,7 @@ def seats_together(decoders: Sequence[Decoder], chunks: Sequence, pins: Sequence
         if not 1 <= k <= len(c):
             raise ValueError(f"accept() must keep 1..{len(c)} tokens, got {k}")
         kept.append(plan if k == len(c) else d.plan_chunk(k, verify=True))  # a prefix of the chunk's plan
-        got.append((out.logits.copy(), k))
+        got.append((out.logits if out.owned else out.logits.copy(), k))
     with defer_sigint():
         for d, plan, out in zip(decoders, kept, outs):
             d.backend.commit(plan, out)

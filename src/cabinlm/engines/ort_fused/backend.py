@@ -242,8 +242,8 @@ class FusedBackend(Backend):
             inputs.update({io.IMAGE_EMBEDS: np.ascontiguousarray(embeds, dtype=np.float32),
                            io.IMAGE_MASK: self._all_image[: plan.tokens]})  # fmt: skip
         self._bind_ahead()
-        outs = self._prefill.run(inputs)
-        return StepOutput(outs[0], (F, outs[1:]))
+        outs = self._prefill.run(inputs)  # every output allocated for this run (Binding, tokens=None)
+        return StepOutput(outs[0], (F, outs[1:]), owned=True)
 
     def _frame_keys(self, plan: StepPlan) -> None:
         """A vision-language seat's keys before its step: the window keys a new frame moved turned, and

@@ -89,7 +89,7 @@ def run_batched(solo: FusedBackend, seats: Sequence[Backend], plans: Sequence[St
                         [*frames[start : start + n], *(None for _ in pad)])  # fmt: skip
         start += n
         if start < len(fused):  # another run of the head follows: keep these logits out of its way
-            got = [StepOutput(o.logits.copy(), o.new) for o in got]
+            got = [o if o.owned else StepOutput(o.logits.copy(), o.new, owned=True) for o in got]
         outs += got[:n]
     return outs
 
@@ -170,12 +170,16 @@ def run_batch(graphs: FusedGraphs, seats: Sequence[FusedBackend], plans: Sequenc
         if plan.tokens == 1:  # FusedBackend._one_token_bias: the same array while the slots in use stay
             kept.add(names[io.ATTENTION_BIAS])
     _bind_inputs(binding, inputs, kept)
-    got = _run(session, binding, int(ends[-1]), len(seats))  # in declared order: logits or hidden, then qkv.{l}
+    rows = int(ends[-1])
+    got = _run(session, binding, rows, len(seats))  # in declared order: logits or hidden, then qkv.{l}
     qkv = got[1:]
     # (logit rows, vocab): the graph's own (its head on BlockQ8MatMul), or the head graph's over its hidden rows
     logits = got[0] if graphs.head is None else _head_logits(graphs.head, got[0])
+    # a decode run's logits lie in arrays every decode run rewrites (_run, _head_logits); any other
+    # run's are arrays ONNX Runtime allocated for it alone
+    owned = rows != len(seats) and (graphs.head is None or len(logits) > HEAD_BOUND_ROWS)
     to = np.cumsum([len(p) for p in picked])
-    return [StepOutput(logits[t - len(p) : t], (plan.extent, [q[:, a:e] for q in qkv]))
+    return [StepOutput(logits[t - len(p) : t], (plan.extent, [q[:, a:e] for q in qkv]), owned=owned)
             for p, t, plan, a, e in zip(picked, to, plans, starts, ends)]  # fmt: skip
 
 
