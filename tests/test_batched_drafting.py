@@ -182,6 +182,31 @@ def test_a_batched_verify_gives_the_seats_solo_verify_every_row_and_buffer(build
             np.testing.assert_array_equal(buf, b.backend.buffers()[name], err_msg=name)
 
 
+def test_the_logits_seats_together_returns_stay_the_callers_through_later_runs(build):
+    """seats_together hands a verification's logits over without a copy where the run allocated them
+    for itself (StepOutput.owned), and copies those that lie in buffers a later run rewrites (a decode
+    step's, batched or alone). Every array it returns, kept without a copy through decode steps,
+    verifications and single-seat runs of every kind, must still hold what it held when returned."""
+    group = seats(build, 4)
+    for d in group:
+        d.feed([5, 6, 7], pin=True)
+    rng = np.random.default_rng(3)
+    kept: list[tuple[np.ndarray, np.ndarray]] = []  # (the array returned, a copy taken then)
+    for step in range(24):
+        which = group if step % 3 else group[: 1 + step % 4]  # four together, or fewer (one alone)
+        chunks, accepts = [], []
+        for i, d in enumerate(which):
+            verify = (step + i) % 2 == 0 and d.draft_room() > 0
+            n = int(rng.integers(1, d.draft_room() + 1)) if verify else 0
+            chunks.append(rng.integers(3, 300, 1 + n))
+            accepts.append((lambda rows: 1) if verify else None)
+        for logits, _ in seats_together(which, chunks, None, accepts):
+            kept.append((logits, logits.copy()))
+    assert len(kept) > 40
+    for i, (logits, then) in enumerate(kept):
+        np.testing.assert_array_equal(logits, then, err_msg=f"returned array {i}")
+
+
 def test_an_accept_keeping_too_few_or_too_many_is_refused_before_any_seat_commits(build):
     a, b = seats(build, 2)
     for d in (a, b):
