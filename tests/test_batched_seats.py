@@ -349,8 +349,42 @@ def test_bench_seats_reports_every_mode_with_the_same_replies(build):
     p = cabinlm("bench", build, "--seats", 2, "--tokens", 8, "--max-new", 4, "--threads", 1, "--json")
     assert p.returncode == 0, p.stderr
     assert [r["mode"] for r in json.loads(p.stdout)["seats"]] == ["together", "turns", "streams"]
+    # --scaling: one seat too, together and as streams, and each count against one seat's
+    p = cabinlm("bench", build, "--seats", 2, "--scaling", "--tokens", 8, "--max-new", 4, "--threads", 1, "--json")
+    assert p.returncode == 0, p.stderr
+    runs = json.loads(p.stdout)["seats"]
+    assert [(r["mode"], r["seats"]) for r in runs] == [("together", 2), ("turns", 2), ("streams", 2), ("together", 1),
+                                                       ("streams", 1)]  # fmt: skip
+    p = cabinlm("bench", build, "--seats", 2, "--scaling", "--tokens", 8, "--max-new", 4, "--threads", 1)
+    assert p.returncode == 0, p.stderr
+    assert "scaling, together: 1 seat " in p.stdout and "scaling, streams: 1 seat " in p.stdout, p.stdout
+    assert "together / turns: " in p.stdout and "replies identical in together, turns, streams: True" in p.stdout
+    assert_clean_error(cabinlm("bench", build, "--scaling"), "--scaling goes with --seats 2 or more")
     assert_clean_error(cabinlm("bench", build, "--seats", 2, "--baseline", "hf"), "--seats takes --baseline llama.cpp only")
     assert_clean_error(cabinlm("bench", build, "--seats", 0), "seats")
+
+
+def test_bench_scaling_reports_each_seat_count_against_one_seat():
+    """scaling_counts: the powers of two below N; scaling_report: per mode, each count's aggregate and its
+    ratio to one seat's, checked against the division done here; nothing for a mode without one seat."""
+    from cabinlm.bench.seats import report, scaling_counts, scaling_report
+
+    assert scaling_counts(2) == [1] and scaling_counts(4) == [1, 2] and scaling_counts(6) == [1, 2, 4]
+    assert scaling_counts(8) == [1, 2, 4] and scaling_counts(1) == []
+    figures = {("together", 4): 701.3, ("turns", 4): 480.0, ("streams", 4): 612.7, ("together", 1): 343.9,
+               ("streams", 1): 331.1, ("together", 2): 520.4, ("streams", 2): 0.0}  # fmt: skip
+    runs = [{"mode": m, "seats": n, "aggregate_decode_tok_s": v} for (m, n), v in figures.items()]
+    lines = scaling_report(runs)
+    assert lines == [f"scaling, together: 1 seat 343.9, 2 seats 520.4 ({520.4 / 343.9:.2f}x), 4 seats 701.3 "
+                     f"({701.3 / 343.9:.2f}x) tok/s in all (x one seat's)",
+                     f"scaling, streams: 1 seat 331.1, 4 seats 612.7 ({612.7 / 331.1:.2f}x) tok/s in all (x one seat's)"]
+    assert "(1.51x)" in lines[0] and "(2.04x)" in lines[0] and "(1.85x)" in lines[1]
+    assert scaling_report([r for r in runs if r["seats"] != 1]) == []
+    full = [dict(r, rounds=2, decoded_tokens=10, per_seat_decode_tok_s=[], ttft_ms_median=1, ttft_ms_max=2,
+                 rss_start_mb=1, rss_end_mb=2, replies=[[1]]) for r in runs]  # fmt: skip
+    text = report(full)
+    assert f"together / turns: {701.3 / 480.0:.2f}x" in " ".join(text)  # the N seats' runs, not the smaller counts'
+    assert any(line.startswith("together: 1 seat, ") for line in (t.strip() for t in text))
 
 
 def test_the_profile_says_which_batches_a_build_carries(load, tiny_llama_dir, export_to, tmp_path):

@@ -27,7 +27,9 @@ and the end, and the drafts verified and accepted; streams also the aggregate wh
 talks (the span up to the first seat's last reply: after it, fewer seats are left). A first round warms the sessions up and is not
 counted. Each mode runs in a process of its own (bench/seats_child.py: one JSON line), so that its
 memory is its own; the peer, llama.cpp decoding the seats' sequences in one batch, is
-bench/llama_seats.py. Only numpy, onnxruntime and tokenizers."""
+bench/llama_seats.py. `--scaling` adds the seat counts 1, 2, 4, ... below N, together and as streams
+(seat k on script k at every count), and reports each count against one seat (scaling_report). Only
+numpy, onnxruntime and tokenizers."""
 
 from __future__ import annotations
 
@@ -42,6 +44,12 @@ from cabinlm.runtime.memory import rss_mb
 
 MODES = ("together", "turns", "streams")
 ROUND_MODES = ("together", "turns")  # every seat's turn k starts when every seat's turn k - 1 has ended
+SCALING_MODES = ("together", "streams")  # --scaling: the seat counts below N run these (one seat: no turns to take)
+
+
+def scaling_counts(seats: int) -> list[int]:
+    """The seat counts `--seats N --scaling` runs besides N: 1, 2, 4, ... below N."""
+    return [1 << k for k in range(seats.bit_length()) if 1 << k < seats]
 
 
 @dataclass
@@ -252,9 +260,11 @@ def _evicted(decoder) -> int:
 
 
 def report(runs: list[dict]) -> list[str]:
+    """The text report of `cabinlm bench --seats N` (runs: N seats' modes first, then --scaling's)."""
     lines = []
     for d in runs:
-        lines.append(f"{d['mode']:>8}: {d['seats']} seats, {d['rounds']} rounds, {d['decoded_tokens']} tokens decoded: "
+        seats = f"{d['seats']} seat{'' if d['seats'] == 1 else 's'}"
+        lines.append(f"{d['mode']:>8}: {seats}, {d['rounds']} rounds, {d['decoded_tokens']} tokens decoded: "
                      f"{d['aggregate_decode_tok_s']} tok/s in all, per seat {d['per_seat_decode_tok_s']}; time to first "
                      f"token median {d['ttft_ms_median']} ms, max {d['ttft_ms_max']} ms; RSS {d['rss_start_mb']} -> "
                      f"{d['rss_end_mb']} MB")  # fmt: skip
@@ -268,15 +278,33 @@ def report(runs: list[dict]) -> list[str]:
             half = per_round[len(per_round) // 2 :]
             lines.append(f"          RSS after each round {min(per_round)}-{max(per_round)} MB (second half {min(half)}-"
                          f"{max(half)} MB); window tokens evicted: {d.get('evicted', 0)}")  # fmt: skip
-    ours = {d["mode"]: d for d in runs if d["mode"] in MODES}
+    main = runs[0]["seats"] if runs else 0  # --scaling's smaller counts follow the N seats' modes
+    ours = {d["mode"]: d for d in runs if d["mode"] in MODES and d["seats"] == main}
     if all(m in ours and ours[m]["aggregate_decode_tok_s"] for m in ROUND_MODES):
         a, b = (ours[m]["aggregate_decode_tok_s"] for m in ROUND_MODES)
         same = len({repr(d["replies"]) for d in ours.values()}) == 1
         lines.append(f"together / turns: {a / b:.2f}x aggregate decode throughput; replies identical in "
                      f"{', '.join(ours)}: {same}")  # fmt: skip
+    lines += scaling_report(runs)
     for d in runs:
         if d["mode"] == "llama.cpp" and d.get("greedy_agreement"):
             ok, n = d["greedy_agreement"]
             lines.append(f"llama.cpp decoded cabinlm's replies ({d['config'].get('n_seq_max')} sequences in one batch); "
                          f"its own argmax chose cabinlm's token at {ok} of {n} steps")  # fmt: skip
+    return lines
+
+
+def scaling_report(runs: list[dict]) -> list[str]:
+    """Per mode of SCALING_MODES, every seat count's aggregate tok/s and its ratio to one seat's (the
+    runs of `--seats N --scaling`; nothing without a one-seat run). Seat k runs script k, so one seat
+    is the first seat's dialogue alone."""
+    lines = []
+    for mode in SCALING_MODES:
+        by_count = {d["seats"]: d["aggregate_decode_tok_s"] for d in runs if d["mode"] == mode and d["aggregate_decode_tok_s"]}
+        one = by_count.get(1)
+        if not one or len(by_count) < 2:
+            continue
+        parts = [f"{n} {'seat' if n == 1 else 'seats'} {by_count[n]}" + ("" if n == 1 else f" ({by_count[n] / one:.2f}x)")
+                 for n in sorted(by_count)]  # fmt: skip
+        lines.append(f"scaling, {mode}: " + ", ".join(parts) + " tok/s in all (x one seat's)")
     return lines

@@ -118,6 +118,10 @@ def bench(
         "(each seat at its own pace: its next prompt rides in the runs with the others' steps); aggregate and "
         "per-seat decode tok/s, time to first token, RSS; --tokens then bounds the tokens decoded per seat and mode.",
     ),
+    scaling: bool = typer.Option(
+        False, "--scaling", help="With --seats N: also run 1, 2, 4, ... seats below N (seat k on script k), together "
+        "and as streams, and report each count's aggregate tok/s against one seat's.",
+    ),
     speculative: Optional[bool] = typer.Option(
         None, "--speculative/--no-speculative",
         help="Draft reply tokens by prompt lookup and verify them in chunks, as `cabinlm chat` does (the same "
@@ -151,8 +155,10 @@ def bench(
     check_output_file("plot", plot)
     check_output_file("trace", trace_out)
     m = load_manifest(artifact)  # a wrong path or a broken manifest fails here, before any run
+    if scaling and seats < 2:
+        raise OptionError("--scaling goes with --seats 2 or more (the counts it compares: 1, 2, 4, ... up to N)")
     if seats != 1:
-        from cabinlm.bench.seats import MODES, report as seats_report
+        from cabinlm.bench.seats import MODES, SCALING_MODES, scaling_counts, report as seats_report
         from cabinlm.bench.seats_child import run_in_child
         from cabinlm.runtime.limits import check_seat_count
 
@@ -177,6 +183,10 @@ def bench(
              f"tokens), {threads} threads; decoded together, in turns, then as streams (each seat at its own pace)")  # fmt: skip
         runs = [run_in_child(artifact, seats, rounds, max_new, threads, seed, mode, time_limit, system,
                              speculative=speculative) for mode in MODES]  # fmt: skip
+        for n in scaling_counts(seats) if scaling else ():
+            info(f"cabinlm: {n} {'seat' if n == 1 else 'seats'} (--scaling), {' and '.join(SCALING_MODES)}")
+            runs += [run_in_child(artifact, n, rounds, max_new, threads, seed, mode, time_limit, system,
+                                  speculative=speculative) for mode in SCALING_MODES]  # fmt: skip
         if peer:  # llama.cpp: the seats' sequences in one batch, decoding the replies cabinlm decoded together
             from cabinlm.bench.prepare import resolve_model
 
