@@ -374,8 +374,10 @@ struct ReadAhead {
   const C* values;
   int64_t rows, D;
   const Units<C>* units;  // where the next unit is found (null: no next unit)
-  bool resolved = false;  // whether next_keys / next_rows name it yet (found when first needed: by then
-  const C* next_keys = nullptr;  // the other threads have claimed theirs)
+  // The next unit's keys, found when the stream first reaches them (by then the other threads have
+  // claimed their next units, so the first one not yet claimed is most likely this thread's).
+  bool resolved = false;
+  const C* next_keys = nullptr;
   int64_t next_rows = 0;
   // Asks for stream positions from .. from+count-1: keys rows, then values rows, then the next unit's keys.
   void fetch(int64_t from, int64_t count);
