@@ -297,6 +297,58 @@ void pv_many_nv(const float* const* w, const float* tile, int64_t count, int64_t
   }
 }
 
+// pv_many_n over the cache's rows themselves (C: int8 codes or floats), each row's values converted
+// once into registers and met there by every accumulator: the same products and sums as pv_many_n
+// over the converted tile, without writing the tile out and reading it back (for as many
+// accumulators as fit in the registers beside one row: many_for).
+template <int NV, int A, typename C>
+void pv_rows_n(const float* const* w, const C* rows, int64_t count, int64_t D, float* const* o) {
+  vf16 acc[A][NV];
+  for (int a = 0; a < A; ++a)
+    for (int c = 0; c < NV; ++c) acc[a][c] = load(o[a] + c * kLanes);
+  for (int64_t j = 0; j < count; ++j) {
+    vf16 v[NV];
+    for (int c = 0; c < NV; ++c) v[c] = load_kv(rows + j * D + c * kLanes);
+    for (int a = 0; a < A; ++a) {
+      const float wj = w[a][j];
+      for (int c = 0; c < NV; ++c) acc[a][c] += wj * v[c];
+    }
+  }
+  for (int a = 0; a < A; ++a)
+    for (int c = 0; c < NV; ++c) store(o[a] + c * kLanes, acc[a][c]);
+}
+
+template <int NV, typename C>
+bool pv_rows_nv(const float* const* w, const C* rows, int64_t count, int64_t D, float* const* o, int64_t n) {
+  constexpr int kMost = many_for(NV);
+  switch (n) {
+#define CABIN_ROWS(K)                                                          \
+  case K:                                                                      \
+    if constexpr (K <= kMost) {                                                \
+      pv_rows_n<NV, K, C>(w, rows, count, D, o);                               \
+      return true;                                                             \
+    }                                                                          \
+    return false;
+    CABIN_ROWS(1) CABIN_ROWS(2) CABIN_ROWS(3) CABIN_ROWS(4) CABIN_ROWS(5) CABIN_ROWS(6)
+#undef CABIN_ROWS
+  }
+  return false;
+}
+
+// pv_rows_n where n accumulators fit in one pass (false: they do not; nothing done).
+template <typename C>
+inline bool pv_rows(int64_t nv, const float* const* w, const C* rows, int64_t count, int64_t D, float* const* o, int64_t n) {
+  switch (nv) {
+#define CABIN_PVR(N) \
+  case N:            \
+    return pv_rows_nv<N, C>(w, rows, count, D, o, n);
+    CABIN_PVR(1) CABIN_PVR(2) CABIN_PVR(3) CABIN_PVR(4) CABIN_PVR(5) CABIN_PVR(6) CABIN_PVR(7) CABIN_PVR(8)
+    CABIN_PVR(9) CABIN_PVR(10) CABIN_PVR(11) CABIN_PVR(12) CABIN_PVR(13) CABIN_PVR(14) CABIN_PVR(15) CABIN_PVR(16)
+#undef CABIN_PVR
+  }
+  return false;
+}
+
 // pv_tile for n accumulators over one plain tile (w[a], o[a]: accumulator a's weights and sums).
 inline void pv_many(int64_t nv, const float* const* w, const float* tile, int64_t count, int64_t D, float* const* o, int64_t n) {
   switch (nv) {
@@ -572,8 +624,10 @@ void attend(const Problem<C>& p, int64_t i0, int64_t i1, int64_t g, const Units<
     const int64_t count = std::min<int64_t>(kTile, Lmax - j0);
     if (plain_tile(j0, kTile)) {  // every row sees the cache's values j0 .. j0+31 as they are
       for (int64_t a = 0; a < B * G; ++a) weights[a] = scores.data() + a * stride + j0;
-      rows_to_float(V16, V + j0 * D, kTile, tile);
-      pv_many(V16, weights, tile, kTile, D, sums, B * G);
+      if (!pv_rows(V16, weights, V + j0 * D, kTile, D, sums, B * G)) {  // more accumulators than one pass holds
+        rows_to_float(V16, V + j0 * D, kTile, tile);
+        pv_many(V16, weights, tile, kTile, D, sums, B * G);
+      }
       continue;
     }
     int32_t shared[kTile];
