@@ -41,11 +41,18 @@ def session(library: str, filled: int, tokens: int, threads: int) -> ort.Inferen
         names = ["qkv", f"k{i}", f"v{i}", "seqlens", "total", "cos", "sin", "pos", "bias", f"ks{i}", f"vs{i}"]
         nodes.append(helper.make_node("Int8KVAttention", names, [f"o{i}"], domain="ai.cabinlm"))
         outs.append(helper.make_tensor_value_info(f"o{i}", T.FLOAT, None))
-    graph = helper.make_graph(nodes, "attention", ins, outs, inits)
+    return kernel_session(helper.make_graph(nodes, "attention", ins, outs, inits), library, threads)
+
+
+def kernel_session(graph, library: str, threads: int, spinning: bool = True) -> ort.InferenceSession:
+    """A session of `graph` (nodes of domain ai.cabinlm) with the kernel library registered, on
+    `threads` threads; spinning False: the pool's threads sleep after a run."""
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("ai.cabinlm", 1)],
                               ir_version=10)  # fmt: skip
     so = ort.SessionOptions()
     so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = threads, 1, 3
+    if not spinning:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.register_custom_ops_library(library)
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 

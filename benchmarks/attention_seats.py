@@ -26,6 +26,7 @@ import time
 
 import numpy as np
 import onnxruntime as ort
+from attention_decode import kernel_session  # this folder's: run as python benchmarks/attention_seats.py
 from onnx import TensorProto as T
 from onnx import helper, numpy_helper
 
@@ -59,14 +60,8 @@ def session(library: str, seats: int, filled: int, tokens: int, threads: int) ->
                       f"src{s}", "src_cos", "src_sin", f"layer{i}", f"slots{s}"]  # fmt: skip
         nodes.append(helper.make_node("Int8KVSeatsAttention", names, [f"o{i}"], domain="ai.cabinlm"))
         outs.append(helper.make_tensor_value_info(f"o{i}", T.FLOAT, None))
-    graph = helper.make_graph(nodes, "attention", ins, outs, inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("ai.cabinlm", 1)],
-                              ir_version=10)  # fmt: skip
-    so = ort.SessionOptions()
-    so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = threads, 1, 3
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")  # two sessions' pools would spin against each other
-    so.register_custom_ops_library(library)
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    # two libraries' sessions in one process: pools that spin would take the cores from each other
+    return kernel_session(helper.make_graph(nodes, "attention", ins, outs, inits), library, threads, spinning=False)
 
 
 class Case:
