@@ -256,53 +256,18 @@ inline void pv_tile(int64_t nv, const float* w, const float* tile, int64_t count
   }
 }
 
-// A plain tile's P V for several accumulators at once (rows and heads that all see the tile's values
-// alike): o[a][0 .. D) += sum over the tile's keys j (in order) of w[a][j] * tile[j], for a < A. Each
-// accumulator is pv_tile_n's, term for term; interleaving A of them (A * NV registers) keeps the FMA
-// units busy where one accumulator's chain waits on its own latency. A key of weight 0 is not
-// skipped here: it adds +-0 to a sum that is never -0 (it starts at +0, and x + -x is +0), which
-// leaves every sum bit for bit as pv_tile_n's skip does.
-template <int NV, int A>
-void pv_many_n(const float* const* w, const float* tile, int64_t count, int64_t D, float* const* o) {
-  vf16 acc[A][NV];
-  for (int a = 0; a < A; ++a)
-    for (int c = 0; c < NV; ++c) acc[a][c] = load(o[a] + c * kLanes);
-  for (int64_t j = 0; j < count; ++j) {
-    const float* v = tile + j * D;
-    for (int a = 0; a < A; ++a) {
-      const float wj = w[a][j];
-      for (int c = 0; c < NV; ++c) acc[a][c] += wj * load(v + c * kLanes);
-    }
-  }
-  for (int a = 0; a < A; ++a)
-    for (int c = 0; c < NV; ++c) store(o[a] + c * kLanes, acc[a][c]);
-}
-
 // Accumulators held at once for NV vectors each: about 24 of the 32 vector registers (AVX-512).
 constexpr int many_for(int nv) { return nv <= 4 ? 6 : (nv <= 8 ? 3 : 1); }
 
-template <int NV>
-void pv_many_nv(const float* const* w, const float* tile, int64_t count, int64_t D, float* const* o, int64_t n) {
-  constexpr int kMost = many_for(NV);
-  for (int64_t a0 = 0; a0 < n; a0 += kMost) {
-    const int64_t k = std::min<int64_t>(kMost, n - a0);
-    switch (k) {
-#define CABIN_MANY(K)                                                                      \
-  case K:                                                                                  \
-    if constexpr (K <= kMost) pv_many_n<NV, K>(w + a0, tile, count, D, o + a0);            \
-    break;
-      CABIN_MANY(1) CABIN_MANY(2) CABIN_MANY(3) CABIN_MANY(4) CABIN_MANY(5) CABIN_MANY(6)
-#undef CABIN_MANY
-    }
-  }
-}
-
-// pv_many_n over the cache's rows themselves (C: int8 codes or floats), each row's values converted
-// once into registers and met there by every accumulator: the same products and sums as pv_many_n
-// over the converted tile, without writing the tile out and reading it back (for as many
-// accumulators as fit in the registers beside one row: many_for).
+// A plain tile's P V for several accumulators at once (rows and heads that all see the tile's values
+// alike): o[a][0 .. D) += sum over the tile's keys j (in order) of w[a][j] * rows[j], for a < A, each
+// row's values converted (load_kv: the cache's own rows, int8 or float, or a tile converted already)
+// into registers once and met there by every accumulator. Each accumulator is pv_tile_n's, term for
+// term; interleaving A of them (A * NV registers) keeps the FMA units busy where one accumulator's
+// chain waits on its own latency. A key of weight 0 is not skipped here: it adds +-0 to a sum that is
+// never -0 (it starts at +0, and x + -x is +0), which leaves every sum bit for bit as pv_tile_n's skip does.
 template <int NV, int A, typename C>
-void pv_rows_n(const float* const* w, const C* rows, int64_t count, int64_t D, float* const* o) {
+void pv_many_n(const float* const* w, const C* rows, int64_t count, int64_t D, float* const* o) {
   vf16 acc[A][NV];
   for (int a = 0; a < A; ++a)
     for (int c = 0; c < NV; ++c) acc[a][c] = load(o[a] + c * kLanes);
@@ -319,42 +284,29 @@ void pv_rows_n(const float* const* w, const C* rows, int64_t count, int64_t D, f
 }
 
 template <int NV, typename C>
-bool pv_rows_nv(const float* const* w, const C* rows, int64_t count, int64_t D, float* const* o, int64_t n) {
+void pv_many_nv(const float* const* w, const C* rows, int64_t count, int64_t D, float* const* o, int64_t n) {
   constexpr int kMost = many_for(NV);
-  switch (n) {
-#define CABIN_ROWS(K)                                                          \
-  case K:                                                                      \
-    if constexpr (K <= kMost) {                                                \
-      pv_rows_n<NV, K, C>(w, rows, count, D, o);                               \
-      return true;                                                             \
-    }                                                                          \
-    return false;
-    CABIN_ROWS(1) CABIN_ROWS(2) CABIN_ROWS(3) CABIN_ROWS(4) CABIN_ROWS(5) CABIN_ROWS(6)
-#undef CABIN_ROWS
+  for (int64_t a0 = 0; a0 < n; a0 += kMost) {
+    const int64_t k = std::min<int64_t>(kMost, n - a0);
+    switch (k) {
+#define CABIN_MANY(K)                                                                \
+  case K:                                                                            \
+    if constexpr (K <= kMost) pv_many_n<NV, K, C>(w + a0, rows, count, D, o + a0);   \
+    break;
+      CABIN_MANY(1) CABIN_MANY(2) CABIN_MANY(3) CABIN_MANY(4) CABIN_MANY(5) CABIN_MANY(6)
+#undef CABIN_MANY
+    }
   }
-  return false;
 }
 
-// pv_rows_n where n accumulators fit in one pass (false: they do not; nothing done).
+// pv_tile for n accumulators over one plain tile's rows (w[a], o[a]: accumulator a's weights and
+// sums), many_for(nv) accumulators a pass.
 template <typename C>
-inline bool pv_rows(int64_t nv, const float* const* w, const C* rows, int64_t count, int64_t D, float* const* o, int64_t n) {
-  switch (nv) {
-#define CABIN_PVR(N) \
-  case N:            \
-    return pv_rows_nv<N, C>(w, rows, count, D, o, n);
-    CABIN_PVR(1) CABIN_PVR(2) CABIN_PVR(3) CABIN_PVR(4) CABIN_PVR(5) CABIN_PVR(6) CABIN_PVR(7) CABIN_PVR(8)
-    CABIN_PVR(9) CABIN_PVR(10) CABIN_PVR(11) CABIN_PVR(12) CABIN_PVR(13) CABIN_PVR(14) CABIN_PVR(15) CABIN_PVR(16)
-#undef CABIN_PVR
-  }
-  return false;
-}
-
-// pv_tile for n accumulators over one plain tile (w[a], o[a]: accumulator a's weights and sums).
-inline void pv_many(int64_t nv, const float* const* w, const float* tile, int64_t count, int64_t D, float* const* o, int64_t n) {
+inline void pv_many(int64_t nv, const float* const* w, const C* rows, int64_t count, int64_t D, float* const* o, int64_t n) {
   switch (nv) {
 #define CABIN_PVM(N) \
   case N:            \
-    return pv_many_nv<N>(w, tile, count, D, o, n);
+    return pv_many_nv<N, C>(w, rows, count, D, o, n);
     CABIN_PVM(1) CABIN_PVM(2) CABIN_PVM(3) CABIN_PVM(4) CABIN_PVM(5) CABIN_PVM(6) CABIN_PVM(7) CABIN_PVM(8)
     CABIN_PVM(9) CABIN_PVM(10) CABIN_PVM(11) CABIN_PVM(12) CABIN_PVM(13) CABIN_PVM(14) CABIN_PVM(15) CABIN_PVM(16)
 #undef CABIN_PVM
@@ -624,9 +576,11 @@ void attend(const Problem<C>& p, int64_t i0, int64_t i1, int64_t g, const Units<
     const int64_t count = std::min<int64_t>(kTile, Lmax - j0);
     if (plain_tile(j0, kTile)) {  // every row sees the cache's values j0 .. j0+31 as they are
       for (int64_t a = 0; a < B * G; ++a) weights[a] = scores.data() + a * stride + j0;
-      if (!pv_rows(V16, weights, V + j0 * D, kTile, D, sums, B * G)) {  // more accumulators than one pass holds
+      if (B * G <= many_for(static_cast<int>(V16))) {  // one pass: each value converted as it is met
+        pv_many(V16, weights, V + j0 * D, kTile, D, sums, B * G);
+      } else {  // several passes: the values converted once, into the tile
         rows_to_float(V16, V + j0 * D, kTile, tile);
-        pv_many(V16, weights, tile, kTile, D, sums, B * G);
+        pv_many(V16, weights, static_cast<const float*>(tile), kTile, D, sums, B * G);
       }
       continue;
     }
