@@ -356,7 +356,14 @@ struct Problem {
   C* step = nullptr;               // (V, Hkv, K, D): the sink / pinned keys as each version sees them
   int64_t P = 0, K = 0, V = 1;
   bool uniform = true;  // every row sees the same key at every position it sees (no slot table, V = 1)
+  // Each unit rotates the step keys it reads (its kv head's, in its rows' versions) at its start,
+  // instead of write_seat before any unit runs: where no two units read the same ones (one version per
+  // row, or a single block of rows: a decode step).
+  bool unit_step_keys = false;
 };
+
+template <typename C>
+void rotate_step_keys(const Problem<C>& p, int64_t v, int64_t g);
 
 // --- the order of memory reads --------------------------------------------------------------------
 //
@@ -464,6 +471,8 @@ void attend(const Problem<C>& p, int64_t i0, int64_t i1, int64_t g, const Units<
       if (s >= j0 && s < j0 + width) return false;
     return true;
   };
+  if (p.unit_step_keys)  // the step keys this unit reads: kv head g's, in its rows' versions (write_seat)
+    for (int64_t v = version_of(p, i0), last = version_of(p, i1 - 1); v <= last; ++v) rotate_step_keys(p, v, g);
   const C* step_rows = p.K > 0 ? p.step + g * p.K * D : nullptr;  // version 0's step keys of this kv head
 
   alignas(64) float q[kRowBlock][kMaxGroup][kMaxHeadDim];
@@ -628,11 +637,11 @@ void attend(const Problem<C>& p, int64_t i0, int64_t i1, int64_t g, const Units<
 }
 
 // The sink / pinned keys of version v and kv head g: rotated from key_source by that version's
-// source_cos / source_sin and quantized exactly as write_rows quantizes a chunk's keys.
+// source_cos / source_sin and quantized exactly as write_rows quantizes a chunk's keys. Whichever
+// thread does it, the same operations on the same inputs: the same codes.
 template <typename C>
-void step_keys_unit(void* data, size_t unit) {
-  const Problem<C>& p = *static_cast<const Problem<C>*>(data);
-  const int64_t D = p.D, v = static_cast<int64_t>(unit) / p.Hkv, g = static_cast<int64_t>(unit) % p.Hkv;
+void rotate_step_keys(const Problem<C>& p, int64_t v, int64_t g) {
+  const int64_t D = p.D;
   const float* ks = p.k_scale + g * D;
   float rotated[kMaxHeadDim];
   for (int64_t r = 0; r < p.K; ++r) {
@@ -641,6 +650,12 @@ void step_keys_unit(void* data, size_t unit) {
     C* k = p.step + ((v * p.Hkv + g) * p.K + r) * D;
     to_cache_row<C>(rotated, ks, D, k);
   }
+}
+
+template <typename C>
+void step_keys_unit(void* data, size_t unit) {
+  const Problem<C>& p = *static_cast<const Problem<C>*>(data);
+  rotate_step_keys(p, static_cast<int64_t>(unit) / p.Hkv, static_cast<int64_t>(unit) % p.Hkv);
 }
 
 // The chunk's new keys (rotated) and values, quantized into cache rows F .. F+n-1.
@@ -845,11 +860,14 @@ OrtStatus* prepare(OrtKernelContext* ctx, const std::vector<int64_t>& dq, const 
   return nullptr;
 }
 
-// Before any row attends: the step keys (every block of rows reads them; a parallel_for where there
-// are many), then the chunk's keys and values written into the cache.
+// Before any row attends: the step keys, unless each unit rotates its own (one version per row, or one
+// block of rows: no two units read the same step keys; a decode step's), else here (several blocks
+// read version 0's; a parallel_for where there are many, on the calling thread otherwise); then the
+// chunk's keys and values written into the cache.
 template <typename C>
 OrtStatus* write_seat(OrtKernelContext* ctx, Problem<C>& p) {
-  if (p.K > 0) {
+  p.unit_step_keys = p.K > 0 && (p.V == p.n || p.blocks == 1);
+  if (p.K > 0 && !p.unit_step_keys) {
     const size_t units = static_cast<size_t>(p.V * p.Hkv);
     if (p.V * p.K <= 64) {
       for (size_t u = 0; u < units; ++u) step_keys_unit<C>(&p, u);
