@@ -1,7 +1,8 @@
 """cabinlm's Int8KVSeatsAttention alone, the way a batched decode step runs it: one node per layer for
 SmolLM2-135M's 30 layers (9 query heads, 3 kv heads, head_dim 64), SEATS seats of TOKENS rows each
 (1: a decode step; more: a verified draft's rows), each seat over its own caches filled to FILLED
-slots, 4 sink keys rotated per step (the rows-as-steps inputs, as the runtime feeds them), random int8
+slots, STEP_KEYS sink / pinned keys rotated per step (the rows-as-steps inputs, as the runtime feeds them:
+4 sink keys, and with the bench's pinned system prompt 4 + its tokens), random int8
 caches and queries, the same inputs for every library.
 
 Inside a whole decode step the caches do not stay in this machine's L3: the weights stream through it
@@ -11,7 +12,8 @@ kernel's arithmetic alone). Per library and case: the median of RUNS runs in ms,
 outputs equal the first library's bit for bit.
 
     python benchmarks/attention_seats.py LIB.so [LIB.so ...] [--seats 1 4] [--filled 600] [--tokens 1]
-                                          [--threads 2] [--runs 100] [--evict 96]
+                                          [--threads 2] [--runs 100] [--evict 96] [--step-keys 4]
+                                          [--masked FIRST COUNT]
 
 LIB.so: a build's libcabinlm_kernels.so. One JSON line per (library, seats, filled, tokens); with two
 libraries or more the runs alternate between them, so drift on a noisy machine hits each alike (the
@@ -30,23 +32,23 @@ from attention_decode import kernel_session  # this folder's: run as python benc
 from onnx import TensorProto as T
 from onnx import helper, numpy_helper
 
-LAYERS, H, HKV, DH, SLOTS, CHUNK, SINKS = 30, 9, 3, 64, 1148, 64, 4
+LAYERS, H, HKV, DH, SLOTS, CHUNK = 30, 9, 3, 64, 1148, 64
 SEAT_INPUTS = ("k", "v", "seqlens", "total", "cos", "sin", "pos", "bias", "ks", "vs", "src", "src_cos", "src_sin", "layer", "slots")
 
 
-def session(library: str, seats: int, filled: int, tokens: int, threads: int) -> ort.InferenceSession:
+def session(library: str, seats: int, filled: int, tokens: int, threads: int, step_keys: int) -> ort.InferenceSession:
     rows = SLOTS + CHUNK
     f, i64, i32 = T.FLOAT, T.INT64, T.INT32
     ins = [helper.make_tensor_value_info("qkv", f, [1, seats * tokens, (H + 2 * HKV) * DH]),
            helper.make_tensor_value_info("seat_tokens", i64, [seats])]  # fmt: skip
-    shared = {"cos": (f, [rows, DH // 2]), "sin": (f, [rows, DH // 2]), "src_cos": (f, [1, SINKS, DH // 2]),
-              "src_sin": (f, [1, SINKS, DH // 2]), "seqlens": (i32, [1]), "total": (i32, [])}  # fmt: skip
+    shared = {"cos": (f, [rows, DH // 2]), "sin": (f, [rows, DH // 2]), "src_cos": (f, [1, step_keys, DH // 2]),
+              "src_sin": (f, [1, step_keys, DH // 2]), "seqlens": (i32, [1]), "total": (i32, [])}  # fmt: skip
     ins += [helper.make_tensor_value_info(n, t, d) for n, (t, d) in shared.items()]
     for s in range(seats):
         ins += [helper.make_tensor_value_info(f"pos{s}", i64, [1, tokens]),
                 helper.make_tensor_value_info(f"bias{s}", f, [1, 1, tokens, filled + tokens]),
                 helper.make_tensor_value_info(f"slots{s}", i64, [tokens]),
-                helper.make_tensor_value_info(f"src{s}", f, [1, LAYERS * HKV, SINKS, DH])]  # fmt: skip
+                helper.make_tensor_value_info(f"src{s}", f, [1, LAYERS * HKV, step_keys, DH])]  # fmt: skip
     nodes, inits, outs = [], [], []
     for i in range(LAYERS):
         for n in ("ks", "vs"):
@@ -67,22 +69,25 @@ def session(library: str, seats: int, filled: int, tokens: int, threads: int) ->
 class Case:
     """One library's session for (seats, filled, tokens), its inputs bound; run() times one run."""
 
-    def __init__(self, library: str, seats: int, filled: int, tokens: int, threads: int, evict_mb: int) -> None:
-        self.s = session(library, seats, filled, tokens, threads)
+    def __init__(self, library: str, seats: int, filled: int, tokens: int, threads: int, evict_mb: int,
+                 step_keys: int = 4, masked: tuple[int, int] = (0, 0)) -> None:  # fmt: skip
+        self.s = session(library, seats, filled, tokens, threads, step_keys)
         rng = np.random.default_rng(filled * 100 + tokens * 10 + seats)
         rows = SLOTS + CHUNK
         feeds = {"qkv": rng.standard_normal((1, seats * tokens, (H + 2 * HKV) * DH), np.float32),
                  "seat_tokens": np.full(seats, tokens, np.int64),
                  "cos": np.cos(rng.random((rows, DH // 2)) * 6).astype(np.float32),
                  "sin": np.sin(rng.random((rows, DH // 2)) * 6).astype(np.float32),
-                 "src_cos": np.cos(rng.random((1, SINKS, DH // 2)) * 6).astype(np.float32),
-                 "src_sin": np.sin(rng.random((1, SINKS, DH // 2)) * 6).astype(np.float32),
+                 "src_cos": np.cos(rng.random((1, step_keys, DH // 2)) * 6).astype(np.float32),
+                 "src_sin": np.sin(rng.random((1, step_keys, DH // 2)) * 6).astype(np.float32),
                  "seqlens": np.array([filled + tokens - 1], np.int32), "total": np.array(filled + tokens, np.int32)}  # fmt: skip
         for s in range(seats):
             feeds[f"pos{s}"] = np.arange(filled, filled + tokens, dtype=np.int64)[None]
-            feeds[f"bias{s}"] = np.where(np.tri(tokens, filled + tokens, filled, dtype=bool), 0, -1e30).astype(np.float32)[None, None]
+            bias = np.where(np.tri(tokens, filled + tokens, filled, dtype=bool), 0, -1e30).astype(np.float32)
+            bias[:, masked[0] : masked[0] + masked[1]] = -1e30  # slots no row sees (empty pinned ones)
+            feeds[f"bias{s}"] = bias[None, None]
             feeds[f"slots{s}"] = np.arange(filled, filled + tokens, dtype=np.int64)
-            feeds[f"src{s}"] = rng.standard_normal((1, LAYERS * HKV, SINKS, DH), np.float32)
+            feeds[f"src{s}"] = rng.standard_normal((1, LAYERS * HKV, step_keys, DH), np.float32)
         self.b = self.s.io_binding()
         for name, value in feeds.items():
             self.b.bind_cpu_input(name, value)
@@ -117,11 +122,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=100)
     ap.add_argument("--evict", type=int, default=96, help="MB read before every run (0: caches stay hot)")
+    ap.add_argument("--step-keys", type=int, default=4, help="sink + pinned keys rotated every run")
+    ap.add_argument("--masked", type=int, nargs=2, default=(0, 0), metavar=("FIRST", "COUNT"),
+                    help="slots every row's bias masks, as the pinned slots a short system prompt leaves empty "
+                         "(the bench's: 19 108, slots 19..126 of a cpu build's 4 sink + 124 pinned)")  # fmt: skip
     a = ap.parse_args()
     for seats in a.seats:
         for filled in a.filled:
             for tokens in a.tokens:
-                cases = [Case(lib, seats, filled, tokens, a.threads, a.evict) for lib in a.libraries]
+                cases = [Case(lib, seats, filled, tokens, a.threads, a.evict, a.step_keys, tuple(a.masked))
+                         for lib in a.libraries]  # fmt: skip
                 for _ in range(a.runs):
                     for c in cases:
                         c.run()
@@ -129,7 +139,7 @@ def main() -> None:
                 for lib, c in zip(a.libraries, cases):
                     ms = statistics.median(c.times[a.runs // 10 :]) * 1e3
                     print(json.dumps({"library": lib, "seats": seats, "filled": filled, "tokens": tokens, "threads": a.threads,
-                                      "evict_mb": a.evict, "ms": round(ms, 3),
+                                      "evict_mb": a.evict, "step_keys": a.step_keys, "masked": a.masked, "ms": round(ms, 3),
                                       "equals_first_library": bool(np.array_equal(c.output(), first)),
                                       "load1": open("/proc/loadavg").read().split()[0]}), flush=True)  # fmt: skip
 

@@ -1,7 +1,9 @@
 """The bandwidth-bound ceiling of decode (docs/benchmarks.md): measured memory read bandwidth divided
-by the bytes one decode step must read (weights as the engine holds them, plus the KV cache).
+by the bytes one decode step must read (weights as the engine holds them, plus the KV cache). With
+--seats N, also a step of N seats together (the weights once, N caches) and its tokens/s against one
+seat's ceiling: what reading memory alone allows N seats (docs/benchmarks.md, section 20).
 
-    python benchmarks/bandwidth.py BUILD_DIR [--threads 2]
+    python benchmarks/bandwidth.py BUILD_DIR [--threads 2] [--seats 4]
 """
 
 import argparse
@@ -19,6 +21,7 @@ from cabinlm.runtime import Decoder
 ap = argparse.ArgumentParser()
 ap.add_argument("build")
 ap.add_argument("--threads", type=int, default=2)
+ap.add_argument("--seats", type=int, default=1, help="also the ceiling of N seats' batched step")
 a = ap.parse_args()
 
 # Read bandwidth: ONNX Runtime summing a 1 GiB float32 tensor with the decode thread count.
@@ -53,10 +56,15 @@ for node in model.graph.node:
 gathered = [k for k in sizes if consumers.get(k) == {"Gather"}]  # tables read one row per token
 table = sum(sizes[k] for k in gathered)
 weights = sum(sizes.values()) - table
-cache = Decoder(a.build, threads=a.threads).cache.nbytes()
+cache = Decoder(a.build, threads=a.threads).backend.nbytes()  # the cache buffers, read from the arrays
 per_token = weights + cache
 ceiling = bw / per_token
 print(f"read bandwidth ({a.threads} threads, ONNX Runtime ReduceSum over 1 GiB): {bw / 1e9:.1f} GB/s")
 print(f"bytes per decode step: weights {weights / 1e6:.1f} MB (token table {table / 1e6:.1f} MB not counted) "
       f"+ KV cache {cache / 1e6:.1f} MB = {per_token / 1e6:.1f} MB")
 print(f"bandwidth-bound ceiling: {ceiling:.0f} tokens/s")
+if a.seats > 1:  # one batched step reads the weights once and every seat's cache
+    seats = a.seats * bw / (weights + a.seats * cache)
+    print(f"{a.seats} seats in one step: weights {weights / 1e6:.1f} MB + {a.seats} x {cache / 1e6:.1f} MB of KV = "
+          f"{(weights + a.seats * cache) / 1e6:.1f} MB a step, ceiling {seats:.0f} tokens/s in all, "
+          f"{seats / ceiling:.2f}x one seat's")
