@@ -350,16 +350,20 @@ def test_bench_seats_reports_every_mode_with_the_same_replies(build):
     assert p.returncode == 0, p.stderr
     assert [r["mode"] for r in json.loads(p.stdout)["seats"]] == ["together", "turns", "streams"]
     # --scaling: one seat too, together and as streams, and each count against one seat's
-    p = cabinlm("bench", build, "--seats", 2, "--scaling", "--tokens", 8, "--max-new", 4, "--threads", 1, "--json")
+    # (and --repeat 2: the whole set twice, one repetition after the other, each run marked with its own)
+    p = cabinlm("bench", build, "--seats", 2, "--scaling", "--repeat", 2, "--tokens", 8, "--max-new", 4, "--threads", 1,
+                "--json")  # fmt: skip
     assert p.returncode == 0, p.stderr
     runs = json.loads(p.stdout)["seats"]
-    assert [(r["mode"], r["seats"]) for r in runs] == [("together", 2), ("turns", 2), ("streams", 2), ("together", 1),
-                                                       ("streams", 1)]  # fmt: skip
+    one = [("together", 2), ("turns", 2), ("streams", 2), ("together", 1), ("streams", 1)]
+    assert [(r["mode"], r["seats"], r["repeat"]) for r in runs] == [m + (k,) for k in (0, 1) for m in one]
     p = cabinlm("bench", build, "--seats", 2, "--scaling", "--tokens", 8, "--max-new", 4, "--threads", 1)
     assert p.returncode == 0, p.stderr
     assert "scaling, together: 1 seat " in p.stdout and "scaling, streams: 1 seat " in p.stdout, p.stdout
     assert "together / turns: " in p.stdout and "replies identical in together, turns, streams: True" in p.stdout
     assert_clean_error(cabinlm("bench", build, "--scaling"), "--scaling goes with --seats 2 or more")
+    assert_clean_error(cabinlm("bench", build, "--repeat", 3), "--repeat goes with --seats 2 or more")
+    assert_clean_error(cabinlm("bench", build, "--seats", 2, "--repeat", 0), "--repeat must be >= 1")
     assert_clean_error(cabinlm("bench", build, "--seats", 2, "--baseline", "hf"), "--seats takes --baseline llama.cpp only")
     assert_clean_error(cabinlm("bench", build, "--seats", 0), "seats")
 
@@ -385,6 +389,36 @@ def test_bench_scaling_reports_each_seat_count_against_one_seat():
     text = report(full)
     assert f"together / turns: {701.3 / 480.0:.2f}x" in " ".join(text)  # the N seats' runs, not the smaller counts'
     assert any(line.startswith("together: 1 seat, ") for line in (t.strip() for t in text))
+
+
+def test_bench_repeats_report_medians_and_each_repetitions_ratio_to_one_seat():
+    """repeats_report (--repeat K): per mode and count the median of the repetitions' aggregates and their
+    range, and each count's ratio to one seat taken within a repetition (median and range of those),
+    checked against numpy here; one repetition reports nothing, and report() then keeps scaling_report."""
+    import numpy as np
+
+    from cabinlm.bench.seats import report, repeats_report
+
+    agg = {("together", 4): [600.0, 560.0, 610.0], ("turns", 4): [310.0, 300.0, 330.0], ("streams", 4): [590.0, 0.0, 600.0],
+           ("together", 1): [300.0, 250.0, 320.0], ("streams", 1): [280.0, 290.0, 270.0]}  # the CLI's order  # fmt: skip
+    runs = [{"mode": m, "seats": n, "aggregate_decode_tok_s": v[r], "repeat": r} for r in range(3) for (m, n), v in agg.items()]
+    lines = repeats_report(runs)
+    t = [600 / 300, 560 / 250, 610 / 320]  # within each repetition
+    s = [590 / 280, 600 / 270]  # the second repetition's 4 seats reported nothing (0.0): no ratio
+    assert lines[0].startswith("over 3 repetitions: ")
+    assert lines[1] == (f"  together: 1 seat 300.0 [250.0-320.0], 4 seats 600.0 [560.0-610.0] ({np.median(t):.2f}x "
+                        f"[{min(t):.2f}-{max(t):.2f}])")  # fmt: skip
+    assert lines[2] == "  turns: 4 seats 310.0 [300.0-330.0]"  # no one-seat run in turns: no ratio
+    assert lines[3] == f"  streams: 1 seat 280.0 [270.0-290.0], 4 seats 595.0 [590.0-600.0] ({np.median(s):.2f}x [{min(s):.2f}-{max(s):.2f}])"
+    assert "(2.00x [1.91-2.24])" in lines[1]  # the median ratio is not the ratio of the medians here (2.00 either way)
+    assert repeats_report([r for r in runs if r["repeat"] == 0]) == []
+    full = [dict(r, rounds=2, decoded_tokens=10, per_seat_decode_tok_s=[], ttft_ms_median=1, ttft_ms_max=2,
+                 rss_start_mb=1, rss_end_mb=2, replies=[[1]]) for r in runs]  # fmt: skip
+    text = report(full)
+    turns = [600 / 310, 560 / 300, 610 / 330]
+    assert (f"together / turns: {np.median(turns):.2f}x aggregate decode throughput (median of 3 repetitions, "
+            f"{min(turns):.2f}-{max(turns):.2f}); replies identical in together, turns, streams: True") in text  # fmt: skip
+    assert lines[1] in text and not any(x.startswith("scaling, ") for x in text)
 
 
 def test_the_profile_says_which_batches_a_build_carries(load, tiny_llama_dir, export_to, tmp_path):

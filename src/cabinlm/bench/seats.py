@@ -28,8 +28,11 @@ talks (the span up to the first seat's last reply: after it, fewer seats are lef
 counted. Each mode runs in a process of its own (bench/seats_child.py: one JSON line), so that its
 memory is its own; the peer, llama.cpp decoding the seats' sequences in one batch, is
 bench/llama_seats.py. `--scaling` adds the seat counts 1, 2, 4, ... below N, together and as streams
-(seat k on script k at every count), and reports each count against one seat (scaling_report). Only
-numpy, onnxruntime and tokenizers."""
+(seat k on script k at every count), and reports each count against one seat (scaling_report).
+`--repeat K` runs the whole set K times, one repetition after the other, each run marked with its
+repetition ("repeat"), and reports medians, ranges and each repetition's own ratio to one seat
+(repeats_report): this machine's speed drifts by 10-20% over minutes, so a ratio is taken between
+runs of one repetition, never across. Only numpy, onnxruntime and tokenizers."""
 
 from __future__ import annotations
 
@@ -279,13 +282,16 @@ def report(runs: list[dict]) -> list[str]:
             lines.append(f"          RSS after each round {min(per_round)}-{max(per_round)} MB (second half {min(half)}-"
                          f"{max(half)} MB); window tokens evicted: {d.get('evicted', 0)}")  # fmt: skip
     main = runs[0]["seats"] if runs else 0  # --scaling's smaller counts follow the N seats' modes
-    ours = {d["mode"]: d for d in runs if d["mode"] in MODES and d["seats"] == main}
-    if all(m in ours and ours[m]["aggregate_decode_tok_s"] for m in ROUND_MODES):
-        a, b = (ours[m]["aggregate_decode_tok_s"] for m in ROUND_MODES)
-        same = len({repr(d["replies"]) for d in ours.values()}) == 1
-        lines.append(f"together / turns: {a / b:.2f}x aggregate decode throughput; replies identical in "
-                     f"{', '.join(ours)}: {same}")  # fmt: skip
-    lines += scaling_report(runs)
+    ours = [d for d in runs if d["mode"] in MODES and d["seats"] == main]
+    figure = {(d["mode"], d.get("repeat", 0)): d["aggregate_decode_tok_s"] for d in ours}
+    reps = sorted({d.get("repeat", 0) for d in runs})
+    ratios = [figure[("together", r)] / figure[("turns", r)] for r in reps if figure.get(("together", r)) and figure.get(("turns", r))]
+    if ratios:  # one per repetition, each between runs of that repetition
+        same = len({repr(d["replies"]) for d in ours}) == 1
+        spread = f" (median of {len(ratios)} repetitions, {min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
+        lines.append(f"together / turns: {_median(ratios):.2f}x aggregate decode throughput{spread}; replies identical "
+                     f"in {', '.join(dict.fromkeys(d['mode'] for d in ours))}: {same}")  # fmt: skip
+    lines += scaling_report(runs) if len(reps) < 2 else repeats_report(runs)
     for d in runs:
         if d["mode"] == "llama.cpp" and d.get("greedy_agreement"):
             ok, n = d["greedy_agreement"]
@@ -308,3 +314,33 @@ def scaling_report(runs: list[dict]) -> list[str]:
                  for n in sorted(by_count)]  # fmt: skip
         lines.append(f"scaling, {mode}: " + ", ".join(parts) + " tok/s in all (x one seat's)")
     return lines
+
+
+def repeats_report(runs: list[dict]) -> list[str]:
+    """`--repeat K`'s summary (runs marked "repeat" 0 .. K-1; nothing for one repetition): per mode and
+    seat count the median aggregate tok/s with its lowest and highest, and, beside every count above one
+    seat, the median and range of its ratio to the one-seat run of the same mode and repetition (each
+    ratio between two runs minutes apart at most, not across the whole set's drift)."""
+    reps = sorted({d.get("repeat", 0) for d in runs})
+    if len(reps) < 2:
+        return []
+    lines = [f"over {len(reps)} repetitions: median [lowest-highest] tok/s in all; beside it, each repetition's "
+             f"ratio to one seat's in the same mode, median [lowest-highest]"]  # fmt: skip
+    for mode in MODES:
+        figures = {(d["seats"], d.get("repeat", 0)): d["aggregate_decode_tok_s"] for d in runs
+                   if d["mode"] == mode and d["aggregate_decode_tok_s"]}  # fmt: skip
+        parts = []
+        for n in sorted({k[0] for k in figures}):
+            values = [v for (m, _), v in figures.items() if m == n]
+            text = f"{n} {'seat' if n == 1 else 'seats'} {_median(values):.1f} [{min(values)}-{max(values)}]"
+            ratios = [figures[(n, r)] / figures[(1, r)] for r in reps if (n, r) in figures and (1, r) in figures]
+            if n != 1 and ratios:
+                text += f" ({_median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}])"
+            parts.append(text)
+        if parts:
+            lines.append(f"  {mode}: " + ", ".join(parts))
+    return lines
+
+
+def _median(values: list[float]) -> float:
+    return float(np.median(np.asarray(values, dtype=np.float64)))

@@ -122,6 +122,11 @@ def bench(
         False, "--scaling", help="With --seats N: also run 1, 2, 4, ... seats below N (seat k on script k), together "
         "and as streams, and report each count's aggregate tok/s against one seat's.",
     ),
+    repeat: int = typer.Option(
+        1, "--repeat", help="With --seats: run the whole set (every mode, and --scaling's counts) this many times, one "
+        "repetition after the other, and report each figure's median and range and each repetition's own ratio to "
+        "one seat (this machine's speed drifts by 10-20% over minutes; a ratio is taken within a repetition).",
+    ),
     speculative: Optional[bool] = typer.Option(
         None, "--speculative/--no-speculative",
         help="Draft reply tokens by prompt lookup and verify them in chunks, as `cabinlm chat` does (the same "
@@ -157,6 +162,9 @@ def bench(
     m = load_manifest(artifact)  # a wrong path or a broken manifest fails here, before any run
     if scaling and seats < 2:
         raise OptionError("--scaling goes with --seats 2 or more (the counts it compares: 1, 2, 4, ... up to N)")
+    check_count("repeat", repeat, 1)
+    if repeat > 1 and seats < 2:
+        raise OptionError("--repeat goes with --seats 2 or more (it repeats the seats' runs)")
     if seats != 1:
         from cabinlm.bench.seats import MODES, SCALING_MODES, scaling_counts, report as seats_report
         from cabinlm.bench.seats_child import run_in_child
@@ -181,12 +189,17 @@ def bench(
         rounds = max(1, math.ceil(tokens / max_new))
         info(f"cabinlm: {seats} seats at once through {artifact}, {rounds} rounds of one turn each (replies up to {max_new} "
              f"tokens), {threads} threads; decoded together, in turns, then as streams (each seat at its own pace)")  # fmt: skip
-        runs = [run_in_child(artifact, seats, rounds, max_new, threads, seed, mode, time_limit, system,
-                             speculative=speculative) for mode in MODES]  # fmt: skip
-        for n in scaling_counts(seats) if scaling else ():
-            info(f"cabinlm: {n} {'seat' if n == 1 else 'seats'} (--scaling), {' and '.join(SCALING_MODES)}")
-            runs += [run_in_child(artifact, n, rounds, max_new, threads, seed, mode, time_limit, system,
-                                  speculative=speculative) for mode in SCALING_MODES]  # fmt: skip
+        runs = []
+        for r in range(repeat):
+            if repeat > 1:
+                info(f"cabinlm: repetition {r + 1} of {repeat}")
+            rep = [run_in_child(artifact, seats, rounds, max_new, threads, seed, mode, time_limit, system,
+                                speculative=speculative) for mode in MODES]  # fmt: skip
+            for n in scaling_counts(seats) if scaling else ():
+                info(f"cabinlm: {n} {'seat' if n == 1 else 'seats'} (--scaling), {' and '.join(SCALING_MODES)}")
+                rep += [run_in_child(artifact, n, rounds, max_new, threads, seed, mode, time_limit, system,
+                                     speculative=speculative) for mode in SCALING_MODES]  # fmt: skip
+            runs += [dict(d, repeat=r) for d in rep] if repeat > 1 else rep
         if peer:  # llama.cpp: the seats' sequences in one batch, decoding the replies cabinlm decoded together
             from cabinlm.bench.prepare import resolve_model
 
