@@ -345,7 +345,12 @@ def test_bench_seats_reports_every_mode_with_the_same_replies(build):
     for r in runs:
         assert r["seats"] == 3 and r["decoded_tokens"] == sum(map(len, r["replies"])) - sum(len(x) == 6 for x in r["replies"])
         assert len(r["per_seat_decode_tok_s"]) == 3 and r["aggregate_decode_tok_s"] > 0 and r["rss_end_mb"] > 0
-        assert (r["all_seats_decode_tok_s"] is not None) == (r["mode"] == "streams")
+        assert r["all_seats_decode_tok_s"] is not None  # every mode: while all 3 seats talked (the rounds' first steps)
+        assert 0 < r["all_seats_decoded_tokens"] <= r["decoded_tokens"]
+    # one seat talks all the time: its whole counted run is "while every seat talked" (the warm-up round not)
+    for mode in ("together", "streams"):
+        one = run_in_child(build, 1, 2, 6, 1, 0, mode, 300, system="")
+        assert one["all_seats_decoded_tokens"] == one["decoded_tokens"] > 0, (mode, one)
     p = cabinlm("bench", build, "--seats", 2, "--tokens", 8, "--max-new", 4, "--threads", 1, "--json")
     assert p.returncode == 0, p.stderr
     assert [r["mode"] for r in json.loads(p.stdout)["seats"]] == ["together", "turns", "streams"]
@@ -383,6 +388,9 @@ def test_bench_scaling_reports_each_seat_count_against_one_seat():
                      f"({701.3 / 343.9:.2f}x) tok/s in all (x one seat's)",
                      f"scaling, streams: 1 seat 331.1, 4 seats 612.7 ({612.7 / 331.1:.2f}x) tok/s in all (x one seat's)"]
     assert "(1.51x)" in lines[0] and "(2.04x)" in lines[0] and "(1.85x)" in lines[1]
+    talked = [dict(r, all_seats_decode_tok_s=690.0 if (r["mode"], r["seats"]) == ("streams", 4) else None) for r in runs]
+    assert scaling_report(talked)[1] == (f"scaling, streams: 1 seat 331.1, 4 seats 612.7 ({612.7 / 331.1:.2f}x; 690.0 while "
+                                         f"all 4 talked, {690.0 / 331.1:.2f}x) tok/s in all (x one seat's)")  # fmt: skip
     assert scaling_report([r for r in runs if r["seats"] != 1]) == []
     full = [dict(r, rounds=2, decoded_tokens=10, per_seat_decode_tok_s=[], ttft_ms_median=1, ttft_ms_max=2,
                  rss_start_mb=1, rss_end_mb=2, replies=[[1]]) for r in runs]  # fmt: skip
@@ -412,6 +420,13 @@ def test_bench_repeats_report_medians_and_each_repetitions_ratio_to_one_seat():
     assert lines[3] == f"  streams: 1 seat 280.0 [270.0-290.0], 4 seats 595.0 [590.0-600.0] ({np.median(s):.2f}x [{min(s):.2f}-{max(s):.2f}])"
     assert "(2.00x [1.91-2.24])" in lines[1]  # the median ratio is not the ratio of the medians here (2.00 either way)
     assert repeats_report([r for r in runs if r["repeat"] == 0]) == []
+    # while all N seats talked: its own median and range, its ratio to the same repetition's one-seat aggregate
+    talked = {0: 650.0, 1: 0.0, 2: 640.0}  # repetition 1 without the figure (None): no ratio from it
+    with_full = [dict(r, all_seats_decode_tok_s=(talked[r["repeat"]] or None) if (r["mode"], r["seats"]) == ("streams", 4) else None)
+                 for r in runs]  # fmt: skip
+    f = [650 / 280, 640 / 270]
+    assert repeats_report(with_full)[3] == (lines[3] + f"; while all 4 talked 645.0 [640.0-650.0] ({np.median(f):.2f}x "
+                                            f"[{min(f):.2f}-{max(f):.2f}])")  # fmt: skip
     full = [dict(r, rounds=2, decoded_tokens=10, per_seat_decode_tok_s=[], ttft_ms_median=1, ttft_ms_max=2,
                  rss_start_mb=1, rss_end_mb=2, replies=[[1]]) for r in runs]  # fmt: skip
     text = report(full)

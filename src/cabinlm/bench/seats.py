@@ -23,9 +23,12 @@ span from the first counted turn's start to the last reply's end, the prompts' p
 they share the runs), each seat's decode tokens/s over the same time, time to first token (from the
 round's start: the prefills before a seat's own count, as they would for requests arriving at once;
 streams: from the turn's start, the other seats' steps riding along), resident memory at the start
-and the end, and the drafts verified and accepted; streams also the aggregate while every seat still
-talks (the span up to the first seat's last reply: after it, fewer seats are left). A first round warms the sessions up and is not
-counted. Each mode runs in a process of its own (bench/seats_child.py: one JSON line), so that its
+and the end, and the drafts verified and accepted; and the aggregate while every seat still talked:
+streams, the span up to the first seat's last reply (after it, fewer seats are left); the round modes,
+the steps in which every seat decoded (a round's steps before its first reply ends). The seats'
+dialogues differ in length (seat 0's replies are the shortest), so the whole run's aggregate blends
+N seats' steps with steps of fewer; the second figure is N seats' alone. A first round warms the
+sessions up and is not counted. Each mode runs in a process of its own (bench/seats_child.py: one JSON line), so that its
 memory is its own; the peer, llama.cpp decoding the seats' sequences in one batch, is
 bench/llama_seats.py. `--scaling` adds the seat counts 1, 2, 4, ... below N, together and as streams
 (seat k on script k at every count), and reports each count against one seat (scaling_report).
@@ -75,8 +78,9 @@ class SeatsRun:
     drafts: bool = False  # the seats drafted by prompt lookup (cabinlm's modes)
     drafted: int = 0  # drafts verified over the counted rounds
     accepted: int = 0  # and accepted
-    # streams: the span while every seat still had turns to take (from the first counted turn's start
-    # to the moment the first seat ended its last reply) and the tokens decoded in it
+    # while every seat still talked: streams, the span from the first counted turn's start to the moment
+    # the first seat ended its last reply; the round modes, the decode steps (runs) in which every seat
+    # of the run decoded (a round's steps before its first reply ended); and the tokens decoded in it
     full_s: float = 0.0
     full_decoded: int = 0
 
@@ -100,6 +104,7 @@ class SeatsRun:
             "drafted": self.drafted,
             "accepted": self.accepted,
             "all_seats_decode_tok_s": round(self.full_decoded / self.full_s, 1) if self.full_s else None,
+            "all_seats_decoded_tokens": self.full_decoded,
         }
 
 
@@ -126,6 +131,7 @@ def run_seats(artifact: Path, seats: int, rounds: int, max_new: int, threads: in
         if r == 1 and mode == "streams":  # the counted turns at each seat's own pace
             run.warmup_replies = run.replies
             run.decoded, run.decode_s, run.prefill_s, run.ttft_s, run.replies = [0] * seats, 0.0, 0.0, [], []
+            run.full_s, run.full_decoded = 0.0, 0  # the warm-up round's steps counted none
             drafts_at_start = [(d.drafting.drafted, d.drafting.accepted) for d in dialogues]
             evicted_at_start = sum(_evicted(d.decoder) for d in dialogues)
             _streams(run, dialogues, scripts, pending, rounds, max_new, stop, greedy)
@@ -134,6 +140,7 @@ def run_seats(artifact: Path, seats: int, rounds: int, max_new: int, threads: in
         if r == 1:
             run.warmup_replies = run.replies
             run.decoded, run.decode_s, run.prefill_s, run.ttft_s, run.replies = [0] * seats, 0.0, 0.0, [], []
+            run.full_s, run.full_decoded = 0.0, 0
             evicted_at_start = sum(_evicted(d.decoder) for d in dialogues)
             drafts_at_start = [(d.drafting.drafted, d.drafting.accepted) for d in dialogues]
         t0 = time.perf_counter()
@@ -155,6 +162,7 @@ def run_seats(artifact: Path, seats: int, rounds: int, max_new: int, threads: in
             live = [i for i in live if len(replies[i]) < max_new]
             if not live:
                 break
+            t_step = time.perf_counter()
             args = [(dialogues[i].decoder, replies[i][-1], max_new - len(replies[i]), dialogues[i].drafting)
                     for i in live]  # fmt: skip
             if mode != "turns":  # every seat's token (and drafts) in one run (streams: its warm-up round)
@@ -162,6 +170,9 @@ def run_seats(artifact: Path, seats: int, rounds: int, max_new: int, threads: in
                 got = advance_seats(decs, [greedy] * len(live), tokens, budgets, stop, draftings)
             else:
                 got = [advance(dec, greedy, token, budget, stop, drafting) for dec, token, budget, drafting in args]
+            if len(live) == seats:  # every seat decoded in this step (turns: in this pass over the seats)
+                run.full_s += time.perf_counter() - t_step
+                run.full_decoded += sum(map(len, got))
             still = []
             for i, new in zip(live, got):
                 run.decoded[i] += len(new)  # a stop id that ends the reply comes last
@@ -301,17 +312,23 @@ def report(runs: list[dict]) -> list[str]:
 
 
 def scaling_report(runs: list[dict]) -> list[str]:
-    """Per mode of SCALING_MODES, every seat count's aggregate tok/s and its ratio to one seat's (the
-    runs of `--seats N --scaling`; nothing without a one-seat run). Seat k runs script k, so one seat
-    is the first seat's dialogue alone."""
+    """Per mode of SCALING_MODES, every seat count's aggregate tok/s and its ratio to one seat's, and
+    beside it the aggregate while all its seats talked and that against one seat (the runs of
+    `--seats N --scaling`; nothing without a one-seat run). Seat k runs script k, so one seat is the
+    first seat's dialogue alone."""
     lines = []
     for mode in SCALING_MODES:
-        by_count = {d["seats"]: d["aggregate_decode_tok_s"] for d in runs if d["mode"] == mode and d["aggregate_decode_tok_s"]}
-        one = by_count.get(1)
-        if not one or len(by_count) < 2:
+        mine = {d["seats"]: d for d in runs if d["mode"] == mode and d["aggregate_decode_tok_s"]}
+        one = mine[1]["aggregate_decode_tok_s"] if 1 in mine else None
+        if not one or len(mine) < 2:
             continue
-        parts = [f"{n} {'seat' if n == 1 else 'seats'} {by_count[n]}" + ("" if n == 1 else f" ({by_count[n] / one:.2f}x)")
-                 for n in sorted(by_count)]  # fmt: skip
+        parts = []
+        for n in sorted(mine):
+            whole, full = mine[n]["aggregate_decode_tok_s"], mine[n].get("all_seats_decode_tok_s")
+            text = f"{n} {'seat' if n == 1 else 'seats'} {whole}"
+            if n != 1:
+                text += f" ({whole / one:.2f}x" + (f"; {full} while all {n} talked, {full / one:.2f}x)" if full else ")")
+            parts.append(text)
         lines.append(f"scaling, {mode}: " + ", ".join(parts) + " tok/s in all (x one seat's)")
     return lines
 
@@ -320,26 +337,39 @@ def repeats_report(runs: list[dict]) -> list[str]:
     """`--repeat K`'s summary (runs marked "repeat" 0 .. K-1; nothing for one repetition): per mode and
     seat count the median aggregate tok/s with its lowest and highest, and, beside every count above one
     seat, the median and range of its ratio to the one-seat run of the same mode and repetition (each
-    ratio between two runs minutes apart at most, not across the whole set's drift)."""
+    ratio between two runs minutes apart at most, not across the whole set's drift); then the same for
+    the aggregate while all the count's seats talked."""
     reps = sorted({d.get("repeat", 0) for d in runs})
     if len(reps) < 2:
         return []
     lines = [f"over {len(reps)} repetitions: median [lowest-highest] tok/s in all; beside it, each repetition's "
              f"ratio to one seat's in the same mode, median [lowest-highest]"]  # fmt: skip
     for mode in MODES:
-        figures = {(d["seats"], d.get("repeat", 0)): d["aggregate_decode_tok_s"] for d in runs
-                   if d["mode"] == mode and d["aggregate_decode_tok_s"]}  # fmt: skip
+        whole = {(d["seats"], d.get("repeat", 0)): d["aggregate_decode_tok_s"] for d in runs
+                 if d["mode"] == mode and d["aggregate_decode_tok_s"]}  # fmt: skip
+        full = {(d["seats"], d.get("repeat", 0)): d["all_seats_decode_tok_s"] for d in runs
+                if d["mode"] == mode and d.get("all_seats_decode_tok_s") and d["seats"] != 1}  # fmt: skip
         parts = []
-        for n in sorted({k[0] for k in figures}):
-            values = [v for (m, _), v in figures.items() if m == n]
-            text = f"{n} {'seat' if n == 1 else 'seats'} {_median(values):.1f} [{min(values)}-{max(values)}]"
-            ratios = [figures[(n, r)] / figures[(1, r)] for r in reps if (n, r) in figures and (1, r) in figures]
-            if n != 1 and ratios:
-                text += f" ({_median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}])"
+        for n in sorted({k[0] for k in whole}):
+            text = f"{n} {'seat' if n == 1 else 'seats'} {_spread(whole, n, reps, None)}"
+            if n != 1 and any(k[0] == n for k in full):
+                text += f"; while all {n} talked {_spread(full, n, reps, whole)}"
             parts.append(text)
         if parts:
             lines.append(f"  {mode}: " + ", ".join(parts))
     return lines
+
+
+def _spread(figures: dict, n: int, reps: list[int], one: dict | None) -> str:
+    """Count n's median [lowest-highest] over the repetitions, and (n > 1) its per-repetition ratio to
+    the one-seat figure of `one` (None: figures' own)."""
+    one = figures if one is None else one
+    values = [figures[(n, r)] for r in reps if (n, r) in figures]
+    text = f"{_median(values):.1f} [{min(values)}-{max(values)}]"
+    ratios = [figures[(n, r)] / one[(1, r)] for r in reps if (n, r) in figures and (1, r) in one]
+    if n != 1 and ratios:
+        text += f" ({_median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}])"
+    return text
 
 
 def _median(values: list[float]) -> float:
