@@ -125,7 +125,7 @@ def main() -> None:
     ap.add_argument("--step-keys", type=int, default=4, help="sink + pinned keys rotated every run")
     ap.add_argument("--masked", type=int, nargs=2, default=(0, 0), metavar=("FIRST", "COUNT"),
                     help="slots every row's bias masks, as the pinned slots a short system prompt leaves empty "
-                         "(the bench's: 19 108, slots 19..126 of a cpu build's 4 sink + 124 pinned)")  # fmt: skip
+                         "(the bench's: 19 109, slots 19..127 of a cpu build's 4 sink + 124 pinned)")  # fmt: skip
     a = ap.parse_args()
     for seats in a.seats:
         for filled in a.filled:
