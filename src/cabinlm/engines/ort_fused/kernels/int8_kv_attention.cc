@@ -701,27 +701,32 @@ struct Units {
   }
 };
 
+// Every line of rows r0 .. r1-1 of `base` (contiguous), asked for in one pass.
+template <typename C>
+inline void fetch_lines(const C* base, int64_t r0, int64_t r1, int64_t D) {
+  constexpr uintptr_t kLine = 64;
+  const uintptr_t end = reinterpret_cast<uintptr_t>(base + r1 * D);
+  for (uintptr_t a = reinterpret_cast<uintptr_t>(base + r0 * D) & ~(kLine - 1); a < end; a += kLine)
+    __builtin_prefetch(reinterpret_cast<const char*>(a));
+}
+
 template <typename C>
 void ReadAhead<C>::fetch(int64_t from, int64_t count) {
-  constexpr int64_t kLine = 64;
-  const int64_t bytes = D * static_cast<int64_t>(sizeof(C));
-  for (int64_t s = from; s < from + count; ++s) {
-    const C* row = s < rows ? keys + s * D : (s < 2 * rows ? values + (s - rows) * D : nullptr);
-    if (row == nullptr) {
-      if (!resolved) {
-        resolved = true;
-        const size_t u = units == nullptr ? 0 : units->next.load(std::memory_order_relaxed);
-        if (units != nullptr && u < units->total) {
-          const typename Units<C>::Unit n = units->at(u);
-          next_keys = n.p->keys + n.g * n.p->R * n.p->D;
-          next_rows = n.p->X[n.i1 - 1] + 1;
-        }
-      }
-      if (s - 2 * rows >= next_rows) return;
-      row = next_keys + (s - 2 * rows) * D;
+  const int64_t end = from + count;  // stream positions: keys rows, values rows, the next unit's keys rows
+  if (from < rows) fetch_lines(keys, from, std::min(end, rows), D);
+  if (end > rows && from < 2 * rows) fetch_lines(values, std::max(from, rows) - rows, std::min(end, 2 * rows) - rows, D);
+  if (end <= 2 * rows) return;
+  if (!resolved) {
+    resolved = true;
+    const size_t u = units == nullptr ? 0 : units->next.load(std::memory_order_relaxed);
+    if (units != nullptr && u < units->total) {
+      const typename Units<C>::Unit n = units->at(u);
+      next_keys = n.p->keys + n.g * n.p->R * n.p->D;
+      next_rows = n.p->X[n.i1 - 1] + 1;
     }
-    for (int64_t b = 0; b < bytes; b += kLine) __builtin_prefetch(reinterpret_cast<const char*>(row) + b);
   }
+  const int64_t r0 = std::max(from, 2 * rows) - 2 * rows, r1 = std::min(end - 2 * rows, next_rows);
+  if (r0 < r1) fetch_lines(next_keys, r0, r1, D);
 }
 
 template <typename C>
