@@ -2,8 +2,8 @@
 SmolLM2-135M's 30 layers (9 query heads, 3 kv heads, head_dim 64), SEATS seats of TOKENS rows each
 (1: a decode step; more: a verified draft's rows), each seat over its own caches filled to FILLED
 slots, STEP_KEYS sink / pinned keys rotated per step (the rows-as-steps inputs, as the runtime feeds them:
-4 sink keys, and with the bench's pinned system prompt 4 + its tokens), random int8
-caches and queries, the same inputs for every library.
+the filled sink and pinned slots, 4 for the sink alone, 19 with the bench's pinned system prompt),
+random int8 caches and queries, the same inputs for every library.
 
 Inside a whole decode step the caches do not stay in this machine's L3: the weights stream through it
 between two layers' attention. `--evict MB` reads a buffer of MB megabytes before every timed run
