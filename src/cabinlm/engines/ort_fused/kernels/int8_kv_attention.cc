@@ -54,8 +54,8 @@
 //    its query, key and bias alone, the softmax sum in 16 lanes by position, the values added position
 //    after position): row i is bit for bit the one-token step that sees the same keys at the same
 //    positions. How rows are grouped (blocks of 4 rows of one kv head, which share each key's
-//    conversion to float where they see the same key; tiles of 16 or 32 positions) changes the work,
-//    never a row's arithmetic;
+//    conversion to float where they see the same key; tiles of 16 or 32 positions; whole tiles no row
+//    of a block sees, skipped) changes the work, never a row's arithmetic;
 //  * a key whose biased score is below the row's maximum by more than 87 weighs exactly 0.
 //
 // Compiled by `cabinlm build` for the profile's CPU (kernels/compiler.py) into one library with the other
@@ -131,6 +131,12 @@ inline float hsum(vf16 v) {  // a fixed tree: 16 -> 8 -> 4 -> 1
   vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
+}
+inline bool all_at_most(vf16 v, float x) {  // every lane <= x
+  const vi16 le = v <= splat(x);
+  int32_t all = -1;
+  for (int l = 0; l < kLanes; ++l) all &= le[l];
+  return all != 0;
 }
 inline float hmax(vf16 v) {  // exact in any order
   float m = v[0];
@@ -364,6 +370,8 @@ struct Problem {
 
 template <typename C>
 void rotate_step_keys(const Problem<C>& p, int64_t v, int64_t g);
+template <typename C>
+__attribute__((always_inline)) inline void fetch_step_sources(const Problem<C>& p, int64_t i0, int64_t i1, int64_t g);
 
 // --- the order of memory reads --------------------------------------------------------------------
 //
@@ -378,12 +386,14 @@ constexpr int64_t kAhead = 64;
 template <typename C>
 struct Units;
 
-// One unit's stream of rows, asked for ahead of their use.
+// One unit's stream of rows, asked for ahead of their use: its rows but the dead ones (attend's hole),
+// counted without them.
 template <typename C>
 struct ReadAhead {
   const C* keys;
   const C* values;
-  int64_t rows, D;
+  int64_t rows, D;        // rows: the keys' (and the values') share of the stream, the hole left out
+  int64_t hole_at, hole;  // the hole's first row and its length (0: none)
   const Units<C>* units;  // where the next unit is found (null: no next unit)
   // The next unit's keys, found when the stream first reaches them (by then the other threads have
   // claimed their next units, so the first one not yet claimed is most likely this thread's).
@@ -392,7 +402,15 @@ struct ReadAhead {
   int64_t next_rows = 0;
   // Asks for stream positions from .. from+count-1: keys rows, then values rows, then the next unit's keys.
   void fetch(int64_t from, int64_t count);
+  // The stream position of row j (not in the hole).
+  int64_t at(int64_t j) const { return j < hole_at ? j : j - hole; }
+  // Stream positions a .. b-1 of the keys' (or values') share, from `base`: the rows around the hole.
+  __attribute__((always_inline)) void fetch_rows(const C* base, int64_t a, int64_t b) const;
 };
+
+// A bias at or below this weighs exactly 0 beside the row's own position (bias 0): their scores lie
+// further apart than 87 (exp_nonpositive's 0), whatever the products add.
+constexpr float kMaskedBias = -1e29f;
 
 // What row i sees at position j, as a code: >= 0 a row of the key / value buffers (a cached token's
 // slot, or F + m for chunk row m); kStepKey - v the sink / pinned key at j in version v (its value is
@@ -444,8 +462,7 @@ void attend(const Problem<C>& p, int64_t i0, int64_t i1, int64_t g, const Units<
   const float* ks = p.k_scale + g * D;
   const float* vs = p.v_scale + g * D;
   const C* V = p.values + g * p.R * D;
-  ReadAhead<C> ahead{p.keys + g * p.R * D, V, Lmax, D, units};
-  ahead.fetch(0, kAhead);  // the first rows at once (the unit before may have asked for them already)
+  fetch_step_sources(p, i0, i1, g);  // rotate_step_keys below reads them first (the unit before may have asked)
 
   thread_local std::vector<int32_t> table;
   if (!p.uniform) {
@@ -471,6 +488,22 @@ void attend(const Problem<C>& p, int64_t i0, int64_t i1, int64_t g, const Units<
       if (s >= j0 && s < j0 + width) return false;
     return true;
   };
+  // The hole: positions h0 .. h1-1 no row of the block sees, skipped -- whole plain tiles of kTile
+  // from the first after the step keys (the pinned slots a short system prompt leaves empty) whose bias
+  // masks every position for every row (kMaskedBias), where each row sees its own position. Their keys
+  // would score the bias, weigh exactly 0 and add exactly 0 to the softmax's sum and to every
+  // accumulator (which start at +0 and so never hold -0): nothing changes but the work and the reads.
+  const int64_t h0 = std::max<int64_t>((p.K + kTile - 1) / kTile * kTile, kTile);  // tile 0 always scored
+  int64_t h1 = h0;
+  bool own_visible = true;
+  for (int64_t b = 0; b < B; ++b) own_visible = own_visible && p.bias[(i0 + b) * p.T + p.F + i0 + b] > -1e20f;
+  for (bool dead = own_visible; dead && h1 + kTile <= Lmax; h1 += dead ? kTile : 0) {
+    dead = plain_tile(h1, kTile);
+    for (int64_t b = 0; b < B && dead; ++b)
+      for (int64_t l = 0; l < kTile && dead; l += kLanes) dead = all_at_most(load(p.bias + (i0 + b) * p.T + h1 + l), kMaskedBias);
+  }
+  ReadAhead<C> ahead{p.keys + g * p.R * D, V, Lmax - (h1 - h0), D, h0, h1 - h0, units};
+  ahead.fetch(0, kAhead);  // the first rows at once (the unit before may have asked for them already)
   if (p.unit_step_keys)  // the step keys this unit reads: kv head g's, in its rows' versions (write_seat)
     for (int64_t v = version_of(p, i0), last = version_of(p, i1 - 1); v <= last; ++v) rotate_step_keys(p, v, g);
   const C* step_rows = p.K > 0 ? p.step + g * p.K * D : nullptr;  // version 0's step keys of this kv head
@@ -497,7 +530,8 @@ void attend(const Problem<C>& p, int64_t i0, int64_t i1, int64_t g, const Units<
   alignas(64) float own[kLanes * kMaxHeadDim];
   const C* K0 = p.keys + g * p.R * D;  // this kv head's cached keys, row after row
   for (int64_t j0 = 0; j0 < Lmax; j0 += kLanes) {
-    ahead.fetch(j0 + kAhead, kLanes);  // keys kAhead rows on (then the values, which follow them)
+    if (j0 == h0) j0 = h1;  // over the hole (h1 < Lmax: it ends below F)
+    ahead.fetch(ahead.at(j0) + kAhead, kLanes);  // keys kAhead rows on (then the values, which follow them)
     if (plain_tile(j0, kLanes)) {  // every row sees the same keys at j0 .. j0+15: the step keys, then the cache's
       if (j0 >= p.K) {  // the cache's rows j0 .. j0+15, contiguous
         rows_to_float(V16, K0 + j0 * D, kLanes, keys);
@@ -552,14 +586,16 @@ void attend(const Problem<C>& p, int64_t i0, int64_t i1, int64_t g, const Units<
     for (int64_t r = 0; r < G; ++r) {
       float* s = scores.data() + (b * G + r) * stride;
       const int64_t Ls = (p.X[i0 + b] + 1 + kLanes - 1) / kLanes * kLanes;  // this row's lanes
-      vf16 m = load(s);
+      vf16 m = load(s);  // the maximum over its lanes but the hole's (exact in any order)
       for (int64_t j = kLanes; j < Ls; j += kLanes) {
+        if (j == h0) j = h1;  // h1 < Ls: every row sees F
         const vf16 x = load(s + j);
         m = x > m ? x : m;
       }
       const vf16 mx = splat(hmax(m));
       vf16 acc = splat(0.0f);
       for (int64_t j = 0; j < Ls; j += kLanes) {
+        if (j == h0) j = h1;
         const vf16 e = exp_nonpositive(load(s + j) - mx);
         store(s + j, e);
         acc += e;
@@ -581,7 +617,8 @@ void attend(const Problem<C>& p, int64_t i0, int64_t i1, int64_t g, const Units<
     for (int64_t r = 0; r < G; ++r) sums[b * G + r] = o[b][r];
   const float* weights[kRowBlock * kMaxGroup];
   for (int64_t j0 = 0; j0 < Lmax; j0 += kTile) {
-    ahead.fetch(Lmax + j0 + kAhead, kTile);  // values kAhead rows on (then the next unit's keys)
+    if (j0 == h0) j0 = h1;
+    ahead.fetch(ahead.rows + ahead.at(j0) + kAhead, kTile);  // values kAhead rows on (then the next unit's keys)
     const int64_t count = std::min<int64_t>(kTile, Lmax - j0);
     if (plain_tile(j0, kTile)) {  // every row sees the cache's values j0 .. j0+31 as they are
       for (int64_t a = 0; a < B * G; ++a) weights[a] = scores.data() + a * stride + j0;
@@ -701,9 +738,11 @@ struct Units {
   }
 };
 
-// Every line of rows r0 .. r1-1 of `base` (contiguous), asked for in one pass.
+// Every line of rows r0 .. r1-1 of `base` (contiguous), asked for in one pass. Always inlined, as is
+// every function that asks for lines: GCC counts a prefetch as no side effect, so a function that only
+// asks for lines and returns nothing is found pure (ipa-pure-const) and its calls dropped as dead code.
 template <typename C>
-inline void fetch_lines(const C* base, int64_t r0, int64_t r1, int64_t D) {
+__attribute__((always_inline)) inline void fetch_lines(const C* base, int64_t r0, int64_t r1, int64_t D) {
   constexpr uintptr_t kLine = 64;
   const uintptr_t end = reinterpret_cast<uintptr_t>(base + r1 * D);
   for (uintptr_t a = reinterpret_cast<uintptr_t>(base + r0 * D) & ~(kLine - 1); a < end; a += kLine)
@@ -711,10 +750,31 @@ inline void fetch_lines(const C* base, int64_t r0, int64_t r1, int64_t D) {
 }
 
 template <typename C>
+__attribute__((always_inline)) inline void ReadAhead<C>::fetch_rows(const C* base, int64_t a, int64_t b) const {
+  if (a < std::min(b, hole_at)) fetch_lines(base, a, std::min(b, hole_at), D);
+  if (b > hole_at) fetch_lines(base, std::max(a, hole_at) + hole, b + hole, D);
+}
+
+// What a unit that rotates its own step keys reads before anything else (rotate_step_keys): kv head
+// g's un-rotated sink / pinned keys and its rows' versions of their rotation, a few kB that come from
+// memory at every layer (the weights stream through the caches in between); asked for by the unit
+// before it (ReadAhead) and again at its start (a thread's first unit).
+template <typename C>
+__attribute__((always_inline)) inline void fetch_step_sources(const Problem<C>& p, int64_t i0, int64_t i1, int64_t g) {
+  if (!p.unit_step_keys) return;
+  const int64_t h = p.D / 2;
+  fetch_lines(p.source + g * p.P * p.D, 0, p.K, p.D);
+  for (int64_t v = version_of(p, i0), last = version_of(p, i1 - 1); v <= last; ++v) {
+    fetch_lines(p.src_cos + v * p.K * h, 0, p.K, h);
+    fetch_lines(p.src_sin + v * p.K * h, 0, p.K, h);
+  }
+}
+
+template <typename C>
 void ReadAhead<C>::fetch(int64_t from, int64_t count) {
   const int64_t end = from + count;  // stream positions: keys rows, values rows, the next unit's keys rows
-  if (from < rows) fetch_lines(keys, from, std::min(end, rows), D);
-  if (end > rows && from < 2 * rows) fetch_lines(values, std::max(from, rows) - rows, std::min(end, 2 * rows) - rows, D);
+  if (from < rows) fetch_rows(keys, from, std::min(end, rows));
+  if (end > rows && from < 2 * rows) fetch_rows(values, std::max(from, rows) - rows, std::min(end, 2 * rows) - rows);
   if (end <= 2 * rows) return;
   if (!resolved) {
     resolved = true;
@@ -723,6 +783,7 @@ void ReadAhead<C>::fetch(int64_t from, int64_t count) {
       const typename Units<C>::Unit n = units->at(u);
       next_keys = n.p->keys + n.g * n.p->R * n.p->D;
       next_rows = n.p->X[n.i1 - 1] + 1;
+      fetch_step_sources(*n.p, n.i0, n.i1, n.g);  // what that unit reads first
     }
   }
   const int64_t r0 = std::max(from, 2 * rows) - 2 * rows, r1 = std::min(end - 2 * rows, next_rows);
