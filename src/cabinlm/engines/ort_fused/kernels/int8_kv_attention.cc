@@ -408,9 +408,11 @@ struct ReadAhead {
   __attribute__((always_inline)) void fetch_rows(const C* base, int64_t a, int64_t b) const;
 };
 
-// A bias at or below this weighs exactly 0 beside the row's own position (bias 0): their scores lie
-// further apart than 87 (exp_nonpositive's 0), whatever the products add.
+// A bias at or below kMaskedBias weighs exactly 0 beside a row's own position seen with a bias above
+// kSeenBias (0, as the runtime gives it): their scores lie further apart than 87 (exp_nonpositive's 0),
+// whatever the products add.
 constexpr float kMaskedBias = -1e29f;
+constexpr float kSeenBias = -1e20f;
 
 // What row i sees at position j, as a code: >= 0 a row of the key / value buffers (a cached token's
 // slot, or F + m for chunk row m); kStepKey - v the sink / pinned key at j in version v (its value is
@@ -496,7 +498,7 @@ void attend(const Problem<C>& p, int64_t i0, int64_t i1, int64_t g, const Units<
   const int64_t h0 = std::max<int64_t>((p.K + kTile - 1) / kTile * kTile, kTile);  // tile 0 always scored
   int64_t h1 = h0;
   bool own_visible = true;
-  for (int64_t b = 0; b < B; ++b) own_visible = own_visible && p.bias[(i0 + b) * p.T + p.F + i0 + b] > -1e20f;
+  for (int64_t b = 0; b < B; ++b) own_visible = own_visible && p.bias[(i0 + b) * p.T + p.F + i0 + b] > kSeenBias;
   for (bool dead = own_visible; dead && h1 + kTile <= Lmax; h1 += dead ? kTile : 0) {
     dead = plain_tile(h1, kTile);
     for (int64_t b = 0; b < B && dead; ++b)
