@@ -72,12 +72,12 @@ def test_block_q8_matmul_computes_the_int8_block_product(path, library, tmp_path
     the kernel's arithmetic (float32 rounding apart) and x @ W in float64 (the int8 activations'
     rounding apart); a block of zeros, several tiles, row counts around the blocks of 4 rows; the
     two paths agree bit for bit."""
-    native = _matmul_session(block_q8_layout(*_q8_case(160, 64, seed=1)), library, op=kernels.Q8_MATMUL_OP)
+    native = _matmul_session(block_q8_layout(*_q8_case(160, 80, seed=1)), library, op=kernels.Q8_MATMUL_OP)
     if path == "generic":
         compiled = compile_library(tmp_path, defines=("CABINLM_GENERIC",))
         assert compiled.facts.matmul_isa == "generic"
         library = compiled.path
-    K, N = 160, 64
+    K, N = 160, 80  # five tiles: the parallel units take two neighbours each, the last one one
     q, s = _q8_case(K, N, seed=1)
     session = _matmul_session(block_q8_layout(q, s), library, op=kernels.Q8_MATMUL_OP)
     W = (q.reshape(K // 32, 32, N) * s[:, None].astype(np.float64)).reshape(K, N)
@@ -97,7 +97,7 @@ def test_block_q8_matmul_computes_the_int8_block_product(path, library, tmp_path
 def test_block_q8_matmul_rows_are_one_row_runs_bit_for_bit(library):  # noqa: F811
     """A row's logits whatever rows run beside it: a batched graph's seat gets its own run's logits,
     a verified draft's rows their one-token steps'."""
-    session = _matmul_session(block_q8_layout(*_q8_case(96, 32, seed=3)), library, op=kernels.Q8_MATMUL_OP)
+    session = _matmul_session(block_q8_layout(*_q8_case(96, 48, seed=3)), library, op=kernels.Q8_MATMUL_OP)  # three tiles
     x = np.random.default_rng(4).standard_normal((1, 11, 96)).astype(np.float32)
     chunk = session.run(None, {"x": x})[0]
     steps = np.concatenate([session.run(None, {"x": x[:, i : i + 1]})[0] for i in range(11)], axis=1)

@@ -317,14 +317,15 @@ def test_the_q4_layout_holds_the_exported_codes_scales_and_minimums():
 def test_block_q4_matmul_computes_the_q4_1_product(path, library, tmp_path):
     """Both paths of the kernel (this CPU's, and the plain C++ one other CPUs get) against the numpy
     reference of its arithmetic (float32 rounding apart) and against x @ W in float64 (the int8
-    activations' rounding apart); rows of zeros, several tiles, row counts around the blocks of 4."""
+    activations' rounding apart); rows of zeros, row counts around the blocks of rows, five tiles (the
+    parallel units take two neighbours each: the last one holds one)."""
     from cabinlm.engines.ort_fused.block_layouts import block_q4_layout
 
     if path == "generic":
         compiled = compile_library(tmp_path, defines=("CABINLM_GENERIC",))
         assert compiled.facts.matmul_isa == "generic"
         library = compiled.path
-    K, N = 160, 64
+    K, N = 160, 80
     q, d, m = _q4_case(K, N, seed=1)
     session = _matmul_session(block_q4_layout(q, d, m), library)
     W = (q.reshape(K // 32, 32, N) * d[:, None].astype(np.float64) + m[:, None]).reshape(K, N)
@@ -356,7 +357,7 @@ def test_block_q4_matmul_computes_the_q4_1_product(path, library, tmp_path):
 def test_block_q4_matmul_rows_are_one_row_runs_bit_for_bit(library, rows):
     from cabinlm.engines.ort_fused.block_layouts import block_q4_layout
 
-    q, d, m = _q4_case(96, 32, seed=3)
+    q, d, m = _q4_case(96, 48, seed=3)  # three tiles: a unit of two and one of one
     session = _matmul_session(block_q4_layout(q, d, m), library)
     x = np.random.default_rng(4).standard_normal((1, rows, 96)).astype(np.float32)
     chunk = session.run(None, {"x": x})[0]

@@ -150,6 +150,7 @@ void tile_rows(const Problem& p, int64_t t, int64_t r0) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < p.nb; ++b, w += kTileBlockBytes) {
+    cabinlm_blocks::fetch_ahead<kTileBlockBytes>(w);
     __m512i dot[R][A];
     for (int r = 0; r < R; ++r)
       for (int a = 0; a < A; ++a) dot[r][a] = _mm512_setzero_si512();
@@ -233,6 +234,7 @@ void tile_rows(const Problem& p, int64_t t, int64_t r0) {
   for (int r = 0; r < R; ++r)
     for (int q = 0; q < 4; ++q) acc[r][q] = vdupq_n_f32(0.0f);
   for (int64_t b = 0; b < p.nb; ++b, w += kTileBlockBytes) {
+    cabinlm_blocks::fetch_ahead<kTileBlockBytes>(w);
     int32x4_t dot[R][4];  // integer: exact in any order
 #if CABINLM_NEON_I8MM
     if constexpr (R == 2) {
@@ -325,7 +327,7 @@ OrtStatus* compute(OrtKernelContext* ctx, bool swiglu) {
   p.xq = xq.data();
   p.dx = scales.data();
   p.sx = sums.data();
-  return parallel_for(ctx, cabinlm_blocks::tile_unit<Tiles, kRowBlock, Problem>, static_cast<size_t>(p.tiles), &p);
+  return parallel_for(ctx, cabinlm_blocks::tile_unit<Tiles, kRowBlock, Problem>, cabinlm_blocks::tile_units(p.tiles), &p);
 }
 
 struct BlockQ4MatMul {

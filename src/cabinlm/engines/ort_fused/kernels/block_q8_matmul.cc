@@ -77,6 +77,7 @@ void tile_rows(const Problem& p, int64_t t, int64_t r0) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < p.nb; ++b, w += kTileBlockBytes) {
+    cabinlm_blocks::fetch_ahead<kTileBlockBytes>(w);
     __m512i codes[8];
     for (int j = 0; j < 8; ++j) codes[j] = _mm512_loadu_si512(w + 64 * j);
     float d_[kCols];
@@ -116,6 +117,7 @@ void tile_rows(const Problem& p, int64_t t, int64_t r0) {
   for (int r = 0; r < R; ++r)
     for (int q = 0; q < 4; ++q) acc[r][q] = vdupq_n_f32(0.0f);
   for (int64_t b = 0; b < p.nb; ++b, w += kTileBlockBytes) {
+    cabinlm_blocks::fetch_ahead<kTileBlockBytes>(w);
     int8x16_t x[R][2];
     int32x4_t dot[R][4];  // integer: exact in any order
     for (int r = 0; r < R; ++r) {
@@ -192,7 +194,7 @@ struct BlockQ8MatMul {
     p.xq = xq.data();
     p.dx = scales.data();
     p.csum = sums.data();
-    return parallel_for(ctx, cabinlm_blocks::tile_unit<Tiles, kRowBlock, Problem>, static_cast<size_t>(p.tiles), &p);
+    return parallel_for(ctx, cabinlm_blocks::tile_unit<Tiles, kRowBlock, Problem>, cabinlm_blocks::tile_units(p.tiles), &p);
   }
 };
 
