@@ -804,19 +804,19 @@ template <typename C>
 OrtStatus* step_inputs(OrtKernelContext* ctx, size_t count, size_t base, Problem<C>& p, std::vector<int64_t>& X,
                        std::vector<C>& step) {
   X.resize(static_cast<size_t>(p.n));
-  const std::string where = Names<C>::single;
+  const char* const where = Names<C>::single;  // a std::string only on an error's path
   if (count <= 11) {  // the exported graph's chunk semantics: every row sees the cache and the rows before it
     for (int64_t i = 0; i < p.n; ++i) X[i] = p.F + i;
     p.X = X.data();
     return nullptr;
   }
-  if (count != 16) return error(kInvalidArgument, where + "takes 11 inputs or 16, got " + std::to_string(count));
+  if (count != 16) return error(kInvalidArgument, std::string(where) + "takes 11 inputs or 16, got " + std::to_string(count));
   const OrtValue* in[5];
   for (size_t i = 0; i < 5; ++i) {
     CABIN_TRY(input(ctx, base + 10 + i, &in[i]));  // the single node's input 11 + i
-    if (in[i] == nullptr) return error(kInvalidArgument, where + "inputs 11..15 come together; input " + std::to_string(11 + i) + " is missing");
+    if (in[i] == nullptr) return error(kInvalidArgument, std::string(where) + "inputs 11..15 come together; input " + std::to_string(11 + i) + " is missing");
   }
-  std::vector<int64_t> dsrc, dc, ds, dl, dslots;
+  thread_local std::vector<int64_t> dsrc, dc, ds, dl, dslots;  // reused: no allocation per call
   CABIN_TRY(dims_of(in[0], &dsrc));
   CABIN_TRY(dims_of(in[1], &dc));
   CABIN_TRY(dims_of(in[2], &ds));
@@ -826,7 +826,7 @@ OrtStatus* step_inputs(OrtKernelContext* ctx, size_t count, size_t base, Problem
   if (dsrc.size() != 4 || dsrc[0] != 1 || dsrc[1] % p.Hkv != 0 || dsrc[3] != p.D || dc.size() != 3 || dc != ds ||
       dc[2] * 2 != p.D || (dc[0] != 1 && dc[0] != p.n) || dl.size() > 1 || (dl.size() == 1 && dl[0] != 1) ||
       dslots.size() != 1 || dslots[0] != p.n)
-    return error(kInvalidArgument, where + "key_source " + shape_str(dsrc) + ", source_cos / sin " + shape_str(dc) + " / " +
+    return error(kInvalidArgument, std::string(where) + "key_source " + shape_str(dsrc) + ", source_cos / sin " + shape_str(dc) + " / " +
                                        shape_str(ds) + ", layer " + shape_str(dl) + " or row_slots " + shape_str(dslots) +
                                        " are not (1, layers * kv_heads, rows, head_dim), two equal (1 or tokens, rows, head_dim / 2), "
                                        "one index and (tokens,)");
@@ -834,7 +834,7 @@ OrtStatus* step_inputs(OrtKernelContext* ctx, size_t count, size_t base, Problem
   p.V = dc[0];
   p.K = dc[1];
   if (p.K > p.P || p.K > p.F)
-    return error(kInvalidArgument, where + std::to_string(p.K) + " sink / pinned rows to rotate, but key_source holds " +
+    return error(kInvalidArgument, std::string(where) + std::to_string(p.K) + " sink / pinned rows to rotate, but key_source holds " +
                                        std::to_string(p.P) + " and " + std::to_string(p.F) + " slots are in use");
   const int64_t* layer = nullptr;
   const float* source = nullptr;
@@ -844,7 +844,7 @@ OrtStatus* step_inputs(OrtKernelContext* ctx, size_t count, size_t base, Problem
   CABIN_TRY(data_of(in[3], &layer));
   CABIN_TRY(data_of(in[4], &p.slots));
   if (*layer < 0 || *layer >= layer_count)
-    return error(kInvalidArgument, where + "layer " + std::to_string(*layer) + " is not one of key_source's " + std::to_string(layer_count));
+    return error(kInvalidArgument, std::string(where) + "layer " + std::to_string(*layer) + " is not one of key_source's " + std::to_string(layer_count));
   p.source = source + *layer * p.Hkv * p.P * p.D;
   // X[i] = max(F, 1 + slots[0 .. i-1]); every slot a position after the step keys, inside the buffers
   int64_t x = p.F;
@@ -853,7 +853,7 @@ OrtStatus* step_inputs(OrtKernelContext* ctx, size_t count, size_t base, Problem
     X[i] = x;
     const int64_t s = p.slots[i];
     if (s < p.K || s >= p.R)
-      return error(kInvalidArgument, where + "row_slots[" + std::to_string(i) + "] = " + std::to_string(s) + " is not a slot after the " +
+      return error(kInvalidArgument, std::string(where) + "row_slots[" + std::to_string(i) + "] = " + std::to_string(s) + " is not a slot after the " +
                                          std::to_string(p.K) + " sink / pinned rows and below " + std::to_string(p.R));
     p.uniform = p.uniform && s == p.F + i;
     x = std::max(x, s + 1);
@@ -871,7 +871,7 @@ template <typename C>
 OrtStatus* prepare(OrtKernelContext* ctx, const std::vector<int64_t>& dq, const float* qkv, int64_t n, int64_t row0,
                    size_t base, size_t count, float* out, Problem<C>& p, std::vector<int64_t>& X, std::vector<C>& step) {
   const OrtValue* in[11];
-  std::vector<int64_t> dk, dv, dc, db, dp, dsk, dsv;
+  thread_local std::vector<int64_t> dk, dv, dc, db, dp, dsk, dsv;  // reused: no allocation per call
   for (size_t i = 1; i < 11; ++i) CABIN_TRY(input(ctx, base + i - 1, &in[i]));
   CABIN_TRY(dims_of(in[1], &dk));
   CABIN_TRY(dims_of(in[2], &dv));
@@ -880,9 +880,9 @@ OrtStatus* prepare(OrtKernelContext* ctx, const std::vector<int64_t>& dq, const 
   CABIN_TRY(dims_of(in[8], &db));
   CABIN_TRY(dims_of(in[9], &dsk));
   CABIN_TRY(dims_of(in[10], &dsv));
-  const std::string where = Names<C>::single;
+  const char* const where = Names<C>::single;  // a std::string only on an error's path
   if (dq.size() != 3 || dq[0] != 1 || dk.size() != 4 || dk[0] != 1 || dk != dv)
-    return error(kInvalidArgument, where + "qkv " + shape_str(dq) + " and caches " + shape_str(dk) + " / " +
+    return error(kInvalidArgument, std::string(where) + "qkv " + shape_str(dq) + " and caches " + shape_str(dk) + " / " +
                                        shape_str(dv) + " are not (1, n, width) and two equal (1, kv_heads, rows, head_dim)");
   p = Problem<C>{};
   p.n = n;
@@ -890,10 +890,10 @@ OrtStatus* prepare(OrtKernelContext* ctx, const std::vector<int64_t>& dq, const 
   p.R = dk[2];
   p.D = dk[3];
   if (p.D % kLanes != 0 || p.D > kMaxHeadDim || dq[2] % p.D != 0)
-    return error(kInvalidArgument, where + "head_dim " + std::to_string(p.D) + " must be a multiple of 16 up to 256 dividing the qkv width");
+    return error(kInvalidArgument, std::string(where) + "head_dim " + std::to_string(p.D) + " must be a multiple of 16 up to 256 dividing the qkv width");
   p.H = dq[2] / p.D - 2 * p.Hkv;
   if (p.H <= 0 || p.H % p.Hkv != 0 || p.H / p.Hkv > kMaxGroup)
-    return error(kInvalidArgument, where + "qkv width " + std::to_string(dq[2]) + " is not (heads + 2 kv_heads) head_dim with heads a multiple of kv_heads");
+    return error(kInvalidArgument, std::string(where) + "qkv width " + std::to_string(dq[2]) + " is not (heads + 2 kv_heads) head_dim with heads a multiple of kv_heads");
   p.group = p.H / p.Hkv;
   int32_t *seqlens = nullptr, *total = nullptr;
   CABIN_TRY(data_of(in[3], &seqlens));
@@ -901,12 +901,12 @@ OrtStatus* prepare(OrtKernelContext* ctx, const std::vector<int64_t>& dq, const 
   p.T = *total;
   p.F = p.T - p.n;
   if (p.F < 0 || p.T > p.R || *seqlens != p.T - 1)
-    return error(kInvalidArgument, where + "total_sequence_length " + std::to_string(p.T) + " and seqlens_k " +
+    return error(kInvalidArgument, std::string(where) + "total_sequence_length " + std::to_string(p.T) + " and seqlens_k " +
                                        std::to_string(*seqlens) + " do not fit " + std::to_string(p.n) + " tokens in " +
                                        std::to_string(p.R) + " cache rows");
   if (dc.size() != 2 || dc[1] * 2 != p.D || dp.size() != 2 || dp[1] != p.n || db.size() != 4 || db[2] != p.n || db[3] != p.T ||
       dsk.size() != 1 || dsk[0] != p.Hkv * p.D || dsv != dsk)
-    return error(kInvalidArgument, where + "rope " + shape_str(dc) + ", position_ids " + shape_str(dp) + ", bias " + shape_str(db) +
+    return error(kInvalidArgument, std::string(where) + "rope " + shape_str(dc) + ", position_ids " + shape_str(dp) + ", bias " + shape_str(db) +
                                        " or scales " + shape_str(dsk) + " do not match the chunk");
   p.rope_rows = dc[0];
   p.qkv = qkv + row0 * dq[2];  // dq: this seat's rows' shape
@@ -920,7 +920,7 @@ OrtStatus* prepare(OrtKernelContext* ctx, const std::vector<int64_t>& dq, const 
   CABIN_TRY(data_of(in[10], &p.v_scale));
   for (int64_t i = 0; i < p.n; ++i)
     if (p.position_ids[i] < 0 || p.position_ids[i] >= p.rope_rows)
-      return error(kInvalidArgument, where + "position id " + std::to_string(p.position_ids[i]) + " outside the rotation tables");
+      return error(kInvalidArgument, std::string(where) + "position id " + std::to_string(p.position_ids[i]) + " outside the rotation tables");
   p.scale = 1.0f / std::sqrt(static_cast<float>(p.D));
   CABIN_TRY(step_inputs(ctx, count, base, p, X, step));
   p.out = out == nullptr ? nullptr : out + row0 * p.H * p.D;
@@ -993,12 +993,12 @@ template <typename C>
 OrtStatus* compute_seats(OrtKernelContext* ctx) {
   size_t count = 0;
   CABIN_TRY(input_count(ctx, &count));
-  const std::string where = Names<C>::seats;
+  const char* const where = Names<C>::seats;
   if (count < 2 + kSeatInputs || (count - 2) % kSeatInputs != 0)
-    return error(kInvalidArgument, where + "takes qkv, seat_tokens and 15 inputs per seat, got " + std::to_string(count) + " inputs");
+    return error(kInvalidArgument, std::string(where) + "takes qkv, seat_tokens and 15 inputs per seat, got " + std::to_string(count) + " inputs");
   const int64_t S = static_cast<int64_t>((count - 2) / kSeatInputs);
   const OrtValue *qv = nullptr, *cv = nullptr;
-  std::vector<int64_t> dq, dc;
+  thread_local std::vector<int64_t> dq, dc;
   CABIN_TRY(input(ctx, 0, &qv));
   CABIN_TRY(input(ctx, 1, &cv));
   CABIN_TRY(dims_of(qv, &dq));
@@ -1012,7 +1012,7 @@ OrtStatus* compute_seats(OrtKernelContext* ctx) {
     rows += counts[s];
   }
   if (dq.size() != 3 || !counts_ok || dq[1] != rows)
-    return error(kInvalidArgument, where + "qkv " + shape_str(dq) + " and seat_tokens " + shape_str(dc) + " are not (1, rows, width) and " +
+    return error(kInvalidArgument, std::string(where) + "qkv " + shape_str(dq) + " and seat_tokens " + shape_str(dc) + " are not (1, rows, width) and " +
                                        std::to_string(S) + " row counts adding up to rows");
   const float* qkv = nullptr;
   CABIN_TRY(data_of(qv, &qkv));
@@ -1023,17 +1023,18 @@ OrtStatus* compute_seats(OrtKernelContext* ctx) {
   step.resize(static_cast<size_t>(S));
   sp.seats.resize(static_cast<size_t>(S));
   sp.first.assign(static_cast<size_t>(S), 0);
-  std::vector<int64_t> row0(static_cast<size_t>(S), 0);
+  thread_local std::vector<int64_t> row0, ds;
+  row0.assign(static_cast<size_t>(S), 0);
   for (int64_t s = 0, r = 0; s < S; r += counts[s], ++s) {
     row0[static_cast<size_t>(s)] = r;
-    std::vector<int64_t> ds{1, counts[s], dq[2]};
+    ds.assign({1, counts[s], dq[2]});
     CABIN_TRY(prepare(ctx, ds, qkv, counts[s], r, 2 + static_cast<size_t>(s) * kSeatInputs, 1 + kSeatInputs, nullptr,
                       sp.seats[static_cast<size_t>(s)], X[static_cast<size_t>(s)], step[static_cast<size_t>(s)]));
   }
   const Problem<C>& p0 = sp.seats[0];
   for (const Problem<C>& p : sp.seats)
     if (p.H != p0.H || p.D != p0.D)
-      return error(kInvalidArgument, where + "every seat's caches take the same heads and head_dim");
+      return error(kInvalidArgument, std::string(where) + "every seat's caches take the same heads and head_dim");
   OrtValue* out = nullptr;
   CABIN_TRY(output(ctx, 0, {1, dq[1], p0.H * p0.D}, &out));
   float* y = nullptr;
