@@ -77,7 +77,7 @@ def test_block_q8_matmul_computes_the_int8_block_product(path, library, tmp_path
         compiled = compile_library(tmp_path, defines=("CABINLM_GENERIC",))
         assert compiled.facts.matmul_isa == "generic"
         library = compiled.path
-    K, N = 160, 80  # five tiles: the parallel units take two neighbours each, the last one one
+    K, N = 160, 80  # five tiles: the parallel units take two neighbours each, the last unit one tile
     q, s = _q8_case(K, N, seed=1)
     session = _matmul_session(block_q8_layout(q, s), library, op=kernels.Q8_MATMUL_OP)
     W = (q.reshape(K // 32, 32, N) * s[:, None].astype(np.float64)).reshape(K, N)
