@@ -291,7 +291,8 @@ def _q4_reference(x: np.ndarray, q, d, m) -> np.ndarray:
 
 def test_the_q4_layout_holds_the_exported_codes_scales_and_minimums():
     """An independent unpacking of builders.block_layouts.block_q4_layout gives back every code, scale
-    and minimum; a scale that is not a float16, or a width that is not tiles of 16, is not laid out."""
+    and minimum: as float16 where they all are float16s, as float32 otherwise; a width that is not
+    tiles of 16 is not laid out."""
     from cabinlm.engines.ort_fused.block_layouts import block_q4_layout
 
     K, N = 96, 48
@@ -309,7 +310,14 @@ def test_the_q4_layout_holds_the_exported_codes_scales_and_minimums():
                         assert byte >> 4 == q[32 * b + 4 * (j + 4) + i, 16 * t + c]
             np.testing.assert_array_equal(cell[256:288].view(np.float16).astype(np.float32), d[b, 16 * t : 16 * t + 16])
             np.testing.assert_array_equal(cell[288:320].view(np.float16).astype(np.float32), m[b, 16 * t : 16 * t + 16])
-    assert block_q4_layout(q, d + np.float32(1e-7), m) is None  # not a float16 any more
+    d32, m32 = d + np.float32(1e-7), m - np.float32(3e-7)  # float16s no more
+    wide = block_q4_layout(q, d32, m32)
+    assert wide.shape == (N // 16, K // 32, 384)
+    np.testing.assert_array_equal(wide[..., :256], blob[..., :256])  # the same codes
+    for t in range(N // 16):
+        for b in range(K // 32):
+            np.testing.assert_array_equal(wide[t, b, 256:320].view(np.float32), d32[b, 16 * t : 16 * t + 16])
+            np.testing.assert_array_equal(wide[t, b, 320:384].view(np.float32), m32[b, 16 * t : 16 * t + 16])
     assert block_q4_layout(q[:, :40], d[:, :40], m[:, :40]) is None  # 40 columns: not tiles of 16
 
 
@@ -327,18 +335,20 @@ def test_block_q4_matmul_computes_the_q4_1_product(path, library, tmp_path):
         library = compiled.path
     K, N = 160, 80
     q, d, m = _q4_case(K, N, seed=1)
-    session = _matmul_session(block_q4_layout(q, d, m), library)
-    W = (q.reshape(K // 32, 32, N) * d[:, None].astype(np.float64) + m[:, None]).reshape(K, N)
     rng = np.random.default_rng(2)
-    for rows in (1, 3, 4, 9):
-        x = rng.standard_normal((rows, K)).astype(np.float32)
-        x[0, 32:64] = 0.0  # a block of zeros: scale 0, codes 0
-        y = session.run(None, {"x": x[None]})[0][0]
-        assert y.shape == (rows, N)
-        ref = _q4_reference(x, q, d, m)
-        assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max(), np.abs(y - ref).max()
-        exact = x.astype(np.float64) @ W
-        assert np.abs(y - exact).max() <= 0.02 * np.abs(exact).max()  # int8 activations
+    # float16 scales and minimums (a GGUF Q4_1's), and float32 ones (zero points, K-quants)
+    for dd, mm in ((d, m), (d * np.float32(1.0001), m * np.float32(1.0001))):
+        session = _matmul_session(block_q4_layout(q, dd, mm), library)
+        W = (q.reshape(K // 32, 32, N) * dd[:, None].astype(np.float64) + mm[:, None]).reshape(K, N)
+        for rows in (1, 3, 4, 9):
+            x = rng.standard_normal((rows, K)).astype(np.float32)
+            x[0, 32:64] = 0.0  # a block of zeros: scale 0, codes 0
+            y = session.run(None, {"x": x[None]})[0][0]
+            assert y.shape == (rows, N)
+            ref = _q4_reference(x, q, dd, mm)
+            assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max(), np.abs(y - ref).max()
+            exact = x.astype(np.float64) @ W
+            assert np.abs(y - exact).max() <= 0.02 * np.abs(exact).max()  # int8 activations
 
     # BlockQ4SwiGLUMatMul: x = gate | up, y = (silu(gate) * up) @ W
     swiglu = _matmul_session(block_q4_layout(q, d, m), library, swiglu=True)
@@ -385,9 +395,8 @@ def test_block_q4_matmul_refuses_weights_of_another_shape(library):
 def test_smollm2_q4_1_builds_take_the_matmul_kernel(smollm2, export_to, long_text, tmp_path):
     """The GGUF's Q4_1 matrices on BlockQ4MatMul by default (int8 activations), fewer weight bytes;
     against float activations (MatMulNBits, exact minimums, accuracy level 0: which keeps MatMulNBits)
-    its logits are as close as MatMulNBits' own int8 activations get; a profile whose CPU has no
-    AVX-512 VNNI (cpu_march x86-64-v3) keeps MatMulNBits; asking for the kernel with float activations
-    is refused."""
+    its logits are as close as MatMulNBits' own int8 activations get; a profile whose CPU stops at AVX2 (cpu_march x86-64-v3) takes it too, on its AVX2 path, and gives this
+    machine's build's logits bit for bit; asking for the kernel with float activations is refused."""
     from cabinlm.runtime import Tokenizer
 
     art = export_to(smollm2, sink=4, pinned=60, window=124, chunk=32, weights="int4")
@@ -401,7 +410,7 @@ def test_smollm2_q4_1_builds_take_the_matmul_kernel(smollm2, export_to, long_tex
     ops = [n.op_type for n in onnx.load(str(own / "decoder.opt.onnx"), load_external_data=False).graph.node]
     assert ops.count(kernels.MATMUL_OP) == 3 * smollm2.spec.num_layers  # qkv, o, gate_up of every layer
     assert ops.count(kernels.SWIGLU_MATMUL_OP) == smollm2.spec.num_layers and "Sigmoid" not in ops  # down, its SwiGLU
-    assert any("Q4_1 matrices: cabinlm's BlockQ4MatMul" in line for line in logs)
+    assert any("4-bit matrices: cabinlm's BlockQ4MatMul" in line for line in logs)
     assert manifests["own"]["quality"]["build"]["weights_bytes"] < manifests["nbits"]["quality"]["build"]["weights_bytes"]
     ids = Tokenizer(own / "tokenizer.json").encode(long_text, add_special_tokens=True)[:300]
     exact = Decoder(ref).feed(ids, all_logits=True)
@@ -417,12 +426,13 @@ def test_smollm2_q4_1_builds_take_the_matmul_kernel(smollm2, export_to, long_tex
     if kernels.host_machine() != "x86_64":
         return
     logs.clear()
-    plain = build_artifact(art, avx2_profile(), tmp_path / "plain", log=logs.append)
-    fused = json.loads((plain / "manifest.json").read_text())["build"]["fused"]
-    assert fused["matmul_kernel"] == "onnxruntime" and fused["kernels"] is None  # fp32 KV: no attention kernel either
-    assert not (plain / kernels.LIBRARY).exists()  # compiled for the profile's CPU, then not taken
+    v3 = build_artifact(art, avx2_profile(), tmp_path / "v3", log=logs.append)
+    fused = json.loads((v3 / "manifest.json").read_text())["build"]["fused"]
+    assert fused["matmul_kernel"] == "cabinlm" and fused["head_kernel"] == "cabinlm"
+    assert (fused["kernels"]["march"], fused["kernels"]["matmul_isa"]) == ("x86-64-v3", "avx2")
     assert any("compiled for -march=x86-64-v3" in line for line in logs)
-    assert any("-march=x86-64-v3 has no AVX-512 VNNI" in line for line in logs)
+    assert any("4-bit matrices: cabinlm's BlockQ4MatMul (avx2)" in line for line in logs)
+    assert np.array_equal(Decoder(v3).feed(ids, all_logits=True), Decoder(own).feed(ids, all_logits=True))
 
 
 def avx2_profile():

@@ -51,8 +51,9 @@ def build(
     matmul_kernel: MatmulKernel = typer.Option(
         MatmulKernel.AUTO, help="Fused cpu builds of a GGUF's Q4_1 matrices: 'cabinlm' multiplies them with cabinlm's own "
         "kernel, reading the 4-bit codes and minimums as exported (half the bytes of --minimums int8, none of the "
-        "rounding; compiled here like the attention kernel, fast where the profile's CPU has AVX-512 VNNI); "
-        "'onnxruntime' keeps MatMulNBits (as --minimums says); 'auto' takes cabinlm's where that CPU has AVX-512 VNNI."),
+        "rounding; compiled here like the attention kernel for the profile's CPU: AVX-512 VNNI, AVX-VNNI, AVX2 or Arm's "
+        "dot product, the same results bit for bit on each, a chunk's rows its one-token steps); 'onnxruntime' keeps "
+        "MatMulNBits (as --minimums says); 'auto' takes cabinlm's wherever its library compiles."),
     activations: str = typer.Option(
         "fp16", help="Snapdragon HTP builds: 'fp16' computes the float graph in fp16; 'a16' (experimental: SmolLM2 in "
         "the simulator 77.0 perplexity against 76.1 for fp16 (both with --kv int8's cache) and 73.6 on the CPU, its "

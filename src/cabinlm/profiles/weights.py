@@ -162,8 +162,8 @@ ACTIVATION_FACTOR = {EXPORT: 2.0, GRAPH: 3.0, FUSED: 1.0, STATIC: 3.0}
 # Seats decoding together (a fused build's batched graphs, FusedSettings.seat_batches) with the LM head
 # on MatMulNBits: the head is a graph of its own, and ONNX Runtime keeps a packed copy of its 8-bit
 # matrix in that session (38 MB for SmolLM2's 28 MB of head codes, docs/benchmarks.md section 20): bytes
-# per head code. A build whose head runs on cabinlm's BlockQ8MatMul (a CPU with AVX-512 VNNI or Arm's dot
-# product, FusedSettings.head_kernel) holds no copy; the plan, made before the build knows its CPU's
+# per head code. A build whose head runs on cabinlm's BlockQ8MatMul (wherever cabinlm's library compiles,
+# FusedSettings.head_kernel) holds no copy; the plan, made before the build knows its CPU's
 # kernels, counts the copy: an upper estimate there (the runtime's seat limit counts what the build holds).
 PACKED_HEAD_BYTES_PER_CODE = 1.35
 

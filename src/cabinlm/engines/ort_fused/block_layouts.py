@@ -17,27 +17,39 @@ def pack4(q: np.ndarray) -> np.ndarray:
 
 
 def block_q4_layout(q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> np.ndarray | None:
-    """GGUF Q4_1 blocks (w = d * q + m) in the layout of cabinlm's BlockQ4MatMul
+    """4-bit blocks (w = d * q + m) in the layout of cabinlm's BlockQ4MatMul
     (kernels/block_q4_matmul.cc): per tile of 16 columns and block of 32 rows, 256 bytes of codes
     (byte 4 c + i of the j-th 64 holds column c's rows 4 j + i in its low nibble and 4 (j + 4) + i in
-    its high one), then the 16 scales and the 16 minimums as float16. The same codes, scales and
-    minimums as the export: None where a scale or minimum is not a float16 (then the kernel does not
-    apply) or the shape is not tiles of 16 columns by blocks of 32 rows.
+    its high one), then the 16 scales and the 16 minimums: as float16 where every scale and minimum
+    is one (a GGUF Q4_1's always are: 320 bytes a tile block), else as float32 (384 bytes). The same
+    codes, scales and minimums as given; None where the shape is not tiles of 16 columns by blocks of
+    32 rows.
 
-    q (K, N) codes 0..15; scale, offset (K / 32, N). Returns uint8 (N / 16, K / 32, 320)."""
+    q (K, N) codes 0..15; scale, offset (K / 32, N). Returns uint8 (N / 16, K / 32, 320 or 384)."""
     K, N = q.shape
     if N % 16 or K % BLOCK:
         return None
+    scale, offset = np.asarray(scale, np.float32), np.asarray(offset, np.float32)
     d16, m16 = scale.astype(np.float16), offset.astype(np.float16)
-    if not (np.array_equal(d16.astype(np.float32), scale) and np.array_equal(m16.astype(np.float32), offset)):
-        return None
+    half = np.array_equal(d16.astype(np.float32), scale) and np.array_equal(m16.astype(np.float32), offset)
+    d, m = (d16, m16) if half else (scale, offset)
     T, nb = N // 16, K // BLOCK
     c = q.astype(np.uint8).reshape(nb, 8, 4, T, 16)  # (block, j, i, tile, column): row 32 b + 4 j + i
     packed = c[:, :4] | (c[:, 4:] << 4)  # (block, j < 4, i, tile, column)
     codes = packed.transpose(3, 0, 1, 4, 2).reshape(T, nb, 256)  # byte 64 j + 4 c + i
-    d = d16.reshape(nb, T, 16).transpose(1, 0, 2).copy().view(np.uint8).reshape(T, nb, 32)
-    m = m16.reshape(nb, T, 16).transpose(1, 0, 2).copy().view(np.uint8).reshape(T, nb, 32)
+    width = 16 * d.itemsize
+    d = d.reshape(nb, T, 16).transpose(1, 0, 2).copy().view(np.uint8).reshape(T, nb, width)
+    m = m.reshape(nb, T, 16).transpose(1, 0, 2).copy().view(np.uint8).reshape(T, nb, width)
     return np.ascontiguousarray(np.concatenate([codes, d, m], axis=2))
+
+
+def q4_zero_points_as_minimums(scale: np.ndarray, zero_point: np.ndarray | None, offset: np.ndarray | None) -> np.ndarray:
+    """The minimum m of 4-bit blocks w = d * (q - z) + offset as BlockQ4MatMul holds them (w = d * q + m):
+    m = offset - z d, in float32 (z an integer 0..15; no zero point: 0, no offset: 0)."""
+    m = np.zeros_like(scale, dtype=np.float32) if offset is None else offset.astype(np.float32)
+    if zero_point is not None:
+        m = (m - zero_point.astype(np.float32) * scale.astype(np.float32)).astype(np.float32)
+    return m
 
 
 def block_q8_layout(q: np.ndarray, scale: np.ndarray) -> np.ndarray | None:

@@ -17,7 +17,7 @@ from cabinlm.buildspec import BuildSpec, OptimizationLevel
 from cabinlm.engines.builder import Builder, BuildError, BuildRequest
 from cabinlm.engines.onnxruntime.offline import OPT_DATA, OPT_GRAPH, log_weights, optimize_offline, read_graph
 from cabinlm.engines.ort_fused import graph as fused_graph
-from cabinlm.engines.ort_fused.kernels import FAST_MATMUL_ISAS, LIBRARY, MATMUL_OP, Q8_MATMUL_OP, SWIGLU_MATMUL_OP, host_machine
+from cabinlm.engines.ort_fused.kernels import LIBRARY, MATMUL_OP, Q8_MATMUL_OP, SWIGLU_MATMUL_OP, host_machine
 from cabinlm.engines.ort_fused.head_graph import head_model
 from cabinlm.engines.ort_fused.kernels.compiler import registrable
 from cabinlm.engines.ort_fused.spec import FusedSettings, KernelLibrary
@@ -52,13 +52,18 @@ def _attention_wanted(manifest: Manifest, asked: str) -> str:
     return "cabinlm"
 
 
-def _matmul_wanted(q4_1: int, asked: str, accuracy_level: int) -> str:
-    """"cabinlm" where the build should take cabinlm's Q4_1 matmul for its `q4_1` Q4_1 matrices if its
-    library can be had (builders.MatmulKernel `asked`; the kernel computes with int8 activations,
-    accuracy level 4, only), else "onnxruntime"."""
+def _head_op(model: onnx.ModelProto) -> str | None:
+    """The operator that writes the decoder's logits (the LM head), None where none does."""
+    return next((n.op_type for n in model.graph.node if io_spec.LOGITS in n.output), None)
+
+
+def _matmul_wanted(blocks: int, asked: str, accuracy_level: int) -> str:
+    """"cabinlm" where the build should take cabinlm's block matmuls for its `blocks` block-quantized
+    matrices if its library can be had (builders.MatmulKernel `asked`; the kernels compute with int8
+    activations, accuracy level 4, only), else "onnxruntime"."""
     why = None
-    if not q4_1:
-        why = "the export holds no Q4_1 matrices (it takes a GGUF's Q4_1 blocks)"
+    if not blocks:
+        why = "the export holds no block-quantized matrices (export with --weights int4 or int8, or from a GGUF)"
     elif accuracy_level != 4:
         why = f"it computes with int8 activations (accuracy level 4), not level {accuracy_level}"
     if asked == "onnxruntime" or (asked == "auto" and why):
@@ -179,7 +184,7 @@ def _seat_graphs(request: BuildRequest, output: BuildOutput, graph: onnx.ModelPr
         onnx.save_model(shared, str(output.path(file)))
         output.add(role, file)
 
-    own_head = any(n.op_type == Q8_MATMUL_OP for n in solo.graph.node)
+    own_head = _head_op(solo) == Q8_MATMUL_OP
     if not own_head:  # MatMulNBits: packed once per session, so the batched graphs share one head graph
         write(head_model(solo, manifest), HEAD_GRAPH, "graph_head")
     for b in batches:
@@ -206,12 +211,10 @@ class FusedBuilder(Builder):
         output.copy("tokenizer")
         output.copy_if_present("vision_graph", "vision_data")  # the camera encoder runs as exported
         graph = read_graph(request.artifact, manifest)
-        # 4-bit matrices with block minimums (GGUF Q4_1 / Q4_K): what cabinlm's BlockQ4MatMul runs
-        codes = {i.name: i.data_type for i in graph.graph.initializer if i.name.endswith(io_spec.QUANT_SUFFIXES[0])}
-        q4_1 = sum(1 for i in graph.graph.initializer if i.name.endswith(io_spec.QUANT_SUFFIXES[3])
-                   and codes.get(i.name.removesuffix(io_spec.QUANT_SUFFIXES[3]) + io_spec.QUANT_SUFFIXES[0]) == onnx.TensorProto.UINT4)
+        # block-quantized matrices (int4 / int8 blocks): what cabinlm's block matmuls run
+        blocks = sum(1 for i in graph.graph.initializer if i.name.endswith(io_spec.QUANT_SUFFIXES[0]))
         kernel = _attention_wanted(manifest, opts.attention_kernel.value)
-        matmul = _matmul_wanted(q4_1, opts.matmul_kernel.value, opts.accuracy_level)
+        matmul = _matmul_wanted(blocks, opts.matmul_kernel.value, opts.accuracy_level)
         output.path(LIBRARY).unlink(missing_ok=True)  # an earlier build's, in the same folder
         library = None
         if "cabinlm" in (kernel, matmul):
@@ -220,10 +223,10 @@ class FusedBuilder(Builder):
             library = _kernel_library(request, output.folder, insisted, kept)
         if library is None:
             kernel = matmul = "onnxruntime"
-        elif matmul == "cabinlm" and opts.matmul_kernel.value == "auto" and library.matmul_isa not in FAST_MATMUL_ISAS:
-            log(f"kept ONNX Runtime's MatMulNBits: -march={library.march} has no AVX-512 VNNI (nor Arm's dot product), and "
-                "cabinlm's Q4_1 matmul has no faster path there (--matmul-kernel cabinlm runs its plain C++ path)")
-            matmul = "onnxruntime"
+        elif matmul == "cabinlm" and library.matmul_isa == "generic":
+            log(f"cabinlm's block matmuls run their plain C++ path: -march={library.march} has neither AVX2 nor Arm's dot "
+                "product; exact (a chunk's rows are its steps), slower than ONNX Runtime's MatMulNBits, which "
+                "--matmul-kernel onnxruntime keeps")  # fmt: skip
         kv = manifest.cache.kv_dtype.value
         own_op = "Int8KVAttention" if kv == "int8" else "FloatKVAttention"
         if kernel == "cabinlm":
@@ -233,24 +236,26 @@ class FusedBuilder(Builder):
             library = None
         model = fused_graph.fused_model(graph, manifest, opts.accuracy_level, opts.minimums, kernel, matmul)
         op = f"cabinlm's {own_op}" if kernel == "cabinlm" else "GroupQueryAttention"
-        mm = "BlockQ4MatMul for the Q4_1 matrices, " if any(n.op_type in (MATMUL_OP, SWIGLU_MATMUL_OP) for n in model.graph.node) else ""
+        ops = [n.op_type for n in model.graph.node]
+        q4, q8, nbits = ops.count(MATMUL_OP) + ops.count(SWIGLU_MATMUL_OP), ops.count(Q8_MATMUL_OP), ops.count("MatMulNBits")
+        mm = "cabinlm's block matmuls, " if q4 or q8 else ""
         log(f"fused the decoder: {len(model.graph.node)} nodes (the export has {len(graph.graph.node)}), "
             f"{op} over {manifest.cache.kv_dtype.value} KV, {mm}" + (f"MatMulNBits accuracy level {opts.accuracy_level}"
-            if any(n.op_type == "MatMulNBits" for n in model.graph.node) else "no MatMulNBits"))  # fmt: skip
-        own = sum(n.op_type in (MATMUL_OP, SWIGLU_MATMUL_OP) for n in model.graph.node)
-        if own:
-            log(f"{own} Q4_1 matrices: cabinlm's BlockQ4MatMul ({library.matmul_isa}), 4-bit codes and minimums as exported")
-        head_kernel = "cabinlm" if any(n.op_type == Q8_MATMUL_OP for n in model.graph.node) else "onnxruntime"
+            if nbits else "no MatMulNBits"))  # fmt: skip
+        if q4:
+            log(f"{q4} 4-bit matrices: cabinlm's BlockQ4MatMul ({library.matmul_isa}), codes, scales and minimums as exported")
+        if q8:
+            log(f"{q8} int8 matrices: cabinlm's BlockQ8MatMul ({library.matmul_isa}), read in place (no packed copy)")
+        head_kernel = "cabinlm" if _head_op(model) == Q8_MATMUL_OP else "onnxruntime"
         if head_kernel == "cabinlm":
-            log(f"the LM head: cabinlm's BlockQ8MatMul ({library.matmul_isa}), its int8 blocks read in place (no packed copy)")
-        on_nbits = q4_1 - own
-        if on_nbits:
-            if matmul == "cabinlm":
-                log(f"{on_nbits} of the {q4_1} matrices with block minimums have scales or minimums that are not float16 "
-                    "(GGUF K-quants: super-block scale x 6-bit sub-scale), which BlockQ4MatMul cannot hold")  # fmt: skip
-            log(f"{on_nbits} Q4_1 matrices on MatMulNBits: " + ("4-bit blocks, minimums added exactly (block sums)"
-                if opts.minimums.value == "exact"
-                else "8-bit blocks with integer zero points (each minimum rounded to 1/34 of its block's step)"))  # fmt: skip
+            log("the LM head: cabinlm's BlockQ8MatMul, its int8 blocks read in place by every graph (no packed copy)")
+        if nbits:
+            offsets = sum(1 for i in graph.graph.initializer if i.name.endswith(io_spec.QUANT_SUFFIXES[3]))
+            why = ("--matmul-kernel onnxruntime" if matmul != "cabinlm"
+                   else "8-bit codes with zero points or minimums, which cabinlm's kernels do not hold")  # fmt: skip
+            log(f"{nbits} matrices on MatMulNBits ({why})" + ("" if not offsets else ": Q4_1 blocks as " + (
+                "4-bit blocks, minimums added exactly (block sums)" if opts.minimums.value == "exact"
+                else "8-bit blocks with integer zero points (each minimum rounded to 1/34 of its block's step)")))  # fmt: skip
 
         output.path(fused_graph.ROTATE_GRAPH).unlink(missing_ok=True)  # an earlier build's, in the same folder
         if kernel != "cabinlm":  # GroupQueryAttention reads the sink / pinned keys from the cache: the runtime refreshes them

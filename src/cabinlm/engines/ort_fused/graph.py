@@ -59,7 +59,8 @@ from onnx import TensorProto, helper
 from cabinlm import io_spec
 from cabinlm import manifest as mf
 from cabinlm.engines.builder import BuildError
-from cabinlm.engines.ort_fused.block_layouts import BLOCK, block_q4_layout, block_q8_layout, pack4, q4_1_as_int8
+from cabinlm.engines.ort_fused.block_layouts import (BLOCK, block_q4_layout, block_q8_layout, pack4, q4_1_as_int8,
+                                                     q4_zero_points_as_minimums)
 from cabinlm.engines.ort_fused.node_builder import ExportedWeights, NodeBuilder
 from cabinlm.layout import KVDType
 from cabinlm.manifest import Manifest
@@ -134,18 +135,32 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
     b = NodeBuilder()
     eps = float(spec.rms_norm_eps)
 
-    def own_blocks(name: str) -> str | None:
-        """A Q4_1 matrix laid out for cabinlm's BlockQ4MatMul (its initializer), or None where the
-        build runs it on MatMulNBits (matmul_kernel "onnxruntime", another format, not float16)."""
+    own_matrices: dict[str, tuple[str, str] | None] = {}
+
+    def own_blocks(name: str) -> tuple[str, str] | None:
+        """(cabinlm's kernel, its weight initializer) for block-quantized matrix `name`: 4-bit blocks
+        (minimums, zero points or neither: w = d q + m) on BlockQ4MatMul, symmetric int8 blocks on
+        BlockQ8MatMul; None where the build runs it on MatMulNBits (matmul_kernel "onnxruntime", 8-bit
+        codes with zero points or minimums, a shape that is not tiles of 16 by blocks of 32) or it is
+        not block-quantized. Laid out once per matrix."""
         nonlocal own_ops
-        if matmul_kernel != MatmulKernel.CABINLM or not W.has(f"{name}.offset") or W.get(f"{name}.q").dtype == np.int8:
-            return None  # (8-bit codes with minimums, e.g. GGUF Q5_K / Q5_1: MatMulNBits)
-        blob = block_q4_layout(W.get(f"{name}.q"), W.get(f"{name}.scale").astype(np.float32),
-                               W.get(f"{name}.offset").astype(np.float32))  # fmt: skip
+        if name in own_matrices:
+            return own_matrices[name]
+        own_matrices[name] = None
+        if matmul_kernel != MatmulKernel.CABINLM or not W.has(f"{name}.q"):
+            return None
+        q, scale = W.get(f"{name}.q"), W.get(f"{name}.scale").astype(np.float32)
+        zero_point = W.get(f"{name}.zero_point") if W.has(f"{name}.zero_point") else None
+        offset = W.get(f"{name}.offset").astype(np.float32) if W.has(f"{name}.offset") else None
+        if q.dtype == np.int8:  # (8-bit codes with minimums, e.g. GGUF Q5_K / Q5_1: MatMulNBits)
+            op, blob = kernels.Q8_MATMUL_OP, None if zero_point is not None or offset is not None else block_q8_layout(q, scale)
+        else:
+            op, blob = kernels.MATMUL_OP, block_q4_layout(q, scale, q4_zero_points_as_minimums(scale, zero_point, offset))
         if blob is None:
             return None
         own_ops = True
-        return b.weight(f"{name}.blocks", blob)
+        own_matrices[name] = (op, b.weight(f"{name}.blocks", blob))
+        return own_matrices[name]
 
     def own_head() -> str | None:
         """The LM head's symmetric int8 blocks laid out for cabinlm's BlockQ8MatMul (its initializer:
@@ -174,9 +189,9 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
         nb = K // BLOCK
         scale = W.get(f"{name}.scale").astype(np.float32)  # (nb, N)
         offset = W.get(f"{name}.offset").astype(np.float32) if W.has(f"{name}.offset") else None
-        blocks = own_blocks(name)
-        if blocks is not None:
-            y = b.op(kernels.MATMUL_OP, x, blocks, domain=kernels.DOMAIN, hint=name, out=None if bias else out)
+        own = own_blocks(name)
+        if own is not None:
+            y = b.op(own[0], x, own[1], domain=kernels.DOMAIN, hint=name, out=None if bias else out)
             return b.op("Add", y, bias, out=out, hint=f"{name}/bias") if bias else y
         if offset is not None and minimums == "int8":
             q8, s8, z8 = q4_1_as_int8(q, scale, offset)
@@ -390,8 +405,8 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
                                  outputs=4, domain=MS, epsilon=eps, hint=f"{p}/post_norm")  # fmt: skip
         gate_up = linear(h, mf.weight_name(i, "gate_up"))
         down = own_blocks(mf.weight_name(i, "down")) if own_ops_allowed else None
-        if down is not None:  # silu(gate) * up inside the down projection's kernel
-            x = b.op(kernels.SWIGLU_MATMUL_OP, gate_up, down, domain=kernels.DOMAIN, hint=f"{p}.down")
+        if down is not None and down[0] == kernels.MATMUL_OP:  # silu(gate) * up inside the down projection's kernel
+            x = b.op(kernels.SWIGLU_MATMUL_OP, gate_up, down[1], domain=kernels.DOMAIN, hint=f"{p}.down")
         else:
             gate, up = b.op("Split", gate_up, b.const(np.array([I, I], np.int64)), outputs=2, axis=-1)
             if spec.activation == "gelu_tanh":  # FastGelu: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))

@@ -23,7 +23,7 @@ class AttentionKernel(str, enum.Enum):
 class MatmulKernel(str, enum.Enum):
     """Fused cpu builds: which kernel computes the layers' matmuls over GGUF Q4_1 blocks."""
 
-    AUTO = "auto"  # cabinlm's where the library's fast path (AVX-512 VNNI) is built, ONNX Runtime's otherwise
+    AUTO = "auto"  # cabinlm's wherever its library compiles (every CPU), ONNX Runtime's otherwise
     CABINLM = "cabinlm"  # kernels/block_q4_matmul.cc: the 4-bit blocks and minimums read as exported
     ONNXRUNTIME = "onnxruntime"  # com.microsoft::MatMulNBits (the blocks as --minimums says)
 
@@ -35,6 +35,9 @@ class Minimums(str, enum.Enum):
     EXACT = "exact"  # 4-bit codes plus blocksum(x) @ minimum (two more kernels per matrix)
 
 
+# The block matmuls' paths (kernels/block_matmul.h, cabinlm_block_q4_isa()): a library holds one, chosen
+# by the compiler's -march; every one gives the plain C++ path's ("generic") results bit for bit.
+MATMUL_ISAS = ("avx512-vnni", "avx-vnni", "avx2", "neon-i8mm", "neon-dotprod", "generic")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _MARCH = re.compile(r"[a-z0-9][a-z0-9_.+-]*")  # a compiler -march value: native, x86-64-v3, armv8.2-a+dotprod
 
@@ -54,7 +57,7 @@ class KernelLibrary:
     # The CPU's features the code may use (/proc/cpuinfo flag names, from the compiler's predefined
     # macros for `march`): a CPU lacking one would stop the process with SIGILL, so it is refused.
     cpu_flags: tuple[str, ...]
-    matmul_isa: str  # BlockQ4MatMul's path in this library: "avx512-vnni", "neon-dotprod", "neon-i8mm" (fast) or "generic"
+    matmul_isa: str  # the block matmuls' path in this library (kernels.ISAS): "avx512-vnni", "avx-vnni", "avx2", "neon-i8mm", "neon-dotprod" or "generic"
     compiler: str  # the first line of the compiler's --version
 
     def __post_init__(self) -> None:
@@ -69,8 +72,8 @@ class KernelLibrary:
         object.__setattr__(self, "cpu_flags", tuple(self.cpu_flags) if isinstance(self.cpu_flags, list) else self.cpu_flags)
         if not isinstance(self.cpu_flags, tuple) or not all(isinstance(f, str) and f for f in self.cpu_flags):
             raise ValueError(f"kernels.cpu_flags must be a list of CPU feature names, got {self.cpu_flags!r}")
-        if self.matmul_isa not in ("avx512-vnni", "neon-dotprod", "neon-i8mm", "generic"):  # kernels.ISAS
-            raise ValueError(f"kernels.matmul_isa must be avx512-vnni, neon-dotprod, neon-i8mm or generic, got {self.matmul_isa!r}")
+        if self.matmul_isa not in MATMUL_ISAS:
+            raise ValueError(f"kernels.matmul_isa must be one of {', '.join(MATMUL_ISAS)}, got {self.matmul_isa!r}")
         for name in ("machine", "compiler"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"kernels.{name} must be a non-empty string, got {getattr(self, name)!r}")

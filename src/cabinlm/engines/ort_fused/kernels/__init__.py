@@ -31,6 +31,8 @@ import re
 import tempfile
 from pathlib import Path
 
+from cabinlm.engines.ort_fused.spec import MATMUL_ISAS
+
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / name for name in ("register.cc", "int8_kv_attention.cc", "block_q4_matmul.cc", "block_q8_matmul.cc"))
 HEADERS = (HERE / "ort_api.h", HERE / "ort_api_entries.h", HERE / "vector_math.h", HERE / "block_matmul.h")
@@ -44,10 +46,7 @@ MATMUL_OP = "BlockQ4MatMul"
 SWIGLU_MATMUL_OP = "BlockQ4SwiGLUMatMul"  # the MLP's down projection, its SwiGLU included
 Q8_MATMUL_OP = "BlockQ8MatMul"  # the LM head's symmetric int8 blocks, read in place
 MACHINE_ALIASES = {"amd64": "x86_64", "arm64": "aarch64", "x64": "x86_64"}
-# BlockQ4MatMul's paths (block_q4_matmul.cc, cabinlm_block_q4_isa()): a library holds one. The fast
-# ones are what `--matmul-kernel auto` takes the kernel for; "generic" is plain C++.
-ISAS = ("avx512-vnni", "neon-dotprod", "neon-i8mm", "generic")
-FAST_MATMUL_ISAS = ("avx512-vnni", "neon-dotprod", "neon-i8mm")
+ISAS = MATMUL_ISAS  # the block matmuls' paths: a library holds one (spec.MATMUL_ISAS)
 
 
 def host_machine() -> str:

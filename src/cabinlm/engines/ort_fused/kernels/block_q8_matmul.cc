@@ -19,8 +19,10 @@
 // How it computes (llama.cpp's Q8_0 x Q8_0 dot product; MatMulNBits' accuracy level 4 does the
 // same): each row of x quantized per block of 32 (block_matmul.h, as BlockQ4MatMul's rows), then
 //   y[n] = sum over blocks of  s[n] d (q[n] . c)
-// with the integer sum exact: VNNI multiplies the unsigned q + 128 by c and takes 128 sum(c) off;
-// NEON flips the stored byte's top bit back to the signed q and multiplies signed by signed. The
+// with the integer sum exact: VNNI (AVX-512 or AVX-VNNI) multiplies the unsigned q + 128 by c and
+// takes 128 sum(c) off; AVX2 flips the stored byte's top bit back to the signed q and multiplies |q|
+// by c with q's sign (vpmaddubsw: two products of at most 127 x 127 fit its 16 bits), then adds the
+// pairs into 32 bits (vpmaddwd); NEON flips the top bit too and multiplies signed by signed. The
 // float terms are added block after block, one fused multiply-add each.
 //
 // Invariant the runtime relies on (as BlockQ4MatMul's): a row's result is a function of that row
@@ -35,16 +37,8 @@
 #include <string>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(CABINLM_GENERIC)
-#define CABINLM_Q8_VNNI 1
-#include <immintrin.h>
-#elif defined(__aarch64__) && defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD) && !defined(CABINLM_GENERIC)
-#define CABINLM_Q8_NEON 1
-#include <arm_neon.h>
-#endif
-
 #include "ort_api.h"
-#include "block_matmul.h"
+#include "block_matmul.h"  // the path: CABINLM_BLOCKS_*
 
 namespace {
 
@@ -55,7 +49,7 @@ using cabinlm_blocks::quantize_row;
 
 constexpr int kCodeBytes = kCols * kBlock;                              // 512
 constexpr int kTileBlockBytes = kCodeBytes + kCols * sizeof(float);    // + 16 float32 scales
-#if CABINLM_Q8_NEON
+#if CABINLM_BLOCKS_NEON_DOT
 constexpr int kRowBlock = 2;  // a group's 2 x 4 integer and float accumulators, its codes, in 32 registers
 #else
 constexpr int kRowBlock = 4;
@@ -67,7 +61,7 @@ struct Problem : cabinlm_blocks::Operands {
   const int32_t* csum = nullptr;  // (M, nb) their blocks' code sums
 };
 
-#if CABINLM_Q8_VNNI
+#if CABINLM_BLOCKS_AVX512_VNNI
 typedef int32_t int32_alias __attribute__((may_alias));
 
 // Rows r0 .. r0+R-1 of one tile of 16 columns.
@@ -98,7 +92,61 @@ void tile_rows(const Problem& p, int64_t t, int64_t r0) {
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(p.y + (r0 + r) * p.N + t * kCols, acc[r]);
 }
-#elif CABINLM_Q8_NEON
+#elif CABINLM_BLOCKS_AVX2
+typedef int32_t int32_alias __attribute__((may_alias));
+
+// Rows r0 .. r0+R-1 of one tile of 16 columns, as two vectors of 8 columns (h = 0, 1): each 32 bytes
+// of codes (code rows 4 j .. 4 j + 3 of columns 8 h .. 8 h + 7) loaded once and met by every row's
+// codes 4 j .. 4 j + 3, broadcast.
+template <int R>
+void tile_rows(const Problem& p, int64_t t, int64_t r0) {
+  const uint8_t* w = p.w + t * p.nb * kTileBlockBytes;
+#if !CABINLM_BLOCKS_AVX_VNNI
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+#endif
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < p.nb; ++b, w += kTileBlockBytes) {
+    cabinlm_blocks::fetch_ahead<kTileBlockBytes>(w);
+    __m256i dot[R][2];  // integer: exact in any order
+    for (int r = 0; r < R; ++r) {
+#if CABINLM_BLOCKS_AVX_VNNI
+      dot[r][0] = dot[r][1] = _mm256_set1_epi32(-128 * p.csum[(r0 + r) * p.nb + b]);  // (q + 128) . c - 128 sum(c)
+#else
+      dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+#endif
+    }
+    for (int j = 0; j < 8; ++j)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i stored = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * j + 32 * h));  // q + 128
+#if !CABINLM_BLOCKS_AVX_VNNI
+        const __m256i q = _mm256_xor_si256(stored, flip), magnitude = _mm256_sign_epi8(q, q);  // |q| <= 127
+#endif
+        for (int r = 0; r < R; ++r) {
+          const int32_alias* x4 = reinterpret_cast<const int32_alias*>(p.xq + ((r0 + r) * p.nb + b) * kBlock);
+          const __m256i c = _mm256_set1_epi32(x4[j]);
+#if CABINLM_BLOCKS_AVX_VNNI
+          dot[r][h] = cabinlm_blocks::dpbusd(dot[r][h], stored, c);
+#else
+          const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(c, q));  // |q| (sign(q) c) = q c
+          dot[r][h] = _mm256_add_epi32(dot[r][h], _mm256_madd_epi16(pairs, ones));
+#endif
+        }
+      }
+    float d_[kCols];
+    std::memcpy(d_, w + kCodeBytes, sizeof d_);
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = _mm256_loadu_ps(d_ + 8 * h);
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (r0 + r) * p.nb + b;
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), _mm256_mul_ps(d, _mm256_set1_ps(p.dx[at])), acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(p.y + (r0 + r) * p.N + t * kCols + 8 * h, acc[r][h]);
+}
+#elif CABINLM_BLOCKS_NEON_DOT
 // Code rows j of a block (bytes 64 j .. 64 j + 63: columns 4 q .. 4 q + 3 in the q-th 16 bytes, four
 // bytes a column, rows 4 j .. 4 j + 3) against lane j % 4 of the row's codes j / 4 (J: an immediate).
 template <int J, int R>
@@ -181,7 +229,7 @@ struct BlockQ8MatMul {
 
   static OrtStatus* compute(OrtKernelContext* ctx) {
     Problem p;
-    CABIN_TRY(cabinlm_blocks::operands(ctx, "BlockQ8MatMul: ", 1, kTileBlockBytes, "K", &p));
+    CABIN_TRY(cabinlm_blocks::operands(ctx, "BlockQ8MatMul: ", 1, {kTileBlockBytes}, "K", &p));
     const float* x = p.x;
     if (p.M == 0) return nullptr;
 
