@@ -31,10 +31,12 @@ LAYOUT = dict(sink=2, pinned=10, window=16, chunk=4)  # the window turns over ev
 @pytest.fixture(scope="module", params=["llama-int4", "qwen2-fp32"])
 def build(request, load, tiny_llama_dir, tiny_qwen2_dir, export_to, tmp_path_factory):
     """A tiny model's fused cpu build with int8 KV (cabinlm's attention kernel, so batched graphs):
-    Llama with int4 weights (MatMulNBits, int8 activations) and Qwen2 (q/k/v bias) with fp32 weights."""
+    Llama with int4 weights and an int4 head (cabinlm's BlockQ4MatMul, int8 activations; the head in
+    a graph of its own, which the batched graphs share) and Qwen2 (q/k/v bias) with fp32 weights."""
     arch, weights = request.param.split("-")
     src = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
-    art = export_to(load(str(src)), kv="int8", weights=weights, **LAYOUT)
+    head = dict(head="int4") if weights == "int4" else {}
+    art = export_to(load(str(src)), kv="int8", weights=weights, **head, **LAYOUT)
     return build_artifact(art, load_profile("cpu"), tmp_path_factory.mktemp("fused-seats") / "build")
 
 

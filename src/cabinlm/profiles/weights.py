@@ -106,7 +106,8 @@ def held_weights(fmt: WeightFormat | str, build: str = FUSED, *, block_minimums:
     imported, as the built-in smollm2-135m is): one more float32 per block, unless the fused build
     re-lays them out: cabinlm's BlockQ4MatMul (matmul_kernel "cabinlm": 4-bit codes, float16 scale and
     minimum, 5 bits) or 8-bit codes with a zero point (minimums "int8": 9.25 bits) or MatMulNBits plus
-    the minimums through block sums (minimums "exact": 6 bits).
+    the minimums through block sums (minimums "exact": 6 bits). matmul_kernel "cabinlm" also holds
+    other 4-bit blocks as BlockQ4MatMul's float32 scale and minimum (6 bits) and int8 ones as exported.
     head: the output projection of int8/int4 exports (export --head)."""
     fmt = WeightFormat(fmt)
     if build not in ORT_CPU_BUILDS:
@@ -116,6 +117,21 @@ def held_weights(fmt: WeightFormat | str, build: str = FUSED, *, block_minimums:
     if not fmt.quantized:  # fp32 (fp16: an engine precision only): one table, gathered from and prepacked as the head
         return HeldWeights(build, float(fmt.bits), float(fmt.bits), f"{fmt.value}, the table twice", gather_copy=True)
     minimum = 32 / BLOCK if block_minimums else 0.0
+    if build == FUSED and matmul_kernel == "cabinlm" and not (fmt is WeightFormat.INT8 and block_minimums):
+        # cabinlm's block matmuls (every CPU): nothing prepacked at load, the mapped weights file paged
+        # in as read, a tied table's gather copy read one row per token. 4-bit matrices on BlockQ4MatMul:
+        # a GGUF Q4_1's float16 scale and minimum (1 bit per weight), any other's float32 pair (2 bits);
+        # int8 ones on BlockQ8MatMul as exported. The int8 head on BlockQ8MatMul: its tiles hold float32
+        # scales of their own beside the table's, which a tied embedding gathers (one bit more per head
+        # weight; an untied head's table has none: an upper estimate there); an int4 head on BlockQ4MatMul.
+        own_head = head_bits + scale if head == "int8" else 4 + 2 * 32 / BLOCK
+        if fmt is WeightFormat.INT8:
+            return HeldWeights(build, 8 + scale, own_head, "cabinlm BlockQ8 (8-bit, float32 scale)", gather_copy=False)
+        if block_minimums:
+            return HeldWeights(build, 4 + 2 * 16 / BLOCK, own_head, "cabinlm BlockQ4 (4-bit, fp16 scale + minimum)",
+                               gather_copy=False)  # fmt: skip
+        return HeldWeights(build, 4 + 2 * 32 / BLOCK, own_head, "cabinlm BlockQ4 (4-bit, float32 scale + minimum)",
+                           gather_copy=False)  # fmt: skip
     if fmt is WeightFormat.INT8:
         bits = 8 + scale + minimum
         how = "8-bit blocks + float32 scales" + (" and minimums" if block_minimums else "")
@@ -129,13 +145,6 @@ def held_weights(fmt: WeightFormat | str, build: str = FUSED, *, block_minimums:
                            ("minimums" if block_minimums else "zero points"))
     if not block_minimums:
         return HeldWeights(build, 4 + scale + 4 / BLOCK, head_bits, "MatMulNBits 4-bit blocks")
-    if matmul_kernel == "cabinlm":  # nothing prepacked at load: the mapped gather copy is read one row per token
-        # The int8 head on cabinlm's BlockQ8MatMul: its tiles hold float32 scales of their own beside the
-        # table's, which a tied embedding gathers (one bit more per head weight; an untied head's table
-        # has none: an upper estimate there).
-        head_bits += scale if head == "int8" else 0.0
-        return HeldWeights(build, 4 + 2 * 16 / BLOCK, head_bits, "cabinlm BlockQ4 (4-bit, fp16 scale + minimum)",
-                           gather_copy=False)
     if minimums == "int8":
         return HeldWeights(build, 8 + scale + 8 / BLOCK, head_bits, "Q4_1 as 8-bit blocks + zero points")
     return HeldWeights(build, 4 + scale + minimum, head_bits, "MatMulNBits 4-bit + block-sum minimums")
