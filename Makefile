@@ -1,6 +1,7 @@
 # make demo : set up, export SmolLM2 (sink 4 + window 1020, int8 KV), build it for the cpu
 #             profile, then a short scripted multi-turn chat that streams its replies
 # make test : set up and run the test suite
+# make test-fast : the same without the slow end-to-end cases (pytest -m "not slow"), for a quick loop
 # make test-arm : cabinlm's kernels and the fused cpu engine on aarch64 under emulation (qemu-user, an
 #             arm64 Debian cached in ~/.cache/cabinlm/arm64; needs root: apt, debootstrap, chroot)
 PYTHON ?= python3
@@ -14,7 +15,7 @@ ORT_LOWEST := 1.20.1
 LOWEST := $(VENV)/ort-lowest
 DEMO   := out/smollm2-135m
 
-.PHONY: setup model gemma demo test test-arm bench-deps clean ort-lowest
+.PHONY: setup model gemma demo test test-fast test-arm bench-deps clean ort-lowest
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +51,9 @@ demo: model
 
 test: model ort-lowest
 	$(PY) -m pytest -q
+
+test-fast: model ort-lowest
+	$(PY) -m pytest -q -m "not slow"
 
 # Not part of `make test`: the first run sets up the emulated root (about 6 minutes), later runs take
 # 30 s to 2 minutes (docs/arm.md). Correctness only, never speed.

@@ -319,6 +319,7 @@ def test_q4_1_blocks_as_int8_move_each_block_by_one_small_constant():
     assert np.abs(shift).max() > 0  # not a copy: the minimums do move
 
 
+@pytest.mark.slow
 def test_smollm2_q4_1_as_int8_blocks_stay_close_to_the_exact_build(smollm2, export_to, long_text, tmp_path):
     """--minimums int8 against the exact build on the real model (float KV, float activations, so
     only the re-expressed blocks differ): the same next token almost everywhere, logits close."""

@@ -392,6 +392,7 @@ def test_block_q4_matmul_refuses_weights_of_another_shape(library):
         swiglu.run(None, {"x": np.zeros((1, 2, 64), np.float32)})
 
 
+@pytest.mark.slow
 def test_smollm2_q4_1_builds_take_the_matmul_kernel(smollm2, export_to, long_text, tmp_path):
     """The GGUF's Q4_1 matrices on BlockQ4MatMul by default (int8 activations), fewer weight bytes;
     against float activations (MatMulNBits, exact minimums, accuracy level 0: which keeps MatMulNBits)

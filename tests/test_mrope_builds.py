@@ -82,6 +82,7 @@ def test_the_static_pair_scores_a_pinned_frame_through_eviction_as_the_cpu_build
     assert np.abs(wrong - ref).mean() > 0.1  # another frame: far apart
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_QNN, reason="onnxruntime-qnn (the `qnn` extra) is not installed")
 @pytest.mark.parametrize("profile", ["sa8775p", "sa8295p"])
 def test_the_htp_decoder_scores_a_pinned_frame_through_eviction_as_the_cpu_build(profile, qwen, export_to, tmp_path):

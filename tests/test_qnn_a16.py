@@ -179,6 +179,7 @@ def test_qk_t_reads_8_bit_keys_that_were_rounded_after_their_rotation(a16_qdq):
         assert io.chunk_key_rope(i) in behind
 
 
+@pytest.mark.slow
 def test_the_a16_build_follows_the_cpu_through_prefill_decode_eviction_and_pins(a16_build, int8_artifact, fp32_artifact):
     ids = stream_ids()
     cpu = run_stream(int8_artifact, ids, session_config=EXACT)
@@ -429,6 +430,7 @@ def test_the_int4_a16_build_records_int4_weights(a4_build):
     assert q.check["same_top1"] and q.check["correlation"] > 0.99 and q.rewrites["fidelity"] >= 0.95
 
 
+@pytest.mark.slow
 def test_the_int4_a16_build_follows_the_cpu_through_prefill_decode_eviction_and_pins(a4_build, int8_artifact):
     """Bounds (INT4_SAME_EXPORT) against the CPU build of the same int8-KV export. Measured (one run, rotated keys):
     0.74 / 0.33 / 48%; pinned spans dropped 1.74 / 0.85 / 16%, outside all three (un-rotated: 0.75 / 0.32 / 48%).

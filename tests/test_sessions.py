@@ -196,6 +196,7 @@ def test_a_thousand_turns_over_two_seats_at_bounded_memory(artifact):
     assert samples[1] - samples[0] < 8.0, samples
 
 
+@pytest.mark.slow
 def test_a_hundred_thousand_token_message(artifact):
     text = "check the route and the weather " * 14000  # about 100k tokens with this tokenizer
     refusing = dialogue(artifact)
