@@ -1,7 +1,8 @@
-"""The block matmuls' instruction paths (kernels/block_matmul.h) against the plain C++ path, bit for
-bit: BlockQ4MatMul, BlockQ4SwiGLUMatMul and BlockQ8MatMul on odd tile counts, 1 to 8 rows and more
-(every group size the paths' row blocks leave), codes at both ends of their ranges and blocks of
-zeros; and a chunk's rows against one-row runs within each path.
+"""cabinlm's kernels on every x86 path, bit for bit: the block matmuls (kernels/block_matmul.h)
+against the plain C++ path (BlockQ4MatMul, BlockQ4SwiGLUMatMul, BlockQ8MatMul on odd tile counts, 1
+to 8 rows and more: every group size the paths' row blocks leave; codes at both ends of their ranges,
+blocks of zeros; float16 and float32 scales), a chunk's rows against one-row runs within each path;
+and the attention kernel's AVX2 build against this CPU's own.
 
 Each x86 path runs wherever this CPU can execute it: an AVX-512 machine runs the AVX2 library too.
 The AVX-VNNI path (the VEX vpdpbusd) runs on a CPU with AVX-VNNI; on one without it but with AVX-512
@@ -16,7 +17,7 @@ import subprocess
 import numpy as np
 import pytest
 from test_block_q8 import _q8_case
-from test_kernels import _matmul_session, _q4_case
+from test_kernels import Case, _graph, _matmul_session, _q4_case, run
 
 from cabinlm.engines.ort_fused import kernels
 from cabinlm.engines.ort_fused.block_layouts import block_q4_layout, block_q8_layout
@@ -93,6 +94,22 @@ def test_each_paths_chunk_rows_are_its_one_row_runs(path, case):
     chunk = session.run(None, {"x": x})[0]
     steps = np.concatenate([session.run(None, {"x": x[:, i : i + 1]})[0] for i in range(x.shape[1])], axis=1)
     assert np.array_equal(chunk, steps), f"{name} {what}"
+
+
+def test_the_attention_kernels_avx2_build_gives_this_cpus_results_bit_for_bit(tmp_path):
+    """Int8KVAttention compiled for x86-64-v3 (its AVX2 vectors of 8 lanes) against this machine's own
+    build (AVX-512 here): one-token steps and chunks, hidden slots, the output and the cache rows."""
+    try:
+        v3 = compile_library(tmp_path, "x86-64-v3").path
+    except KernelError as e:
+        pytest.skip(f"avx2: {str(e).splitlines()[0]}")
+    (tmp_path / "native").mkdir()
+    native = compile_library(tmp_path / "native", "native").path
+    ours, here = _graph("cabinlm", v3), _graph("cabinlm", native)
+    for n, F, hidden in ((1, 0, (0, 0)), (1, 70, (3, 9)), (9, 30, (2, 6)), (17, 63, (1, 2)), (4, 1, (0, 1))):
+        c = Case(np.random.default_rng(n * 31 + F), n, F, hidden)
+        for got, want in zip(run(ours, c.feeds("cabinlm")), run(here, c.feeds("cabinlm"))):
+            assert np.array_equal(got, want), (n, F)
 
 
 def test_the_avx_vnni_library_compiles_with_the_vex_instruction(tmp_path):

@@ -76,6 +76,7 @@
 #elif defined(__AVX2__)
 #include <immintrin.h>
 #define CABINLM_ATTENTION_ISA "avx2"
+#define CABINLM_ATTENTION_HALVES 1  // vectors of 8 floats where 16 would live in memory (qk_tile_n, pv_*)
 #elif defined(__ARM_NEON)
 #include <arm_neon.h>
 #define CABINLM_ATTENTION_ISA "neon"
@@ -212,6 +213,7 @@ inline vf16 reduce16(const vf16* v) {
          __builtin_shufflevector(w[0], w[1], CABIN_IDX(1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31));
 }
 
+#if !CABINLM_ATTENTION_HALVES
 template <int NV>
 vf16 qk_tile_n(const float* q, const float* keys, int64_t D) {
   vf16 qv[NV], v[kLanes];
@@ -224,6 +226,37 @@ vf16 qk_tile_n(const float* q, const float* keys, int64_t D) {
   }
   return reduce16(v);
 }
+#else
+// AVX2 (16 registers of 8 floats: reduce16's 16 vectors of 16 would not stay in them): each key's
+// products as two vectors of 8 lanes, its 16 lanes summed as soon as they are made by reduce16's own
+// tree (m and m+8, then m and m+4, m and m+2, m and m+1), so every score is the other paths' bit for bit.
+inline vf8 load8(const float* p) {
+  vf8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store8(float* p, vf8 v) { std::memcpy(p, &v, sizeof v); }
+constexpr int kHalf = kLanes / 2;
+
+template <int NV>
+vf16 qk_tile_n(const float* q, const float* keys, int64_t D) {
+  vf8 qv[2 * NV];
+  alignas(64) float scores[kLanes];
+  for (int c = 0; c < 2 * NV; ++c) qv[c] = load8(q + c * kHalf);
+  for (int l = 0; l < kLanes; ++l) {
+    const float* k = keys + l * D;
+    vf8 lo = qv[0] * load8(k), hi = qv[1] * load8(k + kHalf);
+    for (int c = 1; c < NV; ++c) {
+      lo += qv[2 * c] * load8(k + c * kLanes);
+      hi += qv[2 * c + 1] * load8(k + c * kLanes + kHalf);
+    }
+    const vf8 s8 = lo + hi;
+    const vf4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
+    scores[l] = (s4[0] + s4[2]) + (s4[1] + s4[3]);
+  }
+  return load(scores);
+}
+#endif
 
 // The 16 scores q . keys[l] (keys: 16 rows of D floats), lane l for key l.
 inline vf16 qk_tile(int64_t nv, const float* q, const float* keys, int64_t D) {
@@ -238,6 +271,26 @@ inline vf16 qk_tile(int64_t nv, const float* q, const float* keys, int64_t D) {
   return splat(0.0f);
 }
 
+#if CABINLM_ATTENTION_HALVES
+// AVX2: the sums below are kept as vectors of 8 floats (a register each) rather than 16 (which the
+// compiler keeps in memory there); every lane's own sequence of fused multiply-adds is the same.
+inline vf8 load8_kv(const float* p) { return load8(p); }
+inline vf8 load8_kv(const int8_t* p) {  // 8 int8 -> 8 float, exactly
+  return (vf8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+template <int NV>
+void pv_tile_n(const float* w, const float* tile, int64_t count, int64_t D, float* o) {
+  vf8 acc[2 * NV];
+  for (int c = 0; c < 2 * NV; ++c) acc[c] = load8(o + c * kHalf);
+  for (int64_t j = 0; j < count; ++j) {
+    const float wj = w[j];
+    if (wj == 0.0f) continue;  // a masked key: adds exactly nothing
+    for (int c = 0; c < 2 * NV; ++c) acc[c] += wj * load8(tile + j * D + c * kHalf);
+  }
+  for (int c = 0; c < 2 * NV; ++c) store8(o + c * kHalf, acc[c]);
+}
+#else
 template <int NV>
 void pv_tile_n(const float* w, const float* tile, int64_t count, int64_t D, float* o) {
   vf16 acc[NV];
@@ -249,6 +302,7 @@ void pv_tile_n(const float* w, const float* tile, int64_t count, int64_t D, floa
   }
   for (int c = 0; c < NV; ++c) store(o + c * kLanes, acc[c]);
 }
+#endif
 
 // o[0 .. D) += sum over the tile's keys j (in order) of w[j] * tile[j]: D / 16 accumulators in registers.
 inline void pv_tile(int64_t nv, const float* w, const float* tile, int64_t count, int64_t D, float* o) {
@@ -262,8 +316,14 @@ inline void pv_tile(int64_t nv, const float* w, const float* tile, int64_t count
   }
 }
 
-// Accumulators held at once for NV vectors each: about 24 of the 32 vector registers (AVX-512).
+// Accumulators held at once for NV vectors each: about 24 of the 32 vector registers (AVX-512, NEON);
+// AVX2 has 16 registers of half the width (a vector of 16 floats takes two), so fewer. How many run
+// at once never changes an accumulator's own sums.
+#if CABINLM_ATTENTION_HALVES
+constexpr int many_for(int nv) { return nv <= 2 ? 2 : 1; }
+#else
 constexpr int many_for(int nv) { return nv <= 4 ? 6 : (nv <= 8 ? 3 : 1); }
+#endif
 
 // A plain tile's P V for several accumulators at once (rows and heads that all see the tile's values
 // alike): o[a][0 .. D) += sum over the tile's keys j (in order) of w[a][j] * rows[j], for a < A, each
@@ -272,6 +332,24 @@ constexpr int many_for(int nv) { return nv <= 4 ? 6 : (nv <= 8 ? 3 : 1); }
 // term; interleaving A of them (A * NV registers) keeps the FMA units busy where one accumulator's
 // chain waits on its own latency. A key of weight 0 is not skipped here: it adds +-0 to a sum that is
 // never -0 (it starts at +0, and x + -x is +0), which leaves every sum bit for bit as pv_tile_n's skip does.
+#if CABINLM_ATTENTION_HALVES
+template <int NV, int A, typename C>
+void pv_many_n(const float* const* w, const C* rows, int64_t count, int64_t D, float* const* o) {
+  vf8 acc[A][2 * NV];
+  for (int a = 0; a < A; ++a)
+    for (int c = 0; c < 2 * NV; ++c) acc[a][c] = load8(o[a] + c * kHalf);
+  for (int64_t j = 0; j < count; ++j) {
+    vf8 v[2 * NV];
+    for (int c = 0; c < 2 * NV; ++c) v[c] = load8_kv(rows + j * D + c * kHalf);
+    for (int a = 0; a < A; ++a) {
+      const float wj = w[a][j];
+      for (int c = 0; c < 2 * NV; ++c) acc[a][c] += wj * v[c];
+    }
+  }
+  for (int a = 0; a < A; ++a)
+    for (int c = 0; c < 2 * NV; ++c) store8(o[a] + c * kHalf, acc[a][c]);
+}
+#else
 template <int NV, int A, typename C>
 void pv_many_n(const float* const* w, const C* rows, int64_t count, int64_t D, float* const* o) {
   vf16 acc[A][NV];
@@ -288,6 +366,7 @@ void pv_many_n(const float* const* w, const C* rows, int64_t count, int64_t D, f
   for (int a = 0; a < A; ++a)
     for (int c = 0; c < NV; ++c) store(o[a] + c * kLanes, acc[a][c]);
 }
+#endif
 
 template <int NV, typename C>
 void pv_many_nv(const float* const* w, const C* rows, int64_t count, int64_t D, float* const* o, int64_t n) {
@@ -323,8 +402,13 @@ inline void pv_many(int64_t nv, const float* const* w, const C* rows, int64_t co
 // vectors a row, the count known to the compiler (an unrolled loop per head_dim).
 template <int NV, typename C>
 void rows_to_float_n(const C* __restrict src, int64_t rows, float* __restrict dst) {
+#if CABINLM_ATTENTION_HALVES
+  for (int64_t j = 0; j < rows; ++j)
+    for (int c = 0; c < 2 * NV; ++c) store8(dst + (j * 2 * NV + c) * kHalf, load8_kv(src + (j * 2 * NV + c) * kHalf));
+#else
   for (int64_t j = 0; j < rows; ++j)
     for (int c = 0; c < NV; ++c) store(dst + (j * NV + c) * kLanes, load_kv(src + (j * NV + c) * kLanes));
+#endif
 }
 template <typename C>
 inline void rows_to_float(int64_t nv, const C* src, int64_t rows, float* dst) {
@@ -588,6 +672,31 @@ void attend(const Problem<C>& p, int64_t i0, int64_t i1, int64_t g, const Units<
     for (int64_t r = 0; r < G; ++r) {
       float* s = scores.data() + (b * G + r) * stride;
       const int64_t Ls = (p.X[i0 + b] + 1 + kLanes - 1) / kLanes * kLanes;  // this row's lanes
+#if CABINLM_ATTENTION_HALVES  // the same lanes as two vectors of 8: each lane's own operations
+      vf8 m_lo = load8(s), m_hi = load8(s + kHalf);  // the maximum over its lanes but the hole's (exact in any order)
+      for (int64_t j = kLanes; j < Ls; j += kLanes) {
+        if (j == h0) j = h1;  // h1 < Ls: every row sees F
+        const vf8 x_lo = load8(s + j), x_hi = load8(s + j + kHalf);
+        m_lo = x_lo > m_lo ? x_lo : m_lo;
+        m_hi = x_hi > m_hi ? x_hi : m_hi;
+      }
+      const vf8 both = m_lo > m_hi ? m_lo : m_hi;
+      float top = both[0];
+      for (int l = 1; l < kHalf; ++l) top = both[l] > top ? both[l] : top;
+      const vf8 mx = vf8{} + top;
+      vf8 acc_lo = vf8{}, acc_hi = vf8{};
+      for (int64_t j = 0; j < Ls; j += kLanes) {
+        if (j == h0) j = h1;
+        const vf8 e_lo = exp_nonpositive(load8(s + j) - mx), e_hi = exp_nonpositive(load8(s + j + kHalf) - mx);
+        store8(s + j, e_lo);
+        store8(s + j + kHalf, e_hi);
+        acc_lo += e_lo;
+        acc_hi += e_hi;
+      }
+      const vf8 a = acc_lo + acc_hi;  // hsum's tree: lanes m and m+8, then m and m+4, then m+2, m+1
+      const vf4 f4 = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+      inv_sum[b][r] = 1.0f / ((f4[0] + f4[2]) + (f4[1] + f4[3]));
+#else
       vf16 m = load(s);  // the maximum over its lanes but the hole's (exact in any order)
       for (int64_t j = kLanes; j < Ls; j += kLanes) {
         if (j == h0) j = h1;  // h1 < Ls: every row sees F
@@ -603,6 +712,7 @@ void attend(const Problem<C>& p, int64_t i0, int64_t i1, int64_t g, const Units<
         acc += e;
       }
       inv_sum[b][r] = 1.0f / hsum(acc);
+#endif
     }
 
   // P V, a tile of positions at a time: the values most rows see converted to float once (a row

@@ -22,23 +22,29 @@ inline vf16 load(const float* p) {
 inline void store(float* p, vf16 v) { std::memcpy(p, &v, sizeof v); }
 inline vf16 splat(float x) { return vf16{} + x; }
 
-// exp(x) for x <= 0, exactly 0 below -87 (a masked key): a Cephes-style polynomial on 2^n e^r.
-inline vf16 exp_nonpositive(vf16 x) {
-  const vi16 masked = x < splat(-87.0f);
-  const vf16 xc = masked ? splat(-87.0f) : x;
-  const vi16 ni = __builtin_convertvector(xc * 1.44269504088896341f - 0.5f, vi16);  // round(x log2 e), x <= 0
-  const vf16 n = __builtin_convertvector(ni, vf16);
-  vf16 r = xc - n * 0.693359375f;
+typedef int32_t vi8 __attribute__((vector_size(32)));
+
+// exp(x) for x <= 0, exactly 0 below -87 (a masked key): a Cephes-style polynomial on 2^n e^r. One
+// template for 16 lanes (vf16, vi16) and 8 (vf8, vi8): each lane the same operations either way.
+template <class F, class I>
+inline F exp_nonpositive_lanes(F x) {
+  const I masked = x < (F{} - 87.0f);
+  const F xc = masked ? (F{} - 87.0f) : x;
+  const I ni = __builtin_convertvector(xc * 1.44269504088896341f - 0.5f, I);  // round(x log2 e), x <= 0
+  const F n = __builtin_convertvector(ni, F);
+  F r = xc - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  vf16 p = splat(1.9875691500e-4f);
+  F p = F{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const vf16 scale = (vf16)((ni + 127) << 23);
-  return masked ? splat(0.0f) : p * scale;
+  const F scale = (F)((ni + 127) << 23);
+  return masked ? F{} : p * scale;
 }
+inline vf16 exp_nonpositive(vf16 x) { return exp_nonpositive_lanes<vf16, vi16>(x); }
+inline vf8 exp_nonpositive(vf8 x) { return exp_nonpositive_lanes<vf8, vi8>(x); }
 
 }  // namespace cabinlm_vec
