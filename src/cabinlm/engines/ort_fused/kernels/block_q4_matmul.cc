@@ -133,11 +133,6 @@ void swiglu_row(const float* gu, int64_t K, float* out) {
 #if CABINLM_BLOCKS_AVX512_VNNI
 typedef int32_t int32_alias __attribute__((may_alias));
 
-// Rows r0 .. r0+R-1 of one tile of 16 columns: each 64 bytes of a block's codes unpacked once (low and
-// high nibbles: 8 code rows of W) and met by every row's codes, four at a time (broadcast by the load
-// itself, {1to16}), into that row's integer sums -- two per row for R <= 4 (to keep the dot-product
-// chains short enough to overlap), one for more rows (R independent chains already; fewer registers).
-// The integer sums are exact in any order, so the split changes no result.
 template <class S>
 inline __m512 load16(const uint8_t* at) {  // 16 scales or minimums; float16 -> float32 is exact
   if constexpr (sizeof(S) == 2)
@@ -146,6 +141,11 @@ inline __m512 load16(const uint8_t* at) {  // 16 scales or minimums; float16 -> 
     return _mm512_loadu_ps(at);
 }
 
+// Rows r0 .. r0+R-1 of one tile of 16 columns: each 64 bytes of a block's codes unpacked once (low and
+// high nibbles: 8 code rows of W) and met by every row's codes, four at a time (broadcast by the load
+// itself, {1to16}), into that row's integer sums -- two per row for R <= 4 (to keep the dot-product
+// chains short enough to overlap), one for more rows (R independent chains already; fewer registers).
+// The integer sums are exact in any order, so the split changes no result.
 template <int R, class S>
 void tile_rows(const Problem& p, int64_t t, int64_t r0) {
   constexpr int A = R <= 4 ? 2 : 1;  // integer accumulators per row
@@ -182,13 +182,6 @@ void tile_rows(const Problem& p, int64_t t, int64_t r0) {
 #elif CABINLM_BLOCKS_AVX2
 typedef int32_t int32_alias __attribute__((may_alias));
 
-// Rows r0 .. r0+R-1 of one tile of 16 columns, as two vectors of 8 columns (h = 0, 1): each 32 bytes
-// of a block's codes (code rows 4 j .. 4 j + 3 of columns 8 h .. 8 h + 7) unpacked once (low and high
-// nibbles) and met by every row's codes, four at a time, broadcast. With AVX-VNNI, vpdpbusd adds the
-// four products into the column's 32-bit sum. With AVX2 alone, vpmaddubsw gives 16-bit sums of two
-// products (at most 2 x 15 x 127 = 3810 in magnitude), eight of which a lane adds up over the block
-// (at most 30480: exact in 16 bits, no saturation), and vpmaddwd adds its two lanes into the 32-bit
-// sum once per block. The same integers as every path's, so the float terms below are the same.
 template <class S>
 inline __m256 load8(const uint8_t* at) {  // 8 scales or minimums; float16 -> float32 is exact
   if constexpr (sizeof(S) == 2)
@@ -197,6 +190,13 @@ inline __m256 load8(const uint8_t* at) {  // 8 scales or minimums; float16 -> fl
     return _mm256_loadu_ps(reinterpret_cast<const float*>(at));
 }
 
+// Rows r0 .. r0+R-1 of one tile of 16 columns, as two vectors of 8 columns (h = 0, 1): each 32 bytes
+// of a block's codes (code rows 4 j .. 4 j + 3 of columns 8 h .. 8 h + 7) unpacked once (low and high
+// nibbles) and met by every row's codes, four at a time, broadcast. With AVX-VNNI, vpdpbusd adds the
+// four products into the column's 32-bit sum. With AVX2 alone, vpmaddubsw gives 16-bit sums of two
+// products (at most 2 x 15 x 127 = 3810 in magnitude), eight of which a lane adds up over the block
+// (at most 30480: exact in 16 bits, no saturation), and vpmaddwd adds its two lanes into the 32-bit
+// sum once per block. The same integers as every path's, so the float terms below are the same.
 template <int R, class S>
 void tile_rows(const Problem& p, int64_t t, int64_t r0) {
   constexpr int64_t kBytes = tile_block_bytes<S>();
