@@ -96,9 +96,13 @@ def test_each_paths_chunk_rows_are_its_one_row_runs(path, case):
     assert np.array_equal(chunk, steps), f"{name} {what}"
 
 
-def test_the_attention_kernels_avx2_build_gives_this_cpus_results_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("head_dim", [16, 32, 64])  # one, two and four vectors of 16 lanes a row
+def test_the_attention_kernels_avx2_build_gives_this_cpus_results_bit_for_bit(head_dim, tmp_path, monkeypatch):
     """Int8KVAttention compiled for x86-64-v3 (its AVX2 vectors of 8 lanes) against this machine's own
     build (AVX-512 here): one-token steps and chunks, hidden slots, the output and the cache rows."""
+    import test_kernels
+
+    monkeypatch.setattr(test_kernels, "D", head_dim)
     try:
         v3 = compile_library(tmp_path, "x86-64-v3").path
     except KernelError as e:
@@ -109,7 +113,7 @@ def test_the_attention_kernels_avx2_build_gives_this_cpus_results_bit_for_bit(tm
     for n, F, hidden in ((1, 0, (0, 0)), (1, 70, (3, 9)), (9, 30, (2, 6)), (17, 63, (1, 2)), (4, 1, (0, 1))):
         c = Case(np.random.default_rng(n * 31 + F), n, F, hidden)
         for got, want in zip(run(ours, c.feeds("cabinlm")), run(here, c.feeds("cabinlm"))):
-            assert np.array_equal(got, want), (n, F)
+            assert np.array_equal(got, want), (head_dim, n, F)
 
 
 def test_the_avx_vnni_library_compiles_with_the_vex_instruction(tmp_path):

@@ -250,6 +250,10 @@ vf16 qk_tile_n(const float* q, const float* keys, int64_t D) {
       lo += qv[2 * c] * load8(k + c * kLanes);
       hi += qv[2 * c + 1] * load8(k + c * kLanes + kHalf);
     }
+    // The products are rounded before the first sum, as the 16-lane path's shuffles leave them: for
+    // one vector a row (head_dim 16) lo and hi are plain products, which the compiler would otherwise
+    // fuse into the sum below (-ffp-contract=fast) and round once.
+    asm("" : "+x"(lo), "+x"(hi));
     const vf8 s8 = lo + hi;
     const vf4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
     scores[l] = (s4[0] + s4[2]) + (s4[1] + s4[3]);
