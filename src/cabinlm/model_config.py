@@ -360,9 +360,10 @@ def vision_params_from_config(path: str | Path) -> int:
 def image_tokens_from_config(path: str | Path, frame: tuple[int, int] | None = None) -> int:
     """Cache slots one camera frame takes (the image region): (image / patch)^2 patch tokens, plus
     the CLS token unless LLaVA's "default" feature strategy drops it (0 when there is no vision).
-    Qwen2-VL: the merged patch grid of a frame of `frame` (height, width) pixels (default: what its
-    processor makes of a 640x480 camera frame), read with the folder's image processor. Idefics3 /
-    SmolVLM: (max_image_size / patch)^2 / scale_factor^2 (the processor without image splitting)."""
+    Qwen2-VL: the merged patch grid of a frame of `frame` (height, width) pixels (default: the size
+    its processor keeps nearest to a 640x480 camera frame), read with the folder's image processor.
+    Idefics3 / SmolVLM: (max_image_size / patch)^2 / scale_factor^2 (the processor without image
+    splitting)."""
     d, where = read_config(path)
     v = d.get("vision_config")
     if not isinstance(v, dict):

@@ -80,7 +80,8 @@ def export_loaded(
         log(f"vision frames: {geometry.image_size}x{geometry.image_size} pixels, {geometry.image_tokens} image tokens")
     elif opts.frame is not None:
         raise CabinlmError(f"{loaded.source}: --frame sets a Qwen2-VL model's frame size; this model's is fixed by its processor")
-    elif loaded.vlm:
+    elif loaded.vlm:  # LLaVA: the tower's square, refused when the processor makes that square another size
+        llava_preprocess = image_preprocessing(loaded.folder, square=loaded.model.config.vision_config.image_size)
         vision_graph, geometry = build_vision(loaded.model, opset=17)
     layout = make_layout(loaded.spec, opts, image=geometry.image_tokens if loaded.vlm else 0)
     # Mistral / Phi-3 / Qwen sliding windows: refused when shorter than what one query attends to
@@ -137,7 +138,7 @@ def export_loaded(
         elif loaded.idefics3:
             preprocess = idefics3_processor.preprocess()
         else:
-            preprocess = image_preprocessing(loaded.folder)
+            preprocess = llava_preprocess
         vision = VisionSpec(
             image_size=geometry.image_size,
             patch_size=geometry.patch_size,

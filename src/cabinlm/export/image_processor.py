@@ -59,13 +59,15 @@ def image_processor_config(folder: Path) -> tuple[dict, Path]:
     )
 
 
-def image_preprocessing(folder: Path) -> dict:
-    """The model's image processor as plain numbers for the runtime (manifest.ImagePreprocess)."""
+def image_preprocessing(folder: Path, square: int | None = None) -> dict:
+    """The model's image processor as plain numbers for the runtime (manifest.ImagePreprocess).
+    square: the side of the one image size the vision graph takes (LLaVA's tower, image_size), its
+    default frame: refused in one line when the processor makes a frame of that size another size."""
     c, path = image_processor_config(folder)
     try:
         size = c.get("size") or {}
         crop = c.get("crop_size") if c.get("do_center_crop", False) else None
-        return {
+        prep = {
             "resize": ({"shortest_edge": size["shortest_edge"]} if "shortest_edge" in size else
                        {"height": size["height"], "width": size["width"]}) if c.get("do_resize", True) else None,
             "resample": int(c.get("resample", 3)),
@@ -78,10 +80,30 @@ def image_preprocessing(folder: Path) -> dict:
         raise ModelError(
             f"{path}: an image processor field is missing or of the wrong type ({type(e).__name__}: {e})"
         ) from e
+    if square is not None:
+        # A square frame keeps its shape through a shortest-edge resize; a center crop (padded where the
+        # frame is smaller) gives the crop's size whatever came before it.
+        resize, crop = prep["resize"], prep["crop"]
+        if crop is not None:
+            made, field = (crop["height"], crop["width"]), "crop_size"
+        elif resize is None:
+            made, field = (square, square), "size"
+        elif "shortest_edge" in resize:
+            made, field = (resize["shortest_edge"],) * 2, "size"
+        else:
+            made, field = (resize["height"], resize["width"]), "size"
+        if made != (square, square):
+            raise ModelError(
+                f"{path}: the image processor makes a {square}x{square} frame {made[1]}x{made[0]} (its {field}), but the "
+                f"vision tower takes {square}x{square} images (config.json vision_config.image_size); save the tower's "
+                "own image processor into the folder"
+            )
+    return prep
 
 
-# A cabin camera's frame: the default frame size is what the processor makes of this one.
+# A cabin camera's frame: the default frame size is the size the processor keeps nearest to it.
 CAMERA_FRAME = (480, 640)  # (height, width)
+MAX_FRAME_SIDE = 8192  # the largest frame side ExportOptions takes, in pixels
 # Qwen2-VL's image processor defaults (transformers' Qwen2VLImageProcessor), for keys a folder leaves out.
 _DEFAULTS = {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280, "patch_size": 14, "temporal_patch_size": 2,
              "merge_size": 2, "resample": 3, "rescale_factor": 1 / 255,
@@ -104,6 +126,43 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
+
+
+def keeps(frame: tuple[int, int], factor: int, min_pixels: int, max_pixels: int) -> bool:
+    """The processor leaves a frame of this (height, width) at its size: smart_resize's fixed point."""
+    try:
+        return smart_resize(*frame, factor, min_pixels, max_pixels) == tuple(frame)
+    except ValueError:  # an aspect ratio above 200: the processor refuses the frame
+        return False
+
+
+def default_frame(factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int] | None:
+    """The (height, width) an export takes when no frame is named: always one smart_resize keeps.
+
+    What the processor makes of a 640x480 camera frame when it keeps that size (it does whenever that
+    size's pixel count lies within [min_pixels, max_pixels]). smart_resize rounds its sides after
+    scaling, so with a narrow budget (min_pixels == max_pixels) its answer can fall outside the budget
+    and be resized again; then, of the sizes it keeps (sides multiples of `factor` up to
+    MAX_FRAME_SIDE), the one nearest the camera's aspect ratio, then nearest the camera's pixel count
+    brought into the budget. None: the processor keeps no size."""
+    camera = smart_resize(*CAMERA_FRAME, factor, min_pixels, max_pixels)
+    if keeps(camera, factor, min_pixels, max_pixels):
+        return camera
+    aspect = math.log(CAMERA_FRAME[1] / CAMERA_FRAME[0])
+    pixels = math.log(min(max(CAMERA_FRAME[0] * CAMERA_FRAME[1], min_pixels), max_pixels))
+    cell, most = factor * factor, MAX_FRAME_SIDE // factor  # one grid cell's pixels, the most cells a side
+    best = None
+    for rows in range(1, most + 1):
+        lo, hi = -(-min_pixels // (rows * cell)), max_pixels // (rows * cell)  # columns within the budget
+        wide = rows * CAMERA_FRAME[1] / CAMERA_FRAME[0]
+        for cols in {lo, hi, math.floor(wide), math.ceil(wide), min(max(round(wide), lo), hi)}:
+            frame = (rows * factor, cols * factor)
+            if not 1 <= cols <= most or not keeps(frame, factor, min_pixels, max_pixels):
+                continue
+            key = (abs(math.log(cols / rows) - aspect), abs(math.log(rows * cols * cell) - pixels), rows)
+            if best is None or key < best[0]:
+                best = (key, frame)
+    return None if best is None else best[1]
 
 
 @dataclass(frozen=True)
@@ -137,8 +196,9 @@ class Qwen2VLProcessor:
 
 def read_qwen2_vl_processor(folder: Path, frame: tuple[int, int] | None = None, vision_config: dict | None = None) -> Qwen2VLProcessor:
     """The folder's Qwen2-VL image processor (preprocessor_config.json with min_pixels / max_pixels,
-    or transformers 5's size {shortest_edge, longest_edge}) at `frame` (default: what the processor
-    makes of a 640x480 camera frame). Refused in one line: settings the export cannot reproduce."""
+    or transformers 5's size {shortest_edge, longest_edge}) at `frame` (default: default_frame, a size
+    the processor keeps). Refused in one line: settings the export cannot reproduce, a frame the
+    processor would resize."""
     c, path = image_processor_config(folder)
     c = {**_DEFAULTS, **c}
     size = c.get("size") if isinstance(c.get("size"), dict) else {}
@@ -166,15 +226,22 @@ def read_qwen2_vl_processor(folder: Path, frame: tuple[int, int] | None = None, 
     if not (0 < min_px <= max_px) or min(patch, merge, temporal) < 1:
         raise ModelError(f"{path}: min_pixels {min_px} / max_pixels {max_px} / patch, merge and temporal sizes must be positive")
     factor = patch * merge
-    if frame is None:
-        frame = smart_resize(*CAMERA_FRAME, factor, min_px, max_px)
-    h, w = frame
-    if h % factor or w % factor or smart_resize(h, w, factor, min_px, max_px) != (h, w):
+    default = default_frame(factor, min_px, max_px)
+    if default is None:
+        side = math.ceil(math.sqrt(min_px) / factor) * factor  # the smallest square frame min_pixels allows
         raise ModelError(
-            f"frame {w}x{h}: Qwen2-VL's processor would resize it to "
-            f"{'x'.join(map(str, smart_resize(h, w, factor, min_px, max_px)[::-1]))}; pass a frame whose sides are "
-            f"multiples of {factor} with {min_px}..{max_px} pixels (default: "
-            f"{'x'.join(map(str, smart_resize(*CAMERA_FRAME, factor, min_px, max_px)[::-1]))})"
+            f"{path}: min_pixels {min_px} .. max_pixels {max_px} holds no frame Qwen2-VL's processor keeps (sides "
+            f"multiples of patch_size x merge_size = {factor}); set max_pixels to {side * side} (a {side}x{side} frame) or more"
+        )
+    h, w = default if frame is None else frame
+    if h % factor or w % factor or not keeps((h, w), factor, min_px, max_px):
+        try:
+            change = f"would resize it to {'x'.join(map(str, smart_resize(h, w, factor, min_px, max_px)[::-1]))}"
+        except ValueError as e:
+            change = f"refuses it ({e})"
+        raise ModelError(
+            f"frame {w}x{h}: Qwen2-VL's processor {change}; pass a frame whose sides are multiples of {factor} "
+            f"with {min_px}..{max_px} pixels (default: {default[1]}x{default[0]})"
         )
     return Qwen2VLProcessor((h, w), patch, merge, temporal, resample, rescale, mean, std)
 

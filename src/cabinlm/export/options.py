@@ -108,7 +108,8 @@ class ExportOptions:
     profile: str | None = None  # the device profile the layout was planned for
     plan: dict | None = None  # that plan (written into the manifest's "target")
     # Qwen2-VL: every camera frame's (height, width) in pixels, so the vision graph has one shape;
-    # None: what the model's processor makes of a 640x480 frame (export/image_processor.py)
+    # None: a size the model's processor keeps, the nearest to a 640x480 frame (export/image_processor.py
+    # default_frame)
     frame: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:

@@ -5,7 +5,8 @@ A camera frame has one size per artifact (`frame`, pixels, multiples of patch x 
 graph then always sees the same patch grid, and its rotary table and the patch merger's windows are
 constants. The processor's own rule (smart_resize: the frame's aspect ratio kept, the pixel count
 inside [min_pixels, max_pixels], each side a multiple of patch x merge) picks the default from a
-640x480 camera frame; a frame the processor would itself resize to another size is refused.
+640x480 camera frame, and the default is always a size that rule leaves as it is (default_frame);
+a frame the processor would itself resize to another size is refused.
 
     pixel_values (N, C*T*p*p)      the processor's flattened patches, N = (H/p)(W/p) in merge-window order
     ─ MatMul W_patch (Conv3d over one patch, no bias) ─ (N, E)
