@@ -473,17 +473,23 @@ def test_the_profile_says_which_batches_a_build_carries(load, tiny_llama_dir, ex
 
 
 def test_the_seat_limit_counts_what_seats_decoding_together_hold_once(build, load, tiny_llama_dir, export_to, tmp_path):
-    """runtime.limits.seat_limit: a build with batched graphs holds, beyond its files, the LM head's
-    packed copy in the head graph's session and the idle seat; an export holds neither."""
+    """runtime.limits.seat_limit: a build with batched graphs holds, beyond its files, what its graphs'
+    sessions pack of the weights on ONNX Runtime's matmuls (as the build recorded it: nothing where
+    cabinlm's BlockQ4MatMul reads every int4 matrix and head in place; the fp32 matrices and head in
+    every graph's) and the idle seat; an export holds neither."""
     from cabinlm.runtime import limits
 
     m = load_manifest(build)
     extra = limits.together_bytes(m)
-    assert extra == int(1.35 * m.model.vocab_size * m.model.hidden_size) + limits.seat_bytes(m)
+    packed = m.runtime_spec.facts_as(FusedSettings).packed_bytes
+    assert set(packed) == {"graph", "graph_head", "graph_seats2", "graph_seats4"}
+    assert (min(packed.values()) > 0) == (m.weights == "fp32") and (max(packed.values()) > 0) == (m.weights == "fp32")
+    assert extra == sum(packed.values()) + limits.seat_bytes(m)
     files = sum(f.bytes for f in m.files.values())
     per_seat = limits.seat_bytes(m)
     assert limits.seat_limit(m, files + extra + 3 * per_seat).seats == 3
-    assert limits.seat_limit(m, files + 3 * per_seat).seats == 1  # the idle seat and the head copy: more than a seat
+    # the idle seat takes one seat's room; packed copies (fp32: more than a seat's) take more
+    assert limits.seat_limit(m, files + 3 * per_seat).seats == (1 if m.weights == "fp32" else 2)
     art = export_to(load(str(tiny_llama_dir)), kv="int8", **LAYOUT)
     assert limits.together_bytes(load_manifest(art)) == 0
 

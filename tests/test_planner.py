@@ -368,13 +368,21 @@ def test_the_weights_term_is_what_the_builds_graph_holds(cpu_builds, case):
     lay = m.cache
     assert (p.window, p.chunk, p.kv) == (lay.window, lay.chunk, lay.kv_dtype.value)
     assert p.kv_bytes == lay.cache_bytes + lay.key_scale_bytes
-    assert p.total_bytes == (p.weights_bytes + p.kv_bytes + p.activation_bytes + p.vision_bytes
+    assert p.total_bytes == (p.weights_bytes + p.packed_bytes + p.kv_bytes + p.activation_bytes + p.vision_bytes
                              + p.runtime_overhead_bytes + p.tokenizer_bytes)
     # the batched graphs the build carries (the fused int8 builds of the cpu profile: 2 and 4 seats)
-    assert p.seat_batches == facts["seat_batches"] == tuple(getattr(
-        m.runtime_spec.facts_as(FusedSettings), "seat_batches", ()) if m.build is not None else ())
-    # a packed copy of the LM head where seats decode together, unless the head runs on BlockQ8MatMul
-    assert (p.together_bytes > 0) == (bool(p.seat_batches) and facts.get("packed_head", True))
+    fused = m.runtime_spec.facts_as(FusedSettings) if m.build is not None else None
+    assert p.seat_batches == facts["seat_batches"] == tuple(getattr(fused, "seat_batches", ()))
+    # what the build's sessions pack beside its one map of the weights file, as the build recorded it:
+    # the dialogue's in the total, the batched graphs' and their head graph's beside it
+    if fused is None:
+        assert p.packed_bytes == p.together_bytes == 0
+    else:
+        assert p.packed_bytes == (fused.packed_bytes["graph"] if fused.seat_batches else 0)
+        assert p.together_bytes == sum(v for role, v in fused.packed_bytes.items() if role != "graph")
+    if case in (("smollm2-int4", "fused"), ("smollm2-int4", "fused-8bit")):
+        # cabinlm's kernels read every matrix and the head in place; MatMulNBits packs them all, per session
+        assert (p.packed_bytes > 0) == (p.together_bytes > 0) == (case[1] == "fused-8bit")
 
 
 def test_the_tokenizer_term_is_within_reach_of_the_vocabulary(cpu_builds):

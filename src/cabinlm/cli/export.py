@@ -117,33 +117,65 @@ def profiles(json_out: bool = typer.Option(False, "--json", help="Print the prof
 
 def plan(
     model: str = typer.Argument(
-        "smollm2-135m", help="A config.json (no weights needed), a model folder, a .gguf file or a built-in name."
+        "smollm2-135m", help="A config.json (no weights needed), a model folder, a .gguf file, a built-in name, or "
+        "an artifact (a folder `cabinlm export` or `cabinlm build` wrote: its own cache and what its build holds)."
     ),
-    profile: str = typer.Option("cpu", help="Device profile name or .toml file."),
+    profile: Optional[str] = typer.Option(
+        None, help="Device profile name or .toml file. [default: an artifact's own, else cpu]"
+    ),
     kv: Optional[KVDType] = typer.Option(None, help="KV precision [default: the profile's]."),
     sink: Optional[int] = typer.Option(None, help="Sink tokens [default: the profile's]."),
-    pinned: int = typer.Option(124, help="Pinned slots (system prompt)."),
+    pinned: Optional[int] = typer.Option(None, help="Pinned slots (system prompt). [default: 124]"),
     chunk: Optional[int] = typer.Option(None, help="Prefill chunk [default: the profile's]."),
     window: Optional[int] = typer.Option(None, help="Check this window instead of searching the largest."),
     json_out: bool = typer.Option(False, "--json", help="Print the plan as one JSON object."),
 ) -> None:
-    """Memory breakdown of MODEL on a device profile, and the largest window that fits its budget."""
-    from cabinlm.export.options import ExportRequest, check_profile_request
+    """Memory breakdown of MODEL on a device profile, and the largest window that fits its budget; of an
+    artifact, its own cache layout and, for a build, the weights as its kernels hold them."""
+    from cabinlm.export.options import ExportOptions, ExportRequest, check_profile_request
+    from cabinlm.manifest import MANIFEST_NAME
     from cabinlm.profiles.planner import format_plan, plan as make_plan
 
-    # the values alone first (as `cabinlm export` checks them), then against the model's config
-    request = ExportRequest(sink=sink, pinned=pinned, window=window, chunk=chunk, kv=kv)
-    spec, vision, image = model_facts(model)
-    device = load_profile(profile)
-    check_profile_request(spec, device, request, image)
-    p = make_plan(spec, device, kv=kv, sink=sink, chunk=chunk, pinned=pinned, window=window,
-                  vision_params=vision, image_tokens=image)  # fmt: skip
+    if (Path(model).expanduser() / MANIFEST_NAME).is_file():
+        p = artifact_plan(Path(model).expanduser(), profile, kv=kv, sink=sink, pinned=pinned, chunk=chunk,
+                          window=window)
+    else:
+        # the values alone first (as `cabinlm export` checks them), then against the model's config
+        pinned = ExportOptions.pinned if pinned is None else pinned
+        request = ExportRequest(sink=sink, pinned=pinned, window=window, chunk=chunk, kv=kv)
+        spec, vision, image = model_facts(model)
+        device = load_profile(profile or "cpu")
+        check_profile_request(spec, device, request, image)
+        p = make_plan(spec, device, kv=kv, sink=sink, chunk=chunk, pinned=pinned, window=window,
+                      vision_params=vision, image_tokens=image)  # fmt: skip
     if json_out:
         typer.echo(json.dumps(p.to_dict()))
     else:
         typer.echo(format_plan(p))
     if not p.fits:
         raise typer.Exit(1)
+
+
+def artifact_plan(folder: Path, profile: str | None, **layout):
+    """The plan of an artifact (profiles/planner.plan_for_manifest): the cache layout it was exported with
+    and, for a build, the weights as its kernels hold them (its manifest's build facts), on `profile`
+    (default: the profile it was built or exported for, else cpu). A layout option is refused: the
+    artifact's layout is fixed."""
+    from cabinlm.errors import OptionError
+    from cabinlm.manifest import load_manifest
+    from cabinlm.profiles import ProfileError, list_profiles
+    from cabinlm.profiles.planner import plan_for_manifest
+
+    given = [f"--{name}" for name, value in layout.items() if value is not None]
+    if given:
+        raise OptionError(f"{' '.join(given)}: {folder} is an artifact, whose cache layout is fixed when it is "
+                          "exported; leave the option out, or plan the model it came from with it")  # fmt: skip
+    m = load_manifest(folder)
+    own = m.build.profile if m.build is not None and m.build.profile else (m.target or {}).get("profile")
+    if profile is None and own and own not in list_profiles():
+        raise ProfileError(f"{folder} was made for profile {own!r}, which is not a built-in profile; pass the .toml "
+                           "file it was made with as --profile")  # fmt: skip
+    return plan_for_manifest(m, load_profile(profile or own or "cpu"))
 
 
 def model_facts(model: str):

@@ -16,13 +16,21 @@ text model without local layers), the sink and pinned keys' un-rotated fp16 copy
 ONNX Runtime CPU profiles (the cpu profile) count what the build being planned holds, since their
 builds hold the same weights in different layouts (docs/benchmarks.md, "Planner against peak RSS"):
 
-    total = held weights + KV + activations x ACTIVATION_FACTOR[build] + ORT_CPU_RUNTIME_BYTES + tokenizer
+    total = held weights + packed copies + KV + activations x ACTIVATION_FACTOR[build]
+            + ORT_CPU_RUNTIME_BYTES + tokenizer
+
+packed copies (packed_bytes): a fused build whose graphs read one map of its weights file packs, in its
+dialogue's session, a copy of every weight on ONNX Runtime's matmuls (MatMulNBits, MatMul) beside the
+map, which stays resident; the build records the bytes (FusedSettings.packed_bytes, read by
+build_facts). None where the build reads them in place (cabinlm's BlockQ4MatMul / BlockQ8MatMul), nor
+before a build: a model is planned for the profile's default build, which takes cabinlm's kernels.
 
 A fused build with batched graphs (FusedSettings.seat_batches) also says what seats decoding together
-add, beside the total, which plans one dialogue: the head graph's packed LM head (together_bytes: its
-sessions open when a loaded build gets its second seat, engines/ort_fused/sessions.FusedGraphs; none for a
-build whose head runs on cabinlm's BlockQ8MatMul, FusedSettings.head_kernel, as its facts say), and the
-largest batch's activations with the idle seat's cache while a batched step runs (batch_bytes).
+add, beside the total, which plans one dialogue: what the batched graphs' and their head graph's
+sessions pack (together_bytes: those sessions open when a loaded build gets its second seat,
+engines/ort_fused/sessions.FusedGraphs; the build's packed_bytes, or, planning a model, the LM head's
+copy, none for a head on cabinlm's BlockQ8MatMul, FusedSettings.head_kernel), and the largest batch's
+activations with the idle seat's cache while a batched step runs (batch_bytes).
 
 held weights (held_weights): the matrices at the build's bits per weight, block scales, zero points
 and minimums included (a fused build's int4 GGUF blocks in cabinlm's BlockQ4 layout or as 8-bit
@@ -156,6 +164,10 @@ class Plan:
     seat_batches: tuple[int, ...] = ()
     together_bytes: int = 0
     batch_bytes: int = 0
+    # ONNX Runtime CPU builds: the copies the dialogue's session packs beside the mapped weights file (in
+    # the total; 0 elsewhere), and the LM head's share of together_bytes.
+    packed_bytes: int = 0
+    together_head_bytes: int = 0
 
     @property
     def headroom_bytes(self) -> int:
@@ -204,6 +216,8 @@ def plan(
     tokenizer_bytes: int | None = None,
     seat_batches: tuple[int, ...] | None = None,
     packed_head: bool = True,
+    packed: int = 0,
+    seats_packed: dict[str, int] | None = None,
 ) -> Plan:
     """The memory breakdown and the largest window that fits `profile`'s budget.
 
@@ -220,7 +234,10 @@ def plan(
     runtime_overhead_bytes, as before. seat_batches: the batched graphs of the build (default: what
     `cabinlm build --profile` gives the build kind, weights.batched_seats); their term is together_bytes,
     with the LM head's packed copy where packed_head (a build whose head runs on cabinlm's BlockQ8MatMul
-    holds none: its facts say so; before a build, the copy is counted).
+    holds none: its facts say so; before a build, the copy is counted), or, where seats_packed is given
+    (a build's FusedSettings.packed_bytes less its one-seat graph's, by graph role), what those sessions
+    pack. packed: what the dialogue's session packs beside the mapped weights (a build's facts; 0 before
+    a build), counted in the total.
     """
     kv = resolve_kv(profile, kv)
     sink = profile.default_sink if sink is None else sink
@@ -247,9 +264,13 @@ def plan(
     # quantized LLMs (hardware.md section 2); on an fp32 profile it is fp32 like the rest.
     vision_dtype = WeightFormat.FP32 if fmt is WeightFormat.FP32 else WeightFormat.FP16
     vision = weight_bytes(vision_params, vision_dtype)
-    fixed = weights + vision + overhead + tokenizer
+    fixed = weights + packed + vision + overhead + tokenizer
     batches = batched_seats(profile, kind, kv) if seat_batches is None else tuple(seat_batches)
-    head_copy = packed_head_bytes(spec) if batches and packed_head else 0
+    if seats_packed is not None:  # the build's own record of what its batched graphs' sessions pack
+        head_copy, together = seats_packed.get("graph_head", 0), sum(seats_packed.values())
+    else:
+        head_copy = together = packed_head_bytes(spec) if packed_head else 0
+    head_copy, together = (head_copy, together) if batches else (0, 0)
     htp = profile.htp_arch is not None
     binaries = binary_bytes = 0
     if htp:
@@ -288,7 +309,8 @@ def plan(
             max_window_by_positions=max(max_by_positions, 0), htp_binaries=binaries, htp_binary_bytes=binary_bytes,
             htp_process_bytes=process, htp_process_limit_bytes=limit, build=kind or "",
             weights_layout=held.layout if kind else "", tokenizer_bytes=tokenizer,
-            seat_batches=batches, together_bytes=head_copy, batch_bytes=batch,
+            seat_batches=batches, together_bytes=together, batch_bytes=batch, packed_bytes=packed,
+            together_head_bytes=head_copy,
             htp_step_bytes=guess.step_bytes if guess else 0,
             htp_tokens_per_s_estimate=round(guess.tokens_per_s, 1) if guess else 0.0,
             htp_estimate=guess.line() if guess else "",
@@ -357,6 +379,8 @@ def format_plan(p: Plan) -> str:
     kv_row = f"KV cache ({slots} slots at {p.kv}, {p.kv_bytes_per_token} B/token{rings})"
     rows = [
         first,
+        *([("packed copies (ONNX Runtime's session packs the weights on its matmuls beside the mapped file)",
+            p.packed_bytes)] if p.packed_bytes else []),
         (kv_row, p.kv_bytes),
         (f"activations (chunk of {p.chunk})", p.activation_bytes),
         (f"vision tower ({p.vision_params / 1e6:.1f}M params)", p.vision_bytes),
@@ -372,8 +396,11 @@ def format_plan(p: Plan) -> str:
         lines.append(f"{'HTP process (binaries + KV + activations)':<{width}}  {mib(p.htp_process_bytes)}  of "
                      f"{p.htp_process_limit_bytes / MIB:.1f} MiB a 32-bit NPU process maps")  # fmt: skip
     if p.seat_batches:
-        head = (f"add {p.together_bytes / MIB:.1f} MiB from a second seat on (the LM head packed again for the batched "
-                "graphs) and" if p.together_bytes else "hold the LM head once (cabinlm's BlockQ8MatMul reads it in place) and add")
+        packs = [what for what, n in (("the LM head packed again for the batched graphs", p.together_head_bytes),
+                                      ("each batched graph's own packed copy of the weights on ONNX Runtime's matmuls",
+                                       p.together_bytes - p.together_head_bytes)) if n]  # fmt: skip
+        head = (f"add {p.together_bytes / MIB:.1f} MiB from a second seat on ({'; '.join(packs)}) and"
+                if p.together_bytes else "hold the LM head once (cabinlm's BlockQ8MatMul reads it in place) and add")
         lines.append(f"seats decoding together (graphs for {', '.join(map(str, p.seat_batches))} seats) {head} up to "
                      f"{p.batch_bytes / MIB:.1f} MiB while they step (the largest batch's activations and an idle seat), "
                      "beside each seat's own KV and activations; `--seats` counts them against memory")  # fmt: skip

@@ -172,8 +172,9 @@ ACTIVATION_FACTOR = {EXPORT: 2.0, GRAPH: 3.0, FUSED: 1.0, STATIC: 3.0}
 # on MatMulNBits: the head is a graph of its own, and ONNX Runtime keeps a packed copy of its 8-bit
 # matrix in that session (38 MB for SmolLM2's 28 MB of head codes, docs/benchmarks.md section 20): bytes
 # per head code. A build whose head runs on cabinlm's BlockQ8MatMul (wherever cabinlm's library compiles,
-# FusedSettings.head_kernel) holds no copy; the plan, made before the build knows its CPU's
-# kernels, counts the copy: an upper estimate there (the runtime's seat limit counts what the build holds).
+# FusedSettings.head_kernel) holds no copy; the plan of a model, made before a build knows its kernels,
+# counts the copy: an upper estimate there. A build records what each of its graphs' sessions packs
+# (FusedSettings.packed_bytes), which the plan of the build and the runtime's seat limit count instead.
 PACKED_HEAD_BYTES_PER_CODE = 1.35
 
 
@@ -205,7 +206,14 @@ def default_build(profile: DeviceProfile, kv: KVDType) -> str | None:
 
 def build_facts(manifest: Any) -> dict[str, Any]:
     """What plan() needs to know of an artifact (an export or a build): its weights format, the build
-    kind, the weights layout held (held_weights) and the batched graphs it carries, from the manifest alone."""
+    kind, the weights layout held (held_weights), the batched graphs it carries and what ONNX Runtime
+    packs beside the weights (packed, seats_packed: FusedSettings.packed_bytes), from the manifest alone.
+
+    A fused build whose graphs read one map of its weights file (FusedSettings.shared_weights) holds
+    each weight there once, and each session packs its own copy of the weights on ONNX Runtime's
+    matmuls (MatMulNBits, MatMul) beside the map, which stays: the one-seat graph's copy is `packed`,
+    the batched graphs' and their head graph's `seats_packed` (sessions opened from a second seat on).
+    Elsewhere ONNX Runtime reads the weights file itself and frees what it packed: held_weights' layout."""
     build = manifest.build
     kind = EXPORT if build is None else build.backend.value
     fmt = WeightFormat(manifest.weights)
@@ -235,7 +243,15 @@ def build_facts(manifest: Any) -> dict[str, Any]:
         bits = max(0.0, (data.bytes - bare.nbytes(spec)) * 8 / max(matrices, 1))
         held = dataclasses.replace(held, matrix_bits=round(bits, 2), layout=f"as built: {bits:.2f} bits per matrix weight "
                                    "(the weights file's size: GGUF blocks of several widths)")  # fmt: skip
+    # what each graph's session packs, as the build recorded it (None: plan() estimates the LM head's copy)
+    packed: dict[str, int] | None = fused.get("packed_bytes") if kind == FUSED else None
+    mapped = packed is not None and bool(fused.get("shared_weights"))
+    if mapped:  # one map: each weight once (a table gathered from is paged in a row at a time), packed copies apart
+        held = dataclasses.replace(held, gather_copy=False, layout=(held.layout if fmt.quantized else fmt.value)
+                                   + ", one map of the weights file")  # fmt: skip
     # the batched graphs the build carries (none for an export, or a build made before seats decoded together),
     # and whether its LM head is packed by a session (MatMulNBits) or read in place (cabinlm's BlockQ8MatMul)
     return {"weights": fmt, "build": kind, "held": held, "seat_batches": tuple(fused.get("seat_batches") or ()),
-            "packed_head": fused.get("head_kernel", "onnxruntime") != "cabinlm"}  # fmt: skip
+            "packed_head": fused.get("head_kernel", "onnxruntime") != "cabinlm",
+            "packed": packed.get("graph", 0) if mapped and packed is not None else 0,
+            "seats_packed": None if packed is None else {r: v for r, v in packed.items() if r != "graph"}}  # fmt: skip

@@ -59,7 +59,7 @@ class SeatLimit:
 
     seats: int
     per_seat_bytes: int  # an upper estimate of one seat's buffers
-    weights_bytes: int  # the artifact's files, loaded once for all seats (+ what seats decoding together add)
+    weights_bytes: int  # the artifact's files, loaded once for all seats, and what its sessions pack (together_bytes)
     available_bytes: int | None  # None: unknown here (no /proc/meminfo)
 
 
@@ -73,14 +73,18 @@ def seat_bytes(manifest: Manifest) -> int:
 
 def together_bytes(manifest: Manifest) -> int:
     """What a build whose seats decode together (FusedSettings.seat_batches) holds once beyond its files:
-    ONNX Runtime's packed copy of the LM head in the head graph's session (profiles/weights.packed_head_bytes,
-    as the planner counts it; none where the head is cabinlm's BlockQ8MatMul, which every graph reads in
-    place), and the idle seat that fills a batched run's empty places (one seat_bytes). 0 for any other build."""
+    what its sessions pack beside the one map of its weights file (FusedSettings.packed_bytes, every graph's,
+    as the planner counts them; a build that does not record them: the LM head's copy in the head graph's
+    session, profiles/weights.packed_head_bytes, none where the head is cabinlm's BlockQ8MatMul, which
+    every graph reads in place), and the idle seat that fills a batched run's empty places (one
+    seat_bytes). 0 for any other build."""
     from cabinlm.engines.ort_fused.spec import FusedSettings
 
     facts = manifest.runtime_spec.facts_as(FusedSettings) if manifest.build is not None else None
     if facts is None or not facts.seat_batches:
         return 0
+    if facts.packed_bytes is not None:
+        return sum(facts.packed_bytes.values()) + seat_bytes(manifest)
     head = 0 if facts.head_kernel == "cabinlm" else packed_head_bytes(manifest.model)
     return head + seat_bytes(manifest)
 

@@ -153,4 +153,5 @@ def log_weights(manifest: Manifest, output: BuildOutput, log: Callable[[str], No
         # The plan sizes the weights at their nominal bits; the build holds them as its kernels want
         # them (float32 scales, a fused build's 8-bit Q4_1 blocks, the token table for the output).
         log(f"weights as built: {weights_bytes / 1e6:.1f} MB (the export's plan counted {plan['weights_bytes'] / 1e6:.1f} MB "
-            f"of {plan.get('weight_dtype', 'quantized')} weights; `cabinlm plan` sizes the window from the latter)")
+            f"of {plan.get('weight_dtype', 'quantized')} weights and sized the window from them; `cabinlm plan "
+            f"{output.folder}` counts what this build holds)")  # fmt: skip

@@ -99,6 +99,21 @@ def _kernel_library(request: BuildRequest, folder: Path, insisted: bool, kept: s
     return lib
 
 
+# The inputs ONNX Runtime's CPU kernels pack a copy of when a session loads (PrePack), by operator: in
+# a session handed its weights from a map (SharedWeights), the packed copy is held beside the mapped
+# bytes (docs/benchmarks.md, "Planner against peak RSS"). cabinlm's operators and gathers pack nothing.
+PREPACKED_INPUTS = {"MatMulNBits": (1, 2, 3), "MatMul": (1,), "Gemm": (1,)}
+
+
+def packed_bytes(model: onnx.ModelProto) -> int:
+    """The bytes of `model`'s initializers its session packs a copy of (PREPACKED_INPUTS), once per
+    consuming node (each kernel packs its own)."""
+    sizes = {i.name: int(np.prod(i.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(i.data_type).itemsize
+             for i in model.graph.initializer}  # fmt: skip
+    return sum(sizes[n.input[k]] for n in model.graph.node for k in PREPACKED_INPUTS.get(n.op_type, ())
+               if k < len(n.input) and n.input[k] in sizes)  # fmt: skip
+
+
 def seats_graph_file(seats: int) -> str:
     return f"decoder.seats{seats}.onnx"
 
@@ -156,11 +171,12 @@ HEAD_GRAPH = "decoder.head.onnx"
 
 
 def _seat_graphs(request: BuildRequest, output: BuildOutput, graph: onnx.ModelProto, solo: onnx.ModelProto, kernel: str,
-                 matmul: str, registered: Path | None) -> tuple[tuple[int, ...], SharedWeights | None]:
+                 matmul: str, registered: Path | None) -> tuple[tuple[int, ...], SharedWeights | None, dict[str, int]]:
     """The batched graphs (graph.fused_model(seats=B) for B in the profile's seat_batches), optimized
     offline like the one-seat graph and pointed at its weights file, and the LM head they share
-    (head_graph.head_model of `solo`, the one-seat fused decoder); and that file's table, for the runtime's
-    shared map. None where the profile asks for none, or the attention is not cabinlm's kernel
+    (head_graph.head_model of `solo`, the one-seat fused decoder); that file's table, for the runtime's
+    shared map; and the bytes each of these graphs' sessions packs (packed_bytes), by role. None where
+    the profile asks for none, or the attention is not cabinlm's kernel
     (GroupQueryAttention's steps refresh the cache's sink / pinned rows themselves: a per-seat side
     graph this first step does not have)."""
     for name in (HEAD_GRAPH, *(p.name for p in output.folder.glob("decoder.seats*.onnx"))):
@@ -169,9 +185,10 @@ def _seat_graphs(request: BuildRequest, output: BuildOutput, graph: onnx.ModelPr
     if kernel != "cabinlm" or not batches:
         if batches:
             request.log("no batched graphs: they take cabinlm's attention kernel (seats' steps run one after another)")
-        return (), None
+        return (), None, {}
     base = weight_table(onnx.load(str(output.path(OPT_GRAPH)), load_external_data=False), OPT_DATA)
     manifest = request.manifest
+    packed: dict[str, int] = {}
 
     def write(model: onnx.ModelProto, file: str, role: str) -> None:
         with tempfile.TemporaryDirectory(dir=output.folder) as tmp:
@@ -183,6 +200,7 @@ def _seat_graphs(request: BuildRequest, output: BuildOutput, graph: onnx.ModelPr
             _share_weights(shared, data, base, output.path(OPT_DATA), role)
         onnx.save_model(shared, str(output.path(file)))
         output.add(role, file)
+        packed[role] = packed_bytes(shared)
 
     own_head = _head_op(solo) == Q8_MATMUL_OP
     if not own_head:  # MatMulNBits: packed once per session, so the batched graphs share one head graph
@@ -193,7 +211,7 @@ def _seat_graphs(request: BuildRequest, output: BuildOutput, graph: onnx.ModelPr
     head = "each with the LM head" if own_head else "and their LM head"
     request.log(f"seats decode together: batched graphs for {', '.join(map(str, batches))} seats (one attention per "
                 f"seat over its own cache) {head}, every graph reading one map of the weights")  # fmt: skip
-    return batches, base
+    return batches, base, packed
 
 
 class FusedBuilder(Builder):
@@ -265,12 +283,13 @@ class FusedBuilder(Builder):
             output.add("kernel_library", library.file)  # listed with its sha256, as fused.kernels records it
         with registrable(output.path(library.file) if library else None, library) as registered:  # a cross build's: this machine's twin
             optimize_offline(model.SerializeToString(), output.folder, registered)
-            batches, shared = _seat_graphs(request, output, graph, model, kernel, matmul, registered)
+            batches, shared, packed = _seat_graphs(request, output, graph, model, kernel, matmul, registered)
         del graph, model
+        packed = {"graph": packed_bytes(onnx.load(str(output.path(OPT_GRAPH)), load_external_data=False)), **packed}
         facts = FusedSettings(accuracy_level=opts.accuracy_level, minimums=opts.minimums.value,
                               attention_kernel=kernel, matmul_kernel=matmul, kernels=library,
                               step_rows=kernel == "cabinlm", seat_batches=batches, shared_weights=shared,
-                              head_kernel=head_kernel)  # fmt: skip
+                              head_kernel=head_kernel, packed_bytes=packed)  # fmt: skip
         output.add("graph", OPT_GRAPH)
         output.add("graph_data", OPT_DATA)
         log(f"optimized the graph offline for {request.profile.execution_provider}")

@@ -123,6 +123,11 @@ class FusedSettings:
     # int8 blocks read in place by every graph: the batched graphs end in logits, no head graph).
     # Builds before it: "onnxruntime".
     head_kernel: str = "onnxruntime"
+    # The weights each graph's session packs a copy of (ONNX Runtime's MatMulNBits, MatMul and Gemm
+    # weights; cabinlm's kernels and gathers read theirs in place), in bytes, by the graph's role in the
+    # manifest's files ("graph", "graph_seats{B}", "graph_head"): what the planner and the seat limit
+    # count beside the weights file. Builds before it: None.
+    packed_bytes: dict[str, int] | None = None
 
     @property
     def own_kernels(self) -> bool:
@@ -153,6 +158,10 @@ class FusedSettings:
             raise ValueError("seat_batches: batched graphs take cabinlm's attention kernel with step rows")
         if bool(batches) != (self.shared_weights is not None):
             raise ValueError("seat_batches and shared_weights come together (the batched graphs share the weights)")
+        packed = self.packed_bytes
+        if packed is not None and (not isinstance(packed, dict) or not all(
+                isinstance(k, str) and type(v) is int and v >= 0 for k, v in packed.items())):  # fmt: skip
+            raise ValueError(f"packed_bytes must map graph roles to byte counts >= 0, got {packed!r}"[:200])
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
