@@ -1,5 +1,6 @@
 # make demo : set up, export SmolLM2 (sink 4 + window 1020, int8 KV), build it for the cpu
-#             profile, then a short scripted multi-turn chat that streams its replies
+#             profile, then a short scripted multi-turn chat that streams its replies; then the
+#             assistant operating a simulated car through tool calls (demo/drive.py)
 # make test : set up and run the test suite
 # make test-fast : the same without the slow end-to-end cases (pytest -m "not slow"), for a quick loop
 # make test-arm : cabinlm's kernels and the fused cpu engine on aarch64 under emulation (qemu-user, an
@@ -48,6 +49,11 @@ demo: model
 	$(CABIN) export smollm2-135m -o $(DEMO) --profile cpu --sink 4 --window 1020
 	$(CABIN) build $(DEMO) --profile cpu -o $(DEMO)-build-cpu
 	$(CABIN) chat $(DEMO)-build-cpu --max-new-tokens 96 < demo/dialogue.txt
+	# The assistant operating a simulated car (demo/vehicle.py: a dozen functions): the tool list
+	# joins the pinned system prompt, so this build pins 1300 slots for it.
+	$(CABIN) export smollm2-135m -o $(DEMO)-tools --profile cpu --sink 4 --pinned 1300 --window 1020
+	$(CABIN) build $(DEMO)-tools --profile cpu -o $(DEMO)-tools-build-cpu
+	$(PY) demo/drive.py $(DEMO)-tools-build-cpu
 
 test: model ort-lowest
 	$(PY) -m pytest -q

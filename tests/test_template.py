@@ -65,3 +65,49 @@ def test_a_tokenizer_that_adds_a_bos_the_template_lacks_gets_it_pinned_first(tmp
     # a tokenizer without one keeps the pieces as they were
     tk.post_processor = None
     assert resolve_chat_template(PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>")).bos == ""
+
+
+# Qwen2.5-Instruct's template: the tools written into the system message, calls in <tool_call> tags
+# (its assistant tool_calls and tool branches left out: a history's calls are rendered by the runtime).
+QWEN25_TOOLS_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}{%- if messages[0]['role'] == 'system' %}"
+    "{{- messages[0]['content'] }}{%- else %}{{- 'You are Qwen, created by Alibaba Cloud. You are a helpful "
+    "assistant.' }}{%- endif %}{{- \"\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user "
+    "query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>\" }}"
+    "{%- for tool in tools %}{{- \"\\n\" }}{{- tool | tojson }}{%- endfor %}{{- \"\\n</tools>\\n\\nFor each function "
+    "call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n"
+    "<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\" }}"
+    "{%- else %}{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + "
+    "'<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a "
+    "helpful assistant.<|im_end|>\\n' }}{%- endif %}{%- endif %}{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or (message.role == "
+    "'assistant') %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_a_template_that_renders_tools_gives_its_own_wording_and_the_runtime_writes_it_exactly():
+    """Qwen2.5's template lists the tools in the system message: the pieces cut at export (tools_source
+    "model"), with runtime/tools.tools_system, render what the template renders with those tools."""
+    from conftest import _tokenizer
+
+    from cabinlm.runtime.tools import parse_tools, tools_system
+
+    tok = _tokenizer(QWEN25_TOOLS_TEMPLATE)
+    chat = check(tok)
+    assert chat.tools_source == "model" and chat.tools_separator == "\n"
+    assert chat.default_system == "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    tools = [{"type": "function", "function": {"name": "set_climate", "description": "Set the temperature",
+              "parameters": {"type": "object", "properties": {"celsius": {"type": "integer"}}}}},
+             {"type": "function", "function": {"name": "honk", "parameters": {"type": "object", "properties": {}}}}]
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Warmer, please."}]
+    expected = tok.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
+    system = tools_system("Be brief.", parse_tools(tools), chat)
+    assert render_with_pieces(chat, system, [], "Warmer, please.") == expected
+
+
+def test_a_template_without_tools_keeps_the_default_wording(load, tiny_qwen2_dir):
+    from cabinlm.manifest import DEFAULT_TOOLS_PREFIX
+
+    chat = resolve_chat_template(load(str(tiny_qwen2_dir)).tokenizer)
+    assert chat.tools_source == "default" and chat.tools_prefix == DEFAULT_TOOLS_PREFIX

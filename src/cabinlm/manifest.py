@@ -167,6 +167,19 @@ class ModelSpec:
         return {"local_window": 0, "local_layers": ()}
 
 
+# The tool list's default wording, for models whose template renders no tools: the Hermes convention
+# (the one Qwen2.5's template writes), which small instruct models read best.
+DEFAULT_TOOLS_PREFIX = (
+    "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+)
+DEFAULT_TOOLS_SUFFIX = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}"
+    "\n</tool_call>"
+)
+
+
 @dataclass(frozen=True)
 class ChatTemplate:
     """Chat-template pieces resolved at export, so that the runtime needs no jinja.
@@ -188,6 +201,22 @@ class ChatTemplate:
     # a user turn that opens with a camera frame, where the template renders it otherwise than
     # user_prefix (SmolVLM: "User:" before the image, "User: " before text); None: user_prefix
     image_user_prefix: str | None = None
+    # Function calling (runtime/tools.py). The tool list joins the system prompt as
+    #     SYSTEM + tools_prefix + TOOL_JSON (+ tools_separator + TOOL_JSON)* + tools_suffix
+    # and the model writes each call as <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>
+    # (tool_call_style "hermes"). tools_source: "model" (cut from the model's own template rendered
+    # with tools: Qwen2.5, Qwen3) or "default" (its template renders no tools: these pieces).
+    tools_prefix: str = DEFAULT_TOOLS_PREFIX
+    tools_separator: str = "\n"
+    tools_suffix: str = DEFAULT_TOOLS_SUFFIX
+    tools_source: str = "default"
+    tool_call_style: str = "hermes"
+
+    def __post_init__(self) -> None:
+        if self.tools_source not in ("model", "default"):
+            raise ValueError(f"chat.tools_source must be 'model' or 'default', got {self.tools_source!r}")
+        if self.tool_call_style != "hermes":
+            raise ValueError(f"chat.tool_call_style {self.tool_call_style!r} is not one this runtime writes (hermes)")
 
 
 @dataclass(frozen=True)

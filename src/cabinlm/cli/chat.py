@@ -46,6 +46,14 @@ def chat(
         "rows are bit for bit its one-token steps; off where a check costs a whole fixed chunk (Snapdragon "
         "HTP, static pairs) or where rows match steps only to rounding (an unbuilt export)."),
     json_out: bool = typer.Option(False, "--json", help="One JSON object per turn on stdout instead of text."),
+    tools: Optional[Path] = typer.Option(
+        None, help="A JSON file with an OpenAI tool list ([{\"type\": \"function\", \"function\": {\"name\", "
+        "\"description\", \"parameters\"}}]): the model may call them. Each call is printed as a JSON line "
+        "{\"tool_call\": {\"id\", \"name\", \"arguments\"}}; answer with an input line {\"tool\": NAME, "
+        "\"content\": ...} per call. The tool list joins the pinned system prompt (docs/tools.md)."),
+    tool_choice: str = typer.Option(
+        "auto", help="With --tools: 'auto' (the model decides; a grammar makes every call valid), 'required' "
+        "(every reply is a call), 'none' (no calls), or a function's name (always that one)."),
 ) -> None:
     """Talk to an exported model. Interactive on a terminal; otherwise one user message per input line.
 
@@ -54,6 +62,10 @@ def chat(
     In the interactive loop: /image PATH attaches a frame to your next message, /reset starts over,
     /stats shows the cache, /quit leaves. Ctrl-C stops a reply (the dialogue goes on); Ctrl-C or
     Ctrl-D at the prompt leaves.
+
+    With --tools FILE the replies may call the tools (grammar-constrained: the arguments always
+    validate against the tool's schema); the caller runs each call and sends its result as a line
+    {"tool": NAME, "content": ...}, and the model answers once every call has its result.
     """
     from cabinlm.runtime.assembly import RuntimeConfig, open_runtime
 
@@ -61,9 +73,10 @@ def chat(
     # the values by RuntimeConfig; the seats against this machine's memory, --image against the
     # model and the system prompt against the pinned slots by open_runtime, from the manifest and
     # the tokenizer, before it loads the weights.
+    tool_list = read_tools(tools) if tools is not None else ()
     config = RuntimeConfig(artifact, seats=seats, threads=threads, system=system, temperature=temperature, top_p=top_p,
                            seed=seed, max_new_tokens=max_new_tokens, long_messages=long_messages,
-                           speculative=speculative, images=image is not None)  # fmt: skip
+                           speculative=speculative, images=image is not None, tools=tool_list)  # fmt: skip
     runtime = open_runtime(config)
     # Input a program cannot decode (invalid UTF-8) becomes U+FFFD instead of ending the session.
     sys.stdin.reconfigure(errors="replace")
@@ -73,12 +86,38 @@ def chat(
         info("this model has no chat template (a base model): turns are plain text, 'User: ...' then 'Assistant:', "
              "and replies are completions of that; an instruction-tuned model answers better")  # fmt: skip
     dialogues = runtime.dialogues()
+    assistants = None
+    if tool_list:
+        from cabinlm.runtime.assistant import ToolDialogue, grammars_for
+
+        choice = tool_choice if tool_choice in ("auto", "required", "none") else \
+            {"type": "function", "function": {"name": tool_choice}}  # fmt: skip
+        grammars = grammars_for(dialogues[0])
+        assistants = [ToolDialogue(d, tool_list, choice, grammars=grammars, system_has_tools=True) for d in dialogues]
     loop = ChatLoop(dialogues, session_files(session, seats), interactive=sys.stdin.isatty() and not json_out,
-                    json_out=json_out, image=image)  # fmt: skip
+                    json_out=json_out, image=image, assistants=assistants)  # fmt: skip
     loop.resume()
     loop.run()
     if loop.failures:
         raise typer.Exit(1)
+
+
+def read_tools(path: Path):
+    """--tools FILE: an OpenAI tool list, checked (OptionError naming the file and the fault)."""
+    from cabinlm.errors import OptionError
+    from cabinlm.runtime.grammar import GrammarError
+    from cabinlm.runtime.tools import parse_tools
+
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise OptionError(f"--tools {path}: cannot read it ({e.strerror or e})") from None
+    except ValueError as e:
+        raise OptionError(f"--tools {path}: not a JSON file ({e})") from None
+    try:
+        return parse_tools(value, "tools")
+    except GrammarError as e:
+        raise OptionError(f"--tools {path}: {e}") from None
 
 
 def session_files(session: Path | None, seats: int) -> list[Path | None]:
@@ -106,12 +145,13 @@ class ChatLoop:
     """
 
     def __init__(self, dialogues: list[Dialogue], files: list[Path | None], *, interactive: bool, json_out: bool,
-                 image: Path | None = None) -> None:  # fmt: skip
+                 image: Path | None = None, assistants: list | None = None) -> None:  # fmt: skip
         self.dialogues = dialogues  # one per seat; seat N is dialogues[N - 1]
         self.files = files  # each seat's session file, or None
         self.interactive = interactive
         self.json_out = json_out
         self.image = image  # a camera frame for the next message only (--image, or /image PATH)
+        self.assistants = assistants  # one ToolDialogue per seat with --tools, else None
         self.failures = 0
 
     @property
@@ -160,7 +200,10 @@ class ChatLoop:
             return True
         if self.interactive and parsed.text.startswith("/"):
             return self.command(parsed.text, self.dialogues[parsed.seat - 1])
-        self.turn(parsed.seat, parsed.text, parsed.image)
+        if parsed.tool is not None:
+            self.tool_result(parsed.seat, parsed.tool, parsed.text)
+        else:
+            self.turn(parsed.seat, parsed.text, parsed.image)
         return True
 
     def command(self, text: str, dialogue: Dialogue) -> bool:
@@ -194,21 +237,55 @@ class ChatLoop:
         if frame is None and self.image is not None:  # --image, or /image: for the next message only
             frame, self.image = self.image, None
         dialogue = self.dialogues[seat - 1]
+        on_text = None if self.json_out else show
+        if self.assistants is not None and frame is not None:
+            err("a camera frame with --tools is not supported: send the frame without --tools")
+            self.failures += 1
+            return
+        self.reply(seat, lambda: self.assistants[seat - 1].ask(text, on_text) if self.assistants is not None
+                   else dialogue.ask(text, on_text=on_text, image=frame))  # fmt: skip
+
+    def tool_result(self, seat: int, name: str, content: str) -> None:
+        """A {"tool": NAME, "content": ...} line: one call's result; the model answers once every call
+        of its last reply has one."""
+        if self.assistants is None:
+            err('a tool result, but this chat has no tools: start it with --tools FILE')
+            self.failures += 1
+            return
+        who = f"[seat {seat}] " if self.seats > 1 else ""
+        if not self.interactive and not self.json_out:
+            typer.echo(f"{who}tool {name}: {content}")
+        assistant = self.assistants[seat - 1]
+        if assistant.missing > 1 and any(c.name == name for c in assistant.pending):  # more results to come
+            assistant.result(name, content)
+            return
+        if not self.interactive and not self.json_out:
+            show(f"{who}assistant: ")
+        self.reply(seat, lambda: assistant.result(name, content, None if self.json_out else show))
+
+    def reply(self, seat: int, run) -> None:
+        """Run one turn (run() -> TurnResult or ToolTurn), print it, save the seat."""
         try:
-            result = dialogue.ask(text, on_text=None if self.json_out else show, image=frame)
+            turn = run()
         except CabinlmError as e:
             if not self.json_out:
                 typer.echo()
             err(str(e))
             self.failures += 1
             return
+        result = getattr(turn, "result", turn)
+        calls = getattr(turn, "calls", [])
         if not self.json_out:
             typer.echo(" [interrupted]" if result.finish == "interrupted" else "")
+            for c in calls:  # a call is a JSON line whatever the mode: a front end reads and answers it
+                typer.echo(json.dumps({"tool_call": {"id": c.id, "name": c.name, "arguments": json.loads(c.arguments)}},
+                                      ensure_ascii=False))  # fmt: skip
         try:
             self.save(seat)
         finally:
             if self.json_out:
-                typer.echo(json.dumps({**result.to_dict(), "seat": seat}, ensure_ascii=False))
+                extra = {"content": turn.content, "tool_calls": [c.to_dict() for c in calls]} if calls else {}
+                typer.echo(json.dumps({**result.to_dict(), **extra, "seat": seat}, ensure_ascii=False))
 
     def save(self, seat: int) -> None:
         """Save one seat's session file, if it has one; a failure is reported and counted."""

@@ -7,6 +7,7 @@ does, so that the car runs no template engine.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 from cabinlm.manifest import ChatTemplate
@@ -49,6 +50,8 @@ def resolve_chat_template(tok: Any) -> ChatTemplate:
     tokenizer adds one that the rendered turns do not hold (Gemma's base models: without it their
     first token is not what they were trained on)."""
     chat = PLAIN if not getattr(tok, "chat_template", None) else _pieces(tok)
+    if chat.source == "model":
+        chat = _tool_pieces(tok, chat)
     bos = getattr(tok, "bos_token", None)
     if bos and not chat.system_prefix.startswith(bos) and not chat.user_prefix.startswith(bos):
         with_special = tok("a").input_ids
@@ -140,3 +143,36 @@ def _image_user_prefix(tok: Any, user_prefix: str) -> str | None:
     if head.endswith(user_prefix) or stripped == user_prefix or not head.endswith(stripped):
         return None
     return stripped
+
+
+def _tool_pieces(tok: Any, chat: ChatTemplate) -> ChatTemplate:
+    """chat with the model's own tool-list wording (tools_source "model") where its template renders
+    tools Hermes-style into the system message as the runtime writes them (runtime/tools.py: each
+    tool's JSON, one separator between two, calls in <tool_call> tags: Qwen2.5, Qwen3); chat as it
+    is (the default wording) otherwise."""
+    from cabinlm.runtime.tools import OPEN, Tool
+
+    one = Tool("cabinlm_probe_one", "first", {"type": "object", "properties": {}})
+    two = Tool("cabinlm_probe_two", "second", {"type": "object", "properties": {}})
+    msgs = [{"role": "system", "content": _S}, {"role": "user", "content": _U}]
+    try:
+        r1 = tok.apply_chat_template(msgs, tools=[json.loads(one.listing())], tokenize=False, add_generation_prompt=True)
+        r2 = tok.apply_chat_template(msgs, tools=[json.loads(t.listing()) for t in (one, two)], tokenize=False,
+                                     add_generation_prompt=True)  # fmt: skip
+    except Exception:  # noqa: BLE001 - a template that takes no tools
+        return chat
+    l1, l2 = one.listing(), two.listing()
+    if OPEN not in r1 or _S not in r1 or l1 not in r1 or l2 not in r2:
+        return chat
+    after_system = r1.split(_S, 1)[1]
+    prefix, rest = after_system.split(l1, 1)
+    closing = chat.system_suffix + chat.user_prefix + _U
+    if closing not in rest:
+        return chat
+    suffix = rest.split(closing, 1)[0]
+    separator = r2.split(l1, 1)[1].split(l2, 1)[0]
+    rebuilt = chat.system_prefix + _S + prefix + l1 + separator + l2 + suffix + closing
+    if not r2.startswith(rebuilt) or "\x02" in prefix + suffix + separator:
+        return chat
+    return dataclasses.replace(chat, tools_prefix=prefix, tools_separator=separator, tools_suffix=suffix,
+                               tools_source="model")  # fmt: skip

@@ -36,6 +36,7 @@ from cabinlm.runtime.limits import (
 from cabinlm.runtime.sampler import Sampler
 from cabinlm.runtime.speculative import Drafting, PlainDecoding, PromptLookupDrafting, drafting_by_default
 from cabinlm.runtime.tokenizer import Tokenizer
+from cabinlm.runtime.tools import tools_system
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class RuntimeConfig:
     speculative: bool | None = None  # prompt-lookup drafting; None: the backend's default
     images: bool = False  # the caller will send camera frames (`cabinlm chat --image`)
     verify: bool = True  # check every file's sha256 against the manifest before loading
+    tools: tuple = ()  # runtime.tools.Tool: listed after the system prompt (`cabinlm chat --tools`)
 
     def __post_init__(self) -> None:
         if not isinstance(self.artifact, (str, Path)):
@@ -94,6 +96,7 @@ class Runtime:
     decoders: list[Decoder]  # seat 1 first; each its own cache, the backend's graphs and weights shared
     drafts: bool  # the seats draft by prompt lookup
     why_not: str  # why drafting is off by default on this build ("" when it is on, or the caller chose)
+    system: str | None = None  # the system prompt the dialogues pin: config.system with config.tools listed
     _dialogues: list[Dialogue] | None = field(default=None, repr=False)
 
     @property
@@ -114,7 +117,7 @@ class Runtime:
         config's system prompt, sampling, reply limit and drafting."""
         if self._dialogues is None:
             c = self.config
-            self._dialogues = [Dialogue(d, self.tokenizer, system=c.system, sampler=c.sampler(),
+            self._dialogues = [Dialogue(d, self.tokenizer, system=self.system, sampler=c.sampler(),
                                         max_new_tokens=c.max_new_tokens, long_messages=c.long_messages,
                                         drafting=self.new_drafting())
                                for d in self.decoders]  # fmt: skip
@@ -132,7 +135,11 @@ def open_runtime(config: RuntimeConfig) -> Runtime:
     check_seats(config.seats, manifest)
     check_images(config.images, manifest)
     tokenizer = Tokenizer(folder / manifest.files["tokenizer"].path)
-    check_system_prompt(config.system, manifest, tokenizer, config.system_option)
+    system, option = config.system, config.system_option
+    if config.tools:
+        system = tools_system(manifest.chat.default_system if system is None else system, config.tools, manifest.chat)
+        option = f"{option or 'the system prompt'} with the --tools list"
+    check_system_prompt(system, manifest, tokenizer, option)
     dec, tokenizer = runtime.open_artifact(folder, threads=config.threads, verify=config.verify, manifest=manifest,
                                            tokenizer=tokenizer)  # fmt: skip
     decoders = [dec] + [dec.seat() for _ in range(config.seats - 1)]
@@ -140,4 +147,4 @@ def open_runtime(config: RuntimeConfig) -> Runtime:
         drafts, why_not = drafting_by_default(dec.backend)
     else:
         drafts, why_not = config.speculative, ""
-    return Runtime(config, manifest, tokenizer, decoders, drafts, why_not)
+    return Runtime(config, manifest, tokenizer, decoders, drafts, why_not, system)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
@@ -21,8 +21,12 @@ from cabinlm.runtime.decoder import Decoder
 from cabinlm.runtime.reply import Reply, decode_reply
 from cabinlm.runtime.sampler import Sampler
 from cabinlm.runtime.speculative import Drafting, PlainDecoding
+from cabinlm.runtime.stops import StopStrings, cut_at_stop
 from cabinlm.runtime.template import Template, system_overflow
 from cabinlm.runtime.tokenizer import StreamDecoder, Tokenizer
+
+if TYPE_CHECKING:
+    from cabinlm.runtime.grammar import Constraint
 
 
 class LongMessages(str, enum.Enum):
@@ -44,7 +48,7 @@ class TurnResult:
     decode_tok_s: float
     prefill_tok_s: float
     rss_mb: float
-    finish: str  # "stop" (a stop id), "length" (max_new_tokens), "interrupted" (Ctrl-C or should_stop)
+    finish: str  # "stop" (a stop id or stop string), "length" (max_new_tokens), "interrupted" (Ctrl-C or should_stop)
     backend: str  # what the decoder ran on (Decoder.device), e.g. "onnxruntime-cpu"
     drafted_tokens: int = 0  # speculative decoding: tokens drafted by prompt lookup in this reply
     accepted_tokens: int = 0  # and how many of them the model accepted
@@ -114,7 +118,8 @@ class Dialogue:
         self.sampler.rng.bit_generator.state = state["rng"]
 
     def ask(self, text: str, on_text: Callable[[str], None] | None = None, image=None, *,
-            should_stop: Callable[[], bool] | None = None) -> TurnResult:
+            should_stop: Callable[[], bool] | None = None, stop: Sequence[str] = (),
+            constraint: Constraint | None = None) -> TurnResult:
         """One user turn: feed the prompt, stream the reply through on_text, return the turn's numbers.
 
         image (a path or PIL image; vision-language models): a new camera frame. Its tokens replace the
@@ -126,6 +131,13 @@ class Dialogue:
         should_stop: called before each reply token is chosen (the prompt is in the cache by then, and
         every token chosen so far); True ends the reply there as Ctrl-C does (finish "interrupted"), the
         turn closed as usual. A server stops the reply of a client that went away with it.
+
+        stop: stop strings (runtime/stops.py): the reply ends at the first one, which it does not
+        show; on_text never sees text that could still turn out to be one. The cache holds every token
+        chosen (the stop string's included), as after any reply.
+
+        constraint: what this reply's tokens must follow (runtime/grammar.py), through the sampler:
+        drafting stays lossless under it.
         """
         dec = self.decoder
         frame = None
@@ -150,15 +162,20 @@ class Dialogue:
             )
         self.turns += 1
         stream = StreamDecoder(self.tok)
+        stops = StopStrings(stop)
+        self.sampler.constraint = constraint
         reply = Reply()
         prefilled = False
         t_prefill = time.perf_counter()
         t_decode = t_prefill
 
         def emit(token: int) -> None:
-            delta = stream.push(token)
+            delta = stops.push(stream.push(token))
             if delta and on_text:
                 on_text(delta)
+
+        def ended() -> bool:
+            return stops.stopped or (should_stop is not None and should_stop())
 
         try:
             # The prompt joins the cache whole: its chunks run with Ctrl-C held (an interrupt then ends
@@ -179,21 +196,28 @@ class Dialogue:
                 self.drafting.observe(prompt)
             t_decode = time.perf_counter()
             reply = decode_reply(dec, self.sampler, logits, self.max_new_tokens, self.stop_ids, emit, self.drafting,
-                                 should_stop)  # fmt: skip
+                                 ended)  # fmt: skip
         except KeyboardInterrupt:
             reply.finish = "interrupted"
+        finally:
+            self.sampler.constraint = None
         t_end = time.perf_counter()
         reply_ids, finish = reply.ids, reply.finish
-        tail = stream.flush()
+        tail = stops.push(stream.flush()) + stops.flush()
         if tail and on_text:
             on_text(tail)
+        reply_text = self.tok.decode(reply_ids)
+        if stops.stops:
+            reply_text, found = cut_at_stop(reply_text, stops.stops)
+            if found:
+                finish = "stop"
         if prefilled:
             # Close the assistant turn in the cache as the template would have rendered it.
             self._pending = reply.unfed + self.template.closing()
         decode_s = t_end - t_decode
         return TurnResult(
             turn=self.turns,
-            reply=self.tok.decode(reply_ids),
+            reply=reply_text,
             prompt_tokens=len(prompt),
             new_tokens=len(reply_ids),
             cache_tokens=dec.cache.length,

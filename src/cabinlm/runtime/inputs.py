@@ -3,6 +3,7 @@
     plain text                                seat 1
     @2 text                                   seat 2
     {"text": ..., "image": PATH, "seat": 2}   a JSON object; image and seat are optional
+    {"tool": NAME, "content": ..., "seat": 2} a tool's result, answering the seat's call of NAME
 
 A message is delivered to the seat its sender named, or not at all: a line that cannot be read as
 meant raises InputError (one line: what is wrong), and the caller goes on with the next line. That
@@ -26,13 +27,15 @@ from cabinlm.errors import InputError
 _SEAT_PREFIX = re.compile(r"^@(\d+)(?:\s+(.*))?$", re.DOTALL)
 _JSON_OBJECT = re.compile(r'^\{\s*"')  # a JSON object's first key: no sentence starts this way
 _KEYS = ("text", "seat", "image")
+_TOOL_KEYS = ("tool", "content", "seat")
 
 
 @dataclass(frozen=True)
 class UserInput:
     seat: int  # 1..seats
-    text: str  # stripped; valid Unicode (no lone surrogates)
+    text: str  # stripped; valid Unicode (no lone surrogates); a tool result's content as it was sent
     image: Path | None = None
+    tool: str | None = None  # the function whose result `text` is (a {"tool": ...} line)
 
 
 def parse_input_line(line: str, seats: int = 1) -> UserInput:
@@ -64,6 +67,8 @@ def _json_object(text: str) -> dict | None:
 
 
 def _from_json(obj: dict, seats: int) -> UserInput:
+    if "tool" in obj:
+        return _tool_result(obj, seats)
     unknown = [k for k in obj if k not in _KEYS]
     if unknown:
         raise InputError(f"unknown key {_show(unknown[0])} in a JSON message (it may hold text, seat, image)")
@@ -84,6 +89,21 @@ def _from_json(obj: dict, seats: int) -> UserInput:
             )
         image = Path(_valid(image, "the image path"))
     return UserInput(seat, _valid(obj["text"]).strip(), image)
+
+
+def _tool_result(obj: dict, seats: int) -> UserInput:
+    unknown = [k for k in obj if k not in _TOOL_KEYS]
+    if unknown:
+        raise InputError(f"unknown key {_show(unknown[0])} in a tool result (it may hold tool, content, seat)")
+    if not isinstance(obj["tool"], str) or not obj["tool"]:
+        raise InputError(f'a tool result needs "tool" as the function\'s name, got {_show(obj["tool"])}')
+    content = obj.get("content")
+    if not isinstance(content, str):  # a structured result is sent as the JSON text the model reads
+        content = json.dumps(content, ensure_ascii=False)
+    seat = obj.get("seat", 1)
+    if isinstance(seat, bool) or not isinstance(seat, int) or not 1 <= seat <= seats:
+        raise _no_seat(_show(seat), seats)
+    return UserInput(seat, _valid(content), None, _valid(obj["tool"], "the tool's name"))
 
 
 def _seat_from_digits(digits: str, seats: int) -> int:

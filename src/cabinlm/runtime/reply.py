@@ -4,7 +4,7 @@ verified in chunks. Plain decoding is the strategy that drafts nothing; the loop
 
     token = sampler(logits)
     loop:  stop id -> done (never fed)         max_new -> done (the last token is fed with the next prompt)
-           drafts = drafting.propose(dec)
+           drafts = drafting.propose(dec), cut to what the sampler's constraint admits (runtime/grammar.py)
            none:   logits = dec.step([token]); token = sampler(logits)
            some:   dec.verify([token, d1 .. dk])  one chunk, logits of every row
                    row 0 decides d1, row i decides d(i+1) (Sampler.accept_draft: greedy = argmax;
@@ -70,7 +70,7 @@ def decode_reply(dec: Decoder, sampler: Sampler, logits: np.ndarray, max_new: in
                 break  # the last token is fed with the next prompt
             if stopped():
                 break
-            drafts = drafting.propose(dec)
+            drafts = sampler.admissible(drafting.propose(dec))  # a constraint's grammar-valid prefix
             if drafts:
                 token = _verify(dec, sampler, token, drafts, max_new - len(r.ids), stop_ids, on_token, drafting, r)
                 continue
@@ -93,7 +93,7 @@ def advance(dec: Decoder, sampler: Sampler, token: int, budget: int, stop_ids: s
     `token` and the accepted drafts. (The step decode_reply takes, for callers that own the reply
     loop and its output, such as `cabinlm bench`.)"""
     drafting.push(token)
-    drafts = drafting.propose(dec) if budget > 1 else ()
+    drafts = sampler.admissible(drafting.propose(dec)) if budget > 1 else ()
     if not drafts:
         return [sampler(dec.step(np.array([token], dtype=np.int64))[0])]
     r = Reply()
@@ -121,7 +121,7 @@ def advance_seats(decs: Sequence[Decoder], samplers: Sequence[Sampler], tokens: 
             checks.append(None)
             continue
         drafting.push(token)
-        drafts = drafting.propose(dec) if budget > 1 else ()
+        drafts = sampler.admissible(drafting.propose(dec)) if budget > 1 else ()
         chunks.append(np.array([token, *drafts], dtype=np.int64))
         checks.append(_Check(sampler, drafts, budget, stop_ids) if drafts else None)
     got = seats_together(decs, chunks, accepts=checks)

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from cabinlm.errors import OptionError
+
+if TYPE_CHECKING:
+    from cabinlm.runtime.grammar import Constraint
 
 
 @dataclass
@@ -16,6 +20,9 @@ class Sampler:
     top_p: float = 1.0
     top_k: int = 0  # 0 = no top-k cut
     seed: int | None = None
+    # What the reply must follow (runtime/grammar.py): every choice is made from the masked logits
+    # and consumed by it, draft checks included. None: unconstrained.
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         # OptionErrors named as the command line spells them; NaN fails every comparison, so each
@@ -32,17 +39,38 @@ class Sampler:
             raise OptionError(f"--seed must be a whole number >= 0, got {self.seed!r}") from e
 
     def __call__(self, logits: np.ndarray) -> int:
+        if self.constraint is not None:
+            logits = self.constraint.mask(logits)
         if self.temperature == 0:
-            return int(np.argmax(logits))
-        p = self.probs(logits)
-        return int(self.rng.choice(p.size, p=p))
+            token = int(np.argmax(logits))
+        else:
+            p = self.probs(logits)
+            token = int(self.rng.choice(p.size, p=p))
+        if self.constraint is not None:
+            self.constraint.consume(token)
+        return token
+
+    def admissible(self, drafts):
+        """The drafts the constraint lets follow the reply so far (all of them without one): the
+        reply loop verifies only these."""
+        if self.constraint is None:
+            return drafts
+        return drafts[: self.constraint.admissible(drafts)]
 
     def accept_draft(self, logits: np.ndarray, draft: int) -> tuple[bool, int]:
         """Speculative decoding's acceptance rule for a drafted token (a draft that is one token for
         sure, as prompt lookup drafts): greedy accepts it when it is the argmax; sampling accepts it
         with probability p(draft) and otherwise samples from p with the draft removed (renormalized),
         which is max(0, p - q) for a point-mass draft q: the token that comes out is distributed as p
-        exactly. Returns (accepted, the token)."""
+        exactly. Returns (accepted, the token). With a constraint, p is that of the masked logits
+        and the token that comes out joins the constraint's reply."""
+        if self.constraint is not None:
+            ok, token = self._accept_draft(self.constraint.mask(logits), draft)
+            self.constraint.consume(token)
+            return ok, token
+        return self._accept_draft(logits, draft)
+
+    def _accept_draft(self, logits: np.ndarray, draft: int) -> tuple[bool, int]:
         if self.temperature == 0:
             token = int(np.argmax(logits))
             return token == draft, token

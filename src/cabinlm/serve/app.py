@@ -152,6 +152,15 @@ async def _events(turn: Turn, cid: str, model: str, created: int) -> AsyncIterat
             yield _sse(STOPPING.body())
             return
         elif kind == "done":
+            if value.calls:  # content the opener's hold-back kept, then the calls
+                if value.content.startswith(value.streamed) and len(value.content) > len(value.streamed):
+                    yield _sse(replies.chunk(cid, model, created, {"content": value.content[len(value.streamed):]}))
+                for delta in replies.call_deltas(value):
+                    yield _sse(replies.chunk(cid, model, created, delta))
+            elif request.calls_tools and value.result.reply.startswith(value.streamed) \
+                    and len(value.result.reply) > len(value.streamed):
+                # a tool call's opener held back, but no call followed it (cut by max_tokens): it is text
+                yield _sse(replies.chunk(cid, model, created, {"content": value.result.reply[len(value.streamed):]}))
             yield _sse(replies.final_chunk(cid, model, created, value))
             if request.include_usage:
                 usage = replies.usage(value, turn.seat.name)

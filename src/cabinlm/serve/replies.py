@@ -47,7 +47,28 @@ def usage(outcome: TurnOutcome, seat: str) -> dict[str, Any]:
 
 
 def _finish(outcome: TurnOutcome) -> str:
+    if outcome.calls and outcome.result.finish != "length":  # cut by the length limit after whole calls: "length"
+        return "tool_calls"
     return "length" if outcome.result.finish == "length" else "stop"
+
+
+def message(outcome: TurnOutcome) -> dict[str, Any]:
+    """The reply as OpenAI's assistant message: its text, or its tool calls (content null where the
+    model wrote nothing before them)."""
+    if not outcome.calls:
+        return {"role": "assistant", "content": outcome.result.reply}
+    return {"role": "assistant", "content": outcome.content or None, "tool_calls": [c.to_dict() for c in outcome.calls]}
+
+
+def call_deltas(outcome: TurnOutcome) -> list[dict[str, Any]]:
+    """The tool calls as a stream's deltas, as OpenAI streams them: per call, its index, id, type and
+    name with empty arguments, then the arguments."""
+    out: list[dict[str, Any]] = []
+    for i, c in enumerate(outcome.calls):
+        out.append({"tool_calls": [{"index": i, "id": c.id, "type": "function",
+                                    "function": {"name": c.name, "arguments": ""}}]})  # fmt: skip
+        out.append({"tool_calls": [{"index": i, "function": {"arguments": c.arguments}}]})
+    return out
 
 
 def completion(cid: str, model: str, outcome: TurnOutcome, usage_block: dict) -> dict[str, Any]:
@@ -59,7 +80,7 @@ def completion(cid: str, model: str, outcome: TurnOutcome, usage_block: dict) ->
         "system_fingerprint": outcome.result.backend,
         "choices": [{
             "index": 0,
-            "message": {"role": "assistant", "content": outcome.result.reply},
+            "message": message(outcome),
             "finish_reason": _finish(outcome),
             "logprobs": None,
         }],

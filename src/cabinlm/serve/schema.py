@@ -8,22 +8,43 @@ What a request may carry (https://platform.openai.com/docs/api-reference/chat/cr
     temperature, top_p, seed             sampling (default: greedy, as `cabinlm chat`)
     stream, stream_options               server-sent events; include_usage adds a usage chunk
     user                                 names the seat (default "default")
-    n, stop, tools, logprobs, ...        accepted only at the value that changes nothing (n = 1, no stop
-                                         strings, no tools, ...); anything else is refused, not ignored
+    tools, tool_choice,                  function calling (runtime/tools.py): the tools join the system
+    parallel_tool_calls                  prompt, the grammar makes every call valid against its schema
+    response_format                      {"type": "json_object"} or {"type": "json_schema", ...}: the
+                                         reply is JSON following it (grammar-constrained)
+    stop                                 a string or up to 4: the reply ends at the first, not shown
+    n, logprobs, ...                     accepted only at the value that changes nothing (n = 1, ...);
+                                         anything else is refused, not ignored
     metadata, store, service_tier, ...   accepted and ignored (they do not change the reply)
     any other field                      refused: a misspelt field must not be silently dropped
 
 A conversation is [system] (user, assistant)* user: the system message (first only; "developer" is
-its newer name) is the pinned system prompt, the last message is the one the reply answers.
+its newer name) is the pinned system prompt, the last message is the one the reply answers. Tool
+results count as a user message: the tool messages that follow an assistant message with tool_calls
+(each naming one of its calls' ids) are one user turn of <tool_response> blocks, and the assistant
+message with tool_calls is the text the model wrote for them (runtime/tools.render_calls).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from cabinlm.errors import CabinlmError
+from cabinlm.runtime.grammar import GrammarError, GrammarSpec
+from cabinlm.runtime.stops import MAX_STOP_STRINGS
+from cabinlm.runtime.tools import (
+    Tool,
+    ToolChoice,
+    calls_grammar,
+    json_reply_grammar,
+    parse_tool_choice,
+    parse_tools,
+    render_calls,
+    render_results,
+)
 
 DEFAULT_SEAT = "default"
 MAX_TOKENS_LIMIT = 32768  # the longest reply one request may ask for (memory stays constant regardless)
@@ -55,9 +76,10 @@ def encodable(text: str) -> str:
 class Message:
     """One message of the history: its text parts joined, and a user message's image (its URL)."""
 
-    role: str  # "system", "user" or "assistant"
+    role: str  # "system", "user", "assistant" or "tool" (tool results: a user turn)
     text: str
     image: str | None = None  # a data: URL, a file:// URL or an absolute path (user messages only)
+    call_ids: tuple[str, ...] = ()  # an assistant message's tool calls' ids; a tool turn's tool_call_ids
 
 
 @dataclass(frozen=True)
@@ -77,6 +99,16 @@ class ChatRequest:
     seed: int | None
     stream: bool
     include_usage: bool
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = ToolChoice("none")
+    parallel_tool_calls: bool = True
+    grammar: GrammarSpec | None = None  # what the reply must follow (tool calls or response_format)
+    stop: tuple[str, ...] = ()
+
+    @property
+    def calls_tools(self) -> bool:
+        """The reply may hold tool calls (read back from its text)."""
+        return self.tool_choice.mode != "none"
 
 
 # -- field checks ---------------------------------------------------------------------------------
@@ -101,19 +133,14 @@ def _absent(v: Any) -> bool:
 # Fields OpenAI defines that this server can honour only at one value: (accepted?, what to say).
 _ONLY_NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "n": (lambda v: v is None or (_is_int(v) and v == 1), "one choice per request: n must be 1"),
-    "stop": (lambda v: _absent(v) or v == "",
-             "stop strings are not supported; the reply ends at the model's own stop token"),
     "frequency_penalty": (lambda v: v is None or (_is_number(v) and v == 0), "penalties are not supported: use 0"),
     "presence_penalty": (lambda v: v is None or (_is_number(v) and v == 0), "penalties are not supported: use 0"),
     "logprobs": (lambda v: v is None or v is False, "log probabilities are not returned"),
     "top_logprobs": (lambda v: v is None or (_is_int(v) and v == 0), "log probabilities are not returned"),
     "logit_bias": (_absent, "logit_bias is not supported"),
-    "tools": (_absent, "tools (function calling) are not supported"),
-    "functions": (_absent, "functions (function calling) are not supported"),
-    "tool_choice": (lambda v: v is None or v == "none", "tools (function calling) are not supported"),
-    "function_call": (lambda v: v is None or v == "none", "functions (function calling) are not supported"),
-    "response_format": (lambda v: v is None or v == {"type": "text"},
-                        'only text replies: response_format must be {"type": "text"}'),
+    "functions": (_absent, "the legacy functions field is not supported: send tools"),
+    "function_call": (lambda v: v is None or v == "none", "the legacy function_call field is not supported: send "
+                      "tool_choice"),
     "modalities": (lambda v: v is None or v == ["text"], "only text replies: modalities must be [\"text\"]"),
     "audio": (lambda v: v is None, "audio output is not supported"),
     "prediction": (lambda v: v is None, "predicted outputs are not supported"),
@@ -122,13 +149,14 @@ _ONLY_NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "verbosity": (lambda v: v is None, "verbosity is not supported"),
 }
 # Fields that do not change the reply here: accepted and ignored.
-_IGNORED = {"metadata", "store", "service_tier", "parallel_tool_calls", "safety_identifier", "prompt_cache_key",
-            "prompt_cache_retention", "moderation"}  # fmt: skip
+_IGNORED = {"metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+            "moderation"}  # fmt: skip
 _KNOWN = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stream",
-          "stream_options", "user"} | set(_ONLY_NEUTRAL) | _IGNORED  # fmt: skip
+          "stream_options", "user", "tools", "tool_choice", "parallel_tool_calls", "response_format",
+          "stop"} | set(_ONLY_NEUTRAL) | _IGNORED  # fmt: skip
 # Keys of a message object: content and role, plus what the openai client writes back with a reply.
-_MESSAGE_KEYS = {"role", "content", "name"}
-_MESSAGE_NULL_KEYS = {"tool_calls", "function_call", "refusal", "audio", "annotations", "reasoning_content"}
+_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id"}
+_MESSAGE_NULL_KEYS = {"function_call", "refusal", "audio", "annotations", "reasoning_content"}
 
 
 def _int_field(body: dict, name: str, low: int, high: int) -> int | None:
@@ -209,18 +237,54 @@ def _message(m: Any, i: int) -> Message:
     role = m.get("role")
     if role == "developer":
         role = "system"
-    if role not in ("system", "user", "assistant"):
-        raise _fail(f"{where}.role", f"{where}.role must be 'system', 'developer', 'user' or 'assistant', got {role!r}"
-                    + ("; tool messages are not supported" if role in ("tool", "function") else ""))  # fmt: skip
+    if role not in ("system", "user", "assistant", "tool"):
+        raise _fail(f"{where}.role",
+                    f"{where}.role must be 'system', 'developer', 'user', 'assistant' or 'tool', got {role!r}")
     for key, value in m.items():
         if key in _MESSAGE_NULL_KEYS and not _absent(value):
-            raise _fail(f"{where}.{key}", f"{where}.{key} is not supported (no tool calls, audio or refusals)")
+            raise _fail(f"{where}.{key}", f"{where}.{key} is not supported (no audio, refusals or legacy function calls)")
         if key not in _MESSAGE_KEYS | _MESSAGE_NULL_KEYS:
             raise _fail(f"{where}.{key}", f"{where}: unknown field {key!r}")
     if m.get("name") is not None and not isinstance(m["name"], str):
         raise _fail(f"{where}.name", f"{where}.name must be a string")
+    if not _absent(m.get("tool_calls")) and role != "assistant":
+        raise _fail(f"{where}.tool_calls", f"{where}.tool_calls: only assistant messages carry tool calls")
+    if role == "tool":
+        call_id = m.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise _fail(f"{where}.tool_call_id", f"{where}.tool_call_id must name the call this message answers")
+        text, _ = _content(m, where, role)
+        return Message("tool", text, None, (call_id,))
+    if m.get("tool_call_id") is not None:
+        raise _fail(f"{where}.tool_call_id", f"{where}.tool_call_id: only tool messages answer a call")
+    if role == "assistant" and not _absent(m.get("tool_calls")):
+        calls = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+        content = m.get("content")
+        text = "" if content is None or content == "" else _content(m, where, role)[0]
+        return Message("assistant", render_calls(text, [(n, a) for _, n, a in calls]), None,
+                       tuple(c for c, _, _ in calls))  # fmt: skip
     text, image = _content(m, where, role)
     return Message(role, text, image)
+
+
+def _tool_calls(value: Any, where: str) -> list[tuple[str, str, str]]:
+    """An assistant message's tool_calls -> [(id, name, arguments JSON)]."""
+    if not isinstance(value, list):
+        raise _fail(where, f"{where} must be a list of tool calls")
+    calls = []
+    for j, c in enumerate(value):
+        at = f"{where}[{j}]"
+        f = c.get("function") if isinstance(c, dict) else None
+        if not (isinstance(c, dict) and isinstance(c.get("id"), str) and c.get("type", "function") == "function"
+                and isinstance(f, dict) and isinstance(f.get("name"), str) and isinstance(f.get("arguments"), str)):
+            raise _fail(at, f'{at} must be {{"id": ..., "type": "function", "function": {{"name": ..., '
+                            f'"arguments": "<JSON text>"}}}}')  # fmt: skip
+        try:
+            json.loads(f["arguments"])
+        except ValueError:
+            raise _fail(f"{at}.function.arguments", f"{at}.function.arguments is not JSON text") from None
+        calls.append((c["id"], f["name"], f["arguments"]))
+    return calls
 
 
 def _conversation(messages: Any) -> Conversation:
@@ -228,22 +292,82 @@ def _conversation(messages: Any) -> Conversation:
         raise _fail("messages", "messages must be a non-empty list of {role, content} objects")
     parsed = [_message(m, i) for i, m in enumerate(messages)]
     system = None
+    offset = 0
     if parsed[0].role == "system":
-        system, parsed = parsed[0].text, parsed[1:]
-    offset = len(messages) - len(parsed)
+        system, parsed, offset = parsed[0].text, parsed[1:], 1
+    # Consecutive tool messages are one user turn; each answers a call of the assistant message before.
+    turns: list[Message] = []
+    index: list[int] = []  # each turn's first message, as the request numbers it
     for i, m in enumerate(parsed):
-        want = "user" if i % 2 == 0 else "assistant"
-        if m.role != want:
-            at = f"messages[{i + offset}]"
+        at = f"messages[{i + offset}]"
+        if m.role != "tool":
+            turns.append(m)
+            index.append(i + offset)
+            continue
+        if turns and turns[-1].role == "tool":
+            calls = turns[-2].call_ids
+            group = turns.pop()
+        else:
+            index.append(i + offset)
+            calls = turns[-1].call_ids if turns and turns[-1].role == "assistant" else ()
+            if not calls:
+                raise _fail(f"{at}.role", f"{at} is a tool message, but the message before it is not an assistant "
+                                          "message with tool_calls")  # fmt: skip
+            group = Message("tool", "", None, ())
+        if m.call_ids[0] not in calls:
+            raise _fail(f"{at}.tool_call_id", f"{at}.tool_call_id {m.call_ids[0]!r} matches no call of the assistant "
+                                              f"message before it ({', '.join(calls)})")  # fmt: skip
+        results = [*group.call_ids, m.call_ids[0]]
+        texts = ([group.text] if group.text else []) + [render_results([m.text])]
+        turns.append(Message("tool", "\n".join(texts), None, tuple(results)))
+    for i, m in enumerate(turns):
+        want = ("user", "tool") if i % 2 == 0 else ("assistant",)
+        if m.role not in want:
+            at = f"messages[{index[i]}]"
             if m.role == "system":
                 why = "a system message is accepted only first (it is the pinned system prompt)"
             else:
-                why = f"expected a {want} message: after the system message, user and assistant messages alternate"
+                why = (f"expected a {want[0]} message: after the system message, user (or tool results) and "
+                       "assistant messages alternate")  # fmt: skip
             raise _fail(f"{at}.role", f"{at} is a {m.role} message; {why}")
-    if not parsed or len(parsed) % 2 == 0:
-        raise _fail("messages", "the last message must be the user's: the reply answers it")
-    exchanges = tuple((parsed[i], parsed[i + 1]) for i in range(0, len(parsed) - 1, 2))
-    return Conversation(system, exchanges, parsed[-1])
+    if not turns or len(turns) % 2 == 0:
+        raise _fail("messages", "the last message must be the user's (or tool results): the reply answers it")
+    exchanges = tuple((turns[i], turns[i + 1]) for i in range(0, len(turns) - 1, 2))
+    return Conversation(system, exchanges, turns[-1])
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(x, str) for x in stops):
+        raise _fail("stop", f"stop must be a string or a list of up to {MAX_STOP_STRINGS} strings, got {value!r}"[:200])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise _fail("stop", f"stop holds {len(stops)} strings; at most {MAX_STOP_STRINGS}")
+    return tuple(_text(x, "stop") for x in stops if x)
+
+
+def _grammar(body: dict, tools: tuple[Tool, ...], choice: ToolChoice, parallel: bool) -> GrammarSpec | None:
+    """What the reply must follow: the tool calls' grammar, or response_format's JSON (not both)."""
+    fmt = body.get("response_format")
+    if fmt is None or fmt == {"type": "text"}:
+        return calls_grammar(tools, choice, parallel)
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "json_object":
+        spec = json_reply_grammar({"type": "object"}, "response_format")
+    elif kind == "json_schema":
+        js = fmt.get("json_schema")
+        if not isinstance(js, dict) or "schema" not in js:
+            raise _fail("response_format.json_schema",
+                        'response_format.json_schema must be {"name": ..., "schema": {...}}')  # fmt: skip
+        spec = json_reply_grammar(js["schema"], "response_format.json_schema.schema")
+    else:
+        raise _fail("response_format", 'response_format.type must be "text", "json_object" or "json_schema", got '
+                                       f"{kind!r}")  # fmt: skip
+    if choice.mode != "none":
+        raise _fail("response_format", "a JSON response_format and tool calls cannot both shape one reply: send "
+                                       'tool_choice "none", or no response_format')  # fmt: skip
+    return spec
 
 
 def parse_chat_request(body: Any, model_id: str) -> ChatRequest:
@@ -293,5 +417,15 @@ def parse_chat_request(body: Any, model_id: str) -> ChatRequest:
     if not isinstance(seat, str) or not SEAT_NAME.fullmatch(seat):
         raise _fail("user", f"user names the seat: 1-64 letters, digits, '.', '_' or '-', starting with a letter or "
                             f"digit; got {seat!r}")  # fmt: skip
+    try:
+        tools = parse_tools(body["tools"]) if not _absent(body.get("tools")) else ()
+        choice = parse_tool_choice(body.get("tool_choice"), tools)
+        parallel = body.get("parallel_tool_calls")
+        if parallel is not None and not isinstance(parallel, bool):
+            raise _fail("parallel_tool_calls", f"parallel_tool_calls must be true or false, got {parallel!r}")
+        grammar = _grammar(body, tools, choice, parallel is not False)
+    except GrammarError as e:
+        raise RequestError(str(e), param=e.param, code="invalid_value") from None
     return ChatRequest(conversation, seat, max_completion if max_tokens is None else max_tokens, temperature, top_p,
-                       seed, bool(stream), include_usage)  # fmt: skip
+                       seed, bool(stream), include_usage, tools, choice, parallel is not False, grammar,
+                       _stop(body.get("stop")))  # fmt: skip

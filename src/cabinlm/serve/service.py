@@ -35,8 +35,10 @@ from typing import Any, Callable
 from cabinlm.errors import CabinlmError, InputError
 from cabinlm.runtime.assembly import RuntimeConfig, open_runtime
 from cabinlm.runtime.dialogue import Dialogue, LongMessages
+from cabinlm.runtime.grammar import Compiled, GrammarError, Grammars
 from cabinlm.runtime.limits import check_count
 from cabinlm.runtime.template import Template
+from cabinlm.runtime.tools import json_reply_grammar, tools_system
 from cabinlm.serve.admission import Admission, SharedTokenizer
 from cabinlm.serve.history import SeatRecord, TurnPlan, plan_turn
 from cabinlm.serve.scheduler import ModelTurns, SeatSteps
@@ -127,6 +129,7 @@ class Admitted:
     record: SeatRecord | None  # the seat's record when it was measured (None: a new seat)
     plan: TurnPlan
     fed: int  # tokens the plan feeds before the reply
+    grammar: Compiled | None = None  # what the reply must follow, compiled for this model
 
 
 def model_name(source: str) -> str:
@@ -165,6 +168,18 @@ class ChatService:
         self._executor = concurrent.futures.ThreadPoolExecutor(len(dialogues), thread_name_prefix="cabinlm-seat")
         self._turns: set[Turn] = set()
         self.stopping = False
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
+
+    @property
+    def grammars(self) -> Grammars:
+        """llguidance's view of the model's vocabulary: made once, by the first request with a grammar."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                first = self.dialogues[0].decoder
+                path = first.folder / self.manifest.files["tokenizer"].path
+                self._grammars = Grammars(path, list(self.manifest.stop_ids), self.manifest.model.vocab_size)
+            return self._grammars
 
     @classmethod
     def open(cls, config: ServeConfig) -> ChatService:
@@ -192,9 +207,12 @@ class ChatService:
         }
 
     def _conversation(self, request: ChatRequest):
-        """The request's conversation with the system prompt its seat pins (the model's default for none)."""
+        """The request's conversation with the system prompt its seat pins: the model's default for
+        none, and the request's tools listed after it (runtime/tools.py)."""
         conv = request.conversation
-        return conv if conv.system is not None else dataclasses.replace(conv, system=self.default_system)
+        system = conv.system if conv.system is not None else self.default_system
+        system = tools_system(system, request.tools, self.manifest.chat)
+        return conv if system == conv.system else dataclasses.replace(conv, system=system)
 
     def admit(self, body: Any) -> Admitted:
         """A decoded JSON body, checked whole before it may take a seat or the model (in a thread of its
@@ -209,7 +227,26 @@ class ChatService:
         record = seat.record if seat is not None else None  # a new seat feeds everything
         conv = self._conversation(request)
         plan = plan_turn(record, conv)
-        return Admitted(request, record, plan, self.admission.measure(conv, plan, record))
+        fed = self.admission.measure(conv, plan, record)
+        grammar = None
+        if request.grammar is not None:  # compiled here, never in the seat's turn
+            try:
+                grammar = self.grammars.compile(request.grammar)
+            except GrammarError as e:
+                message, param = self._grammar_fault(request, e)
+                raise RequestError(message, param=param, code="unsupported_schema") from None
+        return Admitted(request, record, plan, fed, grammar)
+
+    def _grammar_fault(self, request: ChatRequest, e: GrammarError) -> tuple[str, str | None]:
+        """(message, param) of a grammar that did not compile: the tool whose parameters cannot be
+        enforced, where one is at fault, else the grammar as a whole."""
+        if request.grammar is not None and request.grammar.param == "tools":
+            for i, tool in enumerate(request.tools):
+                try:
+                    self.grammars.compile(json_reply_grammar(tool.parameters, f"tools[{i}].function.parameters"))
+                except GrammarError as each:
+                    return str(each), each.param
+        return str(e), e.param
 
     async def start(self, admitted: Admitted) -> Turn:
         """Claim the request's seat, wait for it, and start the turn in a worker thread."""
@@ -263,8 +300,9 @@ class ChatService:
             if seat.record is not admitted.record:  # another request changed the seat since this one was measured
                 self.admission.measure(conv, plan, seat.record)
             frames = Frames.load(conv, plan)  # a bad image is refused before the seat changes
+            constraint = None if admitted.grammar is None else self.grammars.constraint(admitted.grammar)
             sampling = Sampling(request.max_tokens or self.max_new_tokens, request.temperature, request.top_p,
-                                request.seed)  # fmt: skip
+                                request.seed, request.stop, constraint, request.calls_tools)  # fmt: skip
             outcome = answer(seat, conv, plan, frames, sampling, self.model,
                              on_text=(lambda t: turn.post("delta", t)) if request.stream else (lambda t: None),
                              stopped=turn.cancelled.is_set,

@@ -22,7 +22,10 @@ from typing import Any, Callable
 import numpy as np
 
 from cabinlm.runtime.dialogue import Dialogue, TurnResult
+from cabinlm.runtime.grammar import Constraint
 from cabinlm.runtime.sampler import Sampler
+from cabinlm.runtime.stops import StopStrings
+from cabinlm.runtime.tools import OPEN, ToolCall, new_call_id, parse_calls, render_calls
 from cabinlm.serve.history import Exchange, SeatRecord, TurnPlan, image_key
 from cabinlm.serve.images import open_image
 from cabinlm.serve.scheduler import ModelTurns
@@ -98,6 +101,8 @@ class TurnOutcome:
     prompt_tokens: int  # tokens fed before the reply: the new messages, or all of the history when rebuilt
     streamed: str  # the deltas on_text received, joined
     cancelled: bool  # the reply was ended because the client went away
+    content: str  # the reply's text, less its tool calls
+    calls: list[ToolCall]  # the tool calls read from the reply (requests with tools)
     saved: bool = False  # written to --sessions (set by the service once the seat is saved)
 
 
@@ -107,6 +112,9 @@ class Sampling:
     temperature: float
     top_p: float
     seed: int | None
+    stop: tuple[str, ...] = ()  # stop strings
+    constraint: Constraint | None = None  # what the reply must follow (tool calls, a JSON format)
+    calls_tools: bool = False  # the reply may hold tool calls: they are read back, never streamed as text
 
 
 def _replay(d: Dialogue, ex: Exchange, image, model: ModelTurns) -> None:
@@ -180,22 +188,32 @@ def answer(seat, conversation: Conversation, plan: TurnPlan, frames: Frames, sam
             cancelled = stopped()
             return cancelled
 
+        # Text from a tool call's opener on is the call, not content: held back like a stop string.
+        content_only = StopStrings([OPEN] if sampling.calls_tools else [])
+
         def text(delta: str) -> None:
-            deltas.append(delta)
-            on_text(delta)
+            shown = content_only.push(delta)
+            if shown:
+                deltas.append(shown)
+                on_text(shown)
 
         turns = d.turns
         try:
-            result = d.ask(conversation.prompt.text, on_text=text, image=frames.prompt, should_stop=between_tokens)
+            result = d.ask(conversation.prompt.text, on_text=text, image=frames.prompt, should_stop=between_tokens,
+                           stop=sampling.stop, constraint=sampling.constraint)  # fmt: skip
         except BaseException:
             if d.turns != turns:  # something of the prompt was fed: the cache no longer matches `held`
                 seat.record = None
             raise
+    content, found = parse_calls(result.reply) if sampling.calls_tools else (result.reply, [])
+    calls = [ToolCall(new_call_id(), name, arguments) for name, arguments in found]
+    # A reply with calls is kept as the text a history sends back for it (its assistant message with
+    # tool_calls, rendered): the seat then extends with the tool results.
+    reply = render_calls(content, found) if calls else result.reply
     streamed = "".join(deltas)
     finish = "cancelled" if cancelled else result.finish
     prompt = conversation.prompt
-    exchange = Exchange(prompt.text, image_key(prompt.image), result.reply,
-                        None if streamed == result.reply else streamed, sampler.choices, sampling.max_new_tokens,
-                        finish)  # fmt: skip
+    exchange = Exchange(prompt.text, image_key(prompt.image), reply, None if streamed == reply else streamed,
+                        sampler.choices, sampling.max_new_tokens, finish)  # fmt: skip
     seat.record = SeatRecord(conversation.system, held + [exchange])
-    return TurnOutcome(result, plan, prefilled[0] - start, streamed, cancelled)
+    return TurnOutcome(result, plan, prefilled[0] - start, streamed, cancelled, content, calls)

@@ -1,0 +1,206 @@
+"""Function calling: the tool list in the prompt, the grammar a call follows, the calls read back.
+
+The model sees the tools in its system prompt (ChatTemplate.tools_prefix / separator / suffix,
+resolved at export: the model's own wording where its template renders tools, the Hermes wording
+otherwise) and writes each call Hermes-style:
+
+    <tool_call>
+    {"name": "set_temperature", "arguments": {"zone": "driver", "celsius": 22}}
+    </tool_call>
+
+The grammar (runtime/grammar.py) makes every call well-formed: the name one of the tools', the
+arguments valid against that tool's JSON Schema, the JSON written with fixed separators (", " and
+": ", no other whitespace), so a call's text is a function of its name and arguments alone. With
+tool_choice "auto" it holds from the opener "<tool_call>" on (a reply without a call is untouched);
+with "required" or a named function, from the first token. After the last call only the model's
+stop ids are allowed.
+
+A reply's calls go back into a history as the same text (render_calls), and tool results as a user
+turn of <tool_response> blocks (render_results), as Qwen2.5's template renders them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cabinlm.manifest import ChatTemplate
+from cabinlm.runtime.grammar import GrammarError, GrammarSpec, check_schema
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+RESULT_OPEN, RESULT_CLOSE = "<tool_response>\n", "\n</tool_response>"
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
+# Calls and JSON replies are written compactly with these separators and no other whitespace.
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict  # a JSON Schema of an object
+
+    def listing(self) -> str:
+        """The tool as the prompt lists it (OpenAI's tool object, as the templates serialize it)."""
+        function: dict[str, Any] = {"name": self.name}
+        if self.description:
+            function["description"] = self.description
+        function["parameters"] = self.parameters
+        return json.dumps({"type": "function", "function": function}, ensure_ascii=False)
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    mode: str  # "none", "auto" or "required"
+    name: str | None = None  # a named function (mode "required")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # the JSON text of the arguments, as the model wrote it
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def parse_tools(value: Any, param: str = "tools") -> tuple[Tool, ...]:
+    """OpenAI's `tools` list -> Tools, or GrammarError naming the element and the fix. Each tool's
+    parameters are checked as JSON Schema (an object schema)."""
+    if not isinstance(value, list) or not value:
+        raise GrammarError(f"{param} must be a non-empty list of {{\"type\": \"function\", \"function\": {{...}}}}", param)
+    tools: list[Tool] = []
+    for i, t in enumerate(value):
+        at = f"{param}[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
+            raise GrammarError(f"{at} must be {{\"type\": \"function\", \"function\": {{\"name\": ..., \"parameters\": "
+                               f"{{...}}}}}} (only function tools)", at)  # fmt: skip
+        f = t["function"]
+        unknown = set(f) - {"name", "description", "parameters", "strict"}
+        if unknown:
+            raise GrammarError(f"{at}.function: unknown field {sorted(unknown)[0]!r}", f"{at}.function")
+        name = f.get("name")
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise GrammarError(f"{at}.function.name must be 1-64 letters, digits, '_' or '-', got {name!r}",
+                               f"{at}.function.name")  # fmt: skip
+        if any(x.name == name for x in tools):
+            raise GrammarError(f"{at}.function.name {name!r} names two tools", f"{at}.function.name")
+        description = f.get("description", "")
+        if not isinstance(description, str):
+            raise GrammarError(f"{at}.function.description must be a string", f"{at}.function.description")
+        parameters = f.get("parameters", {"type": "object", "properties": {}})
+        where = f"{at}.function.parameters"
+        check_schema(parameters, where)
+        if not isinstance(parameters, dict) or parameters.get("type") != "object":
+            raise GrammarError(f"{where} must be a JSON Schema of \"type\": \"object\" (a call's arguments are an object)",
+                               where)  # fmt: skip
+        tools.append(Tool(name, description, parameters))
+    return tuple(tools)
+
+
+def parse_tool_choice(value: Any, tools: Sequence[Tool], param: str = "tool_choice") -> ToolChoice:
+    if value is None:
+        return ToolChoice("auto" if tools else "none")
+    if value in ("none", "auto", "required"):
+        if value != "none" and not tools:
+            raise GrammarError(f"{param}={value!r} needs tools", param)
+        return ToolChoice(value)
+    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict):
+        name = value["function"].get("name")
+        if not any(t.name == name for t in tools):
+            raise GrammarError(f"{param} names the function {name!r}, which is not among tools "
+                               f"({', '.join(t.name for t in tools) or 'none given'})", param)  # fmt: skip
+        return ToolChoice("required", name)
+    raise GrammarError(f"{param} must be 'none', 'auto', 'required' or {{\"type\": \"function\", \"function\": "
+                       f"{{\"name\": ...}}}}, got {value!r}"[:300], param)  # fmt: skip
+
+
+def tools_system(system: str | None, tools: Sequence[Tool], chat: ChatTemplate) -> str | None:
+    """The system prompt with the tool list (`system` itself without tools)."""
+    if not tools:
+        return system
+    listing = chat.tools_separator.join(t.listing() for t in tools)
+    return (system or "") + chat.tools_prefix + listing + chat.tools_suffix
+
+
+def call_schema(tool: Tool) -> dict:
+    return {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
+            "required": ["name", "arguments"], "additionalProperties": False}  # fmt: skip
+
+
+def calls_grammar(tools: Sequence[Tool], choice: ToolChoice, parallel: bool) -> GrammarSpec | None:
+    """The grammar of a reply under `choice` (None for "none": the reply is free)."""
+    if choice.mode == "none":
+        return None
+    allowed = [t for t in tools if choice.name is None or t.name == choice.name]
+    schema: dict[str, Any] = {"x-guidance": JSON_STYLE}
+    if len(allowed) == 1:
+        schema.update(call_schema(allowed[0]))
+    else:
+        schema["anyOf"] = [call_schema(t) for t in allowed]
+    more = ' ("\\n" call)*' if parallel else ""
+    lark = (f"start: call{more}\n"
+            f"call: {json.dumps(OPEN + chr(10))} body {json.dumps(chr(10) + CLOSE)}\n"
+            f"body: %json {json.dumps(schema, ensure_ascii=False)}\n")  # fmt: skip
+    return GrammarSpec(lark, OPEN if choice.mode == "auto" else None, "tools")
+
+
+def json_reply_grammar(schema: Any, param: str) -> GrammarSpec:
+    """A reply that is one JSON value following `schema`, written compactly (JSON_STYLE)."""
+    check_schema(schema, param)
+    body = {"x-guidance": JSON_STYLE, **schema} if isinstance(schema, dict) else schema
+    return GrammarSpec(f"start: %json {json.dumps(body, ensure_ascii=False)}", None, param)
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def parse_calls(text: str) -> tuple[str, list[tuple[str, str]]]:
+    """A reply's text -> (the content before its first call, stripped; [(name, arguments JSON)]).
+    A reply without a well-formed call is all content; one that the length limit cut inside a call
+    after whole ones gives the whole ones. Reads what calls_grammar lets the model write."""
+    at = text.find(OPEN)
+    if at < 0:
+        return text, []
+    content, rest, calls = text[:at].strip(), text[at:], []
+    decoder = json.JSONDecoder()
+    while rest.startswith(OPEN):
+        body = rest[len(OPEN):].lstrip("\n")
+        try:
+            obj, end = decoder.raw_decode(body)
+        except json.JSONDecodeError:
+            break
+        if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get("arguments"), dict)):
+            break
+        after = body[end:].lstrip("\n")
+        if not after.startswith(CLOSE):
+            break
+        calls.append((obj["name"], json.dumps(obj["arguments"], ensure_ascii=False)))
+        rest = after[len(CLOSE):].lstrip("\n")
+    if not calls or (rest.strip() and not OPEN.startswith(rest.strip()[: len(OPEN)]) and not rest.startswith(OPEN)):
+        return text, []
+    return content, calls
+
+
+def render_calls(content: str, calls: Sequence[tuple[str, str]]) -> str:
+    """An assistant message with tool calls as the model writes it (calls_grammar's form)."""
+    parts = [content] if content else []
+    for name, arguments in calls:
+        try:
+            args = json.loads(arguments)
+        except (TypeError, ValueError):
+            args = arguments
+        call = json.dumps({"name": name, "arguments": args}, ensure_ascii=False)
+        parts.append(f"{OPEN}\n{call}\n{CLOSE}")
+    return "\n".join(parts)
+
+
+def render_results(results: Sequence[str]) -> str:
+    """Tool results as the user turn that carries them."""
+    return "\n".join(f"{RESULT_OPEN}{r}{RESULT_CLOSE}" for r in results)
