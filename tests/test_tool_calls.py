@@ -424,3 +424,81 @@ def test_mask_allows_exactly_what_the_matcher_accepts(artifact):
                                                 "required": ["a"], "additionalProperties": False}, "x")))  # fmt: skip
     accepted = np.array([m.validate_tokens([t]) == 1 for t in range(vocab)])
     assert (ok == accepted).all() and 0 < ok.sum() < vocab
+
+
+# -- cabinlm chat --tools, the demo's tools, sessions --------------------------------------------
+
+
+def test_chat_with_tools_prints_calls_as_json_and_answers_their_results(artifact, tmp_path):
+    """`cabinlm chat --tools FILE --json`: a message, its call (valid against the schema), the
+    caller's {"tool": ..., "content": ...} line, and the model's answer to it; a result for a
+    function nobody called is one error line, and the chat goes on."""
+    import subprocess
+    import sys
+
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(TOOLS))
+    lines = [ASK, json.dumps({"tool": "honk", "content": "ok"})]
+    cmd = [sys.executable, "-m", "cabinlm", "chat", str(artifact), "--json", "--threads", "1", "--tools", str(tools),
+           "--tool-choice", "set_climate", "--max-new-tokens", "200"]  # fmt: skip
+    first = subprocess.run(cmd, input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=120)
+    assert first.returncode == 1, first.stderr  # the stray result counts as a failure
+    out = [json.loads(line) for line in first.stdout.splitlines()]
+    assert len(out) == 1 and out[0]["tool_calls"], out
+    call = out[0]["tool_calls"][0]["function"]
+    assert call["name"] == "set_climate"
+    check_call(call["name"], call["arguments"])
+    assert "no call of 'honk' is waiting" in first.stderr and len(first.stderr.strip().splitlines()) == 1
+    answered = subprocess.run(cmd[:-4] + ["--tool-choice", "set_climate", "--max-new-tokens", "200"],
+                              input="\n".join([ASK, json.dumps({"tool": "set_climate", "content": {"ok": True}})]) + "\n",
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert answered.returncode == 0, answered.stderr
+    turns = [json.loads(line) for line in answered.stdout.splitlines()]
+    assert len(turns) == 2 and turns[0]["tool_calls"] and turns[1]["turn"] == 2
+
+
+def test_a_tools_file_that_is_not_a_tool_list_is_refused_in_one_line(artifact, tmp_path):
+    import subprocess
+    import sys
+
+    bad = tmp_path / "tools.json"
+    bad.write_text(json.dumps([{"type": "function", "function": {"name": "bad name"}}]))
+    p = subprocess.run([sys.executable, "-m", "cabinlm", "chat", str(artifact), "--tools", str(bad)], input="",
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert p.returncode == 2 and "tools[0].function.name" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_the_demos_vehicle_tools_are_a_valid_tool_list_and_its_simulator_applies_them():
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "demo"))
+    from vehicle import TOOLS as VEHICLE, Vehicle
+
+    tools = parse_tools(VEHICLE)
+    assert len(tools) == 12
+    car = Vehicle()
+    before = car.snapshot()
+    assert json.loads(car.call("set_temperature", {"zone": "driver", "celsius": 22.5}))["ok"]
+    assert car.changes(before) == {"temperature": {**before["temperature"], "driver": 22.5}}
+
+
+def test_tool_calls_and_results_survive_a_killed_server_in_its_sessions(artifact, tmp_path):
+    """serve --sessions, a call, kill -9: the restarted server holds the seat's exchange with its
+    call, so the history with the tool's result extends it and answers as a fresh seat does."""
+    from test_serve import Server
+
+    messages = [{"role": "user", "content": ASK}]
+    kw = dict(model=MODEL, tools=TOOLS, max_tokens=200)
+    with Server(artifact, tmp_path / "server.log", "--sessions", tmp_path / "sessions") as s:
+        first = s.client().chat.completions.create(messages=messages, tool_choice="required", parallel_tool_calls=False,
+                                                   user="kept", **kw)  # fmt: skip
+        s.kill()
+    call = first.choices[0].message.tool_calls[0]
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "done"}]  # fmt: skip
+    with Server(artifact, tmp_path / "server.log", "--sessions", tmp_path / "sessions", "--seats", 2) as s:
+        client = s.client()
+        after = client.chat.completions.create(messages=messages, tool_choice="none", user="kept", **kw)
+        assert after.usage.model_extra["cabinlm"]["history"] == "extended"
+        fresh = client.chat.completions.create(messages=messages, tool_choice="none", user="fresh", **kw)
+    assert after.choices[0].message.content == fresh.choices[0].message.content

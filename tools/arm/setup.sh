@@ -22,7 +22,7 @@ ROOT=$CACHE/root
 WHEELS=$CACHE/wheels
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 # The runtime's packages at the versions the project pins (constraints.txt), and what the tests import.
-PACKAGES=(onnxruntime numpy onnx tokenizers typer Pillow pytest)
+PACKAGES=(onnxruntime numpy onnx tokenizers typer Pillow llguidance jsonschema pytest)
 
 say() { echo "test-arm setup: $*"; }
 
