@@ -116,7 +116,9 @@ def main() -> None:
     print(json.dumps(r))
     print(HEADER)
     print(row(r))
-    if a.records is not None:
+    if r["evicted_tokens"] <= 0:
+        sys.exit(f"the dialogue did not evict ({r['seen_tokens']} tokens seen): use more --turns")
+    if a.records is not None:  # only a run that evicted: the plan is for a full cache
         from cabinlm.bench.records import Recorder, flat
 
         rec = Recorder(TOOL)
@@ -124,8 +126,6 @@ def main() -> None:
         rec.add({k: r[k] for k in params}, {**{k: v for k, v in r.items() if k not in params}, **flat(p.to_dict(), "plan.")},
                 utc_start=start, loadavg_start=load, artifact=a.folder)  # fmt: skip
         rec.write(a.records)
-    if r["evicted_tokens"] <= 0:
-        sys.exit(f"the dialogue did not evict ({r['seen_tokens']} tokens seen): use more --turns")
 
 
 if __name__ == "__main__":

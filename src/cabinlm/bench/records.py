@@ -228,7 +228,8 @@ class Recorder:
 
 class _Run:
     def __init__(self, rec: Recorder, params: Mapping[str, Any], kw: dict[str, Any]):
-        self.rec, self.params, self.kw, self.figures = rec, params, kw, {}
+        self.rec, self.params, self.kw = rec, params, kw
+        self.figures: dict[str, Any] = {}
 
     def __enter__(self) -> dict[str, Any]:
         self.start, self.load = provenance.utc_now(), provenance.load_average()

@@ -268,7 +268,7 @@ def bench(
                     engine="llama.cpp" if mode == "llama.cpp" else None)  # fmt: skip
             return done
 
-        runs = []
+        runs: list[dict] = []
         for r in range(repeat):
             if repeat > 1:
                 info(f"cabinlm: repetition {r + 1} of {repeat}")
