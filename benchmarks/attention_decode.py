@@ -4,23 +4,29 @@ after FILLED cached slots, random int8 caches and queries, the same inputs for e
 library and case: the median of RUNS runs in ms, and whether its outputs equal the first library's
 bit for bit (made to compare two builds' kernel libraries: a change that must not change arithmetic).
 
-    python benchmarks/attention_decode.py LIB.so [LIB.so ...] [--filled 256 600 1148] [--threads 1] [--runs 300]
+    python benchmarks/attention_decode.py LIB.so [LIB.so ...] [--filled 256 600 1148] [--threads 1] [--runs 300] \
+        [--records FILE]
 
-LIB.so: a build's libcabinlm_kernels.so. The caches (14 MB at 1148 slots) stay in this machine's L3
+LIB.so: a build's libcabinlm_kernels.so. The caches (14 MB at 1148 slots) can stay in a large L3
 here, as they do not inside a whole decode step: this measures the kernel's arithmetic, not memory.
-One JSON line per (library, filled, tokens)."""
+One line per (library, filled, tokens); --records FILE appends them as records, each with the
+library's sha256 and matmul path (docs/results.md#x86-and-arm-paths, #seats)."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto as T
 from onnx import helper, numpy_helper
+
+from cabinlm.bench.provenance import load_average, utc_now
+from cabinlm.bench.records import Recorder
+from cabinlm.engines.ort_fused import kernels, single_op
 
 LAYERS, H, HKV, DH, SLOTS, CHUNK = 30, 9, 3, 64, 1148, 64
 
@@ -39,22 +45,9 @@ def session(library: str, filled: int, tokens: int, threads: int) -> ort.Inferen
         for n in ("ks", "vs"):
             inits.append(numpy_helper.from_array(np.full(HKV * DH, 0.05, np.float32), f"{n}{i}"))
         names = ["qkv", f"k{i}", f"v{i}", "seqlens", "total", "cos", "sin", "pos", "bias", f"ks{i}", f"vs{i}"]
-        nodes.append(helper.make_node("Int8KVAttention", names, [f"o{i}"], domain="ai.cabinlm"))
+        nodes.append(helper.make_node(kernels.ATTENTION_OP, names, [f"o{i}"], domain=kernels.DOMAIN))
         outs.append(helper.make_tensor_value_info(f"o{i}", T.FLOAT, None))
-    return kernel_session(helper.make_graph(nodes, "attention", ins, outs, inits), library, threads)
-
-
-def kernel_session(graph, library: str, threads: int, spinning: bool = True) -> ort.InferenceSession:
-    """A session of `graph` (nodes of domain ai.cabinlm) with the kernel library registered, on
-    `threads` threads; spinning False: the pool's threads sleep after a run."""
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("ai.cabinlm", 1)],
-                              ir_version=10)  # fmt: skip
-    so = ort.SessionOptions()
-    so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = threads, 1, 3
-    if not spinning:
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    so.register_custom_ops_library(library)
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return single_op.session(single_op.model(nodes, ins, outs, inits, name="attention"), library=library, threads=threads)
 
 
 def measure(library: str, filled: int, tokens: int, threads: int, runs: int) -> tuple[float, np.ndarray]:
@@ -91,17 +84,22 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--runs", type=int, default=300)
+    ap.add_argument("--records", type=Path, default=None, help="append one record per (library, filled, tokens) here")
     a = ap.parse_args()
+    rec = Recorder("benchmarks/attention_decode.py")
     first: dict[tuple[int, int], np.ndarray] = {}
     for library in a.libraries:
         for filled in a.filled:
             for tokens in a.tokens:
+                start, load = utc_now(), load_average()
                 ms, out = measure(library, filled, tokens, a.threads, a.runs)
                 same = None if (filled, tokens) not in first else bool(np.array_equal(out, first[(filled, tokens)]))
                 first.setdefault((filled, tokens), out)
-                print(json.dumps({"library": library, "filled": filled, "tokens": tokens, "threads": a.threads, "ms": round(ms, 3),
-                                  "equals_first_library": same, "load1": open("/proc/loadavg").read().split()[0]}),
-                      flush=True)  # fmt: skip
+                r = rec.add({"filled": filled, "tokens": tokens, "runs": a.runs}, {"ms": round(ms, 3), "equals_first_library": same},
+                            utc_start=start, loadavg_start=load, library=library, threads=a.threads)  # fmt: skip
+                print(f"{library} ({r.matmul_isa}): {filled} cached, {tokens} rows: {ms:.3f} ms"
+                      f"{'' if same is None else f', equal to the first library: {same}'}", flush=True)
+    rec.write_to(a.records)
 
 
 if __name__ == "__main__":

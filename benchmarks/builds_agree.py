@@ -4,16 +4,22 @@ goes through every path of the attention kernel: two seats of each build, a pinn
 one-token steps, until the window has turned over (1330 tokens with the demo build). Made to check
 that a kernel change meant to change no arithmetic changes none.
 
-    python benchmarks/builds_agree.py BUILD_A BUILD_B
+    python benchmarks/builds_agree.py BUILD_A BUILD_B [--records FILE]
 
-Prints the tokens each seat saw, the number of logits arrays compared and whether all are equal."""
+Prints the tokens each seat saw, the number of logits arrays compared and whether all are equal;
+exits 1 where they differ. --records FILE appends one record per build (its provenance, the figure
+`agrees` on both) (docs/results.md#x86-and-arm-paths)."""
 
 from __future__ import annotations
 
+import argparse
 import sys
+from pathlib import Path
 
 import numpy as np
 
+from cabinlm.bench.provenance import load_average, utc_now
+from cabinlm.bench.records import Recorder
 from cabinlm.runtime import Decoder
 from cabinlm.runtime.decoder import seats_together
 
@@ -37,10 +43,21 @@ def trace(build: str) -> tuple[list[np.ndarray], int]:
 
 
 def main() -> None:
-    a, seen_a = trace(sys.argv[1])
-    b, seen_b = trace(sys.argv[2])
+    ap = argparse.ArgumentParser()
+    ap.add_argument("build_a")
+    ap.add_argument("build_b")
+    ap.add_argument("--records", type=Path, default=None, help="append one record per build here")
+    args = ap.parse_args()
+    start, load = utc_now(), load_average()
+    a, seen_a = trace(args.build_a)
+    b, seen_b = trace(args.build_b)
     same = len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
     print(f"tokens seen {seen_a} / {seen_b}; {len(a)} logits arrays; all equal bit for bit: {same}")
+    rec = Recorder("benchmarks/builds_agree.py")
+    for build, seen in ((args.build_a, seen_a), (args.build_b, seen_b)):
+        rec.add({"against": Path(args.build_b if build == args.build_a else args.build_a).name}, {"tokens_seen": seen,
+                "logits_arrays": len(a), "agrees": same}, utc_start=start, loadavg_start=load, artifact=build, threads=2)  # fmt: skip
+    rec.write_to(args.records)
     sys.exit(0 if same else 1)
 
 

@@ -1,18 +1,21 @@
 """Perplexity beside decode and prefill speed, one row per configuration of cabinlm and of each peer, on
-the same held-out token ids (docs/benchmarks.md; issue 23: a faster configuration that loses quality
-shows as such).
+the same held-out token ids, so that a faster configuration that loses quality shows as such
+(docs/results.md#kv-and-weight-formats, and #gemma-3 for Gemma 3 builds).
 
     python benchmarks/equal_quality.py ART [ART ...] [--text tests/data/prose.txt] [--tokens 1024] \
-        [--peers hf,llama.cpp,ort-genai] [--threads 2] [--model GGUF] [--speed JSON ...] [--json OUT]
+        [--peers hf,llama.cpp,ort-genai] [--threads 2] [--model GGUF] [--speed JSON ...] [--records FILE]
 
     # perplexity and speed of the demo build and every peer configuration:
     cabinlm bench out/smollm2-135m-build-cpu --tokens 3000 --threads 2 --baseline llama.cpp --json > speed_llamacpp.json
     cabinlm bench out/smollm2-135m-build-cpu --tokens 3000 --threads 2 --baseline ort-genai --json > speed_ortgenai.json
     python benchmarks/equal_quality.py out/smollm2-135m-build-cpu --speed speed_llamacpp.json speed_ortgenai.json \
-        --json out/bench/equal_quality.json
+        --records quality.jsonl
 
-    # the small check (2 busy cores, about 30 s): perplexity only, every peer configuration
-    python benchmarks/equal_quality.py /work/bench_after/smol-build-cpu --tokens 256 --threads 2
+    # the small check: perplexity only, every peer configuration
+    python benchmarks/equal_quality.py out/smollm2-135m-build-cpu --tokens 256 --threads 2
+
+--records FILE appends one record per row: the configuration, its perplexity and the speed merged in
+(bench/records.py).
 
 The text is tokenized once, with the first artifact's tokenizer (every other artifact's tokenizer, and
 the peers' own, the float32 save's tokenizer.json, must give the same ids, or the script stops), and
@@ -50,7 +53,7 @@ import dataclasses
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -60,6 +63,8 @@ from cabinlm.bench.catalog import BASELINES, CONFIGS, BaselineError, available
 from cabinlm.bench.peers import HFEngine, LlamaCppEngine, OrtGenaiEngine, build_ort_genai
 from cabinlm.bench.prepare import prepare, resolve_model
 from cabinlm.bench.protocol import Script
+from cabinlm.bench.provenance import load_average, utc_now
+from cabinlm.bench.records import Recorder
 from cabinlm.bench.runner import model_for_baselines
 from cabinlm.manifest import load_manifest
 from cabinlm.runtime import Decoder, Tokenizer
@@ -363,8 +368,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default=None, help="the GGUF the peers load (default: the first artifact's source)")
     ap.add_argument("--speed", nargs="+", default=[], help="`cabinlm bench --json` outputs to merge")
-    ap.add_argument("--json", type=Path, default=None, help="write the rows here")
+    ap.add_argument("--records", type=Path, default=None, help="append one record per row here")
     a = ap.parse_args()
+    start, load = utc_now(), load_average()
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     peers = peer_configs(a.peers)
 
@@ -393,12 +399,18 @@ def main() -> None:
     notes = merge_speed(rows, a.speed) + notes
 
     ref = report(rows, notes, a.text, len(ids), a.threads)
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps({"text": str(a.text), "tokens": len(ids), "threads": a.threads,
-                                      "model": str(path) if path else None,
-                                      "reference": f"{ref.engine} {ref.configuration}" if ref else None,
-                                      "rows": [asdict(r) for r in rows], "notes": notes}, indent=1))  # fmt: skip
+    rec = Recorder("benchmarks/equal_quality.py")
+    for r in rows:
+        cabin = r.engine == "cabinlm"
+        params = {"runner": r.engine, "configuration": Path(r.configuration).name if cabin else r.configuration,
+                  "weights": r.weights, "kv": r.kv, "text": a.text.name, "tokens": len(ids)}  # fmt: skip
+        figures = {"ppl": r.ppl, "nll_mean": r.nll_mean, "evicted": r.evicted, "seconds": r.seconds,
+                   "ppl_over_reference": r.ppl / ref.ppl if ref else None}  # fmt: skip
+        for k in ("decode_tok_s", "decode_tok_s_overall", "prefill_tok_s"):  # the first merged speed run's
+            figures[k] = r.speed[0].get(k) if r.speed else None
+        rec.add(params, figures, utc_start=start, loadavg_start=load, artifact=r.model if cabin else None,
+                engine=None if cabin else r.engine, threads=a.threads)  # fmt: skip
+    rec.write_to(a.records)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,22 @@
 """Per-token NLL of the first N tokens of a text through an artifact whose global layers hold them all
 (nothing evicted), against transformers' dense forward over the same ids, float32 on both sides.
 For a model with local sliding-window layers (Gemma 3), the local rings wrap past their window, so
-the tokens past it check the rings against the model's own sliding mask.
+the tokens past it check the rings against the model's own sliding mask (docs/results.md#gemma-3).
 
-    python benchmarks/nll_vs_transformers.py ART MODEL TEXT N [--json OUT]
+    python benchmarks/nll_vs_transformers.py ART MODEL TEXT N [--records FILE]
+
+Prints the mean NLL of both and their largest per-token difference; --records FILE appends them as a record.
 """
 
 import argparse
 import json
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from cabinlm.bench.provenance import load_average, utc_now
+from cabinlm.bench.records import Recorder
 from cabinlm.export.models import load_model
 from cabinlm.runtime import open_artifact
 from cabinlm.runtime.perplexity import token_nll
@@ -26,8 +31,9 @@ p.add_argument("artifact")
 p.add_argument("model")
 p.add_argument("text")
 p.add_argument("n", type=int)
-p.add_argument("--json")
+p.add_argument("--records", type=Path, default=None, help="append the run's record here")
 a = p.parse_args()
+start, load = utc_now(), load_average()
 
 dec, tok = open_artifact(a.artifact, threads=2)
 ids = np.asarray(tok.encode(open(a.text, encoding="utf-8").read(), add_special_tokens=True)[: a.n])
@@ -43,13 +49,16 @@ ref = nll(ref_logits, ids[1:])
 diff = np.abs(ours - ref)
 w = lay.local_window or None
 report = {
-    "artifact": a.artifact, "model": a.model, "tokens": int(len(ids)), "local_window": w,
-    "local_layers": list(lay.local_layers), "evicted": int(dec.cache.evicted),
+    "model": a.model, "text": Path(a.text).name, "tokens": int(len(ids)), "local_window": w,
+    "local_layers": len(lay.local_layers), "evicted": int(dec.cache.evicted),
     "nll_mean_cabinlm": float(ours.mean()), "nll_mean_transformers": float(ref.mean()),
     "max_abs_nll_diff": float(diff.max()),
     "max_abs_nll_diff_past_window": float(diff[w:].max()) if w and len(diff) > w else None,
 }
 print(json.dumps(report, indent=1))
-if a.json:
-    with open(a.json, "w") as f:
-        json.dump({**report, "nll_cabinlm": ours.tolist(), "nll_transformers": ref.tolist()}, f)
+if a.records is not None:
+    rec = Recorder("benchmarks/nll_vs_transformers.py")
+    asked = ("model", "text", "tokens")
+    rec.add({k: report[k] for k in asked}, {k: v for k, v in report.items() if k not in asked}, utc_start=start,
+            loadavg_start=load, artifact=a.artifact, threads=2)  # fmt: skip
+    rec.write(a.records)

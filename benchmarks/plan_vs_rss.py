@@ -1,13 +1,14 @@
 """The planner's total for the cpu profile against the peak resident memory of a real dialogue
-run from an export or a build (docs/benchmarks.md, "Planner against peak RSS").
+run from an export or a build (docs/results.md#plan-against-rss).
 
-    python benchmarks/plan_vs_rss.py FOLDER [--turns 40] [--max-new 64] [--json-out DIR] [--label NAME]
+    python benchmarks/plan_vs_rss.py FOLDER [--turns 40] [--max-new 64] [--records FILE] [--label NAME]
+    python benchmarks/plan_vs_rss.py --table FILE
 
-One folder per process (peak RSS is per process). Prints one JSON object (the raw numbers: the plan's
-terms, RSS after the imports, after opening the artifact, after the first turn and the peak) and one
-table row: build kind, weights, plan MiB, peak RSS MiB, plan / peak. The dialogue must fill the
-window and evict (evicted_tokens > 0), or the script exits non-zero. --table prints the table of
-every JSON file in DIR instead.
+One folder per process (peak RSS is per process). Prints the raw numbers (the plan's terms, RSS
+after the imports, after opening the artifact, after the first turn and the peak) and one table row:
+build kind, weights, plan MiB, peak RSS MiB, plan / peak; --records FILE appends them as a record.
+The dialogue must fill the window and evict (evicted_tokens > 0), or the script exits non-zero.
+--table prints the table of every record of this script in FILE instead.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from cabinlm.runtime.memory import rss_bytes
 
 MIB = 1 << 20
+TOOL = "benchmarks/plan_vs_rss.py"
 
 
 def peak_bytes() -> int:
@@ -30,7 +32,8 @@ def peak_bytes() -> int:
 
 
 def row(r: dict) -> str:
-    return (f"| {r['label']:<20} | {r['build_kind']:<18} | {r['weights']:<7} | {r['plan']['weights_layout']:<46} | "
+    """A table row of one run's figures and params (a record's, merged)."""
+    return (f"| {r['label']:<20} | {r['build_kind']:<18} | {r['weights']:<7} | {r['weights_layout']:<46} | "
             f"{r['kv']:<4} | {r['plan_total_mib']:8.1f} | {r['peak_rss_mib']:8.1f} | {r['plan_over_peak']:5.3f} |")
 
 
@@ -43,15 +46,21 @@ def main() -> None:
     ap.add_argument("folder", nargs="?")
     ap.add_argument("--turns", type=int, default=40)
     ap.add_argument("--max-new", type=int, default=64)
-    ap.add_argument("--json-out", type=Path, default=None, help="write the raw JSON here (a folder)")
+    ap.add_argument("--records", type=Path, default=None, help="append the run's record here")
     ap.add_argument("--label", default=None, help="the row's name (default: the folder's name)")
-    ap.add_argument("--table", type=Path, default=None, help="print the table of the JSON files in this folder")
+    ap.add_argument("--table", type=Path, default=None, help="print the table of this records file's runs")
     a = ap.parse_args()
     if a.table is not None:
+        from cabinlm.bench.records import read
+
         print(HEADER)
-        for f in sorted(a.table.glob("*.json")):
-            print(row(json.loads(f.read_text())))
+        for rec in read(a.table):
+            if rec.tool == TOOL:
+                print(row({**rec.params, **rec.figures}))
         return
+    from cabinlm.bench.provenance import load_average, utc_now  # standard library only: no RSS to speak of
+
+    start, load = utc_now(), load_average()
 
     rss_start = rss_bytes()  # python + cabinlm.runtime.memory only
     from cabinlm.profiles import load_profile
@@ -83,14 +92,13 @@ def main() -> None:
     weights = m.weights
     r = {
         "label": a.label or Path(a.folder).name,
-        "folder": str(a.folder),
         "build_kind": kind,
         "weights": weights,
         "kv": m.cache.kv_dtype.value,
         "window": m.cache.window,
         "turns": a.turns,
         "max_new_tokens": a.max_new,
-        "plan": p.to_dict(),
+        "weights_layout": p.to_dict()["weights_layout"],
         "plan_total_mib": round(p.total_bytes / MIB, 1),
         "peak_rss_mib": round(peak / MIB, 1),
         "plan_over_peak": round(p.total_bytes / peak, 3),
@@ -108,11 +116,16 @@ def main() -> None:
     print(json.dumps(r))
     print(HEADER)
     print(row(r))
-    if a.json_out is not None:
-        a.json_out.mkdir(parents=True, exist_ok=True)
-        (a.json_out / f"{r['label']}.json").write_text(json.dumps(r, indent=1) + "\n")
     if r["evicted_tokens"] <= 0:
         sys.exit(f"the dialogue did not evict ({r['seen_tokens']} tokens seen): use more --turns")
+    if a.records is not None:  # only a run that evicted: the plan is for a full cache
+        from cabinlm.bench.records import Recorder, flat
+
+        rec = Recorder(TOOL)
+        params = ("label", "build_kind", "weights", "weights_layout", "kv", "window", "turns", "max_new_tokens")
+        rec.add({k: r[k] for k in params}, {**{k: v for k, v in r.items() if k not in params}, **flat(p.to_dict(), "plan.")},
+                utc_start=start, loadavg_start=load, artifact=a.folder)  # fmt: skip
+        rec.write(a.records)
 
 
 if __name__ == "__main__":

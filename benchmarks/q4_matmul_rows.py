@@ -3,28 +3,29 @@ shapes: per layer q|k|v 576 -> 960, o 576 -> 576, gate|up 576 -> 3072, and the S
 projection 1536 -> 576; 30 layers, 66 MB of Q4_1 blocks, more than the L3 cache) for M rows at once,
 M = 1..4 the seats of a batched decode step, larger M a prefill chunk.
 
-    python benchmarks/q4_matmul_rows.py [--library LIB.so ...] [--rows 1 2 3 4 8 64] [--threads 2]
+    python benchmarks/q4_matmul_rows.py [--library LIB.so ...] [--rows 1 2 3 4 8 64] [--threads 2] [--records FILE]
 
 Each library (default: one compiled now from this checkout's sources, as `cabinlm build` does) gets
 the same random weights and rows; per M: the minimum over 5 repeats of the mean of 20 runs, and
 whether its outputs equal the first library's and, row by row, its own one-row runs (bit for bit).
 With --threads 1 the calling thread's CPU time is reported too (the kernels' cost, less disturbed by a
-busy machine than wall time). One JSON line per (library, M)."""
+busy machine than wall time). One line per (library, M); --records FILE appends them as records, each
+with the library's sha256 and matmul path (docs/results.md#x86-and-arm-paths, #seats)."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from cabinlm.engines.ort_fused import kernels
+from cabinlm.bench.provenance import load_average, utc_now
+from cabinlm.bench.records import Recorder
+from cabinlm.engines.ort_fused import kernels, single_op
 from cabinlm.engines.ort_fused.block_layouts import block_q4_layout
 
 HIDDEN, QKV, FFN, LAYERS = 576, 960, 1536, 30
@@ -51,18 +52,7 @@ def model_bytes(seed: int = 0) -> bytes:
             outs.append(helper.make_tensor_value_info(f"y.{layer}.{name}", TensorProto.FLOAT, None))
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "m", HIDDEN]),
               helper.make_tensor_value_info("gu_in", TensorProto.FLOAT, [1, "m", 2 * FFN])]
-    g = helper.make_graph(nodes, "q4_rows", inputs, outs, inits)
-    opsets = [helper.make_opsetid("", 21), helper.make_opsetid(kernels.DOMAIN, 1)]
-    m = helper.make_model(g, opset_imports=opsets, ir_version=10)
-    return m.SerializeToString()
-
-
-def session(model: bytes, library: Path, threads: int) -> ort.InferenceSession:
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.log_severity_level = 3
-    so.register_custom_ops_library(str(library))
-    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+    return single_op.model(nodes, inputs, outs, inits, name="q4_rows").SerializeToString()
 
 
 def main() -> None:
@@ -70,7 +60,9 @@ def main() -> None:
     ap.add_argument("--library", type=Path, nargs="*", default=[])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 8, 64])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--records", type=Path, default=None, help="append one record per (library, rows) here")
     a = ap.parse_args()
+    rec = Recorder("benchmarks/q4_matmul_rows.py")
     libraries = list(a.library)
     if not libraries:
         from cabinlm.engines.ort_fused.kernels.compiler import compile_library
@@ -82,8 +74,9 @@ def main() -> None:
                  "gu_in": (rng.standard_normal((1, M, 2 * FFN)) * 2).astype(np.float32)} for M in a.rows}  # fmt: skip
     first: dict[int, list[np.ndarray]] = {}
     for lib in libraries:
-        s = session(model, lib, a.threads)
+        s = single_op.session(model, library=lib, threads=a.threads)
         for M in a.rows:
+            start, load = utc_now(), load_average()
             got = s.run(None, feeds[M])
             alone = [s.run(None, {k: v[:, i : i + 1] for k, v in feeds[M].items()}) for i in range(M)]
             rows_alone = all(np.array_equal(np.concatenate([a[j] for a in alone], axis=1), got[j])
@@ -102,12 +95,15 @@ def main() -> None:
                     s.run(None, feeds[M])
                 best.append((time.perf_counter() - t0) / 20)
                 cpu.append((time.thread_time() - c0) / 20)
-            print(json.dumps({"library": str(lib), "rows": M, "ms": round(min(best) * 1e3, 3),
-                              "ms_per_row": round(min(best) * 1e3 / M, 3),
-                              # with --threads 1 the calling thread runs everything: its CPU time is
-                              # the kernels' whole cost, less disturbed by other processes than wall time
-                              "calling_thread_cpu_ms": round(min(cpu) * 1e3, 3), "rows_are_one_row_runs": rows_alone,
-                              "equals_first_library": same, "load1": open("/proc/loadavg").read().split()[0]}), flush=True)  # fmt: skip
+            r = rec.add({"rows": M}, {"ms": round(min(best) * 1e3, 3), "ms_per_row": round(min(best) * 1e3 / M, 3),
+                                      # with --threads 1 the calling thread runs everything: its CPU time is
+                                      # the kernels' whole cost, less disturbed by other processes than wall time
+                                      "calling_thread_cpu_ms": round(min(cpu) * 1e3, 3),
+                                      "rows_are_one_row_runs": rows_alone, "equals_first_library": same},
+                        utc_start=start, loadavg_start=load, library=lib, threads=a.threads)  # fmt: skip
+            print(f"{lib} ({r.matmul_isa}): {M} rows {r.figures['ms']} ms, rows are one-row runs: {rows_alone}"
+                  f"{'' if same is None else f', equal to the first library: {same}'}", flush=True)
+    rec.write_to(a.records)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Qualcomm HTP builds of one export, measured in Qualcomm's x86 HTP simulator against ONNX Runtime's
-CPU provider (docs/benchmarks.md, section 15). The simulator is not the chip: its timings say
+CPU provider (docs/results.md#the-htp-in-the-simulator). The simulator is not the chip: its timings say
 nothing about the car's speed and are not reported as such.
 
     python benchmarks/qnn_htp.py ART [ART ...] --reference FP32_ART --text tests/data/prose.txt \
-        [--profiles sa8295p sa8775p] [--tokens 512] [--decode 200] [--json out.json] \
+        [--profiles sa8295p sa8775p] [--tokens 512] [--decode 200] [--records FILE] \
         [--reuse] [--skip-ppl] [--decode-seconds S]
 
 For each artifact and profile:
@@ -20,6 +20,8 @@ For each artifact and profile:
             seconds (prompt included) and the steps done are compared; --skip-ppl: decode only
   between   every two rows' HTP builds (e.g. the 8-bit-KV and the fp16-KV builds of one model, given
             as two artifacts): top-1 agreement of their prefill positions and decode steps
+
+--records FILE appends one record per artifact and profile (the HTP build's provenance; bench/records.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
+from cabinlm.bench.provenance import load_average, utc_now
+from cabinlm.bench.records import Recorder, flat
 from cabinlm.manifest import load_manifest
 from cabinlm.runtime import Decoder, Tokenizer
 from cabinlm.runtime.perplexity import token_nll
@@ -49,7 +53,7 @@ ap.add_argument("--profiles", nargs="+", default=["sa8295p", "sa8775p"])
 ap.add_argument("--tokens", type=int, default=512)
 ap.add_argument("--decode", type=int, default=200)
 ap.add_argument("--out", default="out/qnn-bench")
-ap.add_argument("--json")
+ap.add_argument("--records", type=Path, default=None, help="append one record per artifact and profile here")
 ap.add_argument("--reuse", action="store_true", help="use a build already under --out instead of building")
 ap.add_argument("--decode-seconds", type=float, help="stop the HTP's decode steps after this long (the steps done are compared)")
 ap.add_argument("--skip-ppl", action="store_true", help="no perplexity / prefill-position pass on the HTP builds")
@@ -72,6 +76,7 @@ def quality(folder, **kw) -> tuple[float, np.ndarray]:
 ref_ppl, ref_prefill_tops = quality(a.reference)
 print(f"reference {a.reference} (fp32 on the CPU): perplexity {ref_ppl:.3f} over {ids.size} tokens", flush=True)
 rows = []
+rec = Recorder("benchmarks/qnn_htp.py")
 
 
 def build(art: str, profile: str, out: Path) -> dict:
@@ -121,6 +126,7 @@ for art in a.artifacts:
     cpu_tops, cpu_step = decode_steps(art, ids, chunk, a.decode, session_config=EXACT)
     for profile in a.profiles:
         out = Path(a.out) / f"{Path(art).name}-{profile}"
+        start, load = utc_now(), load_average()
         b = build(art, profile, out)
         t0 = time.perf_counter()
         htp_ppl, prefill_tops = (float("nan"), np.zeros(0, np.int64)) if a.skip_ppl else quality(out)
@@ -137,6 +143,10 @@ for art in a.artifacts:
                "cpu_decode_s_per_token": cpu_step and round(cpu_step, 4),
                "decode_tops": tops.tolist(), "prefill_tops": prefill_tops.tolist()}  # fmt: skip
         rows.append(row)
+        rec.add({"profile": profile, "export": Path(art).name, "text": Path(a.text).name, "tokens": int(ids.size),
+                 "decode": a.decode, "reference": Path(a.reference).name},
+                {k: v for k, v in flat(row).items() if k not in ("artifact", "profile", "tokens", "decode_steps")},
+                utc_start=start, loadavg_start=load, artifact=out)  # fmt: skip
         print(json.dumps({k: v for k, v in row.items() if not k.endswith("_tops")}), flush=True)
 
 between = []
@@ -153,5 +163,4 @@ for r in rows:
     print(f"| {Path(r['artifact']).name} | {r['profile']} | {r['weights']} | {r['wall_s']} | {r['peak_rss_bytes'] / 2**30:.2f} GiB "
           f"| {bins} | {r['ppl_htp']} | {r['ppl_cpu_same_artifact']} | {r['ppl_reference_fp32']} | "
           + (f"{r['top1_agreement']:.1%} over {r['decode_steps_run']} |" if r["decode_steps"] else "not run |"))  # fmt: skip
-if a.json:
-    Path(a.json).write_text(json.dumps({"reference_ppl": ref_ppl, "rows": rows, "between": between}))
+rec.write_to(a.records)

@@ -1,9 +1,9 @@
-"""A short load run of `cabinlm serve` (docs/benchmarks.md, section 14): N clients at once, each its
+"""A short load run of `cabinlm serve` (docs/results.md#serve-under-load): N clients at once, each its
 own seat and its own multi-turn conversation, over the OpenAI API with the real `openai` client,
 against a server this script starts on a 127.0.0.1 port and stops at the end.
 
     python benchmarks/serve_load.py BUILD --clients 4 --seconds 180 [--max-tokens 48] [--turns 8]
-                                    [--threads 2] [--json OUT]
+                                    [--threads 2] [--records FILE]
 
 Each client streams its replies (greedy) and sends the whole history every time, as OpenAI clients
 do, so every request but the first of a conversation extends its seat; after --turns exchanges it
@@ -14,6 +14,7 @@ server is stopped (and killed if it does not stop) at the end.
 Reports time to first token and whole-reply latency percentiles, decode tokens per second per
 client and in total, the error count, and the server's resident memory at start, every 10 s, once
 every seat's window has turned over, and at the end (read from /proc; the server is its own process).
+--records FILE appends the run as one record (bench/records.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -33,6 +35,8 @@ from pathlib import Path
 
 import openai
 
+from cabinlm.bench.provenance import utc_now
+from cabinlm.bench.records import Recorder, flat
 from cabinlm.bench.script import SYSTEM, user_turns
 
 
@@ -61,11 +65,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--turns", type=int, default=24, help="exchanges per conversation before a new one")
     ap.add_argument("--threads", type=int, default=2, help="the server's ONNX Runtime threads")
-    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--records", type=Path, default=None, help="append the run's record here")
     a = ap.parse_args()
+    start = utc_now()
 
     port = free_port()
-    log = open(Path("/tmp") / f"serve_load_{port}.log", "wb")
+    log = open(Path(tempfile.gettempdir()) / f"serve_load_{port}.log", "wb")  # the server's output, for a failure
     cmd = [sys.executable, "-m", "cabinlm", "serve", a.build, "--host", "127.0.0.1", "--port", str(port),
            "--seats", str(a.clients), "--threads", str(a.threads), "--model-name", "m"]  # fmt: skip
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -188,8 +193,11 @@ def run(a, port: int, pid: int) -> None:
         "rss_samples": rss,
     }
     print(json.dumps({k: v for k, v in result.items() if k != "rss_samples"}, indent=1))
-    if a.json is not None:
-        a.json.write_text(json.dumps({**result, "requests_detail": records}, indent=1))
+    rec = Recorder("benchmarks/serve_load.py")
+    params = {k: v for k, v in result["config"].items() if k not in ("build", "threads")}
+    figures = {k: v for k, v in flat(result).items() if not k.startswith(("config.", "loadavg_1m."))}
+    rec.add(params, figures, utc_start=start, loadavg_start=load_at_start, artifact=a.build, threads=a.threads)
+    rec.write_to(a.records)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,19 @@
-"""Speculative decoding by prompt lookup against plain decoding on one build: the same scripted
-dialogue twice (greedy), alternating, with the replies checked equal; decode tokens per second of
-each turn, drafted and accepted tokens.
+"""Speculative decoding by prompt lookup against plain decoding on one build (docs/results.md#drafting):
+the same scripted dialogue twice (greedy), alternating, with the replies checked equal; decode tokens
+per second of each turn, drafted and accepted tokens. --records FILE appends one record per round and
+decoding (bench/records.py), which `cabinlm bench compare` reads.
 
     python benchmarks/speculative.py BUILD [--dialogue demo/dialogue.txt] [--rounds 2] [--max-new 128] [--threads 2]
     python benchmarks/speculative.py BUILD --passages tests/data/prose.txt [--turns 5] [--words 80]
 
     python benchmarks/speculative.py BUILD --scripted 1150 [--rounds 3]
-    python benchmarks/speculative.py BUILD --scripted 4000 --seed 23 --rounds 3 [--json F] [--plot F.png]
+    python benchmarks/speculative.py BUILD --scripted 4000 --seed 23 --rounds 3 [--records F] [--plot F.png]
 
 --scripted N: `cabinlm bench`'s seeded in-car dialogue (bench/runner.run_cabinlm) for N tokens, plain
 and speculative alternating: median per-token and overall decode tok/s, drafted and accepted, the
 replies checked equal. (1150 tokens: about the span the peers hold in 1148 positions, while the
 window fills.) Also: overall decode tok/s over the last 1000 decoded tokens (long after the window
-turned over), drafts before and after the turnover; --json keeps every round's summary, --plot draws
+turned over), drafts before and after the turnover; --plot draws
 the decode throughput of each round along the dialogue (1 / the mean per-token time of each 100
 decoded tokens), plain against drafting.
 
@@ -24,7 +25,10 @@ the passages and the replies themselves.
 import argparse
 import statistics
 import time
+from pathlib import Path
 
+from cabinlm.bench.provenance import load_average, utc_now
+from cabinlm.bench.records import Recorder
 from cabinlm.runtime import Dialogue, open_artifact
 from cabinlm.runtime.speculative import PromptLookupDrafting
 
@@ -39,22 +43,26 @@ ap.add_argument("--scripted", type=int, default=0, help="tokens of the bench's s
 ap.add_argument("--turns", type=int, default=5)
 ap.add_argument("--words", type=int, default=80)
 ap.add_argument("--seed", type=int, default=0, help="--scripted: the dialogue's seed")
-ap.add_argument("--json", default=None, help="--scripted: write every round's summary here")
+ap.add_argument("--records", type=Path, default=None, help="append one record per round and decoding here")
 ap.add_argument("--plot", default=None, help="--scripted: draw throughput along the dialogue into this PNG")
 a = ap.parse_args()
+rec = Recorder("benchmarks/speculative.py")
 if a.scripted:
     import numpy as np
 
+    from cabinlm.bench.rounds import DialogueParams, record_trace
     from cabinlm.bench.runner import run_cabinlm
-
     from cabinlm.bench.trace import summarize
 
     runs: dict[bool, list] = {False: [], True: []}
-    for _ in range(a.rounds):
+    for r in range(a.rounds):
         for spec in (False, True):
             replies: list[str] = []
+            start, load = utc_now(), load_average()
             t = run_cabinlm(a.build, tokens=a.scripted, threads=a.threads, max_new=a.max_new, speculative=spec,
                             seed=a.seed, on_reply=lambda turn, text, replies=replies: replies.append(text))  # fmt: skip
+            record_trace(rec, t, DialogueParams(a.scripted, a.threads, a.max_new, a.seed, spec), artifact=Path(a.build),
+                         utc_start=start, loadavg_start=load, round=r)  # fmt: skip
             runs[spec].append((t, replies))
     assert all(r == runs[False][0][1] for _, r in runs[False] + runs[True]), "speculative replies differ from plain ones"
     print(f"{a.build}: the bench's scripted dialogue, {a.scripted} tokens, up to {a.max_new} new tokens a turn, "
@@ -76,12 +84,7 @@ if a.scripted:
     ratio = [summarize(s)["decode_tok_s_overall"] / summarize(p)["decode_tok_s_overall"]
              for (s, _), (p, _) in zip(runs[True], runs[False])]  # fmt: skip
     print(f"drafting / plain, overall decode tok/s, per round: {', '.join(f'{r:.2f}x' for r in ratio)}")
-    if a.json:
-        import json
-
-        out = {"plain" if not spec else "drafting": [summarize(t) for t, _ in runs[spec]] for spec in (False, True)}
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+    rec.write_to(a.records)
     if a.plot:
         import matplotlib
 
@@ -114,24 +117,33 @@ if a.passages:
     words = text[text.index("They, who to states") :].split() if "They, who to states" in text else text.split()
     turns = [f"Summarize this passage in two sentences: {' '.join(words[i * a.words : (i + 1) * a.words])}"
              for i in range(a.turns)]  # fmt: skip
-    a.dialogue = f"{a.passages} ({a.turns} passages of {a.words} words)"
+    a.dialogue = f"{Path(a.passages).name} ({a.turns} passages of {a.words} words)"
 else:
     turns = [line.strip() for line in open(a.dialogue, encoding="utf-8") if line.strip()]
 dec, tok = open_artifact(a.build, threads=a.threads)
 
 
-def run(spec: bool):
+def run(spec: bool, r: int):
     d = Dialogue(dec, tok, max_new_tokens=a.max_new, drafting=PromptLookupDrafting() if spec else None)
+    start, load = utc_now(), load_average()
     t0, out = time.perf_counter(), []
     for text in turns:
         out.append(d.ask(text))
-    return time.perf_counter() - t0, out
+    seconds = time.perf_counter() - t0
+    per_turn = [x.decode_tok_s for x in out if x.new_tokens > 1]
+    rec.add({"dialogue": Path(a.dialogue).name if not a.passages else a.dialogue, "turns": len(turns), "max_new": a.max_new,
+             "drafting": "on" if spec else "off"},
+            {"seconds": round(seconds, 3), "decoded_tokens": sum(x.new_tokens for x in out),
+             "decode_tok_s_median_turn": statistics.median(per_turn) if per_turn else None,
+             "drafted": sum(x.drafted_tokens for x in out), "accepted": sum(x.accepted_tokens for x in out)},
+            utc_start=start, loadavg_start=load, artifact=a.build, threads=a.threads, round=r)  # fmt: skip
+    return seconds, out
 
 
 results = {False: [], True: []}
 for r in range(a.rounds):
     for spec in (False, True):
-        results[spec].append(run(spec))
+        results[spec].append(run(spec, r))
 plain, fast = results[False][0][1], results[True][0][1]
 assert [x.reply for x in plain] == [x.reply for x in fast], "speculative replies differ from plain ones"
 print(f"{a.build}: {a.dialogue}, {len(turns)} turns, up to {a.max_new} new tokens each, {a.threads} threads, {a.rounds} alternating rounds")
@@ -145,3 +157,4 @@ for spec in (False, True):
     print(f"| {label} | {sum(x.new_tokens for x in out)} | {statistics.median(per_turn):.1f} | "
           f"{', '.join(f'{s:.2f}' for s, _ in rounds)} | {sum(x.drafted_tokens for x in out)} | "
           f"{sum(x.accepted_tokens for x in out)} |")
+rec.write_to(a.records)

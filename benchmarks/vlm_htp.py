@@ -1,4 +1,4 @@
-"""Vision-language builds on the HTP, in Qualcomm's x86 simulator (docs/benchmarks.md §15): per tiny
+"""Vision-language builds on the HTP, in Qualcomm's x86 simulator (docs/results.md#the-htp-in-the-simulator): per tiny
 test family and chip, the vision tower's compile time and binary size, its image embeddings against
 the CPU's over several frames, the seconds per frame in the simulator and on the CPU; and, for the
 M-RoPE families, the HTP decoder's per-token NLL against the cpu build of the same fp16-KV export
@@ -6,8 +6,10 @@ through eviction with the frame pinned. The towers and decoders are the tests' t
 (tests/conftest.py, tests/test_idefics3.py): the figures say how the compiler and fp16 treat these
 graphs, not how a real model runs on a chip; the seconds are an emulator's.
 
-    python benchmarks/vlm_htp.py --out /tmp/vlm-htp --json docs/data/qnn/vlm-htp.json
-    python benchmarks/vlm_htp.py --out /tmp/vlm-htp8 --kv int8 --families qwen2_vl --json docs/data/qnn/vlm-htp-int8.json
+    python benchmarks/vlm_htp.py --out out/vlm-htp --records vlm-htp.jsonl
+    python benchmarks/vlm_htp.py --out out/vlm-htp8 --kv int8 --families qwen2_vl --records vlm-htp.jsonl
+
+--records FILE appends one record per family and chip, with the HTP build's provenance (bench/records.py).
 """
 
 from __future__ import annotations
@@ -51,12 +53,16 @@ def seconds_per_frame(encoder, frames) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="work folder (exports and builds)")
-    ap.add_argument("--json", type=Path, help="write the rows here")
+    ap.add_argument("--records", type=Path, default=None, help="append one record per family and chip here")
     ap.add_argument("--frames", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=150, help="text tokens after the frame (M-RoPE NLL)")
     ap.add_argument("--kv", choices=("fp16", "int8"), default="fp16", help="the export's KV (int8: the HTP's uint8 cache)")
     ap.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
     args = ap.parse_args()
+    from cabinlm.bench.provenance import load_average, utc_now
+    from cabinlm.bench.records import Recorder
+
+    rec = Recorder("benchmarks/vlm_htp.py")
 
     from cabinlm.engines.build import build_artifact
     from cabinlm.export import ExportOptions, export_loaded
@@ -81,6 +87,7 @@ def main() -> None:
         ref_nll = np.asarray(stream_perplexity(cpu, ids, frame=cpu.vision.encode(frames[0])).nll) if mrope else None
         for profile in PROFILES:
             b = builds[profile]
+            start, load = utc_now(), load_average()
             record = json.loads((b / "manifest.json").read_text())["build"]["qnn"]["vision"]
             dec = Decoder(b)
             errors = []
@@ -103,9 +110,10 @@ def main() -> None:
                            evicted=int(dec.cache.evicted), tokens=len(ids))  # fmt: skip
             print(json.dumps(row), flush=True)
             rows.append(row)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+            asked = ("family", "profile", "kv")
+            rec.add({**{k: row[k] for k in asked}, "frames": args.frames}, {k: v for k, v in row.items() if k not in asked},
+                    utc_start=start, loadavg_start=load, artifact=b)  # fmt: skip
+    rec.write_to(args.records)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from onnx import TensorProto, helper
 from test_kernels import _matmul_session, _row_codes, library  # noqa: F401  (library: the module fixture)
 
 from cabinlm.engines.onnxruntime.offline import read_graph
-from cabinlm.engines.ort_fused import kernels
+from cabinlm.engines.ort_fused import kernels, single_op
 from cabinlm.engines.ort_fused.block_layouts import block_q8_layout
 from cabinlm.engines.ort_fused.kernels.compiler import compile_library
 from cabinlm.engines.ort_fused.node_builder import ExportedWeights
@@ -118,12 +118,11 @@ def test_block_q8_matmul_follows_matmulnbits_on_the_same_blocks(library):  # noq
     nb = K // 32
     node = helper.make_node("MatMulNBits", ["x", "w", "s"], ["y"], domain="com.microsoft", K=K, N=N, bits=8, block_size=32,
                             accuracy_level=4)  # fmt: skip
-    g = helper.make_graph([node], "nbits", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "n", K])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-                          [onnx.numpy_helper.from_array((q.T.astype(np.int16) + 128).astype(np.uint8).reshape(N, nb, 32), "w"),
-                           onnx.numpy_helper.from_array(np.ascontiguousarray(s.T), "s")])  # fmt: skip
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)], ir_version=10)
-    nbits = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    model = single_op.model([node], [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "n", K])],
+                            [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                            [onnx.numpy_helper.from_array((q.T.astype(np.int16) + 128).astype(np.uint8).reshape(N, nb, 32), "w"),
+                             onnx.numpy_helper.from_array(np.ascontiguousarray(s.T), "s")], name="nbits")  # fmt: skip
+    nbits = single_op.session(model, threads=2)
     ours = _matmul_session(block_q8_layout(q, s), library, op=kernels.Q8_MATMUL_OP)
     x = np.random.default_rng(7).standard_normal((1, 5, K)).astype(np.float32)
     a, b = ours.run(None, {"x": x})[0], nbits.run(None, {"x": x})[0]

@@ -397,6 +397,7 @@ def kernels_graph(folder: Path) -> tuple[Path, dict]:
     import onnx
     from onnx import TensorProto, helper
 
+    from cabinlm.engines.ort_fused import single_op
     from cabinlm.engines.ort_fused.block_layouts import block_q4_layout
 
     rng = np.random.default_rng(0)
@@ -425,9 +426,7 @@ def kernels_graph(folder: Path) -> tuple[Path, dict]:
              helper.make_node(kernels.MATMUL_OP, ["x", "w"], ["matmul"], domain=kernels.DOMAIN),
              helper.make_node(kernels.SWIGLU_MATMUL_OP, ["gu", "w"], ["swiglu"], domain=kernels.DOMAIN)]  # fmt: skip
     outputs = [helper.make_tensor_value_info(o, f, None) for o in ("attention", "matmul", "swiglu")]
-    graph = helper.make_graph(nodes, "kernels", inputs, outputs, [onnx.numpy_helper.from_array(blob, "w")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(kernels.DOMAIN, 1)],
-                              ir_version=10)  # fmt: skip
+    model = single_op.model(nodes, inputs, outputs, [onnx.numpy_helper.from_array(blob, "w")], name="kernels")
     path = folder / "kernels.onnx"
     onnx.save(model, str(path))
     np.savez(folder / "feeds.npz", **feeds)

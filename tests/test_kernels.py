@@ -16,7 +16,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from cabinlm.engines.ort_fused import kernels
+from cabinlm.engines.ort_fused import kernels, single_op
 from cabinlm.engines.ort_fused.kernels.compiler import compile_library
 from cabinlm.engines.build import BuildError, build_artifact
 from cabinlm.profiles import load_profile
@@ -49,13 +49,9 @@ def _graph(kind: str, library) -> ort.InferenceSession:
           helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, "n"]),
           helper.make_tensor_value_info("bias", f, [1, 1, "n", "t"]),
           helper.make_tensor_value_info("k_scale", f, None), helper.make_tensor_value_info("v_scale", f, None)]  # fmt: skip
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 2
-    so.log_severity_level = 3
     if kind == "cabinlm":
         node = helper.make_node(kernels.ATTENTION_OP, list(INPUTS), ["out"], domain=kernels.DOMAIN)
         outs = [helper.make_tensor_value_info("out", f, None)]
-        so.register_custom_ops_library(str(library))
     else:
         ins = ["qkv", "", "", "keys", "values", "seqlens_k", "total", "cos", "sin", "position_ids", "bias", "", "k_scale", "v_scale"]
         node = helper.make_node("GroupQueryAttention", ins, ["out", "present_keys", "present_values"], domain="com.microsoft",
@@ -63,9 +59,8 @@ def _graph(kind: str, library) -> ort.InferenceSession:
                                 local_window_size=-1, k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL",
                                 kv_cache_bit_width=8)  # fmt: skip
         outs = [helper.make_tensor_value_info(o, t, None) for o, t in (("out", f), ("present_keys", i8), ("present_values", i8))]
-    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1), helper.make_opsetid(kernels.DOMAIN, 1)]
-    model = helper.make_model(helper.make_graph([node], "attention", vi, outs), opset_imports=opsets, ir_version=10)
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    model = single_op.model([node], vi, outs, name="attention")
+    return single_op.session(model, library=library if kind == "cabinlm" else None, threads=2)
 
 
 @pytest.fixture(scope="module")
@@ -255,16 +250,10 @@ def _matmul_session(blob: np.ndarray, library, width: int | str | None = None, s
     T, nb, _ = blob.shape
     op = op or (kernels.SWIGLU_MATMUL_OP if swiglu else kernels.MATMUL_OP)
     node = helper.make_node(op, ["x", "w"], ["y"], domain=kernels.DOMAIN)
-    g = helper.make_graph([node], "matmul", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "n", width or nb * 32 * (2 if swiglu else 1)])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-                          [onnx.numpy_helper.from_array(blob, "w")])  # fmt: skip
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(kernels.DOMAIN, 1)],
-                              ir_version=10)  # fmt: skip
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 2
-    so.log_severity_level = 3
-    so.register_custom_ops_library(str(library))
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    model = single_op.model([node], [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "n", width or nb * 32 * (2 if swiglu else 1)])],
+                            [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                            [onnx.numpy_helper.from_array(blob, "w")], name="matmul")  # fmt: skip
+    return single_op.session(model, library=library, threads=2)
 
 
 def _row_codes(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

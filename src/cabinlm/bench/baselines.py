@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = resolve_model(a.model)
         if a.name == "prepare":
-            print(prepare_here(path))  # = python -m cabinlm.bench.prepare (docs/benchmarks.md names this form)
+            print(prepare_here(path))  # the same as python -m cabinlm.bench.prepare
             return 0
         if a.config is not None and a.config not in CONFIGS[a.name]:
             raise BaselineError(f"{a.name} has no configuration {a.config!r}; it has: {', '.join(CONFIGS[a.name])}")

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-# Keys of a summary, in print order (the contract for `cabinlm bench --json`).
+# Keys of a summary, in print order (what `cabinlm bench --json` promises to print).
 SUMMARY_KEYS = (
     "tokens",
     "decode_tok_s",

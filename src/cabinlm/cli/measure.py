@@ -93,10 +93,31 @@ class BaselineChoice(str, Enum):
 
 
 def bench(
-    artifact: Path = typer.Argument(..., help="Folder written by `cabinlm export` or `cabinlm build`."),
+    artifact: Optional[Path] = typer.Argument(
+        None, metavar="BUILD", show_default=False,
+        help="Folder written by `cabinlm export` or `cabinlm build`; or the word `compare`, then records files.",
+    ),
+    files: Optional[list[Path]] = typer.Argument(
+        None, metavar="[RECORDS]...", show_default=False,
+        help="After `compare`: two records files (A.jsonl B.jsonl), or one that holds two builds' records.",
+    ),
     tokens: int = typer.Option(2000, help="Tokens to process in all (prompts + replies)."),
     threads: int = typer.Option(2, help="CPU threads, for cabinlm and for every baseline."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the report."),
+    records: Optional[Path] = typer.Option(
+        None, "--records", metavar="FILE", help="Append one record per measured run or round to FILE (JSON lines: the "
+        "figures, the parameters, and the provenance: cabinlm's commit, the build's manifest and kernel library "
+        "hashes, the CPU, the load average; benchmarks/README.md lists every field).",
+    ),
+    rounds: int = typer.Option(
+        1, "--rounds", help="Run the dialogue this many times, each round in a fresh process and a record of its own "
+        "(with --seats: the same as --repeat).",
+    ),
+    alternate: Optional[tuple[Path, Path]] = typer.Option(
+        None, "--alternate", metavar="BUILD_A BUILD_B", show_default=False,
+        help="Two builds take turns, round by round (A, B, A, B, ...; --rounds of each), then their comparison: "
+        "medians, ranges and each round's ratio B/A. In place of BUILD.",
+    ),
     plot: Optional[Path] = typer.Option(None, help="Draw latency and memory against tokens into this PNG (matplotlib)."),
     baseline: list[BaselineChoice] = typer.Option(
         [], help="Also run this peer on the same model and threads: hf (transformers, growing cache), "
@@ -125,7 +146,7 @@ def bench(
     repeat: int = typer.Option(
         1, "--repeat", help="With --seats: run the whole set (every mode, and --scaling's counts) this many times, one "
         "repetition after the other, and report each figure's median and range and each repetition's own ratio to "
-        "one seat (this machine's speed drifts by 10-20% over minutes; a ratio is taken within a repetition).",
+        "one seat (a machine's speed drifts over minutes; a ratio is taken within a repetition).",
     ),
     speculative: Optional[bool] = typer.Option(
         None, "--speculative/--no-speculative",
@@ -140,11 +161,40 @@ def bench(
     Reports median decode and prefill tokens/s, p50/p99 per-token latency (and medians over the first
     and last 1000 decoded tokens), memory at start and end with its slope per 1000 tokens, and the
     tokens evicted. --baseline runs a peer engine on the same dialogue, model and threads, each in its
-    own process; a peer whose context fills stops there, and says so.
+    own process; a peer whose context fills stops there, and says so. --records keeps every run as a
+    record with its provenance; `compare` sets two records files side by side. Figures measured on
+    this project's machines: docs/results.md.
 
-    Example: cabinlm bench out/smollm2-build-cpu --tokens 20000 --baseline llama.cpp --plot bench.png
+    Examples:
+
+      cabinlm bench out/smol-build --tokens 20000 --baseline llama.cpp --plot bench.png
+
+      cabinlm bench out/smol-build --rounds 3 --records today.jsonl
+
+      cabinlm bench compare yesterday.jsonl today.jsonl    # medians, ranges, B/A per round
+
+      cabinlm bench --alternate out/build-a out/build-b --rounds 4 --records ab.jsonl
     """
     from cabinlm.bench import baselines as bl
+    from cabinlm.bench.records import Recorder
+    from cabinlm.bench.rounds import DialogueParams, record_trace
+    from cabinlm.bench.provenance import load_average, utc_now
+
+    if artifact is not None and str(artifact) == "compare" and alternate is None:
+        if not files or len(files) > 2:
+            raise OptionError("bench compare takes two records files (A.jsonl B.jsonl), or one that holds two builds")
+        _compare(files)
+        return
+    if files:
+        raise OptionError(f"unexpected arguments after {artifact}: {' '.join(map(str, files))} (records files go "
+                          "after the word `compare`)")  # fmt: skip
+    if alternate is not None:
+        if artifact is not None:
+            raise OptionError("--alternate takes the two builds in place of BUILD: cabinlm bench --alternate A B")
+        if seats != 1 or baseline or plot is not None or trace_out is not None or json_out:
+            raise OptionError("--alternate compares two builds' dialogues: no --seats, --baseline, --plot, --trace or --json")
+    elif artifact is None:
+        raise OptionError("bench needs a BUILD folder, `compare A.jsonl B.jsonl`, or --alternate BUILD_A BUILD_B")
     from cabinlm.bench.runner import model_for_baselines, report, run_cabinlm, summaries
     from cabinlm.bench.runner import plot as draw
     from cabinlm.manifest import load_manifest
@@ -159,12 +209,29 @@ def bench(
         raise OptionError(f"--time-limit must be a positive number of seconds, got {time_limit!r}")
     check_output_file("plot", plot)
     check_output_file("trace", trace_out)
+    check_output_file("records", records)
+    check_count("rounds", rounds, 1)
+    given = DialogueParams(tokens=tokens, threads=threads, max_new=max_new, seed=seed, speculative=speculative,
+                           time_limit_s=time_limit)  # fmt: skip
+    if alternate is not None:
+        for build in alternate:
+            load_manifest(build)  # a wrong path or a broken manifest fails here, before any run
+        _alternate(list(alternate), given, rounds, records)
+        return
+    assert artifact is not None  # checked above
     m = load_manifest(artifact)  # a wrong path or a broken manifest fails here, before any run
+    if seats >= 2 and rounds > 1:  # --rounds and --repeat: the same repetition of the seats' runs
+        if repeat not in (1, rounds):
+            raise OptionError(f"--rounds {rounds} and --repeat {repeat} disagree; with --seats they are one option")
+        repeat = rounds
+    elif rounds > 1 and (baseline or plot is not None or trace_out is not None):
+        raise OptionError("--rounds repeats cabinlm's dialogue alone: no --baseline, --plot or --trace with it")
     if scaling and seats < 2:
         raise OptionError("--scaling goes with --seats 2 or more (the counts it compares: 1, 2, 4, ... up to N)")
     check_count("repeat", repeat, 1)
     if repeat > 1 and seats < 2:
         raise OptionError("--repeat goes with --seats 2 or more (it repeats the seats' runs)")
+    rec = Recorder("cabinlm bench --seats" if seats != 1 else "cabinlm bench")
     if seats != 1:
         from cabinlm.bench.seats import MODES, SCALING_MODES, scaling_counts, report as seats_report
         from cabinlm.bench.seats_child import run_in_child
@@ -186,27 +253,38 @@ def bench(
         except OptionError:
             info(f"the bench's system prompt does not fit the {m.cache.sink + m.cache.pinned} pinned slots: none pinned")
             system = ""
-        rounds = max(1, math.ceil(tokens / max_new))
-        info(f"cabinlm: {seats} seats at once through {artifact}, {rounds} rounds of one turn each (replies up to {max_new} "
+        turns = max(1, math.ceil(tokens / max_new))
+        info(f"cabinlm: {seats} seats at once through {artifact}, {turns} rounds of one turn each (replies up to {max_new} "
              f"tokens), {threads} threads; decoded together, in turns, then as streams (each seat at its own pace)")  # fmt: skip
-        runs = []
+
+        def seats_run(n: int, mode: str, r: int, **kw: object) -> dict:
+            """One mode's run in its own process, recorded (round R of --repeat)."""
+            start, load = utc_now(), load_average()
+            done = run_in_child(artifact, n, turns, max_new, threads, seed, mode, time_limit, system,
+                                speculative=speculative, **kw)  # type: ignore[arg-type]  # fmt: skip
+            params = {"runner": "llama.cpp" if mode == "llama.cpp" else "cabinlm", "seats": n, "mode": mode,
+                      "turns": turns, "max_new": max_new, "seed": seed, "drafting": given.params()["drafting"]}  # fmt: skip
+            rec.add(params, done, utc_start=start, loadavg_start=load, artifact=artifact, threads=threads, round=r,
+                    engine="llama.cpp" if mode == "llama.cpp" else None)  # fmt: skip
+            return done
+
+        runs: list[dict] = []
         for r in range(repeat):
             if repeat > 1:
                 info(f"cabinlm: repetition {r + 1} of {repeat}")
-            rep = [run_in_child(artifact, seats, rounds, max_new, threads, seed, mode, time_limit, system,
-                                speculative=speculative) for mode in MODES]  # fmt: skip
+            rep = [seats_run(seats, mode, r) for mode in MODES]
             for n in scaling_counts(seats) if scaling else ():
                 info(f"cabinlm: {n} {'seat' if n == 1 else 'seats'} (--scaling), {' and '.join(SCALING_MODES)}")
-                rep += [run_in_child(artifact, n, rounds, max_new, threads, seed, mode, time_limit, system,
-                                     speculative=speculative) for mode in SCALING_MODES]  # fmt: skip
+                rep += [seats_run(n, mode, r) for mode in SCALING_MODES]
             runs += [dict(d, repeat=r) for d in rep] if repeat > 1 else rep
         if peer:  # llama.cpp: the seats' sequences in one batch, decoding the replies cabinlm decoded together
             from cabinlm.bench.prepare import resolve_model
 
             gguf = resolve_model(model or model_for_baselines(Path(artifact)))
             info(f"llama.cpp: {seats} sequences in one batch on {gguf}, the same turns and replies")
-            runs.append(run_in_child(artifact, seats, rounds, max_new, threads, seed, "llama.cpp", time_limit, system,
-                                     gguf=gguf, replies=runs[0]["warmup_replies"] + runs[0]["replies"]))  # fmt: skip
+            runs.append(seats_run(seats, "llama.cpp", 0, gguf=gguf, replies=runs[0]["warmup_replies"] + runs[0]["replies"]))
+        if records is not None:
+            info(f"wrote {len(rec.records)} records to {rec.write(records)}")
         if json_out:
             typer.echo(json.dumps({"seats": [{k: v for k, v in r.items() if k not in ("replies", "warmup_replies")} for r in runs]}, indent=1))
             return
@@ -227,15 +305,37 @@ def bench(
 
     info(f"cabinlm: {tokens} tokens through {artifact} ({m.weights} weights, {m.cache.kv_dtype.value} KV, "
           f"{m.cache.slots} slots, {threads} threads)")  # fmt: skip
+    if rounds > 1:  # each round in a process of its own
+        from cabinlm.bench.rounds import take_turns
+        from cabinlm.bench.trace import summarize
+
+        done = take_turns(rec, [artifact], given, rounds, log=info)
+        if records is not None:
+            info(f"wrote {len(rec.records)} records to {rec.write(records)}")
+        if json_out:
+            typer.echo(json.dumps({"rounds": [summarize(t) for _, t in done]}, indent=1))
+            return
+        for r, (_, t) in enumerate(done):
+            typer.echo(f"round {r + 1} of {rounds}:")
+            for line in report(summarize(t)):
+                typer.echo(line)
+        return
+    start, load = utc_now(), load_average()
     trace = run_cabinlm(artifact, tokens=tokens, threads=threads, max_new=max_new, seed=seed,
                         time_limit_s=time_limit, speculative=speculative, log=progress)  # fmt: skip
+    record_trace(rec, trace, given, artifact=artifact, utc_start=start, loadavg_start=load)
     others = []
     ctx = context or m.cache.slots
     source = model or model_for_baselines(Path(artifact))
     for b in baseline:
         info(f"{b.value}: {tokens} tokens on {source}, context {ctx}, {threads} threads")
+        start, load = utc_now(), load_average()
         others.append(bl.run_baseline(b.value, source, tokens=tokens, threads=threads, context=ctx, max_new=max_new,
                                       seed=seed, config=baseline_config, time_limit_s=time_limit, progress=progress))  # fmt: skip
+        record_trace(rec, others[-1], given, artifact=None, utc_start=start, loadavg_start=load,
+                     extra={"context": ctx, "config": others[-1].config.get("name")})  # fmt: skip
+    if records is not None:
+        info(f"wrote {len(rec.records)} records to {rec.write(records)}")
     out = summaries(trace, others)
     if trace_out is not None:
         trace_out.write_text(json.dumps({"cabinlm": trace.to_dict(), "baselines": [t.to_dict() for t in others]}))
@@ -254,6 +354,41 @@ def bench(
     for engine, s in out.get("same_span", {}).items():
         typer.echo(f"cabinlm over the span {engine} ran ({s['tokens']} tokens, {s['decoded_tokens']} decoded): "
                    f"decode {s['decode_tok_s']} tok/s (median), prefill {s['prefill_tok_s']} tok/s")  # fmt: skip
+
+
+def _compare(files: list[Path]) -> None:
+    """`cabinlm bench compare`: two records files, or one that holds two builds' records."""
+    from cabinlm.bench import compare, records
+
+    if len(files) == 2:
+        a, b = records.read(files[0]), records.read(files[1])
+        what = (str(files[0]), str(files[1]))
+    else:
+        a, b = compare.split_by_build(records.read(files[0]), str(files[0]))
+        what = (f"{files[0]} (first build)", f"{files[0]} (second build)")
+    done = compare.compare(a, b, *what)
+    typer.echo(f"A: {what[0]}\nB: {what[1]}")
+    for line in compare.lines(done):
+        typer.echo(line)
+
+
+def _alternate(builds: list[Path], given, rounds: int, out: Optional[Path]) -> None:
+    """`cabinlm bench --alternate A B`: the builds take turns, round by round; then their comparison."""
+    from cabinlm.bench import compare
+    from cabinlm.bench.records import Recorder
+    from cabinlm.bench.rounds import take_turns
+
+    rec = Recorder("cabinlm bench")
+    info(f"cabinlm: {given.tokens} tokens through {builds[0]} and {builds[1]} in turns, {rounds} "
+         f"round{'s' * (rounds != 1)} each, {given.threads} threads")  # fmt: skip
+    done = take_turns(rec, builds, given, rounds, log=info)
+    if out is not None:
+        info(f"wrote {len(rec.records)} records to {rec.write(out)}")
+    a = [r for r, _ in done[0::2]]
+    b = [r for r, _ in done[1::2]]
+    typer.echo(f"A: {builds[0]}\nB: {builds[1]}")
+    for line in compare.lines(compare.compare(a, b, str(builds[0]), str(builds[1]))):
+        typer.echo(line)
 
 
 # The built-in names, written out so that --help needs no import of cabinlm.export (tests/test_aliases.py
