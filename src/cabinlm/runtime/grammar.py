@@ -155,7 +155,7 @@ class Constraint:
             out[self._stops] = True
             return out
         words = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
-        ok = np.unpackbits(words, bitorder="little")[: self._g.vocab_size].astype(bool)
+        ok = np.unpackbits(words, bitorder="little")[: self._g.vocab_size].view(bool)
         if ok[self._stops[0]]:
             ok[self._stops] = True
         return ok
@@ -167,7 +167,9 @@ class Constraint:
             return logits
         if ok.size < logits.size:  # logits wider than the vocabulary the matcher was made for
             ok = np.concatenate([ok, np.zeros(logits.size - ok.size, dtype=bool)])
-        return np.where(ok[: logits.size], logits, np.float32(-np.inf)).astype(logits.dtype, copy=False)
+        out = np.full(logits.shape, -np.inf, dtype=logits.dtype)
+        np.copyto(out, logits, where=ok[: logits.size])
+        return out
 
     def consume(self, token: int) -> None:
         if self._matcher is not None:
