@@ -1,4 +1,4 @@
-"""An independent, plain PyTorch reference of the normative cache semantics (DESIGN.md).
+"""An independent, plain PyTorch reference of the normative cache semantics (docs/design.md, "The cache").
 
 Written straight from the specification, with Python lists and the `transformers` model's own
 sub-modules: nothing is shared with the ONNX graph builder or the numpy ring bookkeeping.

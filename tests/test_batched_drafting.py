@@ -1,4 +1,4 @@
-"""Drafting per seat while seats decode together (issue 35): a seat's verified draft (its last token
+"""Drafting per seat while seats decode together: a seat's verified draft (its last token
 and the drafts after it, every row's logits) rides in the same batched run as other seats' one-token
 steps, verified drafts and prefill chunks (runtime.seats_together, FusedBackend.run_seats with
 all_logits), and only the rows its accept() keeps are committed.

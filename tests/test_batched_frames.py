@@ -1,4 +1,4 @@
-"""Seats with camera frames decoding together (issue 35): a vision-language model exported with fp32
+"""Seats with camera frames decoding together: a vision-language model exported with fp32
 KV and built for the cpu with cabinlm's attention kernel (FloatKVAttention, the int8 kernel's
 arithmetic over a float32 cache) carries batched graphs, each seat's image rows its own
 (graph.fused_model(seats=B)); the image region's keys are re-written at positions + E by the runtime

@@ -1,4 +1,4 @@
-"""Seats decoding together (issue 35): a fused cpu build's batched graphs run B seats' rows through
+"""Seats decoding together: a fused cpu build's batched graphs run B seats' rows through
 every weight matmul in one graph run, each seat's attention over its own cache
 (engines/ort_fused/graph.py fused_model(seats=B), FusedBackend.run_seats, runtime step_seats).
 
@@ -494,7 +494,7 @@ def test_the_seat_limit_counts_what_seats_decoding_together_hold_once(build, loa
     assert limits.together_bytes(load_manifest(art)) == 0
 
 
-# Speed work on the batched step (issue 35): what the earlier cases could not catch.
+# The batched step's inputs bound once and its outputs reused: what the earlier cases could not catch.
 
 
 def test_two_batched_runs_in_one_step_give_each_seat_its_own_logits(build):

@@ -1,4 +1,4 @@
-"""The two core correctness facts of DESIGN.md, against independent references:
+"""The two core correctness facts of docs/design.md ("The cache"), against independent references:
 
 1. while the stream fits in the cache, the graph is dense attention: per-token NLL equals
    `transformers`' own forward pass;

@@ -1,4 +1,4 @@
-"""The model families beyond Llama / Qwen2 (issue 31): Qwen3 (RMSNorm of each q / k head before
+"""The model families beyond Llama / Qwen2: Qwen3 (RMSNorm of each q / k head before
 RoPE), Mistral (Llama-like, with a `sliding_window`), Phi-3 (fused qkv_proj and gate_up_proj) and
 Gemma 3 (sandwich norms, GELU-tanh, scaled embeddings, local sliding-window layers of window 20
 around a global one, so its local rings wrap in every test: tests/test_local_layers.py has the rest),

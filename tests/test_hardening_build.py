@@ -1,12 +1,12 @@
-"""`cabinlm build` never destroys its input (issue 34): real folders, compared byte for byte before and
+"""`cabinlm build` never destroys its input: real folders, compared byte for byte before and
 after, through the command line as a user runs it.
 
 test_engines.py covers an export given as input. What it does not: a finished build given as input
 (`cabinlm build BUILD -o BUILD` is the command a user retrying a build types), and every refusal
 being one line with exit 2 and no traceback for both kinds of input. The refusals come from
 engines/output.check_output (an export) and Builder.finish (a build, which is not built again):
-already in place when issue 34 was filed, so these cases pass on the code before it too; they pin
-the behaviour the issue asked for.
+already in place before these cases were written, so they pass on that code too; they pin the
+behaviour: a build never writes into, over or inside its own input.
 """
 
 from __future__ import annotations

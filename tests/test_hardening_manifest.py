@@ -1,4 +1,4 @@
-"""The manifest's and the model config's values checked for range, not only type (issue 34).
+"""The manifest's and the model config's values checked for range, not only type.
 
 What the earlier hostile-manifest test (test_manifest.py) could not catch: it asked only that a
 replaced value give a ManifestError or a manifest that describes itself again. A stop id of 10**30, a

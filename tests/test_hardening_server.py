@@ -1,4 +1,4 @@
-"""`cabinlm serve` against hostile clients (issue 34): a real server process on a loopback port, real
+"""`cabinlm serve` against hostile clients: a real server process on a loopback port, real
 clients (the openai package, urllib, a raw socket), the tiny Qwen2 of test_serve.py (window 40).
 
 What the earlier server tests could not catch: they sent one hostile request at a time and looked only

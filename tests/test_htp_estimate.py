@@ -58,7 +58,7 @@ def test_the_calibrations_give_the_cited_bandwidths():
     one_b = 16 * (2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 8192) * 4.125 / 8 + 128256 * 2048 + 16 * 2 * 8 * 64 * 2 * 4096
     assert est.CALIBRATIONS[0].step_bytes() == int(one_b)
     assert est.chip_bandwidth(68).bandwidth == pytest.approx(one_b * 11.0)
-    assert 9.5e9 < one_b * 11.0 < 10.5e9  # research note: ~9.7 GB/s (its LPBQ scales not counted)
+    assert 9.5e9 < one_b * 11.0 < 10.5e9  # ~9.7 GB/s (its LPBQ scales not counted)
     v73 = est.chip_bandwidth(73)
     three_b = (28 * (2 * 3072 * 3072 + 2 * 3072 * 1024 + 3 * 3072 * 8192) * 4.125 / 8 + 128256 * 3072
                + 28 * 2 * 8 * 128 * 4096) * 14.0  # fmt: skip

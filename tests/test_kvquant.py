@@ -137,7 +137,7 @@ def test_a_calibration_file_is_used_and_checked(tiny, tmp_path, long_text):
 
 @pytest.mark.slow
 def test_smollm2_quantized_kv_perplexity_stays_close_to_fp32(smollm2, export_to, long_text):
-    """The short version of docs/benchmarks.md's table: int8 <= 0.5%, fp8 <= 1.5% over fp32 KV."""
+    """The short version of docs/results.md, "KV and weight formats": int8 <= 0.5%, fp8 <= 1.5% over fp32 KV."""
     layout = dict(sink=4, pinned=0, window=252, chunk=64)
     tok = Tokenizer(export_to(smollm2, **layout) / "tokenizer.json")
     ids = tok.encode(long_text, add_special_tokens=True)[:1500]  # ~6x the cache: eviction active

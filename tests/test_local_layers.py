@@ -1,4 +1,4 @@
-"""Per-layer cache geometry (DESIGN.md: layers with their own sliding window). A tiny random Gemma 3
+"""Per-layer cache geometry (docs/design.md, "Layers with their own sliding window"). A tiny random Gemma 3
 (conftest.make_tiny_model: local layers of window 20 around a global one) keeps a ring of 20 slots
 for each local layer and the sink + pinned + window slot map for the global one:
 

@@ -8,7 +8,7 @@ Tolerances: the static pair computes what the exported graph computes in fp32: i
 transformers' within 1e-4 (the export's own bound) and the cpu build's within 1e-4 through eviction
 (measured 1.5e-5). The HTP computes in fp16 with an fp16 cache: measured against the cpu build of
 the same fp16-KV export over 150 tokens (86 evicted, the frame pinned), per-token NLL differs by at
-most 0.048 (v73) / 0.050 (v68), 0.007 on average (benchmarks/vlm_htp.py, docs/benchmarks.md §15); the
+most 0.048 (v73) / 0.050 (v68), 0.007 on average (benchmarks/vlm_htp.py); the
 tests allow 0.15 at any token and 0.02 on average, and another frame is > 0.1 apart on average.
 """
 

@@ -5,7 +5,7 @@ cache, once with cabinlm's block matmuls (the default: weights read in place fro
 weights file) and once with ONNX Runtime's MatMulNBits (`--matmul-kernel onnxruntime`: each session
 packs its own copy of every matrix beside that map). Each build's plan, read off its manifest as
 `cabinlm plan BUILD` reads it, must be within PLAN_TOLERANCE of the peak RSS of `cabinlm chat BUILD`
-run in a child process over the demo dialogue (docs/benchmarks.md, "Planner against peak RSS").
+run in a child process over the demo dialogue (docs/results.md, "Plan against RSS").
 """
 
 from __future__ import annotations

@@ -387,7 +387,7 @@ def test_the_weights_term_is_what_the_builds_graph_holds(cpu_builds, case):
 
 def test_the_tokenizer_term_is_within_reach_of_the_vocabulary(cpu_builds):
     """The tokenizer row is an estimate from the vocabulary; an artifact's tokenizer.json is the
-    measured one's source (docs/benchmarks.md): the estimate stays within 4x to 16x the file's size
+    measured one's source: the estimate stays within 4x to 16x the file's size
     (the file holds each entry once as JSON text; the loaded tokenizer holds maps of it)."""
     from cabinlm.manifest import load_manifest
     from cabinlm.profiles.planner import tokenizer_estimate

@@ -1,4 +1,4 @@
-"""16-bit activations on the HTP (`cabinlm build --activations a16`, issue 33): the int8-KV export as
+"""16-bit activations on the HTP (`cabinlm build --activations a16`): the int8-KV export as
 a calibrated QDQ graph (uint16 activations, int8 or int4 weights in symmetric blocks of 32, the uint8 cache with
 its tied scales, keys rotated when written as the fp16 build's: QK^T reads 8-bit keys), compiled by
 Qualcomm's compiler for sa8775p (v73) and run in its x86 simulator.
@@ -24,7 +24,7 @@ built-in text, and its weights to symmetric int8 blocks of 32 (from the export's
 CPU int8 build). The bounds hold the a16 build about as close to the CPU int8 build as that fp16 build is, and
 within 20% / 8% (median) of float32; a cache without its pinned spans fails both by far. On this random
 model rotated and un-rotated keys score about the same (the figures above, one run each); SmolLM2's
-differ (docs/benchmarks.md section 15). What the rotation changes in the graph is checked directly:
+differ (docs/results.md, "The HTP in the simulator"). What the rotation changes in the graph is checked directly:
 test_qk_t_reads_8_bit_keys_that_were_rounded_after_their_rotation (the un-rotated graph fails it: the
 keys into QK^T were uint16 there).
 """
@@ -241,7 +241,7 @@ def test_a16_graph_that_loses_the_model_is_refused(int8_artifact, tmp_path, monk
         build_artifact(int8_artifact, load_profile("sa8775p"), tmp_path / "b", activations="a16")
 
 
-# -- GGUF Q4_1 blocks (issue 33: SmolLM2's a16 graph at perplexity 1.5e9) ----------------------------------------
+# -- GGUF Q4_1 blocks (their offsets unfolded, SmolLM2's a16 graph scored 1.5e9) -------------------------------------
 # The tests above export the tiny model's int4 with integer zero points; a GGUF Q4_1 file (SmolLM2's) brings
 # blocks d * q + m, whose minimum m the export adds as blocksum(x) @ offset beside x @ (d q). Quantized to 16
 # bits apart, the two terms (each carrying the block's mean weight) no longer cancel: on the tiny model the
@@ -356,7 +356,7 @@ def test_the_calibration_text_is_the_users_choice(int8_artifact, tmp_path):
         calibration_ids(int8_artifact, m, text)
 
 
-# -- int4 weights, w4a16 (`--a16-weights int4`, issue 33) ------------------------------------------------------
+# -- int4 weights, w4a16 (`--a16-weights int4`) ---------------------------------------------------------------
 # The matrices as symmetric int4 blocks of 32 (a16_weights.sym_blocks), the LM head int8 blocks; the rest as
 # the int8 build above. What the tests above cannot catch: int4 codes packed wrong (a nibble order, a sign),
 # the head left int4, the manifest still saying int8, or a compiler that reads the int4 blocks otherwise.

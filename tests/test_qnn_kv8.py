@@ -1,4 +1,4 @@
-"""The HTP's 8-bit KV cache (issue 33), compiled by Qualcomm's compiler and run in its x86 simulator:
+"""The HTP's 8-bit KV cache, compiled by Qualcomm's compiler and run in its x86 simulator:
 an int8-KV export built for sa8775p (v73) and sa8295p (v68) holds its cache as uint8 (zero point 128,
 one calibrated scale per tensor, the same scale quantizing the new K/V and reading the cache), with
 keys rotated once, when written, at their virtual positions; the runtime re-rotates the sink and
@@ -24,7 +24,7 @@ So the tests hold the HTP to float32 tightly (FLOAT: fp16 arithmetic plus the 8-
 CPU int8 build loosely (SAME_EXPORT: the two 8-bit caches' different rounding); a cache without its
 pinned spans fails both by far, and test_the_sink_and_pinned_keys_are_their_copies_rotated_at_rank_plus_e
 checks the refresh's bytes directly. This random model cannot tell rotated from un-rotated keys apart
-on perplexity (SmolLM2 can: docs/benchmarks.md section 15).
+on perplexity (SmolLM2 can: docs/results.md, "The HTP in the simulator").
 """
 
 from __future__ import annotations

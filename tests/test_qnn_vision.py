@@ -5,7 +5,7 @@ node named, and the manifest says where the tower runs and why. Tiny random towe
 
 Tolerance: the HTP computes the float tower in fp16 (a relative rounding step of 2^-11 per operation
 over a few dozen operations). Measured: the largest |error| of the image embeddings is 0.1% to 0.4%
-of the largest |embedding| over 8 frames (docs/benchmarks.md §15, benchmarks/vlm_htp.py); the tests allow 1%, and another frame's
+of the largest |embedding| over 8 frames (benchmarks/vlm_htp.py); the tests allow 1%, and another frame's
 embeddings are > 10% apart.
 """
 

@@ -1,7 +1,8 @@
-"""Qwen2-VL and Qwen2.5-VL on the exported graph: the image processor at the artifact's frame size, the
-vision tower with the patch merger (and Qwen2.5-VL's window attention), and the decoder's multimodal RoPE (M-RoPE) under the cache's rank rule
-(DESIGN.md, docs/vlm.md), each checked against transformers' own Qwen2VLForConditionalGeneration on a
-tiny random model whose processor config is written as the family's Hub folders write it."""
+"""Qwen2-VL and Qwen2.5-VL on the exported graph: the image processor at the artifact's frame size, the vision tower
+with the patch merger (and Qwen2.5-VL's window attention), and the decoder's multimodal RoPE (M-RoPE) under the
+cache's rank rule (docs/design.md, "Multimodal RoPE"; docs/vlm.md), each checked against transformers' own
+Qwen2VLForConditionalGeneration on a tiny random model whose processor config is written as the family's Hub folders
+write it."""
 
 from __future__ import annotations
 
@@ -85,9 +86,9 @@ def test_the_vision_graph_gives_transformers_image_embeddings(qwen):
 
 
 def rule_positions(image: list[bool], grid: tuple[int, int]) -> np.ndarray:
-    """(3, n): DESIGN.md's rule written out over a sequence (the cache's tokens in rank order, then the
-    chunk): text tokens equal components, a frame's token k its grid offsets from where the frame
-    starts, what follows the frame from its largest position + 1."""
+    """(3, n): the rule of docs/design.md, "Multimodal RoPE", written out over a sequence (the cache's tokens in
+    rank order, then the chunk): text tokens equal components, a frame's token k its grid offsets from where the
+    frame starts, what follows the frame from its largest position + 1."""
     rows, cols = grid
     out, cur, k = [], 0, 0  # cur: the next text position; k: the frame token's index
     for i, is_image in enumerate(image):

@@ -1,4 +1,4 @@
-"""The llama.cpp peer of `cabinlm bench --seats N` (issue 35): llama.cpp decoding N sequences in one
+"""The llama.cpp peer of `cabinlm bench --seats N`: llama.cpp decoding N sequences in one
 batch (bench/llama_seats.LlamaCppSeats, one sequence id per dialogue) on the same scripted turns as
 cabinlm's seats. It needs llama-cpp-python (`make bench-deps`); without it these tests skip and print
 why (`make test` does not install the bench extras)."""

@@ -285,7 +285,7 @@ def test_the_cli_takes_a_malformed_seat_prefix_as_text(artifact):
     assert json.loads(p.stdout)["seat"] == 1
 
 
-# -- session files are untrusted, saves can fail, two processes can collide (issue: hardening) ---------
+# -- session files are untrusted, saves can fail, two processes can collide ---------------------------
 
 
 def _rewrite_header(raw: bytes, edit) -> bytes:

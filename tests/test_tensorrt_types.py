@@ -1,6 +1,6 @@
 """Every TensorRT call of the builder and the backend names a real method with the right arguments:
 mypy against NVIDIA's tensorrt-stubs 10.13 (the only TensorRT this project can have; nothing here
-runs TensorRT). Three steps make the stubs count (research/tensorrt-here.md): copy `tensorrt/` and
+runs TensorRT). Three steps make the stubs count: copy `tensorrt/` and
 `tensorrt_bindings/` onto MYPYPATH (no py.typed in site-packages), fix the two generated lines that
 are not Python, and count only the errors in our files. Canaries prove the stubs are in effect: a
 method TensorRT does not have, and a call of ours broken on purpose, must both be reported."""

@@ -1,7 +1,7 @@
-"""The cache semantics with a pinned camera frame, written for the vision-language tests in plain
-PyTorch from DESIGN.md with the transformers model's own sub-modules (nothing shared with the graph
-or the slot table). test_idefics3.py runs it as it is (positions are ranks); test_qwen2_vl.py gives
-it M-RoPE's positions and rotation.
+"""The cache semantics with a pinned camera frame, written for the vision-language tests in plain PyTorch from
+docs/design.md ("Camera frames") with the transformers model's own sub-modules (nothing shared with the graph or the
+slot table). test_idefics3.py runs it as it is (positions are ranks); test_qwen2_vl.py gives it M-RoPE's positions
+and rotation.
 
   * each cached token keeps the K/V it was given when fed;
   * at every chunk the cached tokens, then the chunk, in stream order, get their positions

@@ -31,7 +31,7 @@ class CacheLayout:
     A chunk of up to C tokens attends to every cached token and to itself causally, then joins the
     cache. Positions are ranks in stream order, so the largest position ever used is S + P + W + C - 1.
 
-    Per-layer geometry (DESIGN.md: layers with their own sliding window). A layer listed in
+    Per-layer geometry (docs/design.md, "Layers with their own sliding window"). A layer listed in
     `local_layers` is one whose model attends only within a sliding window of `local_window` = w
     tokens, itself included (Gemma 3's local layers). Such a layer caches no sinks, pinned spans or
     frame: it keeps a ring of w slots holding the stream's last w tokens, whatever region the global

@@ -27,20 +27,20 @@ def build(
                                      "[default: ARTIFACT-build-PROFILE beside the export]."),
     attention: Attention = typer.Option(
         Attention.AUTO, help="cpu builds: 'fused' re-emits the decoder around ONNX Runtime's GroupQueryAttention and "
-        "MatMulNBits kernels (about 4x faster decode; int8 / fp32 KV, text models); 'graph' keeps the exported "
+        "MatMulNBits kernels (a faster decode step; int8 / fp32 KV, text models); 'graph' keeps the exported "
         "graph; 'auto' fuses where it applies."),
     accuracy_level: int = typer.Option(4, help="Fused cpu builds: activations of the quantized matmuls, 4 = int8 "
                                        "(as llama.cpp computes), 0 = float32 (slower, exact to the weights)."),
     minimums: Minimums = typer.Option(
         Minimums.INT8, help="Fused cpu builds of a GGUF's Q4_1 blocks (4-bit codes plus a block minimum): 'int8' "
         "re-expresses each block as 8-bit codes with an integer zero point, the minimum rounded to 1/34 of the "
-        "block's step (about 10% faster decode, 43 MB more weights for SmolLM2); 'exact' adds each minimum through "
-        "block sums (two more kernels per matrix). docs/benchmarks.md measures both."),
+        "block's step (a faster decode step, more bytes of weights); 'exact' adds each minimum through "
+        "block sums (two more kernels per matrix). Figures: docs/results.md."),
     attention_kernel: AttentionKernel = typer.Option(
         AttentionKernel.AUTO, help="Fused cpu builds: 'cabinlm' computes the attention over the cache with cabinlm's own "
         "kernel (C++, compiled here for the profile's cpu_march and carried by the build: needs g++ or clang++ on "
-        "the build machine, none where the build runs; over int8 KV prefill chunks about twice as fast as "
-        "ONNX Runtime's quantized-cache path, decode steps faster at a full cache; over fp32 KV it gives the build "
+        "the build machine, none where the build runs; over int8 KV faster than "
+        "ONNX Runtime's quantized-cache path, in prefill chunks and in decode steps; over fp32 KV it gives the build "
         "batched graphs for seats decoding together, camera frames included); 'onnxruntime' keeps ONNX Runtime's "
         "GroupQueryAttention; 'auto' takes cabinlm's for int8 KV where a compiler is found (fp32 KV: ONNX Runtime's)."),
     engine: Optional[EngineChoice] = typer.Option(
@@ -55,17 +55,15 @@ def build(
         "dot product, the same results bit for bit on each, a chunk's rows its one-token steps); 'onnxruntime' keeps "
         "MatMulNBits (as --minimums says); 'auto' takes cabinlm's wherever its library compiles."),
     activations: str = typer.Option(
-        "fp16", help="Snapdragon HTP builds: 'fp16' computes the float graph in fp16; 'a16' (experimental: SmolLM2 in "
-        "the simulator 77.0 perplexity against 76.1 for fp16 (both with --kv int8's cache) and 73.6 on the CPU, its "
-        "speed on a chip not measured, "
-        "docs/benchmarks.md section 15) compiles a calibrated QDQ graph with "
+        "fp16", help="Snapdragon HTP builds: 'fp16' computes the float graph in fp16; 'a16' (experimental: its "
+        "perplexity in Qualcomm's simulator is in docs/results.md, \"The HTP in the simulator\"; its speed on a chip "
+        "is not measured) compiles a calibrated QDQ graph with "
         "16-bit integer activations, symmetric weight blocks of 32 (--a16-weights) and the uint8 KV cache of rotated keys (needs an --kv int8 "
         "export; HTP v73: sa8775p). docs/architecture.md \"16-bit activations on the HTP\"."),
     a16_weights: str = typer.Option(
         "int8", "--a16-weights", help="--activations a16: the weight matrices as symmetric blocks of 32, 'int8' (w8a16) "
-        "or 'int4' (w4a16: int4 codes, the LM head int8 blocks; SmolLM2 in the simulator 81.2 perplexity against 76.8 for "
-        "int8, both measured with un-rotated keys, a 153 MB binary against 206 MB; nothing ran on an SA8775P). "
-        "docs/benchmarks.md section 15."),
+        "or 'int4' (w4a16: int4 codes, the LM head int8 blocks: smaller binaries, more perplexity; nothing ran on an "
+        "SA8775P). Figures: docs/results.md, \"The HTP in the simulator\"."),
     calib: Optional[Path] = typer.Option(None, help="--activations a16: calibration text (UTF-8, at least 256 tokens) "
                                          "[default: the built-in prose + in-car dialogue mix, as export's --calib]."),
 ) -> None:

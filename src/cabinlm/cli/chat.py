@@ -41,10 +41,9 @@ def chat(
     speculative: Optional[bool] = typer.Option(
         None, "--speculative/--no-speculative",
         help="Draft reply tokens from the dialogue's own text (prompt lookup) and check them in one step: "
-        "the same replies, faster while the window fills (it stops once the window has turned over; "
-        "docs/benchmarks.md section 13). Default: on for the fused cpu build (`make demo`'s), whose chunk "
-        "rows are bit for bit its one-token steps; off where a check costs a whole fixed chunk (Snapdragon "
-        "HTP, static pairs) or where rows match steps only to rounding (an unbuilt export)."),
+        "the same replies, faster (docs/results.md, \"Drafting\"). Default: on for the fused cpu build "
+        "(`make demo`'s), whose chunk rows are bit for bit its one-token steps; off where a check costs a whole "
+        "fixed chunk (Snapdragon HTP, static pairs) or where rows match steps only to rounding (an unbuilt export)."),
     json_out: bool = typer.Option(False, "--json", help="One JSON object per turn on stdout instead of text."),
     tools: Optional[Path] = typer.Option(
         None, help="A JSON file with an OpenAI tool list ([{\"type\": \"function\", \"function\": {\"name\", "

@@ -45,8 +45,8 @@ def export(
         parser=weight_formats(*HEAD_WEIGHTS),
         metavar=choices(*HEAD_WEIGHTS),
         help="Token table and output projection of int8/int4 weights: int8, or int4 (as onnxruntime-genai's int4 "
-        "models hold it: about 0.5 ms less per token and about +10% perplexity for SmolLM2, docs/benchmarks.md "
-        "section 10). A .gguf's own table is kept when its blocks have that width. [default: int8, or the file's]",
+        "models hold it: a little faster, at a perplexity cost; docs/results.md, \"KV and weight formats\"). "
+        "A .gguf's own table is kept when its blocks have that width. [default: int8, or the file's]",
     ),
     calib: Optional[Path] = typer.Option(
         None, help="Calibration text for int8/fp8 KV (default: built-in prose + in-car dialogue)."

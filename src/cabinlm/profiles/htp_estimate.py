@@ -1,4 +1,4 @@
-"""A decode-speed ESTIMATE for Qualcomm HTP builds, not a measurement (issue 33): nothing of cabinlm
+"""A decode-speed ESTIMATE for Qualcomm HTP builds, not a measurement: nothing of cabinlm
 has run on an SA8295P or an SA8775P, and the x86 simulator's seconds are not the chip's.
 
 A bandwidth model: a decode step of the fixed-shape graph reads every weight of the decode binary
@@ -8,7 +8,7 @@ fixed), so
     tokens/s  ~=  effective bandwidth / bytes read per step
 
 The effective bandwidth of a chip is calibrated on Qualcomm's published decode speeds of its own
-LLM binaries (ai-hub-models perf.yaml history; ../shared/research/qnn-integer.md), counting their
+LLM binaries (the history of ai-hub-models' perf.yaml files, github.com/quic/ai-hub-models), counting their
 bytes per step the same way from the models' shapes (CALIBRATIONS; their config.json). It folds in
 everything that is not bandwidth (compute, fp16 vs int16 activations, per-run overhead), so it only
 transfers to a build of the same kind. Small models are dominated by fixed per-run overhead the

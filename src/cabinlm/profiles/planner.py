@@ -14,7 +14,7 @@ K / V element, no value scales) and, where it holds rotated keys (qnn_htp/spec.r
 text model without local layers), the sink and pinned keys' un-rotated fp16 copy beside it.
 
 ONNX Runtime CPU profiles (the cpu profile) count what the build being planned holds, since their
-builds hold the same weights in different layouts (docs/benchmarks.md, "Planner against peak RSS"):
+builds hold the same weights in different layouts (docs/results.md, "Plan against RSS"):
 
     total = held weights + packed copies + KV + activations x ACTIVATION_FACTOR[build]
             + ORT_CPU_RUNTIME_BYTES + tokenizer

@@ -2,8 +2,8 @@
 planner (profiles/planner.py) adds up, and the build facts it reads off an artifact's manifest.
 Standard library only.
 
-The cpu profile's builds hold the same weights in different layouts (docs/benchmarks.md, "Planner
-against peak RSS"): held_weights gives a build kind's bits per weight, block scales, zero points and
+The cpu profile's builds hold the same weights in different layouts (docs/results.md, "Plan
+against RSS"): held_weights gives a build kind's bits per weight, block scales, zero points and
 minimums included, and whether a quantized tied table is held twice; build_facts reads the kind and
 layout of an export or a build from its manifest (and, for a GGUF of several block widths, the
 matrices' bits from the weights file the build wrote).
@@ -150,7 +150,7 @@ def held_weights(fmt: WeightFormat | str, build: str = FUSED, *, block_minimums:
     return HeldWeights(build, 4 + scale + minimum, head_bits, "MatMulNBits 4-bit + block-sum minimums")
 
 
-# Measured (docs/benchmarks.md, "Planner against peak RSS"; SmolLM2-135M, onnxruntime 1.31, x86-64 Linux):
+# Measured (benchmarks/plan_vs_rss.py; SmolLM2-135M, onnxruntime 1.31, x86-64 Linux):
 # the interpreter with numpy, onnxruntime and cabinlm's runtime imported (55 MiB), plus one session's
 # own memory beyond its weights, KV buffers and arena (about 25 MiB).
 ORT_CPU_RUNTIME_BYTES = 80 * MIB
@@ -170,7 +170,7 @@ ACTIVATION_FACTOR = {EXPORT: 2.0, GRAPH: 3.0, FUSED: 1.0, STATIC: 3.0}
 
 # Seats decoding together (a fused build's batched graphs, FusedSettings.seat_batches) with the LM head
 # on MatMulNBits: the head is a graph of its own, and ONNX Runtime keeps a packed copy of its 8-bit
-# matrix in that session (38 MB for SmolLM2's 28 MB of head codes, docs/benchmarks.md section 20): bytes
+# matrix in that session (38 MB for SmolLM2's 28 MB of head codes): bytes
 # per head code. A build whose head runs on cabinlm's BlockQ8MatMul (wherever cabinlm's library compiles,
 # FusedSettings.head_kernel) holds no copy; the plan of a model, made before a build knows its kernels,
 # counts the copy: an upper estimate there. A build records what each of its graphs' sessions packs

@@ -100,7 +100,7 @@ class Decoder:
         Where the backend can run a chunk as steps (Backend.verifies_after_turnover: each row sees the
         cache without the window tokens the steps before it evict, and the sink / pinned keys as its
         own step rotates them), that holds for the whole dialogue: a chunk's worth, once the sink is
-        full. Elsewhere a chunk's tokens all see the cache as it was before the chunk (DESIGN.md), so
+        full. Elsewhere a chunk's tokens all see the cache as it was before the chunk (docs/design.md, "The cache"), so
         once the window is full row i would still see the i oldest window tokens and sit i positions
         further from the sink and pinned tokens: drafting then runs only while the window fills. And
         never where the backend's chunk rows are not its steps (Backend.verifies_drafts), so a reply

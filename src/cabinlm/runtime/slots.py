@@ -65,7 +65,7 @@ class StepPlan:
         self.sink = table.layout.sink
         # True: the rows are one-token steps (a verified draft): row i computes what the step after the
         # chunk's first i tokens would, the window's oldest tokens those steps overwrite included (the
-        # row_* facts below); False: every row sees the cache as it was before the chunk (DESIGN.md).
+        # row_* facts below); False: every row sees the cache as it was before the chunk (docs/design.md, "The cache").
         # A backend that cannot run a plan as steps never gets one (Backend.verifies_after_turnover).
         self.steps = steps
         if steps:  # each row's rank at its own step: a row after an eviction keeps the rank of the one before
@@ -91,7 +91,7 @@ class StepPlan:
 
     def mrope_positions(self, frame_tokens: int, grid: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
         """((3, tokens), (3, slots)) int64: the (time, row, column) positions of the chunk's tokens and of
-        every cached slot (0 for empty slots), by DESIGN.md's rule for multimodal RoPE: the cached
+        every cached slot (0 for empty slots), by the rule of docs/design.md, "Multimodal RoPE": the cached
         tokens then the chunk's, in the order of their ranks, read as if they were the whole sequence.
         A text token at rank r has r + d in all three components, where d is what the frames before it
         took off: a frame of I tokens in a (rows, cols) grid spans max(rows, cols) positions, not I.

@@ -101,7 +101,7 @@ def _kernel_library(request: BuildRequest, folder: Path, insisted: bool, kept: s
 
 # The inputs ONNX Runtime's CPU kernels pack a copy of when a session loads (PrePack), by operator: in
 # a session handed its weights from a map (SharedWeights), the packed copy is held beside the mapped
-# bytes (docs/benchmarks.md, "Planner against peak RSS"). cabinlm's operators and gathers pack nothing.
+# bytes (docs/results.md, "Plan against RSS"). cabinlm's operators and gathers pack nothing.
 PREPACKED_INPUTS = {"MatMulNBits": (1, 2, 3), "MatMul": (1,), "Gemm": (1,)}
 
 

@@ -78,7 +78,8 @@ def ineligible(manifest: Manifest) -> str | None:
     if vision is not None and lay.kv_dtype != KVDType.FP32:
         return (f"a vision-language model with {lay.kv_dtype.value} KV: a new camera frame lowers the ranks of the window "
                 "tokens fed after the old one with no eviction, so their rotated keys must turn again, which would "
-                "rotate quantized keys (DESIGN.md: quantize once); fp32 KV takes the fused decoder")
+                "rotate quantized keys (quantize once, never re-rotate: docs/design.md, 'Quantized once'); fp32 KV takes "
+                "the fused decoder")
     if lay.kv_dtype not in FUSED_KV:
         return f"{lay.kv_dtype.value} KV (the fused kernel takes int8 or fp32 KV)"
     if manifest.index_dtype != "int64":

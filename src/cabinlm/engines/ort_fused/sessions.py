@@ -80,8 +80,8 @@ def load_fused(folder: Path, manifest: Manifest, threads: int | None, extra: dic
         elif batched:
             # The batched graph's threads stop spinning when its run returns, so that the head, and a
             # prompt's prefill on the one-seat session right after a batched step, have the cores
-            # (docs/benchmarks.md section 20: that prefill 104-117 ms with them spinning, 77-83 without,
-            # 74-86 after a one-seat step). The one-seat session keeps spinning between its own steps.
+            # (measured on 2 cores: that prefill 104-117 ms with them spinning, 77-83 without, 74-86 after
+            # a one-seat step). The one-seat session keeps spinning between its own steps.
             so.add_session_config_entry("session.force_spinning_stop", "1")
         return so
 

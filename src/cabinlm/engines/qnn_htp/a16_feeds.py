@@ -97,12 +97,12 @@ def stream_logits(model: onnx.ModelProto | bytes | str, artifact: Path, manifest
 
 def stream_fidelity(reference: bytes, q: onnx.ModelProto, artifact: Path, manifest, ids: list[int],
                     kv_scales: dict[str, float] | None = None) -> dict:
-    """The QDQ graph q against the float graph (serialized, the same uint8 cache I/O), both fed `ids`
-    through the runtime on ONNX Runtime's CPU provider (stream_logits): what the 16-bit ranges cost on
-    text the calibration did not see, apart from the compiler (whose own faithfulness the build's
-    decode check measures). A check on a calibration chunk cannot see a range that this text leaves
-    (issue 33: 0.998 there, perplexity 3.8e9 on the stream). Returns {"correlation": logits over all
-    rows, "perplexity": (float graph, QDQ graph)}. kv_scales: both graphs' cache holds rotated keys (cpu_decoder)."""
+    """The QDQ graph q against the float graph (serialized, the same uint8 cache I/O), both fed `ids` through the
+    runtime on ONNX Runtime's CPU provider (stream_logits): what the 16-bit ranges cost on text the calibration did
+    not see, apart from the compiler (whose own faithfulness the build's decode check measures). A check on a
+    calibration chunk cannot see a range that this text leaves (SmolLM2's graph with its offsets unfolded: 0.998
+    there, perplexity 3.8e9 on the stream). Returns {"correlation": logits over all rows, "perplexity": (float
+    graph, QDQ graph)}. kv_scales: both graphs' cache holds rotated keys (cpu_decoder)."""
     from cabinlm.runtime import token_nll
 
     ref = stream_logits(reference, artifact, manifest, ids, kv_scales)

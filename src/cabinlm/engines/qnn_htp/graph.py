@@ -319,7 +319,7 @@ def _prune(model: onnx.ModelProto) -> None:
 
 
 def uint8_kv(model: onnx.ModelProto, scales: dict[str, float]) -> list[str]:
-    """The int8-KV export's cache as uint8 with one scale per tensor and zero point 128 (issue 33).
+    """The int8-KV export's cache as uint8 with one scale per tensor and zero point 128.
 
     The export quantizes keys with per-channel scales and values with per-token scales computed in
     the graph, around unit-scale int8 QuantizeLinear / DequantizeLinear; the HTP rejects those as

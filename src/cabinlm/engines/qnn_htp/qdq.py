@@ -1,4 +1,4 @@
-"""16-bit activations on the HTP (`cabinlm build --activations a16`, issue 33): the HTP-ready float
+"""16-bit activations on the HTP (`cabinlm build --activations a16`): the HTP-ready float
 graph of an int8-KV export made a calibrated QDQ graph, as Qualcomm's own v73 deployments run.
 
     HTP-ready graph (graph.py: fused RMSNorms, float token table, the uint8 cache of uint8_kv, its
@@ -45,7 +45,7 @@ from cabinlm.engines.qnn_htp.graph import BLOCK, _consts, _consumers, _values
 
 # benchmarks only: the quantizer's own per-output-channel weights ("int8" / "int16" / "int4") kept in place of
 # the blocks the build takes (a16_weights). int8 blocks: SmolLM2's QDQ graph 77.59 against its float graph's
-# 77.36, int8 per channel 85.29 (docs/benchmarks.md section 15)
+# 77.36, int8 per channel 85.29 (512 tokens of tests/data/prose.txt)
 PER_CHANNEL: str | None = None
 ZERO, MASK_MIN = "htp/zero", "htp/mask_min"
 MASK_FLOOR = 512.0  # floor_masks
@@ -59,7 +59,8 @@ def a16_refusal(profile, kv: str) -> str | None:
     """Why this profile / export cannot have --activations a16 (None: it can)."""
     if profile.htp_arch < A16_MIN_ARCH:
         # measured: the x86 simulator's v68 compiles the tiny model's a16 graph; what refuses it is
-        # Qualcomm's own support (../shared/research/qnn-integer.md), which the simulator cannot show
+        # Qualcomm's own support (AI Hub's LLM export, github.com/quic/ai-hub-models:
+        # qai_hub_models/models/_shared/llm/export.py), which the simulator cannot show
         return (f"--activations a16 is for HTP v{A16_MIN_ARCH}+ (sa8775p); {profile.name} is v{profile.htp_arch}, where "
                 "Qualcomm ships fp16 activations (AI Hub's export refuses w4a16 on SA8295P; 16-bit layer norms and "
                 "matmuls are validated from v73 on): build it with --activations fp16")  # fmt: skip
@@ -78,8 +79,8 @@ def float_weights(model: onnx.ModelProto) -> tuple[int, int]:
     product, x @ (s q) + blocksum(x) @ offset; with q in 0..15 each term carries the block's mean
     weight times x's block sum, and the two cancel to the (much smaller) product. Quantized to 16 bits
     apart, each term rounds and clips on its own range, and on text outside the calibration one term
-    clips where the other does not: SmolLM2's QDQ graph lost the model (issue 33, docs/benchmarks.md
-    section 15). So the offset is folded into the matrix, one MatMul of the true weights:
+    clips where the other does not: SmolLM2's QDQ graph lost the model (perplexity 1.5e9 in
+    the simulator). So the offset is folded into the matrix, one MatMul of the true weights:
 
         x ─ MatMul(s q) ─────────────────────────────┐
         x ─ Reshape(T, K/32, 32) ─ ReduceSum ─ MatMul(offset) ─ Add   ->   x ─ MatMul(s q + offset)
@@ -254,7 +255,7 @@ def quantize_a16(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]], kv:
 # SmolLM2 (perplexity 1.9e9) and the tiny Q4_1 model (correlation 0.43) fail both by far
 MIN_FIDELITY = 0.95  # the QDQ graph's logits against the float graph's, correlation over every row
 # int4 weights: their rounding alone moves the logits (SmolLM2's int4 QDQ graph 0.908 on the held-out dialogue,
-# 0.936 over 512 tokens of prose, perplexity +21% / +2.5%; docs/benchmarks.md section 15); the broken graphs
+# 0.936 over 512 tokens of prose, perplexity +21% / +2.5%); the broken graphs
 # above still fail by far
 MIN_FIDELITY_INT4 = 0.85
 MAX_PERPLEXITY_RATIO = 1.25  # the QDQ graph's perplexity over the float graph's, the same text

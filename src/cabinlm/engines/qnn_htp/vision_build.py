@@ -34,7 +34,7 @@ from cabinlm.engines.qnn_htp import plugin as qnn_plugin
 VISION_CTX = "vision.ctx.onnx"
 VISION_CONTEXT, VISION_BINARY = "vision_context", "vision_context_binary"  # manifest file roles
 # The tower in fp16 against the CPU's fp32: the largest |difference| of the image embeddings over the
-# largest |embedding|. Measured on the tiny test towers: 0.1% to 0.4% (docs/benchmarks.md §15); a
+# largest |embedding|. Measured on the tiny test towers: 0.1% to 0.4% (benchmarks/vlm_htp.py); a
 # tower that overflows fp16 is far off (near-random rows). Beyond this the tower stays on the CPU.
 MAX_RELATIVE_ERROR = 0.05
 

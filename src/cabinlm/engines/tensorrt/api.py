@@ -12,7 +12,7 @@ import: every switch here is unit-tested on any machine.
     (10.15+, 11)                              flags (TensorRT refuses them); the graph's Casts and
                                               types are obeyed, so fp32 regions stay fp32
 
-Sources: /work/shared/research/tensorrt-here.md (eras), NVIDIA's API as typed in tensorrt-stubs
+Sources: NVIDIA's TensorRT release notes and migration guides (the eras above), NVIDIA's API as typed in tensorrt-stubs
 10.13 (names checked by mypy in tests/test_tensorrt_types.py), onnx-tensorrt's changelog (compat.py).
 """
 

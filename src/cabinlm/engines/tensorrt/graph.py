@@ -5,7 +5,7 @@ provider, which is how `cabinlm doctor` compares an engine with it.
 
 1. fp16-safe RMSNorm (every TensorRT target). The export's decomposed RMSNorm squares the residual
    stream: SmolLM2's residual reaches ~2.2e4, its square ~5e8, far above fp16's 65504; the QNN HTP
-   run of that graph in fp16 gave garbage (research/qnn.md), and a weakly typed TensorRT engine
+   run of that graph in fp16 gave garbage in Qualcomm's simulator, and a weakly typed TensorRT engine
    built with the FP16 flag may run the same reduction in fp16 (8.6 does not always keep it in
    fp32). The rewrite divides each row by its own largest magnitude first, so every intermediate is
    bounded whatever the input, and the result is algebraically the same function:

@@ -4,7 +4,7 @@
 // (engines/ort_fused/graph.py), with the same first inputs and meaning, for int8 KV with static
 // per-channel scales. Why an own kernel: ONNX Runtime's quantized-cache path computes a chunk of tokens
 // one row at a time with the cache de-quantized per row, which makes a prefill chunk over a full window
-// about three times as slow as over a float32 cache (docs/benchmarks.md, section 11); and a verified
+// about three times as slow as over a float32 cache (measured on SmolLM2's shapes); and a verified
 // draft must see the cache as its one-token step would, which only an own kernel can arrange.
 //
 // ai.cabinlm::FloatKVAttention is the same operator over a float32 cache (fp32 KV builds, the
