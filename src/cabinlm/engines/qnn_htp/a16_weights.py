@@ -9,7 +9,7 @@ int4 weights in blocks too, LPBQ), the LM head int8 blocks (HEAD_BITS: their LM 
 The token table (a Gather, not a MatMul) keeps the quantizer's int8 per row.
 
 Why symmetric: Qualcomm's compiler reads an asymmetric block's zero point as 0 (docs/architecture.md
-"16-bit activations on the HTP"; benchmarks/htp_a16_weights.py int4block); symmetric int8 and int4
+"16-bit activations on the HTP": the int4 blocks' row of its weights table); symmetric int8 and int4
 blocks compile and follow the CPU.
 """
 
