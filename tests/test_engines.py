@@ -30,7 +30,7 @@ ENGINE_DIRS = sorted(p for p in (SRC / "engines").iterdir() if p.is_dir() and p.
 # engine folder (spec.py, backend.py and what they use) is the runtime side, which a car carries.
 BUILD_SIDE = {"builder", "build", "output", "graph", "offline", "bundle", "engine", "compat", "doctor", "block_layouts", "head_graph", "node_builder",
               "vision_build", "qdq", "a16_feeds", "a16_weights", "a16_kv_io", "rotated_graph",
-              "gen_ort_api"}  # fmt: skip
+              "gen_ort_api", "single_op"}  # fmt: skip
 
 
 def imports_of(path: Path) -> set[str]:
