@@ -14,7 +14,15 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from cabinlm.runtime.grammar import Grammars  # noqa: E402
 from cabinlm.runtime.sampler import Sampler  # noqa: E402
-from cabinlm.runtime.tools import calls_grammar, json_reply_grammar, parse_calls, parse_tool_choice, parse_tools  # noqa: E402
+from cabinlm.runtime.tools import (  # noqa: E402
+    HERMES,
+    LLAMA3_JSON,
+    calls_grammar,
+    json_reply_grammar,
+    parse_calls,
+    parse_tool_choice,
+    parse_tools,
+)
 
 TEXT = ('{"zone": "driver", "celsius": 22} <tool_call> </tool_call> the driver asked for warm air and the '
         "passenger for the rear window, open it a bit, 0123456789 true false null [ ] { } , : ") * 30  # fmt: skip
@@ -61,13 +69,17 @@ def text_of(g: Grammars, ids: list[int]) -> str:
     return g.tokenizer.decode_str([t for t in ids if t not in (STOP, 1)])
 
 
+@pytest.mark.parametrize("style", [HERMES, LLAMA3_JSON], ids=lambda s: s.name)
 @pytest.mark.parametrize("seed", range(6))
-def test_random_logits_under_a_call_grammar_always_give_valid_calls(grammars, seed):
-    spec = calls_grammar(TOOLS, parse_tool_choice("required", TOOLS), True)
+def test_random_logits_under_a_call_grammar_always_give_valid_calls(grammars, seed, style):
+    spec = calls_grammar(TOOLS, parse_tool_choice("required", TOOLS), True, style)
     ids = generate(grammars, spec, seed, max_new=600)
     assert ids[-1] in (STOP, 1)  # ended by the grammar: after the calls only stop ids are allowed
-    content, calls = parse_calls(text_of(grammars, ids))
+    text = text_of(grammars, ids)
+    content, calls = parse_calls(text, style)
     assert content == "" and calls
+    assert style.parallel or len(calls) == 1  # Llama's template takes one call a reply
+    assert style.render("", calls) == text  # a call's text is a function of its name and arguments
     for name, arguments in calls:
         if name == "set_climate":
             jsonschema.validate(json.loads(arguments), SCHEMA)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from cabinlm.export.template import PLAIN, resolve_chat_template
@@ -111,3 +113,47 @@ def test_a_template_without_tools_keeps_the_default_wording(load, tiny_qwen2_dir
 
     chat = resolve_chat_template(load(str(tiny_qwen2_dir)).tokenizer)
     assert chat.tools_source == "default" and chat.tools_prefix == DEFAULT_TOOLS_PREFIX
+
+
+# Llama 3.1-Instruct's turn layout with its tool branches: JSON calls with "parameters", results in an
+# "ipython" turn (minus the date lines and built-in tools a test never takes).
+LLAMA31_TOOLS_TEMPLATE = (
+    "{{- '<|begin_of_text|>' }}{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]"
+    "['content'] %}{%- set messages = messages[1:] %}{%- else %}{%- set system_message = '' %}{%- endif %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' + system_message + '<|eot_id|>' }}"
+    "{%- for message in messages %}{%- if message.role in ['user', 'system'] or (message.role == 'assistant' "
+    "and not message.tool_calls) %}{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + "
+    "message.content + '<|eot_id|>' }}{%- elif message.tool_calls %}{%- set tool_call = message.tool_calls[0]"
+    ".function %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{{- '{\"name\": \"' + "
+    "tool_call.name + '\", ' }}{{- '\"parameters\": ' }}{{- tool_call.arguments | tojson }}{{- '}' }}"
+    "{{- '<|eot_id|>' }}{%- elif message.role == 'tool' or message.role == 'ipython' %}"
+    "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + message.content + '<|eot_id|>' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{%- endif %}"
+)
+
+
+def test_a_llama_template_gets_json_calls_and_its_ipython_turn_for_results():
+    """Llama 3.1's template: calls are {"name": ..., "parameters": ...} (tool_call_style
+    "llama3-json") and a result has its own "ipython" turn; the runtime writes a call and its result
+    as the template renders them."""
+    from conftest import _tokenizer
+
+    from cabinlm.runtime.tools import LLAMA3_JSON
+
+    tok = _tokenizer(LLAMA31_TOOLS_TEMPLATE)
+    chat = check(tok)
+    assert chat.tool_call_style == "llama3-json"
+    assert (chat.tool_result_prefix, chat.tool_result_suffix) == ("<|start_header_id|>ipython<|end_header_id|>\n\n",
+                                                                  "<|eot_id|>")  # fmt: skip
+    args = {"zone": "driver", "celsius": 22}
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Warmer."},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": "set_climate", "arguments": args}}]},
+            {"role": "tool", "content": "{\"ok\": true}"}]  # fmt: skip
+    expected = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    call = LLAMA3_JSON.render("", [("set_climate", json.dumps(args))])
+    ours = (render_with_pieces(chat, "Be brief.", [], "Warmer.") + call + chat.assistant_suffix
+            + chat.tool_result_prefix + LLAMA3_JSON.results(["{\"ok\": true}"]) + chat.tool_result_suffix
+            + chat.assistant_prefix)  # fmt: skip
+    assert ours == expected

@@ -502,3 +502,68 @@ def test_tool_calls_and_results_survive_a_killed_server_in_its_sessions(artifact
         assert after.usage.model_extra["cabinlm"]["history"] == "extended"
         fresh = client.chat.completions.create(messages=messages, tool_choice="none", user="fresh", **kw)
     assert after.choices[0].message.content == fresh.choices[0].message.content
+
+
+# -- a Llama 3.x template: JSON calls, results in the template's own tool turn ---------------------
+
+
+@pytest.fixture(scope="module")
+def llama_artifact(load, export_to, tmp_path_factory) -> Path:
+    """A tiny Llama with Llama 3.1's tool template, on the fused cpu build."""
+    from conftest import make_tiny_model
+    from test_template import LLAMA31_TOOLS_TEMPLATE
+    from transformers import AutoTokenizer
+
+    source = make_tiny_model(tmp_path_factory.mktemp("tiny-llama-tools"), "llama", max_position_embeddings=2048)
+    tok = AutoTokenizer.from_pretrained(source)
+    tok.chat_template = LLAMA31_TOOLS_TEMPLATE
+    tok.save_pretrained(source)
+    art = export_to(load(str(source)), sink=4, pinned=1400, window=256, chunk=16, kv="int8")
+    return build_artifact(art, load_profile("cpu"), tmp_path_factory.mktemp("llama-tools") / "build-cpu")
+
+
+def test_a_llama_model_calls_in_its_json_and_reads_results_in_its_tool_turn(llama_artifact, tmp_path):
+    """Served: the call is Llama's JSON ("parameters"), valid; the result goes back as the template's
+    "ipython" turn, the seat extends, and a fresh seat given the same messages answers the same."""
+    from test_serve import Server
+
+    from cabinlm.manifest import load_manifest
+
+    chat = load_manifest(llama_artifact).chat
+    assert chat.tool_call_style == "llama3-json" and chat.tool_result_prefix
+    with Server(llama_artifact, tmp_path / "server.log", "--seats", 2) as s:
+        client = s.client()
+        messages = [{"role": "user", "content": ASK}]
+        first = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="required",
+                                               max_tokens=200, user="llama")  # fmt: skip
+        call = first.choices[0].message.tool_calls[0]
+        check_call(call.function.name, call.function.arguments)
+        assert first.choices[0].finish_reason == "tool_calls"
+        messages += [first.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "{\"ok\": true}"}]  # fmt: skip
+        kw = dict(model=MODEL, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=12)
+        after = client.chat.completions.create(user="llama", **kw)
+        assert after.usage.model_extra["cabinlm"]["history"] == "extended"
+        fresh = client.chat.completions.create(user="llama-fresh", **kw)
+    assert after.choices[0].message.content == fresh.choices[0].message.content
+
+
+def test_the_runtimes_tool_dialogue_feeds_results_in_the_tool_turn(llama_artifact):
+    """ToolDialogue.answer feeds the results as the template's tool turn: the prompt it adds is
+    exactly tool_result_prefix + results + tool_result_suffix + assistant_prefix after the call."""
+    from cabinlm.runtime.assistant import ToolDialogue
+
+    dec, tok = open_artifact(llama_artifact, threads=1, verify=False)
+    d = Dialogue(dec, tok, max_new_tokens=200)
+    a = ToolDialogue(d, parse_tools(TOOLS), "required", parallel=False)
+    turn = a.ask(ASK)
+    assert len(turn.calls) == 1
+    check_call(turn.calls[0].name, turn.calls[0].arguments)
+    fed = []
+    original = d.decoder.feed
+    d.decoder.feed = lambda ids, *args, **kw: (fed.append(list(ids)), original(ids, *args, **kw))[1]
+    a.answer({turn.calls[0].name: "done"}, choice="none")
+    chat = dec.manifest.chat
+    want = (tok.encode(chat.assistant_suffix) + tok.encode(chat.tool_result_prefix) + tok.encode_text("done")
+            + tok.encode(chat.tool_result_suffix + chat.assistant_prefix))  # fmt: skip
+    assert fed[0] == want  # the call's turn closed, then the tool turn, whole, in one feed

@@ -180,6 +180,15 @@ DEFAULT_TOOLS_SUFFIX = (
 )
 
 
+# Llama 3.1's own words for its JSON calls (its template writes them when tools go in the system message).
+LLAMA3_TOOLS_PREFIX = (
+    "\n\nYou have access to the following functions. To call a function, please respond with JSON for a "
+    "function call. Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name "
+    "and its value}. Do not use variables.\n\n"
+)
+TOOL_CALL_STYLES = ("hermes", "llama3-json")
+
+
 @dataclass(frozen=True)
 class ChatTemplate:
     """Chat-template pieces resolved at export, so that the runtime needs no jinja.
@@ -203,20 +212,28 @@ class ChatTemplate:
     image_user_prefix: str | None = None
     # Function calling (runtime/tools.py). The tool list joins the system prompt as
     #     SYSTEM + tools_prefix + TOOL_JSON (+ tools_separator + TOOL_JSON)* + tools_suffix
-    # and the model writes each call as <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>
-    # (tool_call_style "hermes"). tools_source: "model" (cut from the model's own template rendered
-    # with tools: Qwen2.5, Qwen3) or "default" (its template renders no tools: these pieces).
+    # and the model writes its calls in its family's convention, tool_call_style: "hermes"
+    # (<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>) or "llama3-json" ({"name": ...,
+    # "parameters": {...}}). tools_source: "model" (cut from the model's own template rendered with
+    # tools: Qwen2.5, Qwen3) or "default" (these pieces, in the style's words). A tool result's turn:
+    # tool_result_prefix + RESULTS + tool_result_suffix + assistant_prefix where the template gives
+    # tool results a turn of their own (Llama's "ipython"); None: a user turn.
     tools_prefix: str = DEFAULT_TOOLS_PREFIX
     tools_separator: str = "\n"
     tools_suffix: str = DEFAULT_TOOLS_SUFFIX
     tools_source: str = "default"
     tool_call_style: str = "hermes"
+    tool_result_prefix: str | None = None
+    tool_result_suffix: str | None = None
 
     def __post_init__(self) -> None:
         if self.tools_source not in ("model", "default"):
             raise ValueError(f"chat.tools_source must be 'model' or 'default', got {self.tools_source!r}")
-        if self.tool_call_style != "hermes":
-            raise ValueError(f"chat.tool_call_style {self.tool_call_style!r} is not one this runtime writes (hermes)")
+        if self.tool_call_style not in TOOL_CALL_STYLES:
+            raise ValueError(f"chat.tool_call_style {self.tool_call_style!r} is not one this runtime writes "
+                             f"({', '.join(TOOL_CALL_STYLES)})")  # fmt: skip
+        if (self.tool_result_prefix is None) != (self.tool_result_suffix is None):
+            raise ValueError("chat.tool_result_prefix and tool_result_suffix are given together or not at all")
 
 
 @dataclass(frozen=True)

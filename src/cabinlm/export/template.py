@@ -162,6 +162,8 @@ def _tool_pieces(tok: Any, chat: ChatTemplate) -> ChatTemplate:
     except Exception:  # noqa: BLE001 - a template that takes no tools
         return chat
     l1, l2 = one.listing(), two.listing()
+    if OPEN not in r1 and _llama3_json(tok):
+        return _llama3_pieces(tok, chat)
     if OPEN not in r1 or _S not in r1 or l1 not in r1 or l2 not in r2:
         return chat
     after_system = r1.split(_S, 1)[1]
@@ -176,3 +178,41 @@ def _tool_pieces(tok: Any, chat: ChatTemplate) -> ChatTemplate:
         return chat
     return dataclasses.replace(chat, tools_prefix=prefix, tools_separator=separator, tools_suffix=suffix,
                                tools_source="model")  # fmt: skip
+
+
+_R = "\x02RESULT\x03"
+
+
+def _llama3_json(tok: Any) -> bool:
+    """The template writes Llama 3.1's JSON calls ({"name": ..., "parameters": ...}) and gives tool
+    results an "ipython" turn."""
+    source = getattr(tok, "chat_template", None) or ""
+    return isinstance(source, str) and '"parameters"' in source and "ipython" in source
+
+
+def _llama3_pieces(tok: Any, chat: ChatTemplate) -> ChatTemplate:
+    """Llama 3.x: JSON calls (tool_call_style "llama3-json"), the tools listed in the system message in
+    Llama's own words (its template's wording with tools_in_user_message false), and the tool turn's
+    pieces cut from the template rendered with a call and its result."""
+    from cabinlm.manifest import LLAMA3_TOOLS_PREFIX
+
+    msgs = [{"role": "user", "content": _U},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": "cabinlm_probe_one", "arguments": {}}}]},
+            {"role": "tool", "content": _R}]  # fmt: skip
+    prefix = suffix = None
+    try:
+        rendered = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        before, after = rendered.split(_R, 1)
+        end = chat.assistant_suffix
+        if end and end in before and after.endswith(chat.assistant_prefix):
+            prefix = before[before.rindex(end) + len(end):]
+            suffix = after[: len(after) - len(chat.assistant_prefix)]
+            if not prefix or prefix == chat.user_prefix:
+                prefix = suffix = None
+    except Exception:  # noqa: BLE001 - a template that renders no tool turn: results go in a user turn
+        prefix = suffix = None
+    return dataclasses.replace(chat, tool_call_style="llama3-json", tools_prefix=LLAMA3_TOOLS_PREFIX,
+                               tools_separator="\n\n", tools_suffix="", tools_source="default",
+                               tool_result_prefix=prefix, tool_result_suffix=suffix)  # fmt: skip
+

@@ -21,17 +21,7 @@ from cabinlm.errors import InputError
 from cabinlm.runtime.dialogue import Dialogue, TurnResult
 from cabinlm.runtime.grammar import Compiled, Grammars
 from cabinlm.runtime.stops import StopStrings
-from cabinlm.runtime.tools import (
-    OPEN,
-    Tool,
-    ToolCall,
-    calls_grammar,
-    new_call_id,
-    parse_calls,
-    parse_tool_choice,
-    render_results,
-    tools_system,
-)
+from cabinlm.runtime.tools import Tool, ToolCall, new_call_id, parse_tool_choice, style_of, tools_system
 
 
 @dataclass
@@ -58,6 +48,7 @@ class ToolDialogue:
         self.dialogue = dialogue
         self.tools = tuple(tools)
         self.parallel = parallel
+        self.style = style_of(dialogue.chat)
         self.grammars = grammars if grammars is not None else grammars_for(dialogue)
         self._compiled: dict[str, Compiled | None] = {}  # per tool_choice, compiled once
         self.choice = choice
@@ -71,7 +62,7 @@ class ToolDialogue:
     def _grammar(self, choice: Any) -> Compiled | None:
         key = json.dumps(choice, sort_keys=True)
         if key not in self._compiled:
-            spec = calls_grammar(self.tools, parse_tool_choice(choice, self.tools, "tool_choice"), self.parallel)
+            spec = self.style.grammar(self.tools, parse_tool_choice(choice, self.tools, "tool_choice"), self.parallel)
             self._compiled[key] = None if spec is None else self.grammars.compile(spec)
         return self._compiled[key]
 
@@ -90,7 +81,7 @@ class ToolDialogue:
                 raise InputError(f"no call of {name!r} is waiting for a result "
                                  f"(waiting: {', '.join(c.name for c in self.pending) or 'none'})")  # fmt: skip
         self.pending = []
-        return self._turn(render_results([content for _, content in items]), on_text, choice)
+        return self._turn(self.style.results([content for _, content in items]), on_text, choice, tool=True)
 
     @property
     def missing(self) -> int:
@@ -108,18 +99,18 @@ class ToolDialogue:
         results, self._results = self._results, []
         return self.answer(results, on_text)
 
-    def _turn(self, text: str, on_text: Callable[[str], None] | None, choice: Any) -> ToolTurn:
+    def _turn(self, text: str, on_text: Callable[[str], None] | None, choice: Any, tool: bool = False) -> ToolTurn:
         compiled = self._grammar(self.choice if choice is None else choice)
         constraint = None if compiled is None else self.grammars.constraint(compiled)
-        content_only = StopStrings([OPEN])  # from a call's opener on the text is the call: never shown
+        content_only = StopStrings([self.style.trigger])  # from a call's opener on the text is the call: never shown
 
         def shown(delta: str) -> None:
             out = content_only.push(delta)
             if out and on_text is not None:
                 on_text(out)
 
-        result = self.dialogue.ask(text, on_text=shown, constraint=constraint)
-        content, found = parse_calls(result.reply)
+        result = self.dialogue.ask(text, on_text=shown, constraint=constraint, tool=tool)
+        content, found = self.style.parse(result.reply)
         calls = [ToolCall(new_call_id(), name, arguments) for name, arguments in found]
         self.pending = calls
         return ToolTurn(result, content, calls)

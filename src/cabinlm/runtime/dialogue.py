@@ -99,8 +99,8 @@ class Dialogue:
                 raise InputError(f"the system prompt is {why}")
             self.decoder.feed(ids, pin=True)
 
-    def render_user(self, text: str) -> list[int]:
-        return self.template.user(text)
+    def render_user(self, text: str, tool: bool = False) -> list[int]:
+        return self.template.user(text, tool)
 
     def state(self) -> dict:
         """The dialogue's own state beyond the cache (for session files): JSON-able."""
@@ -119,7 +119,7 @@ class Dialogue:
 
     def ask(self, text: str, on_text: Callable[[str], None] | None = None, image=None, *,
             should_stop: Callable[[], bool] | None = None, stop: Sequence[str] = (),
-            constraint: Constraint | None = None) -> TurnResult:
+            constraint: Constraint | None = None, tool: bool = False) -> TurnResult:
         """One user turn: feed the prompt, stream the reply through on_text, return the turn's numbers.
 
         image (a path or PIL image; vision-language models): a new camera frame. Its tokens replace the
@@ -138,9 +138,14 @@ class Dialogue:
 
         constraint: what this reply's tokens must follow (runtime/grammar.py), through the sampler:
         drafting stays lossless under it.
+
+        tool: `text` is tool results (runtime/tools.CallStyle.results), fed as the template's tool
+        turn where it has one, else as a user turn.
         """
         dec = self.decoder
         frame = None
+        if image is not None and tool:
+            raise InputError("a tool result carries no camera frame")
         if image is not None:
             if dec.vision is None:
                 raise InputError("this model has no vision input; export a vision-language model to send images")
@@ -152,7 +157,7 @@ class Dialogue:
             prompt = head + [dec.manifest.vision.image_token_id] * len(embeds) + tail
             text_tokens = len(head) + len(tail)
         else:
-            prompt = self._pending + self.render_user(text)
+            prompt = self._pending + self.render_user(text, tool)
             text_tokens = len(prompt)
         W = dec.layout.window
         if text_tokens > W and self.long_messages == LongMessages.REFUSE:
@@ -232,11 +237,11 @@ class Dialogue:
             accepted_tokens=reply.accepted,
         )
 
-    def add_turn(self, text: str, reply: str, image=None) -> None:
+    def add_turn(self, text: str, reply: str, image=None, tool: bool = False) -> None:
         """A past exchange fed into the cache without generating (a history a client sends): the user
         turn exactly as ask() feeds it, then `reply` as the assistant's answer (its text encoded as
         plain text, fed in chunks), the turn closed as a generated reply's is."""
-        self.ask(text, image=image, should_stop=lambda: True)  # the prompt only; no token chosen
+        self.ask(text, image=image, should_stop=lambda: True, tool=tool)  # the prompt only; no token chosen
         ids = self.template.text(reply)
         if ids:
             self.decoder.feed(ids)

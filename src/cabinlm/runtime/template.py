@@ -32,8 +32,13 @@ class Template:
         head = self.tok.encode(self.chat.bos) if self.chat.bos else []
         return head + (self.system(system) if system else [])
 
-    def user(self, text: str) -> list[int]:
-        """A user turn up to the reply: user_head() + user_tail(text)."""
+    def user(self, text: str, tool: bool = False) -> list[int]:
+        """A user turn up to the reply: user_head() + user_tail(text). tool: the turn carries tool
+        results (runtime/tools.py), in the template's own tool turn where it has one."""
+        c = self.chat
+        if tool and c.tool_result_prefix is not None:
+            return (self.tok.encode(c.tool_result_prefix) + self.tok.encode_text(text)
+                    + self.tok.encode(c.tool_result_suffix + c.assistant_prefix))  # fmt: skip
         return self.user_head() + self.user_tail(text)
 
     def user_head(self, image: bool = False) -> list[int]:

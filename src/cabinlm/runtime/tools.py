@@ -1,12 +1,14 @@
 """Function calling: the tool list in the prompt, the grammar a call follows, the calls read back.
 
 The model sees the tools in its system prompt (ChatTemplate.tools_prefix / separator / suffix,
-resolved at export: the model's own wording where its template renders tools, the Hermes wording
-otherwise) and writes each call Hermes-style:
+resolved at export: the model's own wording where its template renders tools, a default wording
+otherwise) and writes each call in its family's convention (CallStyle, ChatTemplate.tool_call_style):
 
-    <tool_call>
-    {"name": "set_temperature", "arguments": {"zone": "driver", "celsius": 22}}
-    </tool_call>
+    hermes (Qwen2.5, Qwen3; the default)   <tool_call>
+                                           {"name": "set_temperature", "arguments": {"zone": "driver", "celsius": 22}}
+                                           </tool_call>
+    llama3-json (Llama 3.1 / 3.2)          {"name": "set_temperature", "parameters": {"zone": "driver", "celsius": 22}}
+                                           (one call a reply, as Llama's template allows)
 
 The grammar (runtime/grammar.py) makes every call well-formed: the name one of the tools', the
 arguments valid against that tool's JSON Schema, the JSON written with fixed separators (", " and
@@ -15,8 +17,10 @@ tool_choice "auto" it holds from the opener "<tool_call>" on (a reply without a 
 with "required" or a named function, from the first token. After the last call only the model's
 stop ids are allowed.
 
-A reply's calls go back into a history as the same text (render_calls), and tool results as a user
-turn of <tool_response> blocks (render_results), as Qwen2.5's template renders them.
+A reply's calls go back into a history as the same text (CallStyle.render), and tool results as the
+turn that carries them (CallStyle.results: a user turn of <tool_response> blocks for Hermes, as
+Qwen2.5's template renders them; the content alone in Llama's own "ipython" turn, whose pieces the
+export resolves into ChatTemplate.tool_result_prefix / suffix).
 """
 
 from __future__ import annotations
@@ -128,26 +132,102 @@ def tools_system(system: str | None, tools: Sequence[Tool], chat: ChatTemplate) 
     return (system or "") + chat.tools_prefix + listing + chat.tools_suffix
 
 
-def call_schema(tool: Tool) -> dict:
-    return {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
-            "required": ["name", "arguments"], "additionalProperties": False}  # fmt: skip
+@dataclass(frozen=True)
+class CallStyle:
+    """How a model family writes its calls and reads their results."""
+
+    name: str
+    open: str  # text before each call's JSON ("" where the JSON stands alone)
+    close: str  # text after it
+    args_key: str  # the JSON key of the arguments: "arguments" (Hermes), "parameters" (Llama)
+    parallel: bool  # several calls a reply (joined by "\n")
+    trigger: str  # the text a call starts with: a lazy grammar holds from it on, the parser looks for it
+    result_open: str = ""  # around each tool result
+    result_close: str = ""
+
+    def call_schema(self, tool: Tool) -> dict:
+        return {"type": "object", "properties": {"name": {"const": tool.name}, self.args_key: tool.parameters},
+                "required": ["name", self.args_key], "additionalProperties": False}  # fmt: skip
+
+    def grammar(self, tools: Sequence[Tool], choice: ToolChoice, parallel: bool) -> GrammarSpec | None:
+        """The grammar of a reply under `choice` (None for "none": the reply is free)."""
+        if choice.mode == "none":
+            return None
+        allowed = [t for t in tools if choice.name is None or t.name == choice.name]
+        schema: dict[str, Any] = {"x-guidance": JSON_STYLE}
+        if len(allowed) == 1:
+            schema.update(self.call_schema(allowed[0]))
+        else:
+            schema["anyOf"] = [self.call_schema(t) for t in allowed]
+        more = ' ("\\n" call)*' if parallel and self.parallel else ""
+        parts = [json.dumps(self.open)] if self.open else []
+        parts.append("body")
+        if self.close:
+            parts.append(json.dumps(self.close))
+        lark = (f"start: call{more}\n"
+                f"call: {' '.join(parts)}\n"
+                f"body: %json {json.dumps(schema, ensure_ascii=False)}\n")  # fmt: skip
+        return GrammarSpec(lark, self.trigger if choice.mode == "auto" else None, "tools")
+
+    def parse(self, text: str) -> tuple[str, list[tuple[str, str]]]:
+        """A reply's text -> (the content before its first call, stripped; [(name, arguments JSON)]).
+        A reply without a well-formed call is all content; one that the length limit cut inside a
+        call after whole ones gives the whole ones. Reads what grammar() lets the model write."""
+        at = text.find(self.trigger)
+        if at < 0:
+            return text, []
+        content, rest, calls = text[:at].strip(), text[at:], []
+        decoder = json.JSONDecoder()
+        head, tail = self.open.strip(), self.close.strip()
+        while rest.startswith(head) and (self.parallel or not calls):
+            body = rest[len(head):].lstrip("\n")
+            try:
+                obj, end = decoder.raw_decode(body)
+            except json.JSONDecodeError:
+                break
+            args = obj.get(self.args_key) if isinstance(obj, dict) else None
+            if not (isinstance(obj.get("name"), str) and isinstance(args, dict)):
+                break
+            after = body[end:].lstrip("\n")
+            if not after.startswith(tail):
+                break
+            calls.append((obj["name"], json.dumps(args, ensure_ascii=False)))
+            rest = after[len(tail):].lstrip("\n")
+            if not head:
+                break
+        if not calls or (rest.strip() and not (head and head.startswith(rest.strip()[: len(head)]))):
+            return text, []
+        return content, calls
+
+    def render(self, content: str, calls: Sequence[tuple[str, str]]) -> str:
+        """An assistant message with tool calls as the model writes it (grammar()'s form)."""
+        parts = [content] if content else []
+        for name, arguments in calls:
+            try:
+                args = json.loads(arguments)
+            except (TypeError, ValueError):
+                args = arguments
+            call = json.dumps({"name": name, self.args_key: args}, ensure_ascii=False)
+            parts.append(f"{self.open}{call}{self.close}")
+        return "\n".join(parts)
+
+    def results(self, results: Sequence[str]) -> str:
+        """Tool results as the text of the turn that carries them."""
+        return "\n".join(f"{self.result_open}{r}{self.result_close}" for r in results)
 
 
-def calls_grammar(tools: Sequence[Tool], choice: ToolChoice, parallel: bool) -> GrammarSpec | None:
-    """The grammar of a reply under `choice` (None for "none": the reply is free)."""
-    if choice.mode == "none":
-        return None
-    allowed = [t for t in tools if choice.name is None or t.name == choice.name]
-    schema: dict[str, Any] = {"x-guidance": JSON_STYLE}
-    if len(allowed) == 1:
-        schema.update(call_schema(allowed[0]))
-    else:
-        schema["anyOf"] = [call_schema(t) for t in allowed]
-    more = ' ("\\n" call)*' if parallel else ""
-    lark = (f"start: call{more}\n"
-            f"call: {json.dumps(OPEN + chr(10))} body {json.dumps(chr(10) + CLOSE)}\n"
-            f"body: %json {json.dumps(schema, ensure_ascii=False)}\n")  # fmt: skip
-    return GrammarSpec(lark, OPEN if choice.mode == "auto" else None, "tools")
+HERMES = CallStyle("hermes", OPEN + "\n", "\n" + CLOSE, "arguments", True, OPEN, RESULT_OPEN, RESULT_CLOSE)
+LLAMA3_JSON = CallStyle("llama3-json", "", "", "parameters", False, '{"name": ')
+STYLES = {s.name: s for s in (HERMES, LLAMA3_JSON)}
+
+
+def style_of(chat: ChatTemplate) -> CallStyle:
+    return STYLES[chat.tool_call_style]
+
+
+def calls_grammar(tools: Sequence[Tool], choice: ToolChoice, parallel: bool, style: CallStyle = HERMES) -> GrammarSpec | None:
+    """The grammar of a reply under `choice` in `style` (None for "none")."""
+    return style.grammar(tools, choice, parallel)
 
 
 def json_reply_grammar(schema: Any, param: str) -> GrammarSpec:
@@ -161,46 +241,13 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def parse_calls(text: str) -> tuple[str, list[tuple[str, str]]]:
-    """A reply's text -> (the content before its first call, stripped; [(name, arguments JSON)]).
-    A reply without a well-formed call is all content; one that the length limit cut inside a call
-    after whole ones gives the whole ones. Reads what calls_grammar lets the model write."""
-    at = text.find(OPEN)
-    if at < 0:
-        return text, []
-    content, rest, calls = text[:at].strip(), text[at:], []
-    decoder = json.JSONDecoder()
-    while rest.startswith(OPEN):
-        body = rest[len(OPEN):].lstrip("\n")
-        try:
-            obj, end = decoder.raw_decode(body)
-        except json.JSONDecodeError:
-            break
-        if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get("arguments"), dict)):
-            break
-        after = body[end:].lstrip("\n")
-        if not after.startswith(CLOSE):
-            break
-        calls.append((obj["name"], json.dumps(obj["arguments"], ensure_ascii=False)))
-        rest = after[len(CLOSE):].lstrip("\n")
-    if not calls or (rest.strip() and not OPEN.startswith(rest.strip()[: len(OPEN)]) and not rest.startswith(OPEN)):
-        return text, []
-    return content, calls
+def parse_calls(text: str, style: CallStyle = HERMES) -> tuple[str, list[tuple[str, str]]]:
+    return style.parse(text)
 
 
-def render_calls(content: str, calls: Sequence[tuple[str, str]]) -> str:
-    """An assistant message with tool calls as the model writes it (calls_grammar's form)."""
-    parts = [content] if content else []
-    for name, arguments in calls:
-        try:
-            args = json.loads(arguments)
-        except (TypeError, ValueError):
-            args = arguments
-        call = json.dumps({"name": name, "arguments": args}, ensure_ascii=False)
-        parts.append(f"{OPEN}\n{call}\n{CLOSE}")
-    return "\n".join(parts)
+def render_calls(content: str, calls: Sequence[tuple[str, str]], style: CallStyle = HERMES) -> str:
+    return style.render(content, calls)
 
 
-def render_results(results: Sequence[str]) -> str:
-    """Tool results as the user turn that carries them."""
-    return "\n".join(f"{RESULT_OPEN}{r}{RESULT_CLOSE}" for r in results)
+def render_results(results: Sequence[str], style: CallStyle = HERMES) -> str:
+    return style.results(results)

@@ -31,6 +31,7 @@ def image_key(url: str | None) -> str | None:
 
 
 EXCHANGE_FIELDS = ("user", "image", "reply", "streamed", "choices", "max_new_tokens", "finish")
+# and "tool" where the user side is tool results (written only then: earlier record files read as they are)
 FINISHES = ("stop", "length", "interrupted", "cancelled")  # "cancelled": the client went away, or the server stopped
 
 
@@ -45,24 +46,29 @@ class Exchange:
     choices: list[int] | None = None  # the sampler's choices when the seat generated it; None: fed by template
     max_new_tokens: int = 0  # the reply limit it was generated under (its choices replay under the same)
     finish: str = "stop"  # one of FINISHES
+    tool: bool = False  # the user side is tool results (fed as the template's tool turn)
 
     def matches(self, user: Message, assistant: Message) -> bool:
         return (
-            user.text == self.user
+            (user.role == "tool") == self.tool
+            and user.text == self.user
             and image_key(user.image) == self.image
             and assistant.text in (self.reply, self.streamed)
         )
 
     def to_dict(self) -> dict:
-        return {"user": self.user, "image": self.image, "reply": self.reply, "streamed": self.streamed,
-                "choices": self.choices, "max_new_tokens": self.max_new_tokens, "finish": self.finish}  # fmt: skip
+        d = {"user": self.user, "image": self.image, "reply": self.reply, "streamed": self.streamed,
+             "choices": self.choices, "max_new_tokens": self.max_new_tokens, "finish": self.finish}  # fmt: skip
+        if self.tool:
+            d["tool"] = True
+        return d
 
     @classmethod
     def from_dict(cls, d: dict, vocab: int) -> Exchange:
         """From a record file; ValueError unless every field has its type and range (the file is read
         back from disk, so it is checked like any input)."""
-        if not isinstance(d, dict) or set(d) != set(EXCHANGE_FIELDS):
-            raise ValueError("an exchange needs exactly its seven fields")
+        if not isinstance(d, dict) or set(d) - {"tool"} != set(EXCHANGE_FIELDS) or d.get("tool", True) is not True:
+            raise ValueError("an exchange needs exactly its seven fields (and \"tool\": true where it carries tool results)")
         if not all(isinstance(d[k], str) for k in ("user", "reply")) or not all(
             d[k] is None or isinstance(d[k], str) for k in ("image", "streamed")
         ):
@@ -74,7 +80,8 @@ class Exchange:
             raise ValueError(f"an exchange's choices must be token ids below {vocab}")
         if type(d["max_new_tokens"]) is not int or d["max_new_tokens"] < 0 or d["finish"] not in FINISHES:
             raise ValueError("an exchange's max_new_tokens or finish is out of range")
-        return cls(d["user"], d["image"], d["reply"], d["streamed"], choices, d["max_new_tokens"], d["finish"])
+        return cls(d["user"], d["image"], d["reply"], d["streamed"], choices, d["max_new_tokens"], d["finish"],
+                   "tool" in d)  # fmt: skip
 
 
 @dataclass

@@ -36,14 +36,13 @@ from cabinlm.errors import CabinlmError
 from cabinlm.runtime.grammar import GrammarError, GrammarSpec
 from cabinlm.runtime.stops import MAX_STOP_STRINGS
 from cabinlm.runtime.tools import (
+    HERMES,
+    CallStyle,
     Tool,
     ToolChoice,
-    calls_grammar,
     json_reply_grammar,
     parse_tool_choice,
     parse_tools,
-    render_calls,
-    render_results,
 )
 
 DEFAULT_SEAT = "default"
@@ -230,7 +229,7 @@ def _content(message: dict, where: str, role: str) -> tuple[str, str | None]:
     return "\n".join(texts), image
 
 
-def _message(m: Any, i: int) -> Message:
+def _message(m: Any, i: int, style: CallStyle) -> Message:
     where = f"messages[{i}]"
     if not isinstance(m, dict):
         raise _fail(where, f"{where} must be an object with role and content, got {type(m).__name__}")
@@ -261,7 +260,7 @@ def _message(m: Any, i: int) -> Message:
         calls = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
         content = m.get("content")
         text = "" if content is None or content == "" else _content(m, where, role)[0]
-        return Message("assistant", render_calls(text, [(n, a) for _, n, a in calls]), None,
+        return Message("assistant", style.render(text, [(n, a) for _, n, a in calls]), None,
                        tuple(c for c, _, _ in calls))  # fmt: skip
     text, image = _content(m, where, role)
     return Message(role, text, image)
@@ -287,10 +286,10 @@ def _tool_calls(value: Any, where: str) -> list[tuple[str, str, str]]:
     return calls
 
 
-def _conversation(messages: Any) -> Conversation:
+def _conversation(messages: Any, style: CallStyle) -> Conversation:
     if not isinstance(messages, list) or not messages:
         raise _fail("messages", "messages must be a non-empty list of {role, content} objects")
-    parsed = [_message(m, i) for i, m in enumerate(messages)]
+    parsed = [_message(m, i, style) for i, m in enumerate(messages)]
     system = None
     offset = 0
     if parsed[0].role == "system":
@@ -318,7 +317,7 @@ def _conversation(messages: Any) -> Conversation:
             raise _fail(f"{at}.tool_call_id", f"{at}.tool_call_id {m.call_ids[0]!r} matches no call of the assistant "
                                               f"message before it ({', '.join(calls)})")  # fmt: skip
         results = [*group.call_ids, m.call_ids[0]]
-        texts = ([group.text] if group.text else []) + [render_results([m.text])]
+        texts = ([group.text] if group.text else []) + [style.results([m.text])]
         turns.append(Message("tool", "\n".join(texts), None, tuple(results)))
     for i, m in enumerate(turns):
         want = ("user", "tool") if i % 2 == 0 else ("assistant",)
@@ -347,11 +346,12 @@ def _stop(value: Any) -> tuple[str, ...]:
     return tuple(_text(x, "stop") for x in stops if x)
 
 
-def _grammar(body: dict, tools: tuple[Tool, ...], choice: ToolChoice, parallel: bool) -> GrammarSpec | None:
+def _grammar(body: dict, tools: tuple[Tool, ...], choice: ToolChoice, parallel: bool,
+             style: CallStyle) -> GrammarSpec | None:  # fmt: skip
     """What the reply must follow: the tool calls' grammar, or response_format's JSON (not both)."""
     fmt = body.get("response_format")
     if fmt is None or fmt == {"type": "text"}:
-        return calls_grammar(tools, choice, parallel)
+        return style.grammar(tools, choice, parallel)
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if kind == "json_object":
         spec = json_reply_grammar({"type": "object"}, "response_format")
@@ -370,8 +370,9 @@ def _grammar(body: dict, tools: tuple[Tool, ...], choice: ToolChoice, parallel: 
     return spec
 
 
-def parse_chat_request(body: Any, model_id: str) -> ChatRequest:
-    """A decoded JSON body -> ChatRequest, or RequestError (status 400, or 404 for another model)."""
+def parse_chat_request(body: Any, model_id: str, style: CallStyle = HERMES) -> ChatRequest:
+    """A decoded JSON body -> ChatRequest, or RequestError (status 400, or 404 for another model).
+    style: how the served model writes tool calls (its manifest's chat.tool_call_style)."""
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
     for key in body:
@@ -387,7 +388,7 @@ def parse_chat_request(body: Any, model_id: str) -> ChatRequest:
     if model != model_id:
         raise RequestError(f"the model {model!r} is not served here; this server serves {model_id!r} (GET /v1/models)",
                            status=404, param="model", code="model_not_found")  # fmt: skip
-    conversation = _conversation(body.get("messages"))
+    conversation = _conversation(body.get("messages"), style)
     max_tokens = _int_field(body, "max_tokens", 1, MAX_TOKENS_LIMIT)
     max_completion = _int_field(body, "max_completion_tokens", 1, MAX_TOKENS_LIMIT)
     if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
@@ -423,7 +424,7 @@ def parse_chat_request(body: Any, model_id: str) -> ChatRequest:
         parallel = body.get("parallel_tool_calls")
         if parallel is not None and not isinstance(parallel, bool):
             raise _fail("parallel_tool_calls", f"parallel_tool_calls must be true or false, got {parallel!r}")
-        grammar = _grammar(body, tools, choice, parallel is not False)
+        grammar = _grammar(body, tools, choice, parallel is not False, style)
     except GrammarError as e:
         raise RequestError(str(e), param=e.param, code="invalid_value") from None
     return ChatRequest(conversation, seat, max_completion if max_tokens is None else max_tokens, temperature, top_p,

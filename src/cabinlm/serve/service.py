@@ -38,7 +38,7 @@ from cabinlm.runtime.dialogue import Dialogue, LongMessages
 from cabinlm.runtime.grammar import Compiled, GrammarError, Grammars
 from cabinlm.runtime.limits import check_count
 from cabinlm.runtime.template import Template
-from cabinlm.runtime.tools import json_reply_grammar, tools_system
+from cabinlm.runtime.tools import json_reply_grammar, style_of, tools_system
 from cabinlm.serve.admission import Admission, SharedTokenizer
 from cabinlm.serve.history import SeatRecord, TurnPlan, plan_turn
 from cabinlm.serve.scheduler import ModelTurns, SeatSteps
@@ -218,7 +218,7 @@ class ChatService:
         """A decoded JSON body, checked whole before it may take a seat or the model (in a thread of its
         own, never a seat's: tokenizing a long history must not hold anybody up). RequestError when the
         request is malformed or more than the model can take."""
-        request = parse_chat_request(body, self.model_id)
+        request = parse_chat_request(body, self.model_id, style_of(self.manifest.chat))
         conv = request.conversation
         if not self.vision and (conv.prompt.image or any(u.image for u, _ in conv.exchanges)):
             raise RequestError("this model has no vision input; send text only, or serve a vision-language artifact",
@@ -302,7 +302,8 @@ class ChatService:
             frames = Frames.load(conv, plan)  # a bad image is refused before the seat changes
             constraint = None if admitted.grammar is None else self.grammars.constraint(admitted.grammar)
             sampling = Sampling(request.max_tokens or self.max_new_tokens, request.temperature, request.top_p,
-                                request.seed, request.stop, constraint, request.calls_tools)  # fmt: skip
+                                request.seed, request.stop, constraint, request.calls_tools,
+                                style_of(self.manifest.chat))  # fmt: skip
             outcome = answer(seat, conv, plan, frames, sampling, self.model,
                              on_text=(lambda t: turn.post("delta", t)) if request.stream else (lambda t: None),
                              stopped=turn.cancelled.is_set,

@@ -25,7 +25,7 @@ from cabinlm.runtime.dialogue import Dialogue, TurnResult
 from cabinlm.runtime.grammar import Constraint
 from cabinlm.runtime.sampler import Sampler
 from cabinlm.runtime.stops import StopStrings
-from cabinlm.runtime.tools import OPEN, ToolCall, new_call_id, parse_calls, render_calls
+from cabinlm.runtime.tools import HERMES, CallStyle, ToolCall, new_call_id
 from cabinlm.serve.history import Exchange, SeatRecord, TurnPlan, image_key
 from cabinlm.serve.images import open_image
 from cabinlm.serve.scheduler import ModelTurns
@@ -115,11 +115,12 @@ class Sampling:
     stop: tuple[str, ...] = ()  # stop strings
     constraint: Constraint | None = None  # what the reply must follow (tool calls, a JSON format)
     calls_tools: bool = False  # the reply may hold tool calls: they are read back, never streamed as text
+    style: CallStyle = HERMES  # how the model writes them
 
 
 def _replay(d: Dialogue, ex: Exchange, image, model: ModelTurns) -> None:
     if ex.choices is None:
-        d.add_turn(ex.user, ex.reply, image=image)
+        d.add_turn(ex.user, ex.reply, image=image, tool=ex.tool)
         return
     script = ScriptedSampler(ex.choices)
     d.sampler, d.max_new_tokens = script, ex.max_new_tokens
@@ -132,7 +133,7 @@ def _replay(d: Dialogue, ex: Exchange, image, model: ModelTurns) -> None:
     # draft could run past. (Where drafting is on, a chunk's rows are its steps bit for bit, so the
     # cache is the one the exchange left either way.) The drafting still learns the exchange's text.
     with d.drafting.paused():
-        d.ask(ex.user, image=image, should_stop=between_tokens)
+        d.ask(ex.user, image=image, should_stop=between_tokens, tool=ex.tool)
 
 
 def answer(seat, conversation: Conversation, plan: TurnPlan, frames: Frames, sampling: Sampling, model: ModelTurns,
@@ -169,8 +170,9 @@ def answer(seat, conversation: Conversation, plan: TurnPlan, frames: Frames, sam
             held.extend(record.exchanges[: plan.keep])
         for (user, assistant), image in zip(plan.given, frames.given):
             seat.record = None
-            d.add_turn(user.text, assistant.text, image=image)
-            fed(Exchange(user.text, image_key(user.image), assistant.text))
+            tool = user.role == "tool"
+            d.add_turn(user.text, assistant.text, image=image, tool=tool)
+            fed(Exchange(user.text, image_key(user.image), assistant.text, tool=tool))
         seat.record = SeatRecord(conversation.system, list(held))
 
         sampler = RecordingSampler(temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed)
@@ -189,7 +191,7 @@ def answer(seat, conversation: Conversation, plan: TurnPlan, frames: Frames, sam
             return cancelled
 
         # Text from a tool call's opener on is the call, not content: held back like a stop string.
-        content_only = StopStrings([OPEN] if sampling.calls_tools else [])
+        content_only = StopStrings([sampling.style.trigger] if sampling.calls_tools else [])
 
         def text(delta: str) -> None:
             shown = content_only.push(delta)
@@ -200,20 +202,21 @@ def answer(seat, conversation: Conversation, plan: TurnPlan, frames: Frames, sam
         turns = d.turns
         try:
             result = d.ask(conversation.prompt.text, on_text=text, image=frames.prompt, should_stop=between_tokens,
-                           stop=sampling.stop, constraint=sampling.constraint)  # fmt: skip
+                           stop=sampling.stop, constraint=sampling.constraint,
+                           tool=conversation.prompt.role == "tool")  # fmt: skip
         except BaseException:
             if d.turns != turns:  # something of the prompt was fed: the cache no longer matches `held`
                 seat.record = None
             raise
-    content, found = parse_calls(result.reply) if sampling.calls_tools else (result.reply, [])
+    content, found = sampling.style.parse(result.reply) if sampling.calls_tools else (result.reply, [])
     calls = [ToolCall(new_call_id(), name, arguments) for name, arguments in found]
     # A reply with calls is kept as the text a history sends back for it (its assistant message with
     # tool_calls, rendered): the seat then extends with the tool results.
-    reply = render_calls(content, found) if calls else result.reply
+    reply = sampling.style.render(content, found) if calls else result.reply
     streamed = "".join(deltas)
     finish = "cancelled" if cancelled else result.finish
     prompt = conversation.prompt
     exchange = Exchange(prompt.text, image_key(prompt.image), reply, None if streamed == reply else streamed,
-                        sampler.choices, sampling.max_new_tokens, finish)  # fmt: skip
+                        sampler.choices, sampling.max_new_tokens, finish, prompt.role == "tool")  # fmt: skip
     seat.record = SeatRecord(conversation.system, held + [exchange])
     return TurnOutcome(result, plan, prefilled[0] - start, streamed, cancelled, content, calls)
