@@ -235,7 +235,8 @@ def free_seats(request):
 
 
 def stream_calls(client, **kw):
-    """A streamed reply put back together as the openai client's users do: (content, calls, finish)."""
+    """A streamed reply put back together as the openai client's users do: (content, calls, finish);
+    each call also says in how many deltas its arguments came ("pieces")."""
     content, calls, finish = "", {}, None
     for chunk in client.chat.completions.create(model=MODEL, stream=True, **kw):
         if not chunk.choices:
@@ -243,10 +244,11 @@ def stream_calls(client, **kw):
         c = chunk.choices[0]
         content += c.delta.content or ""
         for tc in c.delta.tool_calls or []:
-            slot = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+            slot = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": "", "pieces": 0})
             slot["id"] = tc.id or slot["id"]
             slot["name"] += (tc.function.name or "") if tc.function else ""
             slot["arguments"] += (tc.function.arguments or "") if tc.function else ""
+            slot["pieces"] += bool(tc.function and tc.function.arguments)
         finish = c.finish_reason or finish
     return content, [calls[i] for i in sorted(calls)], finish
 
@@ -268,9 +270,14 @@ def test_served_tool_calls_validate_streamed_and_not(server, choice, parallel):
         assert isinstance(choice, str) or tc.function.name == "set_climate"
     content, calls, finish = stream_calls(client, user="calls-streamed", **kw)
     assert finish == r.choices[0].finish_reason and content == (m.content or "")
-    assert [(c["name"], c["arguments"]) for c in calls] == [(tc.function.name, tc.function.arguments)
+    # a call the length limit cut is streamed as far as it went (finish "length" says so); the whole
+    # ones are the non-streamed reply's
+    whole = calls if finish == "tool_calls" else calls[: len(m.tool_calls)]
+    assert [(c["name"], c["arguments"]) for c in whole] == [(tc.function.name, tc.function.arguments)
                                                            for tc in m.tool_calls]  # fmt: skip
     assert all(c["id"] for c in calls)
+    assert [c["id"] for c in calls] != [tc.id for tc in m.tool_calls]  # each request its own ids
+    assert calls[0]["pieces"] > 3  # the arguments stream as the model writes them, not at the end
 
 
 def test_a_tool_result_fed_back_answers_as_the_same_history_does_in_a_fresh_seat(server):

@@ -251,3 +251,42 @@ def render_calls(content: str, calls: Sequence[tuple[str, str]], style: CallStyl
 
 def render_results(results: Sequence[str], style: CallStyle = HERMES) -> str:
     return style.results(results)
+
+
+_CALL_HEAD = re.compile(r'\{"name": "([A-Za-z0-9_-]{1,64})", "(?:arguments|parameters)": ')
+
+
+class CallStream:
+    """A reply's calls as its text streams in (the text from the call trigger on, as the grammar
+    writes it): each call's name once it is whole, then its arguments' text as it arrives. The
+    arguments streamed for a call, joined, are the arguments its parse gives (the grammar writes the
+    JSON as json.dumps does), so a client that joins the deltas holds the final call."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.names: list[str] = []  # announced calls
+        self.sent: list[int] = []  # characters of each call's arguments streamed
+
+    def push(self, delta: str) -> list[tuple[str, int, str]]:
+        """New events: ("call", index, name) and ("args", index, text)."""
+        self.text += delta
+        events: list[tuple[str, int, str]] = []
+        decoder = json.JSONDecoder()
+        for i, m in enumerate(_CALL_HEAD.finditer(self.text)):
+            if i == len(self.names):
+                self.names.append(m.group(1))
+                self.sent.append(0)
+                events.append(("call", i, m.group(1)))
+            args = self.text[m.end():]
+            try:
+                _, end = decoder.raw_decode(args)
+                args = args[:end]
+            except json.JSONDecodeError:
+                # unfinished: all of it is the arguments so far, but a call's end ("}", a closing
+                # tag) only follows a whole object, so nothing after the arguments is in `args`
+                nxt = _CALL_HEAD.search(args)
+                args = args if nxt is None else args[: nxt.start()]
+            if len(args) > self.sent[i]:
+                events.append(("args", i, args[self.sent[i]:]))
+                self.sent[i] = len(args)
+        return events

@@ -144,10 +144,15 @@ class TurnStream(StreamingResponse):
 async def _events(turn: Turn, cid: str, model: str, created: int) -> AsyncIterator[str]:
     request = turn.request
     yield _sse(replies.chunk(cid, model, created, {"role": "assistant", "content": ""}))
+    streamed_args: dict[int, str] = {}  # tool calls streamed so far: index -> arguments sent
     while True:
         kind, value = await turn.next()
         if kind == "delta":
             yield _sse(replies.chunk(cid, model, created, {"content": value}))
+        elif kind == "call":
+            piece, index, text = value
+            streamed_args[index] = streamed_args.get(index, "") + (text if piece == "args" else "")
+            yield _sse(replies.chunk(cid, model, created, replies.call_piece(piece, index, text)))
         elif kind == "done" and value.cancelled:  # the client is still here: the server is stopping
             yield _sse(STOPPING.body())
             return
@@ -155,7 +160,7 @@ async def _events(turn: Turn, cid: str, model: str, created: int) -> AsyncIterat
             if value.calls:  # content the opener's hold-back kept, then the calls
                 if value.content.startswith(value.streamed) and len(value.content) > len(value.streamed):
                     yield _sse(replies.chunk(cid, model, created, {"content": value.content[len(value.streamed):]}))
-                for delta in replies.call_deltas(value):
+                for delta in replies.call_deltas(value, streamed_args):
                     yield _sse(replies.chunk(cid, model, created, delta))
             elif request.calls_tools and value.result.reply.startswith(value.streamed) \
                     and len(value.result.reply) > len(value.streamed):

@@ -60,14 +60,31 @@ def message(outcome: TurnOutcome) -> dict[str, Any]:
     return {"role": "assistant", "content": outcome.content or None, "tool_calls": [c.to_dict() for c in outcome.calls]}
 
 
-def call_deltas(outcome: TurnOutcome) -> list[dict[str, Any]]:
-    """The tool calls as a stream's deltas, as OpenAI streams them: per call, its index, id, type and
-    name with empty arguments, then the arguments."""
+def call_piece(kind: str, index: int, value: str) -> dict[str, Any]:
+    """A streamed piece of a tool call (turns.answer's on_call) as OpenAI streams it: the first delta
+    of a call carries its index, id, type and name with empty arguments ("call": value "ID NAME"),
+    the next ones the arguments' text ("args")."""
+    if kind == "call":
+        call_id, name = value.split(" ", 1)
+        return {"tool_calls": [{"index": index, "id": call_id, "type": "function",
+                                "function": {"name": name, "arguments": ""}}]}  # fmt: skip
+    return {"tool_calls": [{"index": index, "function": {"arguments": value}}]}
+
+
+def call_deltas(outcome: TurnOutcome, streamed: dict[int, str] | None = None) -> list[dict[str, Any]]:
+    """What of the reply's tool calls a stream has not sent yet (streamed: index -> the arguments
+    sent for each call announced), as OpenAI streams them: per call not announced, its index, id,
+    type and name with empty arguments, then the arguments (or the rest of them)."""
+    streamed = streamed or {}
     out: list[dict[str, Any]] = []
     for i, c in enumerate(outcome.calls):
-        out.append({"tool_calls": [{"index": i, "id": c.id, "type": "function",
-                                    "function": {"name": c.name, "arguments": ""}}]})  # fmt: skip
-        out.append({"tool_calls": [{"index": i, "function": {"arguments": c.arguments}}]})
+        if i not in streamed:
+            out.append({"tool_calls": [{"index": i, "id": c.id, "type": "function",
+                                        "function": {"name": c.name, "arguments": ""}}]})  # fmt: skip
+        sent = streamed.get(i, "")
+        rest = c.arguments[len(sent):] if c.arguments.startswith(sent) else ""
+        if rest:
+            out.append({"tool_calls": [{"index": i, "function": {"arguments": rest}}]})
     return out
 
 

@@ -9,6 +9,7 @@
     Turn: the worker's events for the handler, in order:
         ("started", None)        the prompt is in the cache; the reply's tokens follow
         ("delta", text)          a piece of the reply
+        ("call", event)          a piece of a tool call: (kind, index, value), turns.answer's on_call
         ("done", TurnOutcome)    the turn is closed and, with --sessions, saved
         ("error", exception)     nothing more follows
 
@@ -307,7 +308,8 @@ class ChatService:
             outcome = answer(seat, conv, plan, frames, sampling, self.model,
                              on_text=(lambda t: turn.post("delta", t)) if request.stream else (lambda t: None),
                              stopped=turn.cancelled.is_set,
-                             on_prefilled=lambda: turn.post("started"))  # fmt: skip
+                             on_prefilled=lambda: turn.post("started"),
+                             on_call=(lambda *e: turn.post("call", e)) if request.stream else None)  # fmt: skip
             outcome.saved = self._save(seat)
             seat.last = summary(outcome)
             seat.answered += 1

@@ -25,7 +25,7 @@ from cabinlm.runtime.dialogue import Dialogue, TurnResult
 from cabinlm.runtime.grammar import Constraint
 from cabinlm.runtime.sampler import Sampler
 from cabinlm.runtime.stops import StopStrings
-from cabinlm.runtime.tools import HERMES, CallStyle, ToolCall, new_call_id
+from cabinlm.runtime.tools import HERMES, CallStream, CallStyle, ToolCall, new_call_id
 from cabinlm.serve.history import Exchange, SeatRecord, TurnPlan, image_key
 from cabinlm.serve.images import open_image
 from cabinlm.serve.scheduler import ModelTurns
@@ -138,9 +138,12 @@ def _replay(d: Dialogue, ex: Exchange, image, model: ModelTurns) -> None:
 
 def answer(seat, conversation: Conversation, plan: TurnPlan, frames: Frames, sampling: Sampling, model: ModelTurns,
            *, on_text: Callable[[str], None], stopped: Callable[[], bool],
-           on_prefilled: Callable[[], None]) -> TurnOutcome:  # fmt: skip
+           on_prefilled: Callable[[], None],
+           on_call: Callable[[str, int, str], None] | None = None) -> TurnOutcome:  # fmt: skip
     """Run plan on seat (its .dialogue and .record) while holding model. conversation.system is the
-    effective system prompt (the model's default already filled in)."""
+    effective system prompt (the model's default already filled in). on_call: the reply's tool calls
+    as they stream (runtime/tools.CallStream): ("call", index, "ID NAME") once a call's name is whole
+    (the id is the outcome's call's), then ("args", index, text) pieces."""
     d: Dialogue = seat.dialogue
     record: SeatRecord | None = seat.record
     with model:
@@ -190,14 +193,33 @@ def answer(seat, conversation: Conversation, plan: TurnPlan, frames: Frames, sam
             cancelled = stopped()
             return cancelled
 
-        # Text from a tool call's opener on is the call, not content: held back like a stop string.
-        content_only = StopStrings([sampling.style.trigger] if sampling.calls_tools else [])
+        # Text from a tool call's opener on is the call, not content: held back like a stop string,
+        # and read as it arrives for the calls' names and arguments.
+        trigger = sampling.style.trigger
+        content_only = StopStrings([trigger] if sampling.calls_tools else [])
+        calls_so_far = CallStream()
+        raw: list[str] = []
+        ids: list[str] = []
+        fed_to_calls = 0  # characters of the call text given to calls_so_far
 
         def text(delta: str) -> None:
+            nonlocal fed_to_calls
             shown = content_only.push(delta)
             if shown:
                 deltas.append(shown)
                 on_text(shown)
+            raw.append(delta)
+            if not content_only.stopped or on_call is None:
+                return
+            whole = "".join(raw)
+            region = whole[whole.find(trigger):]
+            for kind, index, value in calls_so_far.push(region[fed_to_calls:]):
+                if kind == "call":
+                    ids.append(new_call_id())
+                    on_call("call", index, f"{ids[index]} {value}")  # the id and the name
+                else:
+                    on_call("args", index, value)
+            fed_to_calls = len(region)
 
         turns = d.turns
         try:
@@ -209,7 +231,7 @@ def answer(seat, conversation: Conversation, plan: TurnPlan, frames: Frames, sam
                 seat.record = None
             raise
     content, found = sampling.style.parse(result.reply) if sampling.calls_tools else (result.reply, [])
-    calls = [ToolCall(new_call_id(), name, arguments) for name, arguments in found]
+    calls = [ToolCall(ids[i] if i < len(ids) else new_call_id(), name, arguments) for i, (name, arguments) in enumerate(found)]
     # A reply with calls is kept as the text a history sends back for it (its assistant message with
     # tool_calls, rendered): the seat then extends with the tool results.
     reply = sampling.style.render(content, found) if calls else result.reply
