@@ -181,7 +181,13 @@ def test_a_streamed_reply_and_a_memory_plot_that_stays_flat_over_40_turns(served
     page.settings(max_tokens=LONG_REPLY)
     page.seat("driver")
     plot_before = p.evaluate("() => document.getElementById('plot-cache').toDataURL()")
-    # Watch the reply as the browser renders it: a streamed reply shows its text in growing pieces.
+    # Watch the reply as the browser renders it: a streamed reply shows its text in growing pieces. The
+    # tiny model writes its reply in milliseconds, so this one turn goes over a slow link (Chromium's
+    # network emulation), as a phone's might be: the pieces then arrive over a second or so.
+    cdp = page.context.new_cdp_session(p)
+    cdp.send("Network.enable")
+    cdp.send("Network.emulateNetworkConditions", {"offline": False, "latency": 0, "downloadThroughput": 16_000,
+                                                  "uploadThroughput": -1})  # fmt: skip
     p.evaluate("""() => { window.seen = []; new MutationObserver(() => {
         const all = document.querySelectorAll('#messages .msg.assistant .text');
         const text = all.length ? all[all.length - 1].textContent : '';
@@ -194,6 +200,8 @@ def test_a_streamed_reply_and_a_memory_plot_that_stays_flat_over_40_turns(served
     assert final.strip() == expected.reply.strip() and expected.new_tokens > 100, expected
     partial = [t for t in p.evaluate("() => window.seen") if t != final]
     assert len(partial) >= 2 and all(final.startswith(t) for t in partial), (partial, final)
+    cdp.send("Network.emulateNetworkConditions", {"offline": False, "latency": 0, "downloadThroughput": -1,
+                                                  "uploadThroughput": -1})  # fmt: skip
     page.settings(max_tokens=REPLY)
     assert re.search(r"\d+ tokens · [\d.]+ tok/s · cache \d+ · evicted \d+", reply.locator(".meta").inner_text())
     page.shot("first-reply-1280x720")
@@ -351,7 +359,7 @@ def test_tool_calls_are_cards_and_their_results_go_back(browser, load, export_to
     built = build_artifact(art, load_profile("cpu"), tmp_path_factory.mktemp("web-tools") / "build-cpu")
     with Server(built, tmp_path_factory.mktemp("web-tools-server") / "server.log") as server:
         body = {"messages": [{"role": "user", "content": ASK}], "tools": TOOLS, "tool_choice": "required",
-                "max_tokens": 120, "user": "other"}  # fmt: skip
+                "max_tokens": 200, "user": "other"}  # fmt: skip
         status, answer = server.request("POST", "/v1/chat/completions", {"model": MODEL, **body})
         assert status == 200, answer
         calls = answer["choices"][0]["message"]["tool_calls"]
@@ -359,7 +367,7 @@ def test_tool_calls_are_cards_and_their_results_go_back(browser, load, export_to
 
         page = Page(browser, server, shots)
         p = page.page
-        page.settings(max_tokens=120, tools=TOOLS, tool_choice="required")
+        page.settings(max_tokens=200, tools=TOOLS, tool_choice="required")
         page.seat("driver")
         reply = page.send(ASK)
         cards = reply.locator(".card")

@@ -368,7 +368,7 @@ function toolCards(chat, entry, calls) {
     input.value = '{"ok": true}';
     input.setAttribute("aria-label", `result of ${call.name}`);
     card.append(input);
-    entry.el.append(card);
+    entry.el.insertBefore(card, entry.meta);
     return input;
   });
   const button = element("button", "send-results", calls.length > 1 ? "Send results" : "Send result");
@@ -386,7 +386,7 @@ function toolCards(chat, entry, calls) {
     });
     turn(state.seat, results, shown).then(() => { button.disabled = false; });
   });
-  entry.el.append(button);
+  entry.el.insertBefore(button, entry.meta);
 }
 
 function sendMessage(ev) {
