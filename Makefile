@@ -1,7 +1,8 @@
 # make demo : set up, export SmolLM2 (sink 4 + window 1020, int8 KV), build it for the cpu
 #             profile, then a short scripted multi-turn chat that streams its replies; then the
 #             assistant operating a simulated car through tool calls (demo/drive.py)
-# make test : set up and run the test suite
+# make test : set up and run the test suite (as root, Debian's chromium is installed first for the
+#             browser tests of serve's page; elsewhere those tests skip and say why)
 # make test-fast : the same without the slow end-to-end cases (pytest -m "not slow"), for a quick loop
 # make test-arm : cabinlm's kernels and the fused cpu engine on aarch64 under emulation (qemu-user, an
 #             arm64 Debian cached in ~/.cache/cabinlm/arm64; needs root: apt, debootstrap, chroot)
@@ -16,7 +17,7 @@ ORT_LOWEST := 1.20.1
 LOWEST := $(VENV)/ort-lowest
 DEMO   := out/smollm2-135m
 
-.PHONY: setup model gemma demo test test-fast test-arm bench-deps clean ort-lowest
+.PHONY: setup model gemma demo test test-fast test-arm bench-deps clean ort-lowest browser
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -55,10 +56,20 @@ demo: model
 	$(CABIN) build $(DEMO)-tools --profile cpu -o $(DEMO)-tools-build-cpu
 	$(PY) demo/drive.py $(DEMO)-tools-build-cpu
 
-test: model ort-lowest
+# tests/test_web_page.py drives Debian's Chromium through playwright (the dev extra), pointed at
+# $(CHROMIUM): playwright's own browser download is never run. Installed from Debian's packages where
+# this runs as root (as CI does); elsewhere the browser tests skip with the reason.
+CHROMIUM := /usr/bin/chromium
+browser:
+	@if [ -x $(CHROMIUM) ]; then :; \
+	elif [ "$$(id -u)" = 0 ]; then \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
+	else echo "note: $(CHROMIUM) is missing and this is not root: the browser tests will skip"; fi
+
+test: model ort-lowest browser
 	$(PY) -m pytest -q
 
-test-fast: model ort-lowest
+test-fast: model ort-lowest browser
 	$(PY) -m pytest -q -m "not slow"
 
 # Not part of `make test`: the first run sets up the emulated root (about 6 minutes), later runs take

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -753,3 +754,62 @@ def test_smollm2_served_gives_the_replies_chat_gives(smollm2, export_to, tmp_pat
     assert replies == expected
     assert "Paris" in replies[0]
 
+
+
+def test_metrics_parse_as_prometheus_text_and_equal_the_seats_and_the_process(artifact, tmp_path):
+    with Server(artifact, tmp_path / "server.log", "--seats", 2) as server:
+        check_metrics(server)
+
+
+def check_metrics(server: Server) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client = server.client()
+    ask(client, DRIVER[:1], [], "metrics-a")
+    text, _ = ask(client, DRIVER[:1], [], "default")
+    ask(client, DRIVER[:2], [text], "default")  # turns, cache and evictions that differ between seats
+    with NO_PROXY.open(urllib.request.Request(server.url + "/metrics"), timeout=60) as r:
+        assert r.headers["Content-Type"].startswith("text/plain; version=")
+        exposition = r.read().decode()
+    rss = int(re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{server.proc.pid}/status").read_text()).group(1)) * 1024
+    families = {f.name: f for f in text_string_to_metric_families(exposition)}
+
+    def value(name: str, **labels) -> float:
+        found = [s.value for s in families[name].samples if s.labels == labels and s.name in (name, name + "_total")]
+        assert len(found) == 1, (name, labels, families[name].samples)
+        return found[0]
+
+    status, seats = server.request("GET", "/v1/seats")
+    _, health = server.request("GET", "/health")
+    assert status == 200 and {s["name"] for s in seats["data"]} == {"default", "metrics-a"}
+    for seat in seats["data"]:
+        name = seat["name"]
+        assert value("cabinlm_seat_cache_tokens", seat=name) == seat["cache_tokens"]
+        assert value("cabinlm_seat_evicted_tokens", seat=name) == seat["evicted_tokens"]
+        assert value("cabinlm_seat_turns", seat=name) == seat["turns"]
+        assert value("cabinlm_seat_busy", seat=name) == 0
+        assert value("cabinlm_seat_decode_tokens_per_second", seat=name) == seat["last"]["decode_tok_s"] > 0
+    assert value("cabinlm_seats") == health["seats"]["total"] == seats["total"]
+    assert value("cabinlm_seats_taken") == health["seats"]["taken"] == len(seats["data"])
+    assert value("cabinlm_seats_busy") == health["seats"]["busy"] == 0
+    assert value("cabinlm_info", model=MODEL, backend="onnxruntime-cpu") == 1
+    _, snapshot = server.request("GET", "/v1/metrics.json")
+    assert value("cabinlm_requests_answered") == snapshot["requests_answered"] >= 3
+    assert snapshot["data"] == seats["data"]
+    # the process's resident memory, as the kernel counts it: read a moment apart, within 4 MiB
+    for name in ("process_resident_memory_bytes", "cabinlm_process_resident_memory_bytes"):
+        assert abs(value(name) - rss) < 4 << 20, (name, value(name), rss)
+
+
+def test_the_page_is_served_at_the_root_and_no_ui_turns_it_off(served, artifact, tmp_path):
+    server, _ = served
+    with NO_PROXY.open(urllib.request.Request(server.url + "/"), timeout=60) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/html") and b"/static/app.js" in r.read()
+    with Server(artifact, tmp_path / "server.log", "--no-ui") as bare:
+        status, error = bare.request("GET", "/")
+        assert status == 404 and error["error"]["message"] == "no such endpoint: GET /"
+        assert bare.request("GET", "/static/app.js")[0] == 404
+        assert bare.request("GET", "/v1/metrics.json")[0] == 200  # the API and the figures stay
+    help_text = subprocess.run([sys.executable, "-m", "cabinlm", "serve", "--help"], capture_output=True, text=True,
+                               timeout=120).stdout  # fmt: skip
+    assert "--no-ui" in help_text

@@ -39,9 +39,14 @@ def serve(
         help="Draft reply tokens by prompt lookup and check them in one step, as `cabinlm chat` does: the same "
         "replies (greedy) or the same distribution (sampled). [default: on for the fused cpu build]",
     ),
+    no_ui: bool = typer.Option(
+        False, "--no-ui", help="Serve no page at / (then a 404): the API and /metrics only."
+    ),
 ) -> None:
     """Serve an exported model over HTTP: POST /v1/chat/completions (OpenAI's API, streaming or not),
-    GET /v1/models, GET /health, and GET/DELETE /v1/seats. Requests run one token at a time in turns
+    GET /v1/models, GET /health, GET/DELETE /v1/seats, GET /v1/metrics.json and GET /metrics
+    (Prometheus), and a chat page at / (seats, frames, tool calls, a live memory plot; --no-ui
+    leaves it out). Requests run one token at a time in turns
     across seats; on a fused cpu build with batched graphs the seats' tokens run together, one graph
     run for up to 4 seats, each seat's drafts (--speculative) verified in the same runs. A new
     conversation when every seat is taken gets a 503."""
@@ -65,8 +70,9 @@ def serve(
     if not _loopback(host):
         info(f"note: listening on {host}, not loopback: any machine that reaches it can talk to the model and "
              "have it read image files by path")  # fmt: skip
-    info(f"serving {service.model_id} ({service.device}) on http://{host}:{port}/v1 with {seats} seats")
-    run_server(service, host, port)
+    info(f"serving {service.model_id} ({service.device}) on http://{host}:{port}/v1 with {seats} seats"
+         + ("" if no_ui else f"; the page is at http://{host}:{port}/"))
+    run_server(service, host, port, ui=not no_ui)
 
 
 def _loopback(host: str) -> bool:

@@ -10,9 +10,11 @@
     store.py      --sessions DIR: each seat's session file and record, resumed at start
     service.py    the loaded model, its seats and worker threads: what the HTTP app calls
     replies.py    OpenAI response bodies and the usage block
+    metrics.py    the live figures: GET /v1/metrics.json, and GET /metrics through prometheus_client
     app.py        the HTTP app (Starlette; uvicorn runs it), needs the [serve] extra
+    web/          the page at / (plain HTML, JS and CSS over the public API; docs/serve-page.md)
 
-Everything but app.py is plain Python over cabinlm.runtime.
+Everything but app.py and metrics.py is plain Python over cabinlm.runtime.
 """
 
 from cabinlm.serve.service import ChatService, ServeConfig

@@ -5,6 +5,10 @@
     GET    /health                status, backend, seats taken and busy
     GET    /v1/seats[/{name}]     the seats (cabinlm's own): names, turns, cache occupancy, last turn
     DELETE /v1/seats/{name}       free a seat (its conversation and saved files are forgotten)
+    GET    /v1/metrics.json       the live figures: every seat's cache, the process's RSS (metrics.py)
+    GET    /metrics               the same in Prometheus' text exposition format
+    GET    /                      the page (web/: plain HTML, JS and CSS over the endpoints above;
+                                  its files under /static/); --no-ui leaves both out
 
 Every error is OpenAI's JSON error object ({"error": {"message", "type", "param", "code"}}) with a
 4xx status when the request is at fault (400 bad request, 404 unknown model / seat / path, 405, 409
@@ -33,24 +37,36 @@ import contextlib
 import json
 import logging
 import time
+from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import anyio.to_thread
 import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import BaseRoute, Mount, Route
+from starlette.staticfiles import StaticFiles
 
 from cabinlm.errors import CabinlmError
-from cabinlm.serve import replies
+from cabinlm.serve import metrics, replies
 from cabinlm.serve.schema import RequestError, encodable
 from cabinlm.serve.service import STOPPING, ChatService, Turn
 
 log = logging.getLogger("cabinlm.serve")
 
 MAX_BODY_BYTES = 64 * 1024 * 1024  # a long history with a few camera frames as data URLs fits
+WEB = ("cabinlm.serve", "web")  # the page's files: package data, found wherever the package is installed
+# The page runs only its own files: a reply's text that slipped past the page's escaping could run no
+# script and load nothing from elsewhere. Frames are shown from data: URLs the page made.
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; "
+                               "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-cache",
+}
 
 
 def error_response(e: Exception) -> JSONResponse:
@@ -179,8 +195,10 @@ async def _events(turn: Turn, cid: str, model: str, created: int) -> AsyncIterat
             return
 
 
-def create_app(service: ChatService) -> Starlette:
+def create_app(service: ChatService, ui: bool = True) -> Starlette:
+    """The HTTP app over service; ui: serve the page at / (False: / is a 404)."""
     model_id = service.model_id
+    registry = metrics.registry(service)
 
     @_errors
     async def completions(request: Request) -> Response:
@@ -248,6 +266,14 @@ def create_app(service: ChatService) -> Starlette:
                                code="seat_not_found")  # fmt: skip
         return JSONResponse(found.describe())
 
+    @_errors
+    async def metrics_json(request: Request) -> Response:
+        return JSONResponse(metrics.snapshot(service))
+
+    @_errors
+    async def prometheus(request: Request) -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         what = {404: f"no such endpoint: {request.method} {request.url.path}",
@@ -261,14 +287,24 @@ def create_app(service: ChatService) -> Starlette:
         yield
         await anyio.to_thread.run_sync(service.close)  # replies in flight end at their next token
 
-    routes = [
+    routes: list[BaseRoute] = [
         Route("/v1/chat/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/v1/seats", seats, methods=["GET"]),
         Route("/v1/seats/{name}", seat, methods=["GET", "DELETE"]),
+        Route("/v1/metrics.json", metrics_json, methods=["GET"]),
+        Route("/metrics", prometheus, methods=["GET"]),
     ]
+    if ui:
+        static = StaticFiles(packages=[WEB])
+        index = Path(static.all_directories[0]) / "index.html"
+
+        async def page(request: Request) -> Response:
+            return FileResponse(index, headers=PAGE_HEADERS)
+
+        routes += [Route("/", page, methods=["GET"]), Mount("/static", static, name="static")]
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan)
 
 
@@ -286,8 +322,8 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def run_server(service: ChatService, host: str, port: int, graceful_s: float = 10) -> None:
-    """Serve until SIGINT / SIGTERM (uvicorn's log on stderr)."""
-    config = uvicorn.Config(create_app(service), host=host, port=port, log_level="info",
+def run_server(service: ChatService, host: str, port: int, graceful_s: float = 10, ui: bool = True) -> None:
+    """Serve until SIGINT / SIGTERM (uvicorn's log on stderr); ui: the page at /."""
+    config = uvicorn.Config(create_app(service, ui), host=host, port=port, log_level="info",
                             timeout_graceful_shutdown=graceful_s)  # fmt: skip
     _Server(config, service).run()

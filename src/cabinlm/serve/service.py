@@ -169,6 +169,7 @@ class ChatService:
         self._executor = concurrent.futures.ThreadPoolExecutor(len(dialogues), thread_name_prefix="cabinlm-seat")
         self._turns: set[Turn] = set()
         self.stopping = False
+        self.answered = 0  # requests answered since the start (cut-short replies too): GET /metrics
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()
 
@@ -202,6 +203,7 @@ class ChatService:
             "status": "ok",
             "model": self.model_id,
             "backend": self.device,
+            "vision": self.vision,  # image_url parts are taken
             "seats": {"total": self.seats.total, "taken": len(self.seats.seats), "busy": sum(s.busy for s in seats)},
             "sessions": None if self.store is None else str(self.store.folder),
             "uptime_s": round(time.time() - self.started, 1),
@@ -289,6 +291,7 @@ class ChatService:
         seat.requests -= 1
         if answered:
             seat.new = False
+            self.answered += 1
         if seat.new and seat.requests == 0:
             self.seats.give_back(seat)
 
@@ -363,5 +366,7 @@ def summary(outcome: TurnOutcome) -> dict[str, Any]:
         "finish": "cancelled" if outcome.cancelled else r.finish,
         "prompt_tokens": outcome.prompt_tokens,
         "completion_tokens": r.new_tokens,
+        "prefill_tok_s": r.prefill_tok_s,
+        "decode_tok_s": r.decode_tok_s,
         "saved": outcome.saved,
     }
