@@ -340,6 +340,11 @@ async function request(chat, body) {
     showError(chat, failed || { message: "the reply ended before the server said it was done" });
     return null;
   }
+  // A call the length limit cut (finish "length") streamed only part of its arguments: the reply's
+  // calls are the whole ones, as the server keeps them.
+  const whole = calls.filter((c) => { try { JSON.parse(c.arguments); return true; } catch (e) { return false; } });
+  calls.length = 0;
+  calls.push(...whole);
   entry.calls = calls;
   if (calls.length) toolCards(chat, entry, calls);
   if (usage) {
