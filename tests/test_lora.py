@@ -117,6 +117,17 @@ def test_a_merged_adapter_follows_the_streaming_semantics_past_the_window(chunk,
     assert np.abs(ours[40:] - merged_nll(reference.model, ids)[40:]).max() > 50 * TOL  # eviction happened
 
 
+def test_the_cli_merges_an_adapter_and_checks_the_result_against_transformers(tiny_qwen2_dir, tmp_path):
+    """Through `cabinlm export --lora`: --verify compares the graph with the merged transformers model."""
+    adapter = make_peft_adapter(tiny_qwen2_dir, tmp_path / "adapter", targets=["q_proj", "up_proj"])
+    p = cabinlm("export", tiny_qwen2_dir, "-o", tmp_path / "art", "--window", 124, "--chunk", 16, "--lora", f"{adapter}:0.5")
+    assert p.returncode == 0, p.stderr
+    assert f"LoRA {adapter} merged" in p.stdout and "merged LoRA" in p.stderr
+    quality = json.loads((tmp_path / "art" / "manifest.json").read_text())["quality"]
+    assert quality["lora"]["scale"] == 0.5 and quality["lora"]["targets"] == ["q_proj", "up_proj"]
+    assert quality["dense_check"]["max_abs_logit_diff"] < TOL
+
+
 def test_rslora_scales_by_alpha_over_the_root_of_the_rank(tiny_qwen2_dir, tmp_path, long_text):
     adapter = make_peft_adapter(tiny_qwen2_dir, tmp_path / "adapter", r=8, alpha=4, targets=["q_proj", "v_proj", "down_proj"],
                                 use_rslora=True, seed=5)  # fmt: skip
@@ -289,6 +300,12 @@ def test_another_peft_type_is_refused(tiny_llama_dir, tmp_path):
     base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
     get_peft_model(base, IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"])).save_pretrained(tmp_path / "ia3")
     assert "peft_type 'IA3'; cabinlm merges LoRA adapters only" in refused(tiny_llama_dir, tmp_path / "ia3")
+
+
+def test_a_truncated_gguf_lora_is_refused(tiny_llama_dir, llama_adapter, tmp_path):
+    data = write_gguf_lora(llama_adapter, tmp_path / "a.gguf", "llama", (4, 2), alpha=8).read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) - 100])
+    assert "not a readable GGUF file" in refused(tiny_llama_dir, tmp_path / "cut.gguf")
 
 
 def test_a_gguf_lora_for_another_architecture_is_refused(tiny_llama_dir, llama_adapter, tmp_path):

@@ -320,7 +320,7 @@ def _read_gguf(path: Path) -> LoraAdapter:
         if set(f) != {"a", "b"}:
             raise ModelError(f"--lora {path}: {module} has no {'lora_b' if 'a' in f else 'lora_a'}; the file is incomplete")
         a, b = f["a"], f["b"]
-        if a.shape[0] != b.shape[1]:
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
             raise ModelError(f"--lora {path}: {module}: lora_a {a.shape} and lora_b {b.shape} disagree on the rank")
         r = a.shape[0]
         pairs.append(LoraPair(module, a, b, alpha / r if alpha else 1.0))
