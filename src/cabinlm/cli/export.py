@@ -56,6 +56,12 @@ def export(
     ),
     force: bool = typer.Option(False, help="Finish the export even if the quality gate fails."),
     verify: bool = typer.Option(True, help="Check the graph's logits against transformers on a short prompt."),
+    lora: Optional[str] = typer.Option(
+        None, metavar="DIR[:SCALE]",
+        help="Merge a LoRA adapter into the weights before they are quantized: a PEFT folder (adapter_config.json + "
+        "adapter_model.safetensors) or a llama.cpp GGUF LoRA file, scaled by SCALE (default 1.0) on top of its own "
+        "alpha / r. Example: --lora my-adapter:0.8. Checked against the model first; docs/lora.md.",
+    ),
 ) -> None:
     """Export MODEL to a fixed-shape sink + rolling-window decoder graph (plain ONNX) with its manifest.
 
@@ -65,13 +71,19 @@ def export(
     With --kv int8 or fp8, keys get per-channel scales calibrated on --calib text and values per-token
     scales; the export then measures perplexity against fp32 KV on held-back text (eviction active)
     and refuses to finish when it rises by more than --max-ppl-increase percent, unless --force.
+
+    With --lora DIR[:SCALE], a LoRA adapter (PEFT folder or GGUF LoRA file) is checked against the model
+    and merged into its float weights before anything is quantized, so every engine runs it, e.g.
+    `cabinlm export my-model -o out --weights int4 --lora my-adapter:0.8`.
     """
     from cabinlm.export import ExportRequest, export_for_profile, export_model  # torch lives behind this import
+    from cabinlm.export.lora import LoraRequest
     from cabinlm.export.options import make_layout
 
     # Checked here, before a profile is planned or the model is loaded.
     request = ExportRequest(sink=sink, pinned=pinned, window=window, chunk=chunk, kv=kv, weights=weights, head=head,
-                            calib=calib, max_ppl_increase=max_ppl_increase, force=force, verify=verify)  # fmt: skip
+                            calib=calib, max_ppl_increase=max_ppl_increase, force=force, verify=verify,
+                            lora=None if lora is None else LoraRequest.parse(lora))  # fmt: skip
     if profile is not None:
         m = export_for_profile(model, out, load_profile(profile), request, log=info)  # plans from the config first
     else:
@@ -84,6 +96,7 @@ def export(
         f"exported {m.model.source} ({m.model.architecture}, {m.model.num_layers} layers) to {out}: "
         f"sink {lay.sink} + pinned {lay.pinned} + window {lay.window} slots, chunk {lay.chunk}, "
         f"{lay.kv_dtype.value} KV = {lay.cache_bytes / 2**20:.1f} MiB, {m.weights} weights"
+        + (f", LoRA {m.quality['lora']['source']} merged" if "lora" in m.quality else "")
     )
 
 

@@ -22,6 +22,7 @@ from cabinlm.export.calibration import calibration_tokens as _calibration
 from cabinlm.export.decoder import DecoderWeights, build_decoder
 from cabinlm.export.graph import save_model
 from cabinlm.export.image_processor import image_preprocessing
+from cabinlm.export.lora import LoraRequest, MergedLora, check_adapter, merge_adapter, read_adapter
 from cabinlm.export.models import LoadedModel, decoder_weights, load_model
 from cabinlm.export.options import OptionError  # noqa: F401 - re-exported with the rest of the options API
 from cabinlm.export.options import ExportOptions, ExportRequest, make_layout, options_for_profile
@@ -56,11 +57,14 @@ def stop_ids(loaded: LoadedModel, chat) -> list[int]:
 def export_loaded(
     loaded: LoadedModel, out: str | Path, opts: ExportOptions, log: Callable[[str], None] = lambda s: None
 ) -> Manifest:
-    """Write the artifact for an already loaded model (tests reuse one load for several exports)."""
+    """Write the artifact for an already loaded model (tests reuse one load for several exports).
+    opts.lora merges its adapter into `loaded` itself, once: its float weights change (merge_lora)."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise CabinlmError(f"{out}: exists and is not a folder; choose another -o")
     out.mkdir(parents=True, exist_ok=True)
+    if opts.lora is not None:
+        merge_lora(loaded, opts.lora, log)
     vision = None
     mrope = loaded.mrope
     if mrope:  # Qwen2-VL: the tower at one frame size, M-RoPE in the decoder
@@ -174,6 +178,8 @@ def export_loaded(
         manifest.quality["calibration"] = calibration
     if weights.weight_source:
         manifest.quality["weights"] = {"format": weights.weight_format, **weights.weight_source}
+    if loaded.lora is not None:
+        manifest.quality["lora"] = loaded.lora.to_dict()
     if calibration is not None and opts.gate:
         gate = quality_gate(loaded, out, manifest, weights, heldout_ids, opts, log)
         manifest.quality["gate"] = gate
@@ -206,6 +212,8 @@ def export_model(
     if gguf is None:  # a model's own sliding window, before the weights load
         config, where = read_config(folder)
         check_attention_window(config, where, opts.sink + opts.pinned + image + opts.window + opts.chunk)
+    if opts.lora is not None:  # the adapter against the model's config, before the weights load
+        check_adapter(read_adapter(opts.lora.path), spec_for(source, log))
     loaded = load_model(source, log)
     return export_loaded(loaded, out, opts, log)
 
@@ -227,6 +235,20 @@ def export_for_profile(
         f"chunk {opts.chunk}, {opts.kv.value} KV"
     )
     return export_model(source, out, opts, log)
+
+
+def merge_lora(loaded: LoadedModel, request: LoraRequest, log: Callable[[str], None] = lambda s: None) -> MergedLora:
+    """Merge a LoRA adapter into the loaded model's float weights (export/lora.py), so that everything
+    the export derives from them (the weights, KV calibration, the checks against transformers) has it.
+    A model holds one merged adapter: the same request again is a no-op, another one is refused."""
+    if loaded.lora is not None:
+        if loaded.lora.request == request:
+            return loaded.lora
+        raise CabinlmError(f"--lora {request.path}: this loaded model already has {loaded.lora.source} merged into "
+                           "its weights; load the model again for another adapter")  # fmt: skip
+    adapter = check_adapter(read_adapter(request.path), loaded.spec)
+    loaded.lora = merge_adapter(loaded.text_model.layers, adapter, request, log)
+    return loaded.lora
 
 
 def verify_against_transformers(loaded: LoadedModel, out: Path, manifest: Manifest, n: int = 24) -> dict:

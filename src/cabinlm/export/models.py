@@ -19,6 +19,7 @@ from cabinlm.export import gguf_quants, wquant
 from cabinlm.export.aliases import ALIASES, DEFAULT_MODEL, cache_dir, fetch_alias  # noqa: F401 - re-exported
 from cabinlm.export.decoder import DecoderWeights, LayerWeights
 from cabinlm.export.image_processor import image_processor_config, processor_files
+from cabinlm.export.lora import MergedLora
 from cabinlm.export.wquant import QuantMatrix
 from cabinlm.manifest import STATIC_ROPE_TYPES, ModelSpec
 from cabinlm.model_config import idefics3_family, is_vlm, mrope_family, spec_from_config, spec_from_dict
@@ -33,6 +34,7 @@ class LoadedModel:
     source: str
     folder: Path | None = None  # where it was loaded from (the image processor's config lives there)
     gguf: Path | None = None  # the .gguf file, when the model came from one (its blocks can be imported)
+    lora: MergedLora | None = None  # a LoRA adapter merged into the float weights (export/lora.py)
 
     @property
     def vlm(self) -> bool:
@@ -218,6 +220,13 @@ def decoder_weights(loaded: LoadedModel, fmt: WeightFormat | str = WeightFormat.
     if fmt != WeightFormat.FP32 and loaded.gguf is not None:
         blocks = gguf_blocks(loaded.gguf, spec)
     counts = {"imported": 0, "quantized": 0}
+    if loaded.lora is not None and blocks:
+        # A merged matrix is W + delta: its float32 values are quantized here, the file's blocks of W unused.
+        by_module = {module: name for name, module in _GGUF_LINEARS.items()}
+        merged = {f"blk.{m.split('.')[1]}.{by_module[m.split('.', 2)[2]]}.weight" for m in loaded.lora.modules
+                  if m.split(".", 2)[2] in by_module}  # fmt: skip
+        counts["lora_requantized"] = len(merged & blocks.keys())
+        blocks = {name: b for name, b in blocks.items() if name not in merged}
 
     def mat(module, gguf_name: str | None, heads: int | None = None):
         """(in, out) float32, or a QuantMatrix: imported from the GGUF when it holds this tensor's
@@ -309,8 +318,10 @@ def decoder_weights(loaded: LoadedModel, fmt: WeightFormat | str = WeightFormat.
             else:
                 lm_head = wquant.quantize(np.ascontiguousarray(t(head).T), table_fmt)
                 counts["quantized"] += 1
+        merged_note = (f" ({counts['lora_requantized']} of them merged with the LoRA adapter, so re-quantized)"
+                       if counts.get("lora_requantized") else "")  # fmt: skip
         log(f"{fmt.value} weights: {counts['imported']} matrices imported from the GGUF blocks, "
-            f"{counts['quantized']} quantized from float32; token table {embed.bits}-bit")  # fmt: skip
+            f"{counts['quantized']} quantized from float32{merged_note}; token table {embed.bits}-bit")  # fmt: skip
     rotary = text.rotary_emb
     if gemma:  # one RoPE per kind of layer: the global ("full_attention") layers' and the local ones'
         inv_freq, scaling = rotary.full_attention_inv_freq, rotary.full_attention_attention_scaling

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from cabinlm.errors import LayoutError, OptionError
+from cabinlm.export.lora import LoraRequest
 from cabinlm.layout import MAX_DIM, CacheLayout
 from cabinlm.manifest import ModelSpec
 from cabinlm.precision import KVDType, WeightFormat
@@ -85,6 +86,16 @@ def _check(sink: int | None, pinned: int | None, window: int | None, chunk: int 
         )
 
 
+def _check_lora(lora: LoraRequest | None) -> None:
+    """A LoRA request names an existing folder or file (what it holds is read by export/lora.py)."""
+    if lora is None:
+        return
+    if not isinstance(lora, LoraRequest):
+        raise OptionError(f"lora must be a LoraRequest (LoraRequest.parse('DIR[:SCALE]')), got {lora!r}")
+    if not lora.path.exists():
+        raise OptionError(f"--lora {lora.path}: no such folder or file; give a PEFT adapter folder or a GGUF LoRA file")
+
+
 @dataclass(frozen=True)
 class ExportOptions:
     """Every option of one export, complete and checked. kv / weights / head also take their values
@@ -111,8 +122,10 @@ class ExportOptions:
     # None: a size the model's processor keeps, the nearest to a 640x480 frame (export/image_processor.py
     # default_frame)
     frame: tuple[int, int] | None = None
+    lora: LoraRequest | None = None  # a LoRA adapter merged into the float weights before they are quantized
 
     def __post_init__(self) -> None:
+        _check_lora(self.lora)
         if self.frame is not None:
             f = tuple(self.frame)
             if len(f) != 2 or not all(type(x) is int and 0 < x <= 8192 for x in f):
@@ -162,8 +175,10 @@ class ExportRequest:
     max_ppl_increase: float = 2.0
     force: bool = False
     verify: bool = True
+    lora: LoraRequest | None = None
 
     def __post_init__(self) -> None:
+        _check_lora(self.lora)
         object.__setattr__(self, "kv", None if self.kv is None else _member(KVDType, self.kv, "kv"))
         weights = None if self.weights is None else _member(WeightFormat, self.weights, "weights")
         object.__setattr__(self, "weights", weights)
@@ -191,7 +206,7 @@ class ExportRequest:
         return ExportOptions(
             sink=sink, pinned=pinned, window=window, chunk=chunk, kv=kv, weights=weights, head=self.head,
             verify=self.verify, calib=self.calib, max_ppl_increase=self.max_ppl_increase, force=self.force,
-            index_dtype=index_dtype, profile=profile, plan=plan,
+            index_dtype=index_dtype, profile=profile, plan=plan, lora=self.lora,
         )  # fmt: skip
 
 
