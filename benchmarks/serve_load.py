@@ -67,7 +67,6 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="the server's ONNX Runtime threads")
     ap.add_argument("--records", type=Path, default=None, help="append the run's record here")
     a = ap.parse_args()
-    start = utc_now()
 
     port = free_port()
     log = open(Path(tempfile.gettempdir()) / f"serve_load_{port}.log", "wb")  # the server's output, for a failure
@@ -94,6 +93,7 @@ def main() -> None:
 
 
 def run(a, port: int, pid: int) -> None:
+    utc_start = utc_now()
     load_at_start = os.getloadavg()[0]
     rss = [(0.0, server_rss_mb(pid))]
     records: list[dict] = []
@@ -196,7 +196,7 @@ def run(a, port: int, pid: int) -> None:
     rec = Recorder("benchmarks/serve_load.py")
     params = {k: v for k, v in result["config"].items() if k not in ("build", "threads")}
     figures = {k: v for k, v in flat(result).items() if not k.startswith(("config.", "loadavg_1m."))}
-    rec.add(params, figures, utc_start=start, loadavg_start=load_at_start, artifact=a.build, threads=a.threads)
+    rec.add(params, figures, utc_start=utc_start, loadavg_start=load_at_start, artifact=a.build, threads=a.threads)
     rec.write_to(a.records)
 
 
