@@ -341,11 +341,16 @@ class FileEntry:
     @classmethod
     def of(cls, folder: Path, relpath: str) -> FileEntry:
         p = folder / relpath
-        h = hashlib.sha256()
-        with open(p, "rb") as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                h.update(block)
-        return cls(relpath, p.stat().st_size, h.hexdigest())
+        return cls(relpath, p.stat().st_size, file_sha256(p))
+
+
+def file_sha256(path: Path | str) -> str:
+    """The sha256 of a file's bytes, read in 4 MiB blocks (OSError as open() raises it)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 @dataclass

@@ -21,7 +21,6 @@ Reading needs numpy, safetensors and gguf; merging touches the transformers mode
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import re
@@ -32,7 +31,7 @@ from typing import Any, Callable
 import numpy as np
 
 from cabinlm.errors import ModelError, OptionError
-from cabinlm.manifest import ModelSpec
+from cabinlm.manifest import ModelSpec, file_sha256
 
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
@@ -168,14 +167,6 @@ class MergedLora:
                 **({"base_model": self.base_model} if self.base_model else {})}  # fmt: skip
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def read_adapter(path: Path | str) -> LoraAdapter:
     """A PEFT folder (adapter_config.json + adapter_model.safetensors) or a GGUF LoRA file; anything
     else, a missing or corrupt file, or an adapter kind that merging would change: ModelError."""
@@ -250,7 +241,7 @@ def _read_peft(folder: Path) -> LoraAdapter:
     if not pairs:
         raise ModelError(f"--lora {weights}: holds no LoRA factors")
     mapping = cfg.get("auto_mapping") or {}
-    return LoraAdapter(source=str(folder), format="peft", file=weights, sha256=_sha256(weights), alpha=float(alpha),
+    return LoraAdapter(source=str(folder), format="peft", file=weights, sha256=file_sha256(weights), alpha=float(alpha),
                        rslora=rslora, pairs=tuple(pairs), base_model=cfg.get("base_model_name_or_path") or None,
                        architecture=mapping.get("base_model_class") if isinstance(mapping, dict) else None)  # fmt: skip
 
@@ -326,7 +317,7 @@ def _read_gguf(path: Path) -> LoraAdapter:
         pairs.append(LoraPair(module, a, b, alpha / r if alpha else 1.0))
     if not pairs:
         raise ModelError(f"--lora {path}: holds no LoRA factors")
-    return LoraAdapter(source=str(path), format="gguf", file=path, sha256=_sha256(path), alpha=alpha, rslora=False,
+    return LoraAdapter(source=str(path), format="gguf", file=path, sha256=file_sha256(path), alpha=alpha, rslora=False,
                        pairs=tuple(pairs), architecture=arch)  # fmt: skip
 
 

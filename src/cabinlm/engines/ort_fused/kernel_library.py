@@ -15,13 +15,13 @@ Nothing here compiles, and no cache is read: the library is the build folder's f
 from __future__ import annotations
 
 import functools
-import hashlib
 import re
 from pathlib import Path
 
 from cabinlm.engines.backend import BackendError
 from cabinlm.engines.ort_fused.kernels import host_machine
 from cabinlm.engines.ort_fused.spec import FusedSettings, KernelLibrary
+from cabinlm.manifest import file_sha256
 
 AGAIN = "run `cabinlm build` again"
 
@@ -78,14 +78,11 @@ def checked_library(folder: Path, fused: FusedSettings, ort_version: str) -> Pat
         raise BackendError(f"{path}: the build's kernel library is missing; copy the whole build folder, or {AGAIN}")
     if not path.is_file():
         raise BackendError(f"{path}: the build's kernel library is not a regular file; {AGAIN}")
-    h = hashlib.sha256()
     try:
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
+        digest = file_sha256(path)
     except OSError as e:
         raise BackendError(f"{path}: cannot read the build's kernel library ({e.strerror or e}); {AGAIN}") from e
-    if h.hexdigest() != lib.sha256:
-        raise BackendError(f"{path}: not the kernel library this build compiled (sha256 {h.hexdigest()[:16]}, the "
+    if digest != lib.sha256:
+        raise BackendError(f"{path}: not the kernel library this build compiled (sha256 {digest[:16]}, the "
                            f"manifest says {lib.sha256[:16]}): damaged, truncated or replaced; {AGAIN}")  # fmt: skip
     return path

@@ -41,6 +41,7 @@ from typing import Iterator
 
 from cabinlm.engines.ort_fused.kernels import HEADERS, ISAS, LIBRARY, MACHINE_ALIASES, SOURCES, api_version, host_machine
 from cabinlm.engines.ort_fused.spec import KernelLibrary
+from cabinlm.manifest import file_sha256
 
 FLAGS = ("-O3", "-std=gnu++17", "-ffp-contract=fast", "-fPIC", "-shared", "-fvisibility=hidden")
 FIX = "or build with --attention-kernel onnxruntime --matmul-kernel onnxruntime to keep ONNX Runtime's own kernels"
@@ -202,21 +203,13 @@ def compile_library(folder: Path, march: str = "native", defines: tuple[str, ...
         out = work / LIBRARY
         _run([cxx.path, *flags, "-o", str(out), *map(str, SOURCES)], cxx.path, "compiling cabinlm's kernels", timeout=600)
         isa = _check_library(out, cxx, loads=not cross)
-        facts = KernelLibrary(file=LIBRARY, sha256=_sha256(out), ort_api=api_version(), machine=cxx.machine, march=march,
+        facts = KernelLibrary(file=LIBRARY, sha256=file_sha256(out), ort_api=api_version(), machine=cxx.machine, march=march,
                               cpu_flags=cpu_flags(macros), matmul_isa=isa, compiler=cxx.version.splitlines()[0].strip())  # fmt: skip
         os.replace(out, target)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     _to_cache(key, target, facts)
     return Compiled(target, facts, cached=False)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 @contextlib.contextmanager
@@ -330,11 +323,11 @@ def _from_cache(key: str, target: Path) -> KernelLibrary | None:
     entry = _cache_dir() / key
     try:
         facts = KernelLibrary.from_dict(json.loads((entry / "library.json").read_text()))
-        if not (entry / LIBRARY).is_file() or _sha256(entry / LIBRARY) != facts.sha256:
+        if not (entry / LIBRARY).is_file() or file_sha256(entry / LIBRARY) != facts.sha256:
             return None
         tmp = target.with_name(f".{target.name}.{os.getpid()}")
         shutil.copyfile(entry / LIBRARY, tmp)
-        if _sha256(tmp) != facts.sha256:
+        if file_sha256(tmp) != facts.sha256:
             tmp.unlink()
             return None
         os.replace(tmp, target)
