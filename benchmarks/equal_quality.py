@@ -66,10 +66,10 @@ from cabinlm.bench.protocol import Script
 from cabinlm.bench.provenance import load_average, utc_now
 from cabinlm.bench.records import Recorder
 from cabinlm.bench.runner import model_for_baselines
-from cabinlm.manifest import load_manifest
+from cabinlm.contract.manifest import load_manifest
 from cabinlm.runtime import Decoder, Tokenizer
 from cabinlm.runtime.perplexity import chunked_perplexity
-from cabinlm.engines.ort_fused.spec import FusedSettings
+from cabinlm.contract.engines.fused import FusedSettings
 
 # MatMulNBits accuracy_level -> the activations' type in its products (ONNX Runtime's contrib op docs).
 ACTIVATIONS = {0: "float32", 1: "float32", 2: "float16", 3: "bfloat16", 4: "int8"}

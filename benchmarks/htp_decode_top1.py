@@ -29,7 +29,7 @@ import numpy as np
 
 from cabinlm.bench.provenance import load_average, utc_now
 from cabinlm.bench.records import Recorder
-from cabinlm.manifest import load_manifest
+from cabinlm.contract.manifest import load_manifest
 from cabinlm.runtime import Decoder, Tokenizer
 
 EXACT = {"session.qdq_matmulnbits_accuracy_level": "0"}

@@ -65,7 +65,7 @@ def main() -> None:
     rss_start = rss_bytes()  # python + cabinlm.runtime.memory only
     from cabinlm.profiles import load_profile
     from cabinlm.profiles.planner import plan_for_manifest
-    from cabinlm.manifest import load_manifest
+    from cabinlm.contract.manifest import load_manifest
     from cabinlm.runtime import Dialogue, Tokenizer, open_artifact
     import numpy  # noqa: F401
     import onnxruntime  # noqa: F401

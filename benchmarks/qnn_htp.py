@@ -38,10 +38,10 @@ import numpy as np
 
 from cabinlm.bench.provenance import load_average, utc_now
 from cabinlm.bench.records import Recorder, flat
-from cabinlm.manifest import load_manifest
+from cabinlm.contract.manifest import load_manifest
 from cabinlm.runtime import Decoder, Tokenizer
 from cabinlm.runtime.perplexity import token_nll
-from cabinlm.engines.qnn_htp.spec import QnnSettings
+from cabinlm.contract.engines.qnn import QnnSettings
 
 EXACT = {"session.qdq_matmulnbits_accuracy_level": "0"}
 

@@ -16,8 +16,8 @@ import argparse
 from pathlib import Path
 
 from cabinlm.bench.records import Recorder
-from cabinlm.engines.ort_fused.spec import FusedSettings
-from cabinlm.manifest import load_manifest
+from cabinlm.contract.engines.fused import FusedSettings
+from cabinlm.contract.manifest import load_manifest
 from cabinlm.runtime import Decoder, Tokenizer
 from cabinlm.runtime.perplexity import chunked_perplexity
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from cabinlm.errors import ModelError
+from cabinlm.contract.errors import ModelError
 from cabinlm.export import aliases
 from cabinlm.export.aliases import ALIASES, Alias, Licence, Part, alias_path, fetch_alias, install_from_wheels
 
@@ -348,5 +348,5 @@ def test_aliases_module_is_standard_library_only():
         if isinstance(node, ast.Import):
             top |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
-            top.add(node.module.split(".")[0] if node.module != "cabinlm.errors" else "cabinlm.errors")
-    assert top - sys.stdlib_module_names == {"cabinlm.errors"}, top
+            top.add(node.module.split(".")[0] if node.module != "cabinlm.contract.errors" else "cabinlm.contract.errors")
+    assert top - sys.stdlib_module_names == {"cabinlm.contract.errors"}, top

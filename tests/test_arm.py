@@ -34,8 +34,9 @@ import numpy as np
 import pytest
 
 from cabinlm.engines.ort_fused import kernels
+from cabinlm.engines.ort_fused.kernels import compiler
 from cabinlm.engines.ort_fused.kernels import host_machine
-from cabinlm.profiles import list_profiles, load_profile
+from cabinlm.profiles import cpu_engine, list_profiles, load_profile
 
 PROFILE = "sa8775p"
 MARCH = "armv8.2-a+dotprod"  # the sa8775p profile's cpu_march
@@ -95,7 +96,7 @@ def arm_build(load, tiny_llama_dir, export_to, tmp_path_factory):
     from test_backends import LAYOUT
     from test_cli import cabinlm
 
-    why = kernels.unavailable(MARCH, "aarch64")
+    why = compiler.unavailable(MARCH, "aarch64")
     if why is not None:
         pytest.skip(f"no aarch64 cross compiler here: {why}")
     art = export_to(load(str(tiny_llama_dir)), kv="int8", **LAYOUT)
@@ -108,7 +109,7 @@ def arm_build(load, tiny_llama_dir, export_to, tmp_path_factory):
 @on_the_build_machine
 def test_an_arm_profiles_cpu_build_carries_kernels_cross_compiled_for_its_cpu(arm_build):
     from cabinlm.engines.ort_fused.kernels.compiler import elf_problem, isa_of
-    from cabinlm.manifest import load_manifest
+    from cabinlm.contract.manifest import load_manifest
 
     _, out, log = arm_build
     m = load_manifest(out)  # every file's sha256 checked, the library's included
@@ -145,7 +146,7 @@ def test_a_cross_build_with_no_compiler_for_this_machine_is_one_build_error(arm_
     art, _, _ = arm_build
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
     with pytest.raises(BuildError, match="also compiles cabinlm's kernels for this x86_64 machine"):
-        build_artifact(art, load_profile(PROFILE).cpu_engine(), tmp_path / "out", attention="fused", accuracy_level=0)
+        build_artifact(art, cpu_engine(load_profile(PROFILE)), tmp_path / "out", attention="fused", accuracy_level=0)
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
@@ -185,15 +186,15 @@ def test_every_soc_profile_names_an_arm_cpu_with_the_dot_product(tmp_path):
     from cabinlm.engines.ort_fused.kernels.compiler import find_compiler, predefined_macros
 
     cpu = load_profile("cpu")
-    assert cpu.cpu_engine() is cpu and cpu.cpu_arch is None and cpu.kernels_march == "native"
+    assert cpu_engine(cpu) is cpu and cpu.cpu_arch is None and cpu.kernels_march == "native"
     socs = [load_profile(n) for n in list_profiles() if n != "cpu"]
     assert socs and all(p.cpu_arch == "aarch64" and p.cpu for p in socs)
-    if kernels.unavailable(MARCH, "aarch64") is not None:
+    if compiler.unavailable(MARCH, "aarch64") is not None:
         pytest.skip("no aarch64 cross compiler here")
     cxx = find_compiler("aarch64").path
     for p in socs:
         assert "__ARM_FEATURE_DOTPROD" in predefined_macros(cxx, p.cpu_march), p.name
-        engine = p.cpu_engine()
+        engine = cpu_engine(p)
         assert engine.execution_provider == "CPUExecutionProvider" and not engine.static_shapes
         assert (engine.name, engine.bandwidth_gbs, engine.budget_bytes) == (f"{p.name}-cpu", p.bandwidth_gbs, p.budget_bytes)
 
@@ -204,7 +205,7 @@ def test_a_profile_that_names_no_cpu_cannot_have_a_cpu_engine():
     text = (Path(load_profile.__code__.co_filename).parent / "builtin" / f"{PROFILE}.toml").read_text()
     nameless = "\n".join(line for line in text.splitlines() if not line.startswith(("cpu_arch", "cpu_march")))
     with pytest.raises(ProfileError, match="does not name its CPU"):
-        parse_profile(nameless, "nameless.toml").cpu_engine()
+        cpu_engine(parse_profile(nameless, "nameless.toml"))
     with pytest.raises(ProfileError, match="must name that CPU's ISA"):
         parse_profile(text.replace(f'cpu_march = "{MARCH}"', 'cpu_march = "native"'), "native.toml")
     with pytest.raises(ProfileError, match="not one of x86_64, aarch64"):
@@ -222,7 +223,7 @@ def test_hand_the_emulator_its_inputs(arm_build, load, tiny_llama_dir):
     from test_backends import LAYOUT, STREAM, TOLERANCE, reference_logits
 
     from cabinlm.engines.ort_fused.kernels.compiler import compile_library
-    from cabinlm.layout import KVDType
+    from cabinlm.contract.layout import KVDType
 
     _, out, _ = arm_build
     folder = Path(EXCHANGE)
@@ -254,7 +255,7 @@ def exchange() -> Path:
 
 @on_arm
 def test_the_arm_libraries_run_blockq4matmuls_neon_paths(exchange):
-    from cabinlm.manifest import load_manifest
+    from cabinlm.contract.manifest import load_manifest
 
     build = exchange / "build"
     lib = load_manifest(build).build.facts.kernels

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-import cabinlm.runtime
+import cabinlm.runtime.artifact
 from cabinlm.engines.build import build_artifact
 from cabinlm.engines.ort_graph.backend import ExportedGraphBackend
-from cabinlm.errors import CabinlmError, OptionError
+from cabinlm.contract.errors import CabinlmError, OptionError
 from cabinlm.profiles import load_profile
 from cabinlm.runtime.assembly import RuntimeConfig, open_runtime
 from cabinlm.runtime.dialogue import LongMessages
@@ -40,12 +40,12 @@ def weights_never_load():
     def refuse(*args, **kwargs):
         raise AssertionError("the artifact was opened before the options were checked")
 
-    saved = cabinlm.runtime.open_artifact
-    cabinlm.runtime.open_artifact = refuse
+    saved = cabinlm.runtime.artifact.open_artifact
+    cabinlm.runtime.artifact.open_artifact = refuse
     try:
         yield
     finally:
-        cabinlm.runtime.open_artifact = saved
+        cabinlm.runtime.artifact.open_artifact = saved
 
 
 # -- RuntimeConfig: every value, once ---------------------------------------------------------------

@@ -27,10 +27,11 @@ import numpy as np
 import onnx
 import pytest
 from cabinlm.engines.ort_fused import kernels
+from cabinlm.engines.ort_fused.kernels import compiler
 from cabinlm.engines.build import build_artifact
 from cabinlm.engines.registry import ENGINES, BackendKind
-from cabinlm.layout import KVDType
-from cabinlm.manifest import load_manifest
+from cabinlm.contract.layout import KVDType
+from cabinlm.contract.manifest import load_manifest
 from cabinlm.profiles import load_profile
 from cabinlm.runtime import Decoder
 from reference import StreamingReference
@@ -109,8 +110,8 @@ def static_profile(folder: Path) -> Path:
 def why_not_here(case: Case) -> str | None:
     """Why this case cannot run on this machine (None: it can). The engine's own reason first."""
     why = ENGINES[case.kind].unavailable()
-    if why is None and case.kind is BackendKind.FUSED and case.kv == "int8" and kernels.unavailable() is not None:
-        why = f"cabinlm's attention kernel cannot be compiled here: {kernels.unavailable()}"
+    if why is None and case.kind is BackendKind.FUSED and case.kv == "int8" and compiler.unavailable() is not None:
+        why = f"cabinlm's attention kernel cannot be compiled here: {compiler.unavailable()}"
     return why
 
 
@@ -305,7 +306,7 @@ def test_a_build_for_a_provider_this_onnxruntime_lacks_is_refused_not_run_on_the
 
     import onnxruntime as ort
 
-    from cabinlm.buildspec import ExecutionProvider
+    from cabinlm.contract.buildspec import ExecutionProvider
     from cabinlm.runtime import BackendError
 
     folder = artifacts("onnxruntime-static")

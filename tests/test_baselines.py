@@ -28,7 +28,7 @@ from cabinlm.bench import baselines as B
 from cabinlm.bench import catalog, child
 from cabinlm.bench.script import SYSTEM, user_turns
 from cabinlm.bench.trace import SUMMARY_KEYS, Trace, summarize
-from cabinlm.errors import ModelError
+from cabinlm.contract.errors import ModelError
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "src" / "cabinlm" / "bench"

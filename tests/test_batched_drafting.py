@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from cabinlm.engines.build import build_artifact
-from cabinlm.manifest import load_manifest
+from cabinlm.contract.manifest import load_manifest
 from cabinlm.profiles import load_profile
 from cabinlm.runtime import Decoder, seats_together
 from cabinlm.runtime.reply import advance, advance_seats

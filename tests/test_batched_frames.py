@@ -23,8 +23,8 @@ import pytest
 
 from cabinlm.engines.build import build_artifact
 from cabinlm.engines.ort_fused import kernels
-from cabinlm.engines.ort_fused.spec import FusedSettings
-from cabinlm.manifest import load_manifest
+from cabinlm.contract.engines.fused import FusedSettings
+from cabinlm.contract.manifest import load_manifest
 from cabinlm.profiles import load_profile
 from cabinlm.runtime import Decoder, step_seats
 from cabinlm.runtime.perplexity import feed_frame
@@ -422,7 +422,7 @@ def test_a_frames_chunk_beside_a_text_chunk_in_one_run_of_the_batched_graph_is_e
     decoder.seats2.onnx with seat 0's first frame chunk and seat 1's text chunk gives each seat's solo
     logits of every row and leaves each cache as its solo step does, bit for bit. (Driven here as
     seats.run_batch drives the graph, with seat 0's image rows put in.)"""
-    from cabinlm import io_spec as io
+    from cabinlm.contract import io_spec as io
     from cabinlm.engines.backend import StepOutput
     from cabinlm.engines.ort_fused import seats as seat_runs
 

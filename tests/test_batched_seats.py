@@ -17,9 +17,9 @@ import onnx
 import pytest
 
 from cabinlm.engines.build import build_artifact
-from cabinlm.engines.ort_fused.spec import FusedSettings
-from cabinlm.manifest import load_manifest
-from cabinlm.profiles import load_profile
+from cabinlm.contract.engines.fused import FusedSettings
+from cabinlm.contract.manifest import load_manifest
+from cabinlm.profiles import cpu_engine, load_profile
 from cabinlm.runtime import Decoder, step_seats
 from cabinlm.runtime.persist import load_session, save_session
 
@@ -466,7 +466,7 @@ def test_the_profile_says_which_batches_a_build_carries(load, tiny_llama_dir, ex
     assert load_manifest(out).runtime_spec.facts_as(FusedSettings).seat_batches == () and not list(out.glob("decoder.seats*"))
     for name in ("sa8295p", "sa8775p", "orin-x", "thor"):
         assert load_profile(name).seat_batches == ()
-    assert load_profile("sa8775p").cpu_engine().seat_batches == (2, 4)
+    assert cpu_engine(load_profile("sa8775p")).seat_batches == (2, 4)
     for bad in ("[1]", "[4, 2]", "[2, 2]", "[65]", "[true]", "4", '"2,4"'):
         with pytest.raises(ProfileError, match="seat_batches"):
             parse_profile(text.replace("seat_batches = [2, 4]", f"seat_batches = {bad}"), "bad.toml")

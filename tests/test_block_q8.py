@@ -24,7 +24,7 @@ from cabinlm.engines.ort_fused import kernels, single_op
 from cabinlm.engines.ort_fused.block_layouts import block_q8_layout
 from cabinlm.engines.ort_fused.kernels.compiler import compile_library
 from cabinlm.engines.ort_fused.node_builder import ExportedWeights
-from cabinlm.manifest import load_manifest
+from cabinlm.contract.manifest import load_manifest
 
 
 def _q8_case(K: int, N: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -1,4 +1,4 @@
-"""Property tests of the numpy slot bookkeeping (runtime/slots.py) against a plain-Python model of
+"""Property tests of the numpy slot bookkeeping (contract/slots.py) against a plain-Python model of
 the semantics, with K/V written where the plans say (backends/exported.write_slots).
 
 The equivalence tests check the whole pipeline on a few streams; these check the bookkeeping on
@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cabinlm.errors import InputError, LayoutError
-from cabinlm.manifest import CacheLayout
+from cabinlm.contract.errors import InputError, LayoutError
+from cabinlm.contract.manifest import CacheLayout
 from cabinlm.engines.ort_graph.backend import write_slots
-from cabinlm.runtime.slots import MASK_VALUE, SlotState, SlotTable, StateError, check_state
+from cabinlm.contract.slots import MASK_VALUE, SlotState, SlotTable, StateError, check_state
 
 
 class KVCache(SlotTable):

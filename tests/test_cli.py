@@ -252,7 +252,7 @@ def test_chat_refuses_more_seats_than_the_memory_holds_before_loading(cli_artifa
     code = (
         "import sys\n"
         "import cabinlm.runtime.limits as limits\n"
-        "from cabinlm.manifest import load_manifest\n"
+        "from cabinlm.contract.manifest import load_manifest\n"
         f"m = load_manifest({str(broken)!r})\n"
         "room = sum(f.bytes for f in m.files.values()) + limits.seat_bytes(m) * 3 // 2\n"
         "limits.available_bytes = lambda: room\n"
@@ -269,8 +269,8 @@ TURN_KEYS = ("seat", "turn", "reply", "prompt_tokens", "new_tokens", "cache_toke
 
 
 def test_the_seat_limit_is_what_memory_leaves_after_the_weights(cli_artifact):
-    from cabinlm.errors import OptionError
-    from cabinlm.manifest import load_manifest
+    from cabinlm.contract.errors import OptionError
+    from cabinlm.contract.manifest import load_manifest
     from cabinlm.runtime.limits import MAX_SEATS, check_seats, seat_bytes, seat_limit
 
     m = load_manifest(cli_artifact)

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cabinlm.errors import ModelError
-from cabinlm.manifest import load_manifest
+from cabinlm.contract.errors import ModelError
+from cabinlm.contract.manifest import load_manifest
 from cabinlm.runtime.vision import load_image, preprocess
 
 from conftest import QWEN2_VL_PREPROCESSOR, make_tiny_qwen2_vl
@@ -97,8 +97,8 @@ def test_the_default_frame_is_one_transformers_qwen2_vl_processor_keeps_for_any_
     from transformers import AutoImageProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-    from cabinlm.export.image_processor import read_qwen2_vl_processor
-    from cabinlm.model_config import image_tokens_from_config
+    from cabinlm.source.processor import read_qwen2_vl_processor
+    from cabinlm.source.config import image_tokens_from_config
 
     folder = qwen_config_folder(tmp_path, min_pixels=lo, max_pixels=hi)
     proc = read_qwen2_vl_processor(folder)
@@ -109,7 +109,7 @@ def test_the_default_frame_is_one_transformers_qwen2_vl_processor_keeps_for_any_
 
 
 def test_a_frame_named_explicitly_that_the_processor_would_resize_is_still_refused_naming_the_default(tmp_path):
-    from cabinlm.model_config import image_tokens_from_config
+    from cabinlm.source.config import image_tokens_from_config
 
     folder = qwen_config_folder(tmp_path, min_pixels=12544, max_pixels=12544)
     with pytest.raises(ModelError, match=r"frame 112x84: Qwen2-VL's processor would resize it to 140x112; .*"
@@ -126,8 +126,8 @@ def test_a_pixel_budget_in_which_the_processor_keeps_no_frame_is_refused_in_one_
     """10000 pixels is no whole number of 28x28 tokens: every frame smart_resize makes there is resized again."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-    from cabinlm.export.image_processor import read_qwen2_vl_processor
-    from cabinlm.model_config import image_tokens_from_config
+    from cabinlm.source.processor import read_qwen2_vl_processor
+    from cabinlm.source.config import image_tokens_from_config
 
     folder = qwen_config_folder(tmp_path, min_pixels=10000, max_pixels=10000)
     with pytest.raises(ModelError, match=r"min_pixels 10000 \.\. max_pixels 10000 holds no frame Qwen2-VL's processor "

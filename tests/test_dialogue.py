@@ -7,7 +7,7 @@ import gc
 import numpy as np
 import pytest
 
-from cabinlm.errors import InputError
+from cabinlm.contract.errors import InputError
 from cabinlm.runtime import Decoder, Dialogue, Sampler, Tokenizer, open_artifact
 from cabinlm.runtime.memory import rss_mb
 from cabinlm.runtime.tokenizer import StreamDecoder
@@ -114,7 +114,7 @@ def test_stream_decoder_handles_multibyte_characters(tiny_artifact):
 
 
 def test_sampler_rejects_bad_settings():
-    from cabinlm.errors import OptionError
+    from cabinlm.contract.errors import OptionError
 
     # NaN fails every comparison: a check written as "refuse < 0" once let temperature nan through
     bad = [dict(temperature=-1), dict(temperature=float("nan")), dict(temperature=float("inf")), dict(top_p=0),

@@ -14,22 +14,23 @@ import json
 from pathlib import Path
 
 import pytest
-from cabinlm.buildspec import BuildSpec
-from cabinlm.engines.builder import BuildError
+from cabinlm.contract.buildspec import BuildSpec
+from cabinlm.contract.errors import BuildError
 from cabinlm.engines.build import build_artifact, default_output
-from cabinlm.engines.ort_fused.spec import FusedSettings
-from cabinlm.engines.ort_static.spec import SharedWeights
+from cabinlm.contract.engines.fused import FusedSettings
+from cabinlm.contract.engines.static import SharedWeights
+from cabinlm.contract.engines import FACTS
 from cabinlm.engines.registry import ENGINES, BackendKind
-from cabinlm.manifest import Manifest, load_manifest
+from cabinlm.contract.manifest import Manifest, load_manifest
 from cabinlm.profiles import load_profile
 from test_cli import assert_clean_error, cabinlm
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "cabinlm"
 ENGINE_DIRS = sorted(p for p in (SRC / "engines").iterdir() if p.is_dir() and p.name != "__pycache__")
 # The build side of an engine folder: what may import onnx and run compilers. Everything else in an
-# engine folder (spec.py, backend.py and what they use) is the runtime side, which a car carries.
+# engine folder (backend.py and what it uses) is the runtime side, which a car carries.
 BUILD_SIDE = {"builder", "build", "output", "graph", "offline", "bundle", "engine", "compat", "doctor", "block_layouts", "head_graph", "node_builder",
-              "vision_build", "qdq", "a16_feeds", "a16_weights", "a16_kv_io", "rotated_graph",
+              "vision_build", "compile", "qdq", "a16_feeds", "a16_weights", "a16_kv_io", "rotated_graph",
               "gen_ort_api", "single_op"}  # fmt: skip
 
 
@@ -66,13 +67,16 @@ def is_build_side(module: str) -> bool:
     return parts[:2] == ["cabinlm", "engines"] and (parts[-1] in BUILD_SIDE or "kernels" in parts and parts[-1] != "kernels")
 
 
-def test_every_engine_folder_is_registered_and_has_its_three_parts():
+def test_every_engine_folder_is_registered_and_has_its_two_parts():
     registered = {e.package.rsplit(".", 1)[1] for e in ENGINES.values()}
     engine_dirs = {p.name for p in ENGINE_DIRS} - {"onnxruntime"}  # onnxruntime/: what the ORT engines share
     assert engine_dirs == registered
     for name in registered:
-        for part in ("spec.py", "builder.py", "backend.py"):
-            assert (SRC / "engines" / name / part).is_file() or (part == "spec.py" and name == "ort_graph"), (name, part)
+        for part in ("builder.py", "backend.py"):
+            assert (SRC / "engines" / name / part).is_file(), (name, part)
+    for entry in ENGINES.values():  # its typed facts: the contract's (contract/engines/), by kind
+        assert entry.facts is FACTS[entry.kind]
+        assert entry.facts is None or entry.facts.__module__.startswith("cabinlm.contract.engines.")
     for entry in ENGINES.values():
         assert hasattr(entry.backend_module(), "open_backend") and hasattr(entry.backend_module(), "unavailable")
         assert entry.builder().kind is entry.kind
@@ -190,7 +194,7 @@ def test_the_mask_value_of_the_graph_contract_is_the_runtimes():
     """Builders check graphs with io_spec.MASK_VALUE; the runtime plans masks with its own float32 copy."""
     import numpy as np
 
-    from cabinlm import io_spec
-    from cabinlm.runtime.slots import MASK_VALUE
+    from cabinlm.contract import io_spec
+    from cabinlm.contract.slots import MASK_VALUE
 
     assert np.float32(io_spec.MASK_VALUE) == MASK_VALUE

@@ -17,7 +17,7 @@ import pytest
 from conftest import make_tiny_model
 from test_equivalence import TOL, graph_nll, hf_dense_nll, nll_of, reference_nll, tokens
 
-from cabinlm.errors import ModelError
+from cabinlm.contract.errors import ModelError
 from cabinlm.runtime import Decoder
 
 FAMILIES = ["qwen3", "mistral", "phi3", "gemma3"]
@@ -129,7 +129,7 @@ def test_the_cpu_build_of_each_family_runs_and_matches_the_export(arch, family_d
 
     from cabinlm.engines.build import build_artifact
     from cabinlm.engines.ort_fused.graph import ineligible
-    from cabinlm.manifest import Manifest
+    from cabinlm.contract.manifest import Manifest
     from cabinlm.profiles import load_profile
 
     art = export_to(load(str(family_dir(arch))), kv="fp32", sink=2, pinned=10, window=16, chunk=4)
@@ -186,7 +186,7 @@ def _config(folder: Path, tmp_path: Path, **changes) -> Path:
 
 
 def _refused(path: Path, *words: str) -> str:
-    from cabinlm.model_config import spec_from_config
+    from cabinlm.source.config import spec_from_config
 
     with pytest.raises(ModelError) as e:
         spec_from_config(path)
@@ -240,7 +240,7 @@ def test_a_sliding_window_as_long_as_the_cache_is_exported_dense_exact(family_di
 def test_which_configs_slide():
     """Mistral and Phi-3 slide when sliding_window is set; Qwen2 / Qwen3 only on layers marked
     sliding (their configs carry a sliding_window they do not use)."""
-    from cabinlm.model_config import attention_window, local_layers
+    from cabinlm.source.config import attention_window, local_layers
 
     assert attention_window({"model_type": "mistral", "sliding_window": 4096}) == 4096
     assert attention_window({"model_type": "mistral"}) == 4096  # transformers' default for a bare config

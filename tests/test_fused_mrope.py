@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cabinlm.engines.registry import BackendKind
+from cabinlm.contract.engines import BackendKind
 from cabinlm.runtime import Decoder
 
 import vlm_checks as vlm

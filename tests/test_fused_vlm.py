@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from cabinlm.engines.registry import BackendKind
+from cabinlm.contract.engines import BackendKind
 from cabinlm.runtime import Decoder
 
 import vlm_checks as vlm

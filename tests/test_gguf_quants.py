@@ -12,7 +12,7 @@ import gguf.quants as gq
 import numpy as np
 import pytest
 
-from cabinlm.errors import ModelError
+from cabinlm.contract.errors import ModelError
 from cabinlm.export import gguf_quants, wquant
 from cabinlm.export.wquant import QuantMatrix
 

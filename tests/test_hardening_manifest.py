@@ -23,9 +23,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cabinlm.buildspec import BuildSpec, SessionSettings
-from cabinlm.errors import CabinlmError, ManifestError
-from cabinlm.manifest import Manifest, load_manifest
+from cabinlm.contract.buildspec import BuildSpec, SessionSettings
+from cabinlm.contract.errors import CabinlmError, ManifestError
+from cabinlm.contract.manifest import Manifest, load_manifest
 
 # Stated here, not imported: a KV scale is stored as an fp16 and floored at its smallest subnormal
 # (export/kvquant.py); a RoPE table's cos / sin factor is near 1 (YaRN's attention factor).
@@ -151,7 +151,7 @@ def test_a_thread_count_beyond_the_machine_is_refused_before_onnx_runtime_starts
 
     from cabinlm.engines.backend import BackendError
     from cabinlm.engines.onnxruntime.session import session_options
-    from cabinlm.runtime.limits import THREADS_PER_CORE
+    from cabinlm.contract.buildspec import THREADS_PER_CORE
 
     most = THREADS_PER_CORE * (os.cpu_count() or 1)
     session_options(spec_with(intra_op_num_threads=most))

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from cabinlm.layout import CacheLayout
-from cabinlm.model_config import spec_from_config
-from cabinlm.precision import KVDType, WeightFormat
+from cabinlm.contract.layout import CacheLayout
+from cabinlm.source.config import spec_from_config
+from cabinlm.contract.precision import KVDType, WeightFormat
 from cabinlm.profiles import load_profile
 from cabinlm.profiles import htp_estimate as est
 from cabinlm.profiles.planner import format_plan, plan

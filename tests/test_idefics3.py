@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from cabinlm.errors import ModelError
+from cabinlm.contract.errors import ModelError
 from cabinlm.runtime import Decoder
 from cabinlm.runtime.vision import load_image, preprocess
 
@@ -385,7 +385,7 @@ def test_the_snapdragon_builds_run_a_frame_in_the_htp_simulator_as_the_export(id
 def test_the_planner_counts_the_tower_and_the_image_tokens(tiny_idefics3_dir, load):
     """vision_params_from_config == the tower's and connector's parameters as transformers holds them;
     image_tokens_from_config == the rows the tower gives; `cabinlm plan` carries both."""
-    from cabinlm.model_config import image_tokens_from_config, vision_params_from_config
+    from cabinlm.source.config import image_tokens_from_config, vision_params_from_config
 
     loaded = load(str(tiny_idefics3_dir))
     inner = loaded.model.model
@@ -404,7 +404,7 @@ def test_smolvlm_256m_sizes_count_as_the_published_model(tmp_path):
     transformers model built from the same config with no weights."""
     from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration
 
-    from cabinlm.model_config import image_tokens_from_config, vision_params_from_config
+    from cabinlm.source.config import image_tokens_from_config, vision_params_from_config
 
     vision = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
                   image_size=512, patch_size=16)  # fmt: skip
@@ -433,7 +433,7 @@ def test_smolvlm_256m_sizes_count_as_the_published_model(tmp_path):
     ({"max_image_size": {"longest_edge": 48}}, "image_seq_len 16 <image> tokens per image, but the tower gives 36"),
 ])  # fmt: skip
 def test_a_processor_config_the_export_cannot_reproduce_is_refused(change, needle, tmp_path):
-    from cabinlm.model_config import image_tokens_from_config
+    from cabinlm.source.config import image_tokens_from_config
 
     folder = make_tiny_idefics3(tmp_path / "m")
     path = folder / "processor_config.json"

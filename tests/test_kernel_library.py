@@ -29,8 +29,8 @@ from cabinlm.engines.backend import BackendError
 from cabinlm.engines.build import BuildError, build_artifact
 from cabinlm.engines.ort_fused import kernels
 from cabinlm.engines.ort_fused.kernels.compiler import KernelError, compile_library, cpu_flags, find_compiler, predefined_macros
-from cabinlm.engines.ort_fused.spec import FusedSettings
-from cabinlm.manifest import load_manifest
+from cabinlm.contract.engines.fused import FusedSettings
+from cabinlm.contract.manifest import load_manifest
 from cabinlm.profiles import load_profile
 from cabinlm.profiles.schema import parse_profile
 from cabinlm.runtime import Decoder

@@ -14,7 +14,7 @@ from onnx import TensorProto
 from cabinlm.export import ExportOptions, QualityGateError, export_loaded
 from cabinlm.export import kvquant as kvq
 from cabinlm.export.graph import GraphBuilder
-from cabinlm.manifest import CacheLayout, KVDType
+from cabinlm.contract.manifest import CacheLayout, KVDType
 from cabinlm.runtime import Decoder, Tokenizer
 from cabinlm.engines.ort_graph.backend import allocate
 from cabinlm.runtime.perplexity import chunked_perplexity
@@ -129,7 +129,7 @@ def test_a_calibration_file_is_used_and_checked(tiny, tmp_path, long_text):
     scales = json.loads((tmp_path / "a" / "manifest.json").read_text())["kv_scales"]
     assert {k: np.asarray(v).shape for k, v in scales.items()} == {k: (2, 2, 16) for k in ("keys", "rotated_keys", "values")}
     calib.write_text("too short")
-    from cabinlm.errors import CabinlmError
+    from cabinlm.contract.errors import CabinlmError
 
     with pytest.raises(CabinlmError, match="at least 256"):
         export_loaded(tiny, tmp_path / "b", ExportOptions(kv="int8", window=56, chunk=8, pinned=0, calib=calib))

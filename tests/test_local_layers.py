@@ -19,14 +19,14 @@ from conftest import make_tiny_model
 from test_backends import BACKENDS, CASES, FP16_COMPUTE, HOST_STATIC, LAYOUT, STREAM, TOLERANCE, relative_errors, static_profile, why_not_here
 
 from cabinlm.engines.build import build_artifact
-from cabinlm.engines.registry import BackendKind
-from cabinlm.errors import LayoutError, ManifestError
-from cabinlm.layout import CacheLayout
-from cabinlm.manifest import Manifest, load_manifest
+from cabinlm.contract.engines import BackendKind
+from cabinlm.contract.errors import LayoutError, ManifestError
+from cabinlm.contract.layout import CacheLayout
+from cabinlm.contract.manifest import Manifest, load_manifest
 from cabinlm.profiles import load_profile
 from cabinlm.runtime import Decoder, Dialogue, open_artifact
 from cabinlm.runtime.persist import load_session, save_session
-from cabinlm.runtime.slots import SlotTable
+from cabinlm.contract.slots import SlotTable
 from cabinlm.runtime.speculative import PromptLookupDrafting
 from reference import StreamingReference
 

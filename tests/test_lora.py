@@ -18,7 +18,7 @@ from conftest import make_tiny_model
 from test_cli import assert_clean_error, cabinlm
 from test_equivalence import TOL, graph_nll, nll_of, reference_nll, tokens
 
-from cabinlm.errors import ModelError, OptionError
+from cabinlm.contract.errors import ModelError, OptionError
 from cabinlm.export import ExportOptions, export_loaded, merge_lora
 from cabinlm.export.lora import LoraRequest, read_adapter
 from cabinlm.export.models import decoder_weights, load_model

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cabinlm.errors import ManifestError
-from cabinlm.manifest import Manifest, decoder_io, load_manifest, verify_checksums
+from cabinlm.contract.errors import ManifestError
+from cabinlm.contract.manifest import Manifest, decoder_io, load_manifest, verify_checksums
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def test_a_changed_checksum_is_caught(artifact, tmp_path):
 
 
 def test_the_manifest_module_needs_only_the_standard_library():
-    code = "import sys; sys.modules['numpy'] = None; sys.modules['onnx'] = None; import cabinlm.manifest"
+    code = "import sys; sys.modules['numpy'] = None; sys.modules['onnx'] = None; import cabinlm.contract.manifest"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
@@ -83,8 +83,8 @@ def test_the_build_section_is_typed_and_checked(artifact, field, bad):
     """The build is typed data: a wrong kind, provider, option type or table is one ManifestError."""
     import dataclasses
 
-    from cabinlm.buildspec import BackendKind, BuildSpec
-    from cabinlm.engines.ort_fused.spec import FusedSettings
+    from cabinlm.contract.buildspec import BackendKind, BuildSpec
+    from cabinlm.contract.engines.fused import FusedSettings
 
     d = dataclasses.replace(load_manifest(artifact), build=BuildSpec(backend=BackendKind.FUSED, facts=FusedSettings())).to_dict()
     spec = d["build"]

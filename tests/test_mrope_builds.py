@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from cabinlm.engines.build import build_artifact
-from cabinlm.engines.registry import BackendKind
+from cabinlm.contract.engines import BackendKind
 from cabinlm.profiles import load_profile
 from cabinlm.runtime import Decoder, stream_perplexity
 from cabinlm.runtime.vision import load_image

@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 
 import cabinlm.export
 import cabinlm.export.models
-import cabinlm.runtime
-from cabinlm.errors import InputError, OptionError
+import cabinlm.runtime.artifact
+from cabinlm.contract.errors import InputError, OptionError
 from cabinlm.runtime import Dialogue, Tokenizer, load_manifest, open_artifact
 from cabinlm.runtime.limits import check_system_prompt
 
@@ -72,12 +72,12 @@ def _no_weights(*args, **kwargs):
 @contextlib.contextmanager
 def weights_never_load():
     """cabinlm.export's loader and the runtime's artifact loader fail the test if called."""
-    saved = (cabinlm.export.load_model, cabinlm.export.models.load_model, cabinlm.runtime.open_artifact)
-    cabinlm.export.load_model = cabinlm.export.models.load_model = cabinlm.runtime.open_artifact = _no_weights
+    saved = (cabinlm.export.load_model, cabinlm.export.models.load_model, cabinlm.runtime.artifact.open_artifact)
+    cabinlm.export.load_model = cabinlm.export.models.load_model = cabinlm.runtime.artifact.open_artifact = _no_weights
     try:
         yield
     finally:
-        cabinlm.export.load_model, cabinlm.export.models.load_model, cabinlm.runtime.open_artifact = saved
+        cabinlm.export.load_model, cabinlm.export.models.load_model, cabinlm.runtime.artifact.open_artifact = saved
 
 
 # -- export and plan: the cache geometry against the model's positions --------------------------------
@@ -252,6 +252,6 @@ def test_serve_refuses_more_seats_than_the_memory_holds_as_chat_does(small_pins,
         one_error_line(*run_cli("serve", small_pins, "--seats", "2"), "--seats 2", "1 seat fit", "MiB")
         # a plain assignment: weights_never_load puts the real loader back on exit (monkeypatch would
         # put back _no_weights after it, and every later test in this process would find it)
-        cabinlm.runtime.open_artifact = opened
+        cabinlm.runtime.artifact.open_artifact = opened
         with pytest.raises(Opened):  # one seat fits: the artifact is opened next
             run_cli("serve", small_pins, "--seats", "1")

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from cabinlm.errors import CabinlmError
+from cabinlm.contract.errors import CabinlmError
 from cabinlm.export import ExportOptions, ExportRequest, options_for_profile
-from cabinlm.model_config import spec_from_config
-from cabinlm.precision import KVDType, WeightFormat
+from cabinlm.source.config import spec_from_config
+from cabinlm.contract.precision import KVDType, WeightFormat
 from cabinlm.profiles import load_profile
 from cabinlm.profiles.planner import PlanError
 

@@ -92,8 +92,8 @@ def plan_of(build: Path) -> dict:
 
 @pytest.mark.parametrize("kernel", ["cabinlm", "onnxruntime"])
 def test_the_plan_of_a_build_is_within_a_fifth_of_a_chats_peak_rss(smollm2_builds, kernel, tmp_path):
-    from cabinlm.engines.ort_fused.spec import FusedSettings
-    from cabinlm.manifest import load_manifest
+    from cabinlm.contract.engines.fused import FusedSettings
+    from cabinlm.contract.manifest import load_manifest
 
     build = smollm2_builds[kernel]
     facts = load_manifest(build).runtime_spec.facts_as(FusedSettings)
@@ -114,7 +114,7 @@ def test_the_plan_of_a_build_is_within_a_fifth_of_a_chats_peak_rss(smollm2_build
 def test_cabinlm_plan_of_a_build_reads_its_manifest_and_refuses_a_layout(smollm2_builds):
     """`cabinlm plan BUILD` is the plan of the build's manifest (profiles/planner.plan_for_manifest) on the
     profile it was built for; a cache layout option is refused in one line, since the build's is fixed."""
-    from cabinlm.manifest import load_manifest
+    from cabinlm.contract.manifest import load_manifest
     from cabinlm.profiles.planner import plan_for_manifest
 
     build = smollm2_builds["onnxruntime"]

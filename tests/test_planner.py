@@ -1,5 +1,5 @@
 """The planner: bare config.json -> ModelSpec -> the largest window that fits a profile's budget.
-And the one config parser (cabinlm.model_config) that `cabinlm plan` and `cabinlm export` share.
+And the one config parser (cabinlm.source.config) that `cabinlm plan` and `cabinlm export` share.
 
 Expected numbers are written out by hand from the published configs (tests/data/configs/), so a
 planner that re-derives them differently from CacheLayout fails here.
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from cabinlm.errors import LayoutError, ModelError
-from cabinlm.manifest import CacheLayout, KVDType
-from cabinlm.model_config import image_tokens_from_config, spec_from_config, vision_params_from_config
+from cabinlm.contract.errors import LayoutError, ModelError
+from cabinlm.contract.manifest import CacheLayout, KVDType
+from cabinlm.source.config import image_tokens_from_config, spec_from_config, vision_params_from_config
 from cabinlm.profiles import list_profiles, load_profile
 from cabinlm.profiles.planner import (ORT_CPU_RUNTIME_BYTES, PlanError, activation_bytes, default_build, format_plan,
                                       held_weights, parameter_count, plan)
@@ -296,7 +296,7 @@ def _held_on_disk(folder: Path, gather_copy_held: bool) -> int:
     """The weights the artifact's graph holds: every initializer of a matrix, a head, a table or a norm
     (names from the exporter and the builders), less a quantized tied table's gather copy unless held,
     and a tied float table twice where held so (ONNX Runtime prepacks it for the head)."""
-    from cabinlm.manifest import load_manifest
+    from cabinlm.contract.manifest import load_manifest
 
     m = load_manifest(folder)
     sizes = _initializer_bytes(folder / m.files["graph"].path)
@@ -351,9 +351,9 @@ CASES = [("smollm2-int4", k) for k in ("export", "graph", "fused", "fused-8bit")
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}")
 def test_the_weights_term_is_what_the_builds_graph_holds(cpu_builds, case):
-    from cabinlm.manifest import load_manifest
+    from cabinlm.contract.manifest import load_manifest
     from cabinlm.profiles.planner import plan_for_manifest
-    from cabinlm.engines.ort_fused.spec import FusedSettings
+    from cabinlm.contract.engines.fused import FusedSettings
     from cabinlm.profiles.weights import EXPORT, build_facts
 
     folder = cpu_builds[case]
@@ -389,7 +389,7 @@ def test_the_tokenizer_term_is_within_reach_of_the_vocabulary(cpu_builds):
     """The tokenizer row is an estimate from the vocabulary; an artifact's tokenizer.json is the
     measured one's source: the estimate stays within 4x to 16x the file's size
     (the file holds each entry once as JSON text; the loaded tokenizer holds maps of it)."""
-    from cabinlm.manifest import load_manifest
+    from cabinlm.contract.manifest import load_manifest
     from cabinlm.profiles.planner import tokenizer_estimate
 
     m = load_manifest(cpu_builds[("smollm2-int4", "export")])
@@ -449,7 +449,7 @@ def test_a_build_whose_head_runs_on_blockq8matmul_packs_no_head_for_its_seats(sm
     cabinlm's BlockQ8MatMul (FusedSettings.head_kernel), which every graph reads in place, so seats
     decoding together add no packed copy of it; the batch's activations and idle seat still count,
     and the breakdown says which."""
-    from cabinlm.manifest import load_manifest
+    from cabinlm.contract.manifest import load_manifest
     from cabinlm.profiles.planner import format_plan, plan_for_manifest
     from cabinlm.profiles.weights import build_facts
 
@@ -466,8 +466,8 @@ def test_the_plan_counts_local_layers_on_their_rings():
     """Gemma 3's local layers (sliding window 512) hold 512 slots whatever the window: the plan's KV
     term is the layout with per-layer geometry (what export makes and the runtime allocates), not
     every layer on the slot map, and the breakdown says so."""
-    from cabinlm.layout import CacheLayout
-    from cabinlm.model_config import spec_from_dict
+    from cabinlm.contract.layout import CacheLayout
+    from cabinlm.source.config import spec_from_dict
     from cabinlm.profiles.planner import format_plan
 
     spec = spec_from_dict({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262144,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cabinlm.errors import CabinlmError
-from cabinlm.manifest import KVDType
+from cabinlm.contract.errors import CabinlmError
+from cabinlm.contract.manifest import KVDType
 from cabinlm.profiles import DeviceProfile, Engine, ProfileError, builtin_profile_text, list_profiles, load_profile
 
 BUILTINS = ["cpu", "jetson-agx-orin-64gb", "jetson-orin-nx-16gb", "orin-x", "sa8295p", "sa8775p", "thor"]
@@ -180,7 +180,7 @@ def test_profiles_need_only_the_standard_library():
     code = (
         f"import sys; sys.modules.update(dict.fromkeys({blocked!r}))\n"
         "from cabinlm.profiles import load_profile, list_profiles\n"
-        "from cabinlm.model_config import spec_from_config\n"
+        "from cabinlm.source.config import spec_from_config\n"
         "from cabinlm.profiles.planner import plan\n"
         "[load_profile(n) for n in list_profiles()]\n"
         f"assert plan(spec_from_config({str(config)!r}), load_profile('cpu')).fits"

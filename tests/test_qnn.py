@@ -19,9 +19,9 @@ import numpy as np
 import onnx
 import pytest
 from cabinlm.engines.build import build_artifact
-from cabinlm.manifest import FileEntry, load_manifest
+from cabinlm.contract.manifest import FileEntry, load_manifest
 from cabinlm.profiles import load_profile
-from cabinlm.engines.registry import BackendKind
+from cabinlm.contract.engines import BackendKind
 from cabinlm.runtime import Decoder
 from test_cli import assert_clean_error, cabinlm
 from test_backends import LAYOUT, STREAM, reference_logits
@@ -200,7 +200,7 @@ def test_without_the_plugin_the_build_says_what_to_install(int4_artifact, tmp_pa
 def test_plan_counts_the_context_binaries_and_the_htp_process_limit(tiny_llama_dir, tmp_path):
     """v68 holds a weights copy per graph (two binaries), v73 one shared binary; the NPU process
     limit is checked beside the budget."""
-    from cabinlm.model_config import spec_from_config
+    from cabinlm.source.config import spec_from_config
     from cabinlm.profiles.planner import format_plan, plan
 
     spec = spec_from_config(tiny_llama_dir)

@@ -37,8 +37,8 @@ import numpy as np
 import onnx
 import pytest
 from cabinlm.engines.build import build_artifact
-from cabinlm.engines.builder import BuildError
-from cabinlm.manifest import load_manifest
+from cabinlm.contract.errors import BuildError
+from cabinlm.contract.manifest import load_manifest
 from cabinlm.profiles import load_profile
 from cabinlm.runtime import Decoder
 from test_backends import LAYOUT
@@ -136,7 +136,7 @@ def test_qk_t_reads_8_bit_keys_that_were_rounded_after_their_rotation(a16_qdq):
     key_cache.l / new_key.l through Transposes and their uint8 Q / DQ only: a 16x8 matmul. new_key.l
     is the uint8 QuantizeLinear of the chunk's keys after their rotation (the chunk's rope behind it).
     The un-rotated graph (the a16 build before) rotated the dequantized keys here into 16 bits."""
-    from cabinlm import io_spec as io
+    from cabinlm.contract import io_spec as io
 
     g, scales = a16_qdq
     consts = {t.name: onnx.numpy_helper.to_array(t) for t in g.graph.initializer}
@@ -350,7 +350,7 @@ def test_the_calibration_text_is_the_users_choice(int8_artifact, tmp_path):
     assert ids == part[: MAX_CALIB_TOKENS // 2] + part[-(MAX_CALIB_TOKENS // 2) :]
     assert ids_sha256(ids) != ids_sha256(calibration_ids(int8_artifact, m, None)[0])
     text.write_text("too short", encoding="utf-8")
-    from cabinlm.errors import CabinlmError
+    from cabinlm.contract.errors import CabinlmError
 
     with pytest.raises(CabinlmError, match=r"--calib .*calib.txt: only \d+ tokens; give at least 256"):
         calibration_ids(int8_artifact, m, text)

@@ -35,8 +35,8 @@ import numpy as np
 import onnx
 import pytest
 from cabinlm.engines.build import build_artifact
-from cabinlm.engines.builder import BuildError
-from cabinlm.manifest import load_manifest
+from cabinlm.contract.errors import BuildError
+from cabinlm.contract.manifest import load_manifest
 from cabinlm.profiles import load_profile
 from cabinlm.runtime import Decoder
 from test_backends import LAYOUT
@@ -164,7 +164,7 @@ def test_the_rotated_graph_rounds_each_key_once_after_its_rotation(int8_artifact
     no position input left) before the Div by the one key scale that quantizes them; the scores read
     them back as the cache holds them, and the cache itself unrotated; the un-rotated keys leave as
     fp16 new_key_source."""
-    from cabinlm import io_spec as io
+    from cabinlm.contract import io_spec as io
     from cabinlm.engines.onnxruntime.offline import read_graph
     from cabinlm.engines.qnn_htp.graph import htp_ready, uint8_kv
     from cabinlm.engines.qnn_htp.rotated_graph import rotate_cached_keys, rotated_key_scales
@@ -230,8 +230,8 @@ def test_plan_counts_the_uint8_cache_at_half_the_fp16_bytes(tiny_llama_dir, kv8_
     """`cabinlm plan` for the HTP with --kv int8 counts what the HTP backend allocates: one byte per
     K / V element, no value scales (the CPU's int8 KV holds per-token scales beside it), and the
     rotated keys' fp16 copy of the sink and pinned keys."""
-    from cabinlm.layout import KVDType
-    from cabinlm.model_config import spec_from_config
+    from cabinlm.contract.layout import KVDType
+    from cabinlm.source.config import spec_from_config
     from cabinlm.profiles.planner import plan
 
     spec = spec_from_config(tiny_llama_dir)

@@ -21,7 +21,7 @@ import onnx
 import pytest
 
 from cabinlm.engines.build import build_artifact
-from cabinlm.manifest import FileEntry, load_manifest
+from cabinlm.contract.manifest import FileEntry, load_manifest
 from cabinlm.profiles import load_profile
 from cabinlm.runtime import Decoder
 
@@ -120,7 +120,7 @@ def test_a_tower_node_the_htp_rejects_keeps_the_tower_on_the_cpu_and_the_manifes
 
 
 def test_the_manifest_refuses_a_tower_record_that_says_neither_htp_nor_cpu():
-    from cabinlm.engines.qnn_htp.spec import QnnSettings
+    from cabinlm.contract.engines.qnn import QnnSettings
 
     base = dict(qairt_version="2.51", htp_arch=73, soc_model=52, chip="SA8775P", activations="fp16", weights="int4",
                 weight_sharing=True, binaries=("d_qnn.bin",))  # fmt: skip

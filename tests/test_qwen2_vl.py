@@ -14,10 +14,10 @@ import pytest
 import torch
 from PIL import Image
 
-from cabinlm.errors import ModelError
-from cabinlm.layout import CacheLayout
+from cabinlm.contract.errors import ModelError
+from cabinlm.contract.layout import CacheLayout
 from cabinlm.runtime import Decoder
-from cabinlm.runtime.slots import SlotTable
+from cabinlm.contract.slots import SlotTable
 from cabinlm.runtime.vision import load_image, preprocess
 
 import vlm_checks as vlm
@@ -291,7 +291,7 @@ def test_perplexity_refuses_an_image_for_a_text_model_and_a_file_that_is_no_imag
 
 
 def test_a_vision_language_family_cabinlm_does_not_export_is_refused_by_name(tiny_qwen2_vl_dir, tmp_path):
-    from cabinlm.model_config import spec_from_config
+    from cabinlm.source.config import spec_from_config
 
     for model_type, arch, name in (("qwen3_vl", "Qwen3VLForConditionalGeneration", "Qwen3-VL"),
                                    ("mllama", "MllamaForConditionalGeneration", "Llama 3.2 Vision")):  # fmt: skip
@@ -309,7 +309,7 @@ def test_a_vision_language_family_cabinlm_does_not_export_is_refused_by_name(tin
     ({"max_pixels": "many"}, "a Qwen2-VL image processor field is missing or of the wrong type"),
 ])  # fmt: skip
 def test_a_processor_config_the_export_cannot_reproduce_is_refused(tiny_qwen2_vl_dir, tmp_path, change, needle):
-    from cabinlm.model_config import image_tokens_from_config
+    from cabinlm.source.config import image_tokens_from_config
 
     folder = tmp_path / "m"
     shutil.copytree(tiny_qwen2_vl_dir, folder)
@@ -321,7 +321,7 @@ def test_a_processor_config_the_export_cannot_reproduce_is_refused(tiny_qwen2_vl
 
 
 def test_a_frame_size_the_processor_would_change_is_refused_and_one_it_keeps_is_taken(tiny_qwen2_vl_dir):
-    from cabinlm.model_config import image_tokens_from_config
+    from cabinlm.source.config import image_tokens_from_config
 
     assert image_tokens_from_config(tiny_qwen2_vl_dir) == 12  # 32x24: smart_resize of 640x480
     assert image_tokens_from_config(tiny_qwen2_vl_dir, (32, 32)) == 16

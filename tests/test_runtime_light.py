@@ -13,7 +13,7 @@ def run(code: str) -> subprocess.CompletedProcess:
 
 
 def test_the_runtime_imports_without_torch_or_transformers():
-    p = run("import cabinlm.runtime, cabinlm.manifest, cabinlm.cli; print('ok')")
+    p = run("import cabinlm.runtime, cabinlm.contract.manifest, cabinlm.cli; print('ok')")
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "ok"
 

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cabinlm.errors import InputError, ManifestError
-from cabinlm.manifest import load_manifest
+from cabinlm.contract.errors import InputError, ManifestError
+from cabinlm.contract.manifest import load_manifest
 from cabinlm.runtime import Dialogue, open_artifact
 from cabinlm.runtime.memory import rss_mb
 from cabinlm.runtime.persist import SessionError, load_session, release_session, save_session, session_size

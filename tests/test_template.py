@@ -109,7 +109,7 @@ def test_a_template_that_renders_tools_gives_its_own_wording_and_the_runtime_wri
 
 
 def test_a_template_without_tools_keeps_the_default_wording(load, tiny_qwen2_dir):
-    from cabinlm.manifest import DEFAULT_TOOLS_PREFIX
+    from cabinlm.contract.manifest import DEFAULT_TOOLS_PREFIX
 
     chat = resolve_chat_template(load(str(tiny_qwen2_dir)).tokenizer)
     assert chat.tools_source == "default" and chat.tools_prefix == DEFAULT_TOOLS_PREFIX

@@ -19,13 +19,13 @@ from cabinlm.engines.tensorrt.api import (api_era, network_flag_names, parse_ins
 from cabinlm.engines.tensorrt.compat import check_file
 from cabinlm.engines.tensorrt.engine import effective_era
 from cabinlm.engines.tensorrt.graph import fp16_matmuls, fp16_safe_norms
-from cabinlm.errors import CabinlmError
-from cabinlm.io_spec import decoder_io
-from cabinlm.layout import CacheLayout, KVDType
-from cabinlm.manifest import Manifest, load_manifest
+from cabinlm.contract.errors import CabinlmError
+from cabinlm.contract.io_spec import decoder_io
+from cabinlm.contract.layout import CacheLayout, KVDType
+from cabinlm.contract.manifest import Manifest, load_manifest
 from cabinlm.profiles import load_profile
 from cabinlm.runtime import Decoder, Tokenizer
-from cabinlm.engines.tensorrt.spec import ApiEra, EngineState, GpuInfo, TensorRTSettings, TokenProfile
+from cabinlm.contract.engines.tensorrt import ApiEra, EngineState, GpuInfo, TensorRTSettings, TokenProfile
 from test_cli import assert_clean_error, cabinlm
 
 

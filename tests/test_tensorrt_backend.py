@@ -22,8 +22,8 @@ from conftest import make_tiny_model
 
 from cabinlm.engines.backend import StepOutput
 from cabinlm.engines.build import build_artifact
-from cabinlm.layout import CacheLayout
-from cabinlm.manifest import FileEntry, load_manifest
+from cabinlm.contract.layout import CacheLayout
+from cabinlm.contract.manifest import FileEntry, load_manifest
 from cabinlm.profiles import load_profile
 from cabinlm.runtime import Decoder, Dialogue, open_artifact
 from cabinlm.runtime.persist import load_session, save_session
@@ -31,10 +31,10 @@ from cabinlm.engines.ort_graph import backend as exported
 from cabinlm.engines.tensorrt import backend as trt_backend
 from cabinlm.engines.tensorrt.cuda_mem import DeviceInfo
 from cabinlm.engines.tensorrt.device_plan import DevicePlan, apply_copy, slot_runs
-from cabinlm.io_spec import decoder_io
+from cabinlm.contract.io_spec import decoder_io
 from cabinlm.engines.tensorrt.api import profile_shapes, runtime_shapes, token_profiles
-from cabinlm.engines.tensorrt.spec import EngineState, GpuInfo
-from cabinlm.runtime.slots import SlotTable
+from cabinlm.contract.engines.tensorrt import EngineState, GpuInfo
+from cabinlm.contract.slots import SlotTable
 from cabinlm.runtime.perplexity import chunked_perplexity
 
 

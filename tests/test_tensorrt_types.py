@@ -23,7 +23,7 @@ CHECKED = [  # the modules that call TensorRT or CUDA, and the host-side ones th
     "cabinlm/engines/tensorrt/engine.py", "cabinlm/engines/tensorrt/api.py", "cabinlm/engines/tensorrt/builder.py",
     "cabinlm/engines/tensorrt/bundle.py", "cabinlm/engines/tensorrt/graph.py", "cabinlm/engines/tensorrt/doctor.py",
     "cabinlm/engines/tensorrt/backend.py", "cabinlm/engines/tensorrt/cuda_mem.py",
-    "cabinlm/engines/tensorrt/device_plan.py", "cabinlm/engines/tensorrt/spec.py",
+    "cabinlm/engines/tensorrt/device_plan.py", "cabinlm/contract/engines/tensorrt.py",
 ]  # fmt: skip
 
 

@@ -534,7 +534,7 @@ def test_a_llama_model_calls_in_its_json_and_reads_results_in_its_tool_turn(llam
     "ipython" turn, the seat extends, and a fresh seat given the same messages answers the same."""
     from test_serve import Server
 
-    from cabinlm.manifest import load_manifest
+    from cabinlm.contract.manifest import load_manifest
 
     chat = load_manifest(llama_artifact).chat
     assert chat.tool_call_style == "llama3-json" and chat.tool_result_prefix

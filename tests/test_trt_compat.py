@@ -17,7 +17,7 @@ from cabinlm.engines.tensorrt.compat import (
     parse_version,
     supported_ops,
 )
-from cabinlm.errors import CabinlmError
+from cabinlm.contract.errors import CabinlmError
 
 F = TensorProto.FLOAT
 

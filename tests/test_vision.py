@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from cabinlm.errors import InputError
+from cabinlm.contract.errors import InputError
 from cabinlm.runtime import Decoder, Dialogue, open_artifact
 from cabinlm.runtime.memory import rss_mb
 from cabinlm.runtime.vision import load_image, preprocess
@@ -259,8 +259,8 @@ def test_a_vision_session_killed_and_resumed_reports_and_computes_what_the_unint
                                        ("crop", "30x30"), ("mean", [0.5, 0.5]), ("std", None)])  # fmt: skip
 def test_image_preprocessing_in_the_manifest_is_typed_and_checked(llava, field, bad):
     """The runtime reads the image processor as typed data: a wrong field is a manifest error."""
-    from cabinlm.errors import ManifestError
-    from cabinlm.manifest import Manifest
+    from cabinlm.contract.errors import ManifestError
+    from cabinlm.contract.manifest import Manifest
 
     _, folder = llava
     d = json.loads((folder / "manifest.json").read_text())
@@ -352,7 +352,7 @@ def test_a_llava_folder_as_transformers_5_saves_it_exports_the_same_preprocessin
     processor nested inside and no preprocessor_config.json (that was export's "needs its
     preprocessor_config.json"). The folder in that layout exports the same image preprocessing as
     the older layout, and what transformers itself reads from it prepares images as we do."""
-    from cabinlm.manifest import load_manifest
+    from cabinlm.contract.manifest import load_manifest
 
     _llava_processor(tiny_llava_dir).save_pretrained(tmp_path / "saved")
     nested = json.loads((tmp_path / "saved" / "processor_config.json").read_text())
@@ -375,8 +375,8 @@ def test_the_image_processor_is_read_where_transformers_reads_it(tiny_llava_dir,
     """Both files present (a processor saved over an older folder): the nested settings win, as in
     transformers; a processor_config.json without them defers to preprocessor_config.json; neither is
     a ModelError naming both files. Each layout is checked against AutoImageProcessor itself."""
-    from cabinlm.errors import ModelError
-    from cabinlm.export.image_processor import image_processor_config
+    from cabinlm.contract.errors import ModelError
+    from cabinlm.source.processor import image_processor_config
 
     folder = tmp_path / "m"
     shutil.copytree(tiny_llava_dir, folder)
@@ -401,7 +401,7 @@ def test_the_image_processor_is_read_where_transformers_reads_it(tiny_llava_dir,
 
 
 def test_a_llava_folder_without_an_image_processor_is_refused_before_its_weights_load(tiny_llava_dir, tmp_path):
-    from cabinlm.errors import ModelError
+    from cabinlm.contract.errors import ModelError
     from cabinlm.export.models import load_model
 
     folder = tmp_path / "m"

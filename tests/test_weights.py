@@ -13,8 +13,8 @@ import cabinlm.engines.ort_graph.backend as session_mod  # the exported-graph ba
 from cabinlm.export import wquant
 from cabinlm.export.models import decoder_weights
 from cabinlm.export.wquant import QuantMatrix
-from cabinlm.manifest import load_manifest
-from cabinlm.precision import WeightFormat
+from cabinlm.contract.manifest import load_manifest
+from cabinlm.contract.precision import WeightFormat
 from cabinlm.runtime import Decoder
 
 RNG = np.random.default_rng(7)
@@ -149,7 +149,7 @@ def test_quantized_graph_computes_with_exactly_its_blocks(fmt, arch, load, expor
 
     shutil.copy(art / "tokenizer.json", ref_dir / "tokenizer.json")
     save_model(build_decoder(loaded.spec, m.cache, ref_w, opset=17).model(), ref_dir / "decoder.onnx", "decoder.onnx.data")
-    from cabinlm.manifest import FileEntry
+    from cabinlm.contract.manifest import FileEntry
 
     replace(m, opset=17, weights="fp32", files={r: FileEntry.of(ref_dir, n) for r, n in
             (("graph", "decoder.onnx"), ("tokenizer", "tokenizer.json"))}).save(ref_dir)  # fmt: skip

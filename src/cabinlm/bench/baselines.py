@@ -56,7 +56,7 @@ from cabinlm.bench.peers import open_engine
 from cabinlm.bench.prepare import prepare, prepare_here, resolve_model
 from cabinlm.bench.protocol import Script, dialogue, fixed_context
 from cabinlm.bench.trace import Trace, summarize
-from cabinlm.errors import CabinlmError
+from cabinlm.contract.errors import CabinlmError
 
 # --------------------------------------------------------------------------------------------------
 # Caller side: no heavy imports

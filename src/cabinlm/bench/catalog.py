@@ -1,7 +1,7 @@
 """The baseline engines `cabinlm bench` knows: their names, configurations, the Python packages each
 needs at run time and how to install them, whether each can run here, and the errors the baselines
 raise. Shared by the caller side (bench/baselines.py) and the child side (bench/peers.py); imports
-nothing but the standard library and cabinlm.errors.
+nothing but the standard library and cabinlm.contract.errors.
 
     hf         transformers, greedy decoding with its default growing cache, float32 weights
                de-quantized from the GGUF.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from cabinlm.errors import CabinlmError
+from cabinlm.contract.errors import CabinlmError
 
 BASELINES = ("hf", "llama.cpp", "ort-genai")
 

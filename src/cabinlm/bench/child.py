@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from cabinlm.bench.catalog import BaselineError, BaselineUnavailable
-from cabinlm.errors import CabinlmError, ModelError
+from cabinlm.contract.errors import CabinlmError, ModelError
 
 TAIL_LINES = 40  # lines of a child's output kept to explain a failure
 SHOWN_LINES = 15  # of which a failure's message shows the last ones

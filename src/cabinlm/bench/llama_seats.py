@@ -112,7 +112,7 @@ def run_llama_seats(artifact: Path, gguf: Path, seats: int, rounds: int, max_new
     exactly as many steps as it did there and is fed those reply tokens, so both engines decode the
     same dialogues token for token (llama.cpp's own argmax is still computed every step; `agree`
     counts the steps where it chose cabinlm's token). Without them: llama.cpp's own greedy replies."""
-    from cabinlm.manifest import load_manifest
+    from cabinlm.contract.manifest import load_manifest
     from cabinlm.runtime.template import Template
     from cabinlm.runtime.tokenizer import Tokenizer
 

@@ -24,7 +24,7 @@ from cabinlm.bench.catalog import INSTALL, BaselineError, BaselineUnavailable, f
 from cabinlm.bench.child import check
 from cabinlm.bench.prepare import cache_root, model_key
 from cabinlm.bench.protocol import ContextFull, Engine, Script
-from cabinlm.errors import ModelError
+from cabinlm.contract.errors import ModelError
 
 
 def open_engine(name: str, path: Path, script: Script, folder: Path, threads: int, config: str, n_ctx: int,

@@ -27,7 +27,7 @@ from typing import Callable
 
 from cabinlm.bench.catalog import INSTALL, PACKAGES, PREPARE_MODULES, BaselineUnavailable, first_line
 from cabinlm.bench.child import ERROR, check
-from cabinlm.errors import CabinlmError, ModelError
+from cabinlm.contract.errors import CabinlmError, ModelError
 
 PREPARE_VERSION = 2  # 2: the chat pieces carry the BOS a model needs first (Template.start)
 META = "cabinlm_baseline.json"  # written last: its presence marks a complete save

@@ -127,8 +127,8 @@ def machine() -> Machine:
 def build_facts(folder: str | Path) -> BuildFacts:
     """The facts of the artifact or build in FOLDER, from its manifest (a missing or broken one raises
     the manifest's own ManifestError)."""
-    from cabinlm.engines.ort_fused.spec import FusedSettings
-    from cabinlm.manifest import MANIFEST_NAME, load_manifest
+    from cabinlm.contract.engines.fused import FusedSettings
+    from cabinlm.contract.manifest import MANIFEST_NAME, load_manifest
 
     folder = Path(folder)
     m = load_manifest(folder, check_files=False)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from cabinlm.bench import provenance
-from cabinlm.errors import CabinlmError
+from cabinlm.contract.errors import CabinlmError
 
 SCHEMA = 1  # raised when a field changes meaning or goes; new optional figures do not raise it
 

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from cabinlm.bench.records import Record, Recorder
 from cabinlm.bench.trace import Trace, summarize
-from cabinlm.errors import CabinlmError
+from cabinlm.contract.errors import CabinlmError
 
 TOOL = "cabinlm bench"
 DRAFTING = {None: "default", True: "on", False: "off"}

@@ -15,8 +15,8 @@ import numpy as np
 from cabinlm.bench import protocol
 from cabinlm.bench.script import SYSTEM
 from cabinlm.bench.trace import Trace, summarize, truncate
-from cabinlm.errors import CabinlmError
-from cabinlm.engines.ort_fused.spec import FusedSettings
+from cabinlm.contract.errors import CabinlmError
+from cabinlm.contract.engines.fused import FusedSettings
 
 if TYPE_CHECKING:
     from cabinlm.runtime.assembly import Runtime
@@ -156,7 +156,7 @@ def fixed_context_cabinlm(folder: str | Path, *, threads: int, decode: int = 128
 
 def model_for_baselines(folder: Path) -> str:
     """The model file the baselines load: the artifact's source (a built-in name, a .gguf, a folder)."""
-    from cabinlm.manifest import load_manifest
+    from cabinlm.contract.manifest import load_manifest
 
     source = load_manifest(folder).model.source
     if not source:

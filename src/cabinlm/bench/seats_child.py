@@ -21,7 +21,7 @@ def run_in_child(artifact: Path, seats: int, rounds: int, max_new: int, threads:
     import sys
     import tempfile
 
-    from cabinlm.errors import CabinlmError
+    from cabinlm.contract.errors import CabinlmError
 
     drafting = {None: "default", True: "on", False: "off"}[speculative]
     cmd = [sys.executable, "-m", "cabinlm.bench.seats_child", str(artifact), str(seats), str(rounds), str(max_new),

@@ -17,7 +17,7 @@ import typer
 
 from cabinlm.cli import build, chat, doctor, export, measure, serve
 from cabinlm.cli.common import err
-from cabinlm.errors import CabinlmError
+from cabinlm.contract.errors import CabinlmError
 
 app = typer.Typer(
     help=(

@@ -10,13 +10,13 @@ import typer
 
 from cabinlm.engines.build import Attention, AttentionKernel, MatmulKernel, Minimums
 from cabinlm.cli.common import info, load_profile
-from cabinlm.engines.tensorrt.spec import TensorRTSettings
+from cabinlm.contract.engines.tensorrt import TensorRTSettings
 
 
 class EngineChoice(str, enum.Enum):
     """--engine: which of the chip's processors the build is for (default: the profile's engine)."""
 
-    CPU = "cpu"  # the chip's application CPU (DeviceProfile.cpu_engine): the fused cpu build, kernels for its CPU
+    CPU = "cpu"  # the chip's application CPU (profiles.cpu_engine): the fused cpu build, kernels for its CPU
 
 
 def build(
@@ -80,7 +80,9 @@ def build(
     try:
         device = load_profile(profile) if profile else None
         if engine is EngineChoice.CPU:
-            device = (device or load_profile("cpu")).cpu_engine()
+            from cabinlm.profiles import cpu_engine
+
+            device = cpu_engine(device or load_profile("cpu"))
         path = build_artifact(artifact, device, out, log=info, attention=attention,
                               accuracy_level=accuracy_level, minimums=minimums, attention_kernel=attention_kernel,
                               matmul_kernel=matmul_kernel, activations=activations, calib=calib,
@@ -90,8 +92,8 @@ def build(
             info(e.details)
         raise
     from cabinlm.engines.tensorrt.bundle import finish_instruction
-    from cabinlm.manifest import load_manifest
-    from cabinlm.engines.tensorrt.spec import EngineState
+    from cabinlm.contract.manifest import load_manifest
+    from cabinlm.contract.engines.tensorrt import EngineState
 
     built = load_manifest(path, check_files=False).runtime_spec
     trt = built.facts_as(TensorRTSettings)

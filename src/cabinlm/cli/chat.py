@@ -14,7 +14,7 @@ from typing import Optional
 import typer
 
 from cabinlm.cli.common import err, info
-from cabinlm.errors import CabinlmError, InputError
+from cabinlm.contract.errors import CabinlmError, InputError
 from cabinlm.runtime.dialogue import Dialogue, LongMessages
 from cabinlm.runtime.inputs import parse_input_line
 from cabinlm.runtime.persist import load_session, save_session
@@ -103,7 +103,7 @@ def chat(
 
 def read_tools(path: Path):
     """--tools FILE: an OpenAI tool list, checked (OptionError naming the file and the fault)."""
-    from cabinlm.errors import OptionError
+    from cabinlm.contract.errors import OptionError
     from cabinlm.runtime.grammar import GrammarError
     from cabinlm.runtime.tools import parse_tools
 

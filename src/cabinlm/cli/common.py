@@ -6,7 +6,7 @@ from typing import Callable
 
 import typer
 
-from cabinlm.precision import WeightFormat
+from cabinlm.contract.precision import WeightFormat
 
 
 def err(msg: str) -> None:

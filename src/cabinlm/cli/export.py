@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from cabinlm.cli.common import choices, info, load_profile, weight_formats
-from cabinlm.precision import KVDType, WeightFormat
+from cabinlm.contract.precision import KVDType, WeightFormat
 
 GRAPH_WEIGHTS = (WeightFormat.FP32, WeightFormat.INT8, WeightFormat.INT4)  # what an exported graph holds
 HEAD_WEIGHTS = (WeightFormat.INT8, WeightFormat.INT4)  # widths of a quantized export's token table
@@ -146,7 +146,7 @@ def plan(
     """Memory breakdown of MODEL on a device profile, and the largest window that fits its budget; of an
     artifact, its own cache layout and, for a build, the weights as its kernels hold them."""
     from cabinlm.export.options import ExportOptions, ExportRequest, check_profile_request
-    from cabinlm.manifest import MANIFEST_NAME
+    from cabinlm.contract.manifest import MANIFEST_NAME
     from cabinlm.profiles.planner import format_plan, plan as make_plan
 
     if (Path(model).expanduser() / MANIFEST_NAME).is_file():
@@ -174,8 +174,8 @@ def artifact_plan(folder: Path, profile: str | None, **layout):
     and, for a build, the weights as its kernels hold them (its manifest's build facts), on `profile`
     (default: the profile it was built or exported for, else cpu). A layout option is refused: the
     artifact's layout is fixed."""
-    from cabinlm.errors import OptionError
-    from cabinlm.manifest import load_manifest
+    from cabinlm.contract.errors import OptionError
+    from cabinlm.contract.manifest import load_manifest
     from cabinlm.profiles import ProfileError, list_profiles
     from cabinlm.profiles.planner import plan_for_manifest
 
@@ -195,7 +195,7 @@ def model_facts(model: str):
     """MODEL's ModelSpec, vision-tower parameters and image tokens, without loading its weights: a
     config.json or a model folder is read with the standard library (no torch); a .gguf file or a
     built-in name through its metadata."""
-    from cabinlm.model_config import image_tokens_from_config, spec_from_config, vision_params_from_config
+    from cabinlm.source.config import image_tokens_from_config, spec_from_config, vision_params_from_config
 
     path = Path(model).expanduser()
     if path.suffix == ".json" or (path.is_dir() and (path / "config.json").exists()):

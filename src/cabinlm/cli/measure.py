@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 
 from cabinlm.cli.common import info
-from cabinlm.errors import CabinlmError, OptionError
+from cabinlm.contract.errors import CabinlmError, OptionError
 
 
 def perplexity(
@@ -197,7 +197,7 @@ def bench(
         raise OptionError("bench needs a BUILD folder, `compare A.jsonl B.jsonl`, or --alternate BUILD_A BUILD_B")
     from cabinlm.bench.runner import model_for_baselines, report, run_cabinlm, summaries
     from cabinlm.bench.runner import plot as draw
-    from cabinlm.manifest import load_manifest
+    from cabinlm.contract.manifest import load_manifest
     from cabinlm.runtime.limits import check_count, check_output_file, check_threads
 
     # Checked before any engine runs (each refusal one line, exit 2).

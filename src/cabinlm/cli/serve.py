@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from cabinlm.cli.common import info
-from cabinlm.errors import CabinlmError
+from cabinlm.contract.errors import CabinlmError
 from cabinlm.runtime.dialogue import LongMessages
 
 

@@ -2,7 +2,7 @@
 
 A backend owns one dialogue's cache buffers, in the memory its engine reads (host arrays for ONNX
 Runtime on the CPU), allocated once over the artifact's CacheLayout; the slot bookkeeping
-(runtime/slots.py) is the Decoder's and the same for every backend. One step:
+(contract/slots.py) is the Decoder's and the same for every backend. One step:
 
     plan = table.plan(n, pin)           where the chunk goes, its positions, the mask   (Decoder)
     out  = backend.run(plan, ids, ...)  the graph over the cache; nothing is committed    (backend)
@@ -35,13 +35,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from cabinlm.engines.registry import BackendKind
-from cabinlm.errors import CabinlmError
-from cabinlm.layout import CacheLayout, KVDType
-from cabinlm.manifest import Manifest
+from cabinlm.contract.engines import BackendKind
+from cabinlm.contract.errors import CabinlmError
+from cabinlm.contract.layout import CacheLayout, KVDType
+from cabinlm.contract.manifest import Manifest
 
 if TYPE_CHECKING:  # the runtime's bookkeeping: annotations only (cabinlm.runtime imports this module)
-    from cabinlm.runtime.slots import SlotTable, StepPlan
+    from cabinlm.contract.slots import SlotTable, StepPlan
 
 
 class BackendError(CabinlmError):

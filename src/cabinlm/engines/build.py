@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from cabinlm.engines.builder import Attention, BuildError, Builder, BuildRequest, CpuBuildOptions
-from cabinlm.engines.ort_fused.spec import AttentionKernel, MatmulKernel, Minimums
+from cabinlm.contract.engines.fused import AttentionKernel, MatmulKernel, Minimums
 from cabinlm.engines.output import BuildOutput, check_output
 from cabinlm.engines.registry import ENGINES, BackendKind
 
@@ -84,7 +84,7 @@ def build_artifact(artifact: str | Path, profile: DeviceProfile | None, out: str
     a16_weights: the a16 build's weight matrices ("int8" or "int4" symmetric blocks of 32)."""
     options = CpuBuildOptions(attention=attention, accuracy_level=accuracy_level, minimums=minimums,  # type: ignore[arg-type]
                               attention_kernel=attention_kernel, matmul_kernel=matmul_kernel)  # type: ignore[arg-type]
-    from cabinlm.manifest import load_manifest
+    from cabinlm.contract.manifest import load_manifest
     from cabinlm.profiles import load_profile
 
     artifact = Path(artifact)

@@ -18,19 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, ClassVar
 
-from cabinlm.engines.ort_fused.spec import AttentionKernel, MatmulKernel, Minimums
-from cabinlm.engines.registry import BackendKind
-from cabinlm.errors import CabinlmError
+from cabinlm.contract.engines.fused import AttentionKernel, MatmulKernel, Minimums
+from cabinlm.contract.engines import BackendKind
+from cabinlm.contract.errors import BuildError, OptionError
 
 if TYPE_CHECKING:
-    from cabinlm.buildspec import BuildSpec
+    from cabinlm.contract.buildspec import BuildSpec
     from cabinlm.engines.output import BuildOutput
-    from cabinlm.manifest import Manifest
+    from cabinlm.contract.manifest import Manifest
     from cabinlm.profiles import DeviceProfile
-
-
-class BuildError(CabinlmError):
-    """The build cannot be done here or for this artifact."""
 
 
 class Attention(str, enum.Enum):
@@ -59,8 +55,6 @@ class CpuBuildOptions:
         except ValueError as e:
             raise BuildError(str(e)) from e
         if isinstance(self.accuracy_level, bool) or self.accuracy_level not in (0, 1, 2, 3, 4):  # MatMulNBits' levels
-            from cabinlm.errors import OptionError
-
             raise OptionError(f"--accuracy-level must be 0..4 (4 = int8 activations, 0 = float32), got {self.accuracy_level!r}")
 
 
@@ -74,7 +68,7 @@ class BuildRequest:
     options: CpuBuildOptions = field(default_factory=CpuBuildOptions)
     log: Callable[[str], None] = lambda s: None
     activations: str = "fp16"  # HTP builds (--activations): fp16, or a16 (16-bit integer QDQ, engines/qnn_htp/qdq.py)
-    calib: Path | None = None  # a16: the calibration text (None: export/calibration.py's built-in mix)
+    calib: Path | None = None  # a16: the calibration text (None: contract/calibration.py's built-in mix)
     a16_weights: str = "int8"  # a16 (--a16-weights): the matrices' symmetric blocks, int8 or int4 (qnn_htp/a16_weights.py)
 
 

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from cabinlm import __version__
-from cabinlm.buildspec import BuildSpec
-from cabinlm.engines.builder import BuildError
-from cabinlm.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest, ManifestError, load_manifest
+from cabinlm.contract.buildspec import BuildSpec
+from cabinlm.contract.errors import BuildError
+from cabinlm.contract.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest, ManifestError, load_manifest
 
 LEGACY_BUILD_RECORD = "build.json"  # the untyped build record of cabinlm before manifest format 4 (removed on rebuild)
 

@@ -7,65 +7,48 @@
     qnn-htp              engines/qnn_htp/          QNN HTP context binaries through ONNX Runtime's QNN plugin
     tensorrt             engines/tensorrt/         a TensorRT engine (or, before it is built on the target, its bundle)
 
-Every engine folder holds the same parts:
+Every engine folder holds the same parts (its typed build facts live in the contract,
+contract/engines/, with BackendKind):
 
-    spec.py      the typed facts its builds record in the manifest (build.<KEY>), standard library only
     builder.py   BUILDER: a engines.builder.Builder (check -> build -> BuildSpec); may import onnx
     backend.py   open_backend(...) -> engines.backend.Backend, and unavailable() -> why it cannot run
                  here (None: it can); imports numpy and onnxruntime (and the engine's own SDK) only
 
 The manifest names the kind (`build.backend`); the runtime loads exactly that engine, never a guess.
-Adding an engine: a folder with those three modules, a BackendKind member and a line in ENGINES.
+Adding an engine: a folder with those two modules, its kind and facts in contract/engines/, and a
+line in ENGINES.
 The conformance suite (tests/test_backends.py) runs over every kind listed here that can run on the
 machine. This module imports no engine code until one is asked for.
 """
 
 from __future__ import annotations
 
-import enum
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING
 
-from cabinlm.engines.ort_fused.spec import FusedSettings
-from cabinlm.engines.ort_static.spec import SharedWeights
-from cabinlm.engines.qnn_htp.spec import QnnSettings
-from cabinlm.engines.tensorrt.spec import TensorRTSettings
+from cabinlm.contract.engines import FACTS, BackendKind, EngineFacts  # noqa: F401 - EngineFacts re-exported
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from cabinlm.engines.backend import Backend
     from cabinlm.engines.builder import Builder
-    from cabinlm.manifest import Manifest
-    from cabinlm.runtime.slots import SlotTable
-
-
-class BackendKind(str, enum.Enum):
-    """How the decoder graph(s) of an artifact are run: one engine folder each (ENGINES)."""
-
-    EXPORTED_GRAPH = "onnxruntime-graph"
-    STATIC_PAIR = "onnxruntime-static"
-    FUSED = "onnxruntime-fused"
-    QNN_HTP = "qnn-htp"
-    TENSORRT = "tensorrt"
-
-
-class EngineFacts(Protocol):
-    """An engine's typed build facts (its spec.py): written under build.<KEY> in the manifest."""
-
-    KEY: ClassVar[str]
-
-    def to_dict(self) -> dict[str, Any]: ...
+    from cabinlm.contract.manifest import Manifest
+    from cabinlm.contract.slots import SlotTable
 
 
 @dataclass(frozen=True)
 class EngineEntry:
     kind: BackendKind
     package: str  # the engine's folder as a package: its builder and backend modules live there
-    facts: type | None  # the class of the facts its builds record (None: it records none)
     summary: str
+
+    @property
+    def facts(self) -> type | None:
+        """The class of the facts its builds record (None: it records none)."""
+        return FACTS[self.kind]
 
     def backend_module(self) -> ModuleType:
         return importlib.import_module(f"{self.package}.backend")
@@ -79,14 +62,14 @@ class EngineEntry:
 
 
 ENGINES: dict[BackendKind, EngineEntry] = {e.kind: e for e in (
-    EngineEntry(BackendKind.EXPORTED_GRAPH, "cabinlm.engines.ort_graph", None, "the exported graph on ONNX Runtime"),
-    EngineEntry(BackendKind.STATIC_PAIR, "cabinlm.engines.ort_static", SharedWeights,
+    EngineEntry(BackendKind.EXPORTED_GRAPH, "cabinlm.engines.ort_graph", "the exported graph on ONNX Runtime"),
+    EngineEntry(BackendKind.STATIC_PAIR, "cabinlm.engines.ort_static",
                 "a static prefill / decode pair sharing one weights file, on ONNX Runtime"),
-    EngineEntry(BackendKind.FUSED, "cabinlm.engines.ort_fused", FusedSettings,
+    EngineEntry(BackendKind.FUSED, "cabinlm.engines.ort_fused",
                 "the fused cpu decoder on ONNX Runtime, with cabinlm's kernels where built"),
-    EngineEntry(BackendKind.QNN_HTP, "cabinlm.engines.qnn_htp", QnnSettings,
+    EngineEntry(BackendKind.QNN_HTP, "cabinlm.engines.qnn_htp",
                 "QNN HTP context binaries (Snapdragon; Qualcomm's simulator on x86)"),
-    EngineEntry(BackendKind.TENSORRT, "cabinlm.engines.tensorrt", TensorRTSettings, "a TensorRT engine on an NVIDIA GPU"),
+    EngineEntry(BackendKind.TENSORRT, "cabinlm.engines.tensorrt", "a TensorRT engine on an NVIDIA GPU"),
 )}  # fmt: skip
 assert set(ENGINES) == set(BackendKind), "every BackendKind has its line in ENGINES"
 

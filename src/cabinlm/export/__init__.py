@@ -16,20 +16,20 @@ from typing import Callable
 import numpy as np
 
 from cabinlm import __version__
-from cabinlm.errors import CabinlmError
+from cabinlm.contract.errors import CabinlmError
 from cabinlm.export import kvquant
-from cabinlm.export.calibration import calibration_tokens as _calibration
+from cabinlm.contract.calibration import calibration_tokens as _calibration
 from cabinlm.export.decoder import DecoderWeights, build_decoder
 from cabinlm.export.graph import save_model
-from cabinlm.export.image_processor import image_preprocessing
+from cabinlm.source.processor import image_preprocessing
 from cabinlm.export.lora import LoraRequest, MergedLora, check_adapter, merge_adapter, read_adapter
 from cabinlm.export.models import LoadedModel, decoder_weights, load_model
 from cabinlm.export.options import OptionError  # noqa: F401 - re-exported with the rest of the options API
 from cabinlm.export.options import ExportOptions, ExportRequest, make_layout, options_for_profile
 from cabinlm.export.vision import build_vision
 from cabinlm.export.template import PLAIN, resolve_chat_template
-from cabinlm.manifest import MANIFEST_NAME, FileEntry, KVDType, KVScales, Manifest, RotaryTables, VisionSpec
-from cabinlm.model_config import check_attention_window
+from cabinlm.contract.manifest import MANIFEST_NAME, FileEntry, KVDType, KVScales, Manifest, RotaryTables, VisionSpec
+from cabinlm.source.config import check_attention_window
 
 GRAPH_FILE = "decoder.onnx"
 VISION_FILE, VISION_DATA_FILE = "vision.onnx", "vision.onnx.data"
@@ -75,7 +75,7 @@ def export_loaded(
         log(f"vision frames: {geometry.frame[1]}x{geometry.frame[0]} pixels, {geometry.grid[0]}x{geometry.grid[1]} image tokens")
     elif loaded.idefics3:  # Idefics3 / SmolVLM: one square frame, the processor without image splitting
         from cabinlm.export.idefics3 import build_idefics3_vision, image_wrapping
-        from cabinlm.export.image_processor import read_idefics3_processor
+        from cabinlm.source.processor import read_idefics3_processor
 
         cfg = loaded.model.config
         idefics3_processor = read_idefics3_processor(loaded.folder, cfg.vision_config.to_dict(), cfg.scale_factor, opts.frame)
@@ -203,7 +203,7 @@ def export_model(
     weights load, so a window the model cannot hold is refused in a second, not after the load."""
     from cabinlm.export.models import resolve_source, spec_for
     from cabinlm.export.options import check_positions
-    from cabinlm.model_config import image_tokens_from_config, read_config
+    from cabinlm.source.config import image_tokens_from_config, read_config
 
     folder, gguf = resolve_source(source, log)
     image = image_tokens_from_config(folder, opts.frame) if gguf is None else 0
@@ -224,7 +224,7 @@ def export_for_profile(
     """Plan MODEL for a device profile (a DeviceProfile) before loading any weights, so that a refusal
     is quick, then export. `request` holds what the user set; the plan decides the rest."""
     from cabinlm.export.models import resolve_source, spec_for
-    from cabinlm.model_config import image_tokens_from_config, vision_params_from_config
+    from cabinlm.source.config import image_tokens_from_config, vision_params_from_config
 
     folder, gguf = resolve_source(source, log)
     vision = vision_params_from_config(folder) if gguf is None else 0

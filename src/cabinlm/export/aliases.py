@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from cabinlm.errors import ModelError
+from cabinlm.contract.errors import ModelError
 
 _BLOCK = 1 << 22
 

@@ -36,12 +36,12 @@ from dataclasses import dataclass
 import numpy as np
 from onnx import TensorProto
 
-from cabinlm import manifest as mf
+from cabinlm.contract import manifest as mf
 from cabinlm.export import kvquant as kvq
 from cabinlm.export import wquant
 from cabinlm.export.wquant import QuantMatrix
 from cabinlm.export.graph import ELEM, GraphBuilder
-from cabinlm.manifest import CacheLayout, ModelSpec
+from cabinlm.contract.manifest import CacheLayout, ModelSpec
 
 
 Matrix = np.ndarray | QuantMatrix  # float32 (in, out), or block-quantized (export/wquant.py)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cabinlm.errors import ModelError
+from cabinlm.contract.errors import ModelError
 from cabinlm.export.wquant import BLOCK, QuantMatrix
 
 QK_K = 256

@@ -1,6 +1,6 @@
 """Idefics3 and SmolVLM (transformers' Idefics3ForConditionalGeneration, SmolVLMForConditionalGeneration):
 the SigLIP-style vision tower, the pixel shuffle and the connector's projection as a fixed-shape
-graph for one square frame (the processor without image splitting: export/image_processor.py).
+graph for one square frame (the processor without image splitting: source/processor.py).
 
     pixel_values (1, 3, S, S) ─ Conv patch p, stride p (+bias) ─ (N, E), N = (S/p)^2
     ─ + position rows (constant: the rows the tower's bucketed position ids pick for this frame)
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 from onnx import TensorProto
 
-from cabinlm.errors import ModelError
+from cabinlm.contract.errors import ModelError
 from cabinlm.export.graph import GraphBuilder
-from cabinlm.export.image_processor import IDEFICS3_IMAGE_PREFIX, IDEFICS3_IMAGE_SUFFIX, Idefics3Processor
+from cabinlm.source.processor import IDEFICS3_IMAGE_PREFIX, IDEFICS3_IMAGE_SUFFIX, Idefics3Processor
 from cabinlm.export.vision import IMAGE_EMBEDS, _t, encoder_layers, layer_norm, patch_tokens
 
 ARCHITECTURES = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")

@@ -17,7 +17,7 @@ import numpy as np
 from onnx import TensorProto
 
 from cabinlm.export.graph import GraphBuilder
-from cabinlm.manifest import KVDType
+from cabinlm.contract.manifest import KVDType
 
 QMAX = {KVDType.INT8: 127.0, KVDType.FP8: 448.0}  # int8 symmetric range; largest finite E4M3FN
 SCALE_FLOOR = 2.0**-24  # smallest fp16 subnormal: an all-zero vector gets a tiny, non-zero scale

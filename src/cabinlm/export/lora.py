@@ -30,8 +30,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from cabinlm.errors import ModelError, OptionError
-from cabinlm.manifest import ModelSpec, file_sha256
+from cabinlm.contract.errors import ModelError, OptionError
+from cabinlm.contract.manifest import ModelSpec, file_sha256
 
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 

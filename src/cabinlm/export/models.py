@@ -2,7 +2,7 @@
 
 Loading goes through `transformers` (which de-quantizes GGUF to float32); this module then turns the
 loaded model into the plain numpy DecoderWeights the graph builder consumes. Its ModelSpec comes from
-cabinlm.model_config, the parser `cabinlm plan` uses too.
+cabinlm.source.config, the parser `cabinlm plan` uses too.
 """
 
 from __future__ import annotations
@@ -14,16 +14,16 @@ from typing import Any, Callable
 
 import numpy as np
 
-from cabinlm.errors import ModelError
+from cabinlm.contract.errors import ModelError
 from cabinlm.export import gguf_quants, wquant
 from cabinlm.export.aliases import ALIASES, DEFAULT_MODEL, cache_dir, fetch_alias  # noqa: F401 - re-exported
 from cabinlm.export.decoder import DecoderWeights, LayerWeights
-from cabinlm.export.image_processor import image_processor_config, processor_files
+from cabinlm.source.processor import image_processor_config, processor_files
 from cabinlm.export.lora import MergedLora
 from cabinlm.export.wquant import QuantMatrix
-from cabinlm.manifest import STATIC_ROPE_TYPES, ModelSpec
-from cabinlm.model_config import idefics3_family, is_vlm, mrope_family, spec_from_config, spec_from_dict
-from cabinlm.precision import WeightFormat
+from cabinlm.contract.manifest import STATIC_ROPE_TYPES, ModelSpec
+from cabinlm.source.config import idefics3_family, is_vlm, mrope_family, spec_from_config, spec_from_dict
+from cabinlm.contract.precision import WeightFormat
 
 
 @dataclass

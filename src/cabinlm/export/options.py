@@ -7,7 +7,7 @@
     check_profile_request(spec, profile, request)            the same, the profile's defaults filling in
     make_layout(spec, opts)                                   -> CacheLayout, checked against the model
 
-The model checks need only the ModelSpec (a config.json read by cabinlm.model_config), so that
+The model checks need only the ModelSpec (a config.json read by cabinlm.source.config), so that
 `cabinlm export` and `cabinlm plan` refuse a geometry the model cannot hold before any weights load.
 
 Every check names the option and the value it got; the command line's flags have the same names
@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from cabinlm.errors import LayoutError, OptionError
+from cabinlm.contract.errors import LayoutError, OptionError
 from cabinlm.export.lora import LoraRequest
-from cabinlm.layout import MAX_DIM, CacheLayout
-from cabinlm.manifest import ModelSpec
-from cabinlm.precision import KVDType, WeightFormat
+from cabinlm.contract.layout import MAX_DIM, CacheLayout
+from cabinlm.contract.manifest import ModelSpec
+from cabinlm.contract.precision import KVDType, WeightFormat
 
 E = TypeVar("E", bound=enum.Enum)
 
@@ -119,7 +119,7 @@ class ExportOptions:
     profile: str | None = None  # the device profile the layout was planned for
     plan: dict | None = None  # that plan (written into the manifest's "target")
     # Qwen2-VL: every camera frame's (height, width) in pixels, so the vision graph has one shape;
-    # None: a size the model's processor keeps, the nearest to a 640x480 frame (export/image_processor.py
+    # None: a size the model's processor keeps, the nearest to a 640x480 frame (source/processor.py
     # default_frame)
     frame: tuple[int, int] | None = None
     lora: LoraRequest | None = None  # a LoRA adapter merged into the float weights before they are quantized

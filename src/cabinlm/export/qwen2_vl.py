@@ -20,7 +20,7 @@ Qwen2.5-VL: RMSNorm for each LayerNorm, down(silu(gate(x)) * up(x)) for the MLP,
     ─ merger ─ Gather window_order_back ─ image_embeds in row-major grid order
 
 The image tokens are the merged grid (H/(p m)) x (W/(p m)) in row-major order: the decoder's M-RoPE
-gives token k the grid offsets (row k // cols, col k % cols) (runtime/slots.py, docs/vlm.md).
+gives token k the grid offsets (row k // cols, col k % cols) (contract/slots.py, docs/vlm.md).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import numpy as np
 from onnx import TensorProto
 
-from cabinlm.errors import ModelError
+from cabinlm.contract.errors import ModelError
 from cabinlm.export.graph import GraphBuilder
-from cabinlm.export.image_processor import Qwen2VLProcessor, read_qwen2_vl_processor, smart_resize  # noqa: F401 - re-exported
+from cabinlm.source.processor import Qwen2VLProcessor, read_qwen2_vl_processor, smart_resize  # noqa: F401 - re-exported
 from cabinlm.export.vision import IMAGE_EMBEDS, PIXELS, _activation
 
 ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")

@@ -10,7 +10,7 @@ import dataclasses
 import json
 from typing import Any
 
-from cabinlm.manifest import ChatTemplate
+from cabinlm.contract.manifest import ChatTemplate
 
 _S, _U, _A, _U2 = "\x02SYSTEM\x03", "\x02USER\x03", "\x02ASSISTANT\x03", "\x02USER2\x03"
 
@@ -194,7 +194,7 @@ def _llama3_pieces(tok: Any, chat: ChatTemplate) -> ChatTemplate:
     """Llama 3.x: JSON calls (tool_call_style "llama3-json"), the tools listed in the system message in
     Llama's own words (its template's wording with tools_in_user_message false), and the tool turn's
     pieces cut from the template rendered with a call and its result."""
-    from cabinlm.manifest import LLAMA3_TOOLS_PREFIX
+    from cabinlm.contract.manifest import LLAMA3_TOOLS_PREFIX
 
     msgs = [{"role": "user", "content": _U},
             {"role": "assistant", "content": "", "tool_calls": [

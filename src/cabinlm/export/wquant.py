@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cabinlm.precision import WeightFormat
+from cabinlm.contract.precision import WeightFormat
 
 BLOCK = 32
 

@@ -10,16 +10,18 @@ importlib.resources, so they work from a wheel as well as from a source checkout
 
 from __future__ import annotations
 
+import dataclasses
 from importlib import resources
 from pathlib import Path
 
-from cabinlm.profiles.schema import DeviceProfile, Engine, ProfileError, parse_profile, read_profile_file
+from cabinlm.profiles.schema import CPU_ENGINE_FIELDS, DeviceProfile, Engine, ProfileError, parse_profile, read_profile_file
 
 __all__ = [
     "DeviceProfile",
     "Engine",
     "ProfileError",
     "builtin_profile_text",
+    "cpu_engine",
     "list_profiles",
     "load_profile",
 ]
@@ -70,3 +72,21 @@ def _unknown(name: str) -> ProfileError:
         f"{name!r} is not a built-in profile ({', '.join(list_profiles())}) and not a .toml file; "
         "pass one of those names or the path of your own profile file"
     )
+
+
+def cpu_engine(profile: DeviceProfile) -> DeviceProfile:
+    """This chip run by its CPU (`cabinlm build --engine cpu`): ONNX Runtime's CPU provider and what
+    it runs, as the built-in cpu profile says (CPU_ENGINE_FIELDS), with the chip's memory, budget,
+    bandwidth (the CPU reads the same DRAM) and CPU (cabinlm's kernels compiled for cpu_arch /
+    cpu_march). Named NAME-cpu. A dynamic-shape CPU profile is its own CPU engine."""
+    if profile.execution_provider == "CPUExecutionProvider" and not profile.static_shapes:
+        return profile
+    if profile.cpu_arch is None:
+        raise ProfileError(f"{profile.source}: profile {profile.name} does not name its CPU (cpu_arch, cpu_march), which "
+                           "--engine cpu compiles cabinlm's kernels for; add them to a copy of the profile (see the "
+                           "built-in sa8775p profile)")  # fmt: skip
+    host = load_profile("cpu")
+    return dataclasses.replace(profile, name=f"{profile.name}-cpu", description=f"{profile.name}'s CPU ({profile.cpu or profile.cpu_arch}) "
+                               "through ONNX Runtime's CPU execution provider", htp_arch=None, soc_model=None,
+                               htp_process_limit_bytes=None, tensorrt_workspace_mib=None,
+                               **{name: getattr(host, name) for name in CPU_ENGINE_FIELDS})  # fmt: skip

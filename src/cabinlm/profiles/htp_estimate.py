@@ -25,10 +25,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cabinlm.layout import CacheLayout
-from cabinlm.manifest import ModelSpec
-from cabinlm.precision import WeightFormat
-from cabinlm.engines.qnn_htp.spec import uint8_cache_bytes
+from cabinlm.contract.layout import CacheLayout
+from cabinlm.contract.manifest import ModelSpec
+from cabinlm.contract.precision import WeightFormat
+from cabinlm.contract.engines.qnn import uint8_cache_bytes
 
 GB = 1e9
 

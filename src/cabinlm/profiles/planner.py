@@ -1,5 +1,5 @@
 """The memory planner: a model's ModelSpec + a device profile -> the largest window that fits, with the
-breakdown. Standard library only: the spec comes from a bare config.json (cabinlm.model_config),
+breakdown. Standard library only: the spec comes from a bare config.json (cabinlm.source.config),
 never from the weights.
 
     total = weights + KV cache (sink + pinned + window slots, with scales) + activations of one chunk
@@ -51,10 +51,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from cabinlm.errors import LayoutError
-from cabinlm.layout import CacheLayout
-from cabinlm.manifest import ModelSpec
-from cabinlm.precision import KVDType, WeightFormat
+from cabinlm.contract.errors import LayoutError
+from cabinlm.contract.layout import CacheLayout
+from cabinlm.contract.manifest import ModelSpec
+from cabinlm.contract.precision import KVDType, WeightFormat
 from cabinlm.profiles.schema import DeviceProfile
 from cabinlm.profiles.weights import (  # noqa: F401 - PlanError re-exported: callers catch it from the planner
     ACTIVATION_FACTOR,
@@ -74,7 +74,7 @@ from cabinlm.profiles.weights import (  # noqa: F401 - PlanError re-exported: ca
     tokenizer_estimate,
     weight_bytes,
 )
-from cabinlm.engines.qnn_htp.spec import key_source_bytes, rotated_keys_possible, shares_weights, uint8_cache_bytes
+from cabinlm.contract.engines.qnn import key_source_bytes, rotated_keys_possible, shares_weights, uint8_cache_bytes
 from cabinlm.profiles import htp_estimate
 
 

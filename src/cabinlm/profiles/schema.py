@@ -17,8 +17,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from cabinlm.errors import CabinlmError
-from cabinlm.precision import KVDType, WeightFormat
+from cabinlm.contract.errors import CabinlmError
+from cabinlm.contract.precision import KVDType, WeightFormat
 
 try:  # Python >= 3.11
     import tomllib
@@ -52,7 +52,7 @@ _MARCH = re.compile(r"[a-z0-9][a-z0-9_.+-]{0,63}")  # a compiler -march: native,
 CPU_ARCHS = ("x86_64", "aarch64")  # cpu_arch: CPU architectures as Linux names them (platform.machine())
 # What a profile's CPU engine (`cabinlm build --engine cpu`, DeviceProfile.cpu_engine) takes from the
 # built-in cpu profile: ONNX Runtime's CPU provider and what it runs. The rest is the chip's own.
-_CPU_ENGINE_FIELDS = ("engine", "execution_provider", "engine_version", "max_opset", "kv_dtypes", "default_kv",
+CPU_ENGINE_FIELDS = ("engine", "execution_provider", "engine_version", "max_opset", "kv_dtypes", "default_kv",
                       "weight_dtype", "static_shapes", "default_sink", "default_chunk", "runtime_overhead_bytes",
                       "seat_batches")  # fmt: skip
 
@@ -240,25 +240,6 @@ class DeviceProfile:
     def kernels_march(self) -> str:
         """The -march cabinlm's kernels are compiled with for this profile (cpu_march, default "native")."""
         return self.cpu_march or "native"
-
-    def cpu_engine(self) -> DeviceProfile:
-        """This chip run by its CPU (`cabinlm build --engine cpu`): ONNX Runtime's CPU provider and what
-        it runs, as the built-in cpu profile says (_CPU_ENGINE_FIELDS), with the chip's memory, budget,
-        bandwidth (the CPU reads the same DRAM) and CPU (cabinlm's kernels compiled for cpu_arch /
-        cpu_march). Named NAME-cpu. A dynamic-shape CPU profile is its own CPU engine."""
-        from cabinlm.profiles import load_profile
-
-        if self.execution_provider == "CPUExecutionProvider" and not self.static_shapes:
-            return self
-        if self.cpu_arch is None:
-            raise ProfileError(f"{self.source}: profile {self.name} does not name its CPU (cpu_arch, cpu_march), which "
-                               "--engine cpu compiles cabinlm's kernels for; add them to a copy of the profile (see the "
-                               "built-in sa8775p profile)")  # fmt: skip
-        host = load_profile("cpu")
-        return dataclasses.replace(self, name=f"{self.name}-cpu", description=f"{self.name}'s CPU ({self.cpu or self.cpu_arch}) "
-                                   "through ONNX Runtime's CPU execution provider", htp_arch=None, soc_model=None,
-                                   htp_process_limit_bytes=None, tensorrt_workspace_mib=None,
-                                   **{name: getattr(host, name) for name in _CPU_ENGINE_FIELDS})  # fmt: skip
 
     @property
     def tensorrt(self) -> bool:

@@ -15,9 +15,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from cabinlm.errors import CabinlmError
-from cabinlm.manifest import ModelSpec
-from cabinlm.precision import KVDType, WeightFormat
+from cabinlm.contract.errors import CabinlmError
+from cabinlm.contract.manifest import ModelSpec
+from cabinlm.contract.precision import KVDType, WeightFormat
 from cabinlm.profiles.schema import DeviceProfile
 
 MIB = 1 << 20

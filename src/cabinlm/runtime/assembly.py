@@ -21,8 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cabinlm.errors import OptionError
-from cabinlm.manifest import Manifest, load_manifest
+from cabinlm.contract.errors import OptionError
+from cabinlm.contract.manifest import Manifest, load_manifest
+from cabinlm.runtime import artifact  # its open_artifact, looked up at call time (tests replace it)
 from cabinlm.runtime.decoder import Decoder
 from cabinlm.runtime.dialogue import Dialogue, LongMessages
 from cabinlm.runtime.limits import (
@@ -128,8 +129,6 @@ def open_runtime(config: RuntimeConfig) -> Runtime:
     """Check what needs the manifest and the tokenizer (seats against memory, images, the system
     prompt), then load the model once and make config.seats decoders on it. Raises OptionError for
     a value that cannot work here, ManifestError / BackendError for an artifact that cannot run."""
-    from cabinlm import runtime  # its open_artifact, looked up at call time (tests replace it)
-
     folder = config.artifact
     manifest = load_manifest(folder)
     check_seats(config.seats, manifest)
@@ -140,7 +139,7 @@ def open_runtime(config: RuntimeConfig) -> Runtime:
         system = tools_system(manifest.chat.default_system if system is None else system, config.tools, manifest.chat)
         option = f"{option or 'the system prompt'} with the --tools list"
     check_system_prompt(system, manifest, tokenizer, option)
-    dec, tokenizer = runtime.open_artifact(folder, threads=config.threads, verify=config.verify, manifest=manifest,
+    dec, tokenizer = artifact.open_artifact(folder, threads=config.threads, verify=config.verify, manifest=manifest,
                                            tokenizer=tokenizer)  # fmt: skip
     decoders = [dec] + [dec.seat() for _ in range(config.seats - 1)]
     if config.speculative is None:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cabinlm.errors import InputError
+from cabinlm.contract.errors import InputError
 from cabinlm.runtime.dialogue import Dialogue, TurnResult
 from cabinlm.runtime.grammar import Compiled, Grammars
 from cabinlm.runtime.stops import StopStrings

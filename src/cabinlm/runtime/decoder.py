@@ -1,7 +1,7 @@
 """The decoder: one dialogue's slot bookkeeping and one backend, chunks in, logits out.
 
     Decoder.step(ids)
-      plan = slots.plan(n, pin)       runtime/slots.py: destination slots, positions, mask, the fills
+      plan = slots.plan(n, pin)       contract/slots.py: destination slots, positions, mask, the fills
       out  = backend.run(plan, ...)   engines/<engine>/backend.py: the graph over the cache (nothing committed)
       with Ctrl-C held:
         backend.commit(plan, out)     the chunk's K/V into their slots, in place
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
-from cabinlm.manifest import Manifest, load_manifest
+from cabinlm.contract.manifest import Manifest, load_manifest
 from cabinlm.engines.backend import Backend
 from cabinlm.engines.registry import open_backend
 from cabinlm.runtime.interrupts import defer_sigint
-from cabinlm.runtime.slots import SlotTable, StepPlan
+from cabinlm.contract.slots import SlotTable, StepPlan
 
 
 class Decoder:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
-from cabinlm.errors import InputError
+from cabinlm.contract.errors import InputError
 from cabinlm.runtime.interrupts import defer_sigint
 from cabinlm.runtime.memory import rss_mb
 from cabinlm.runtime.decoder import Decoder

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from cabinlm.errors import InputError
+from cabinlm.contract.errors import InputError
 
 # A schema this large (its JSON text) is refused before it is compiled: compiling stops the seat's
 # turn, and llguidance's own limits below bound what a smaller one may cost.

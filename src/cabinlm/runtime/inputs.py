@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from cabinlm.errors import InputError
+from cabinlm.contract.errors import InputError
 
 _SEAT_PREFIX = re.compile(r"^@(\d+)(?:\s+(.*))?$", re.DOTALL)
 _JSON_OBJECT = re.compile(r'^\{\s*"')  # a JSON object's first key: no sentence starts this way

@@ -19,14 +19,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from cabinlm.errors import OptionError
-from cabinlm.manifest import Manifest
+from cabinlm.contract.buildspec import THREADS_PER_CORE
+from cabinlm.contract.errors import OptionError
+from cabinlm.contract.manifest import Manifest
 from cabinlm.profiles.weights import packed_head_bytes
 from cabinlm.runtime.memory import available_bytes
 from cabinlm.runtime.template import Template, system_overflow
 from cabinlm.runtime.tokenizer import Tokenizer
 
-THREADS_PER_CORE = 4  # beyond this, intra-op threads only wait for each other (and a typo like 800 is caught)
 MAX_SEATS = 64  # a cabin's seats with room to spare; more conversations than this belong in more processes
 
 
@@ -78,7 +78,7 @@ def together_bytes(manifest: Manifest) -> int:
     session, profiles/weights.packed_head_bytes, none where the head is cabinlm's BlockQ8MatMul, which
     every graph reads in place), and the idle seat that fills a batched run's empty places (one
     seat_bytes). 0 for any other build."""
-    from cabinlm.engines.ort_fused.spec import FusedSettings
+    from cabinlm.contract.engines.fused import FusedSettings
 
     facts = manifest.runtime_spec.facts_as(FusedSettings) if manifest.build is not None else None
     if facts is None or not facts.seat_batches:

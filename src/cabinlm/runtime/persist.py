@@ -36,10 +36,10 @@ from pathlib import Path
 
 import numpy as np
 
-from cabinlm.errors import CabinlmError
+from cabinlm.contract.errors import CabinlmError
 from cabinlm.runtime.dialogue import Dialogue
 from cabinlm.runtime.interrupts import defer_sigint
-from cabinlm.runtime.slots import SlotState, StateError, check_state
+from cabinlm.contract.slots import SlotState, StateError, check_state
 
 MAGIC = b"CABINSES"
 FORMAT = 2  # 2: the image region's state, the backend in the identity

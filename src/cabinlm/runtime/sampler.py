@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cabinlm.errors import OptionError
+from cabinlm.contract.errors import OptionError
 
 if TYPE_CHECKING:
     from cabinlm.runtime.grammar import Constraint

@@ -12,8 +12,8 @@ them always as plain text, so a message cannot forge a turn.
 
 from __future__ import annotations
 
-from cabinlm.layout import CacheLayout
-from cabinlm.manifest import ChatTemplate
+from cabinlm.contract.layout import CacheLayout
+from cabinlm.contract.manifest import ChatTemplate
 from cabinlm.runtime.tokenizer import Tokenizer
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as _Tokenizer
 
-from cabinlm.errors import ManifestError
+from cabinlm.contract.errors import ManifestError
 
 
 class Tokenizer:

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cabinlm.manifest import ChatTemplate
+from cabinlm.contract.manifest import ChatTemplate
 from cabinlm.runtime.grammar import GrammarError, GrammarSpec, check_schema
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"

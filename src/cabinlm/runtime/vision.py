@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from cabinlm.errors import InputError
-from cabinlm.manifest import VisionSpec
+from cabinlm.contract.errors import InputError
+from cabinlm.contract.manifest import VisionSpec
 
 MAX_PIXELS = 64_000_000  # larger images are refused (a cabin camera frame is a few megapixels)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 
-from cabinlm.manifest import Manifest
+from cabinlm.contract.manifest import Manifest
 from cabinlm.runtime.dialogue import LongMessages
 from cabinlm.runtime.template import Template, system_overflow
 from cabinlm.runtime.tokenizer import Tokenizer

@@ -50,7 +50,7 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from cabinlm.errors import CabinlmError
+from cabinlm.contract.errors import CabinlmError
 from cabinlm.serve import metrics, replies
 from cabinlm.serve.schema import RequestError, encodable
 from cabinlm.serve.service import STOPPING, ChatService, Turn

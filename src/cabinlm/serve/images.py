@@ -16,7 +16,7 @@ import binascii
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from cabinlm.errors import InputError
+from cabinlm.contract.errors import InputError
 from cabinlm.runtime.vision import load_image
 from cabinlm.serve.schema import RequestError
 

@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from cabinlm.errors import CabinlmError
+from cabinlm.contract.errors import CabinlmError
 from cabinlm.runtime.grammar import GrammarError, GrammarSpec
 from cabinlm.runtime.stops import MAX_STOP_STRINGS
 from cabinlm.runtime.tools import (

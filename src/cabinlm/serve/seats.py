@@ -17,7 +17,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from cabinlm.errors import CabinlmError
+from cabinlm.contract.errors import CabinlmError
 from cabinlm.runtime.dialogue import Dialogue
 from cabinlm.serve.history import SeatRecord
 from cabinlm.serve.schema import RequestError

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from cabinlm.errors import CabinlmError, InputError
+from cabinlm.contract.errors import CabinlmError, InputError
 from cabinlm.runtime.assembly import RuntimeConfig, open_runtime
 from cabinlm.runtime.dialogue import Dialogue, LongMessages
 from cabinlm.runtime.grammar import Compiled, GrammarError, Grammars

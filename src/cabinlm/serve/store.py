@@ -20,7 +20,7 @@ import os
 import secrets
 from pathlib import Path
 
-from cabinlm.errors import CabinlmError
+from cabinlm.contract.errors import CabinlmError
 from cabinlm.runtime.dialogue import Dialogue
 from cabinlm.runtime.persist import load_session, release_session, save_session
 from cabinlm.serve.history import SeatRecord

@@ -15,11 +15,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from cabinlm import io_spec
-from cabinlm.buildspec import OptimizationLevel, SessionSettings
-from cabinlm.engines.builder import BuildError
-from cabinlm.layout import CacheLayout
-from cabinlm.manifest import Manifest
+from cabinlm.contract import io_spec
+from cabinlm.contract.buildspec import OptimizationLevel, SessionSettings
+from cabinlm.contract.errors import BuildError
+from cabinlm.contract.layout import CacheLayout
+from cabinlm.contract.manifest import Manifest
 
 if TYPE_CHECKING:
     from cabinlm.engines.output import BuildOutput

@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from cabinlm.buildspec import BuildSpec, OptimizationLevel
-from cabinlm.io_spec import DecoderIO
+from cabinlm.contract.buildspec import THREADS_PER_CORE, BuildSpec, OptimizationLevel
+from cabinlm.contract.io_spec import DecoderIO
 from cabinlm.engines.backend import BackendError
-from cabinlm.engines.ort_fused.spec import FusedSettings
+from cabinlm.contract.engines.fused import FusedSettings
 
 _LEVELS = {
     OptimizationLevel.DISABLE: ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -67,8 +67,6 @@ def check_session_config(entries: dict[str, str], where: str = "build.session.co
 def check_session_threads(threads: int | None, where: str = "build.session.intra_op_num_threads") -> None:
     """A thread count a build asks for, against this machine: 1 .. THREADS_PER_CORE x its cores (more
     only wait for each other: 1,024 threads on 2 cores took a minute to answer)."""
-    from cabinlm.runtime.limits import THREADS_PER_CORE
-
     cores = os.cpu_count() or 1
     if threads is not None and threads > THREADS_PER_CORE * cores:
         raise BackendError(f"{where} {threads}: this machine has {cores} core{'s' if cores != 1 else ''}, so at most "

@@ -32,9 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
-from cabinlm import io_spec as io
-from cabinlm.engines.registry import BackendKind
-from cabinlm.manifest import Manifest
+from cabinlm.contract import io_spec as io
+from cabinlm.contract.engines import BackendKind
+from cabinlm.contract.manifest import Manifest
 from cabinlm.engines.backend import Backend, BackendError, StepOutput
 from cabinlm.engines.onnxruntime.binding import Binding, ortvalue
 from cabinlm.engines.ort_fused.frames import FrameKeys
@@ -42,7 +42,7 @@ from cabinlm.engines.ort_fused.rotated import RingTables, RotatedKeys
 from cabinlm.engines.ort_fused.row_moves import move_rows
 from cabinlm.engines.ort_fused.seats import run_batched
 from cabinlm.engines.ort_fused.sessions import FusedGraphs, load_fused
-from cabinlm.runtime.slots import SlotTable, StepPlan
+from cabinlm.contract.slots import SlotTable, StepPlan
 
 
 class FusedBackend(Backend):
@@ -75,7 +75,7 @@ class FusedBackend(Backend):
         if self.embed_dim:  # text chunks of a vision-language model: no image rows
             self._no_embeds = np.zeros((lay.chunk, self.embed_dim), dtype=np.float32)
             self._no_image = np.zeros((lay.chunk, 1), dtype=bool)
-            self._all_image = np.ones((lay.chunk, 1), dtype=bool)
+            self.all_image = np.ones((lay.chunk, 1), dtype=bool)
         self.frames = FrameKeys(lay, self.keys, self.rotated) if self.embed_dim else None
         # cabinlm's attention kernel rotating the sink / pinned keys itself, per row (io_spec
         # fused_decoder_io(steps=True)): no refresh of their cache rows, and chunks may run as steps
@@ -157,7 +157,7 @@ class FusedBackend(Backend):
                 self._kernel_source = np.zeros((1, L * H, P, D), np.float32)
             source = self._kernel_source if self._kernel_source is not None else self.key_source.reshape(1, L * H, P, D)
             cache.append((io.KEY_SOURCE, ortvalue(source, "")))
-        self._cache_values = cache
+        self.cache_values = cache
         width = (self._heads + 2 * lay.kv_heads) * lay.head_dim
         f32 = np.dtype(np.float32)
         outs = [(io.LOGITS, ("rows", V), f32, "float")]
@@ -237,10 +237,10 @@ class FusedBackend(Backend):
         F = plan.extent
         if plan.tokens == 1 and embeds is None:
             return self._run_one(ids, plan, F)
-        inputs = self._chunk_inputs(plan, ids, all_logits)
+        inputs = self.chunk_inputs(plan, ids, all_logits)
         if embeds is not None:
             inputs.update({io.IMAGE_EMBEDS: np.ascontiguousarray(embeds, dtype=np.float32),
-                           io.IMAGE_MASK: self._all_image[: plan.tokens]})  # fmt: skip
+                           io.IMAGE_MASK: self.all_image[: plan.tokens]})  # fmt: skip
         self._bind_ahead()
         outs = self._prefill.run(inputs)  # every output allocated for this run (Binding, tokens=None)
         return StepOutput(outs[0], (F, outs[1:]), owned=True)
@@ -248,13 +248,13 @@ class FusedBackend(Backend):
     def _frame_keys(self, plan: StepPlan) -> None:
         """A vision-language seat's keys before its step: the window keys a new frame moved turned, and
         (cabinlm's kernel) the image rows re-written at positions + E. Idempotent for one plan: run()
-        calls it, and _chunk_inputs again, which a batched run (seats.py) calls without run()."""
+        calls it, and chunk_inputs again, which a batched run (seats.py) calls without run()."""
         if self.frames is not None:
             self.frames.follow(plan)
             if self.steps:
                 self.frames.refresh_image(plan)
 
-    def _chunk_inputs(self, plan: StepPlan, ids: np.ndarray, all_logits: bool) -> dict[str, np.ndarray]:
+    def chunk_inputs(self, plan: StepPlan, ids: np.ndarray, all_logits: bool) -> dict[str, np.ndarray]:
         """A chunk's inputs besides the cache (bound once), the rotation tables already filled for the
         plan (RotatedKeys.chunk_tables): what a chunk of any size, or a seat's rows of a batched run,
         hands the graph (a vision-language decoder's: no image rows; run() puts a frame's in)."""

@@ -12,21 +12,21 @@ from typing import ClassVar
 import numpy as np
 import onnx
 
-from cabinlm import io_spec
-from cabinlm.buildspec import BuildSpec, OptimizationLevel
+from cabinlm.contract import io_spec
+from cabinlm.contract.buildspec import BuildSpec, OptimizationLevel
 from cabinlm.engines.builder import Builder, BuildError, BuildRequest
 from cabinlm.engines.onnxruntime.offline import OPT_DATA, OPT_GRAPH, log_weights, optimize_offline, read_graph
 from cabinlm.engines.ort_fused import graph as fused_graph
 from cabinlm.engines.ort_fused.kernels import LIBRARY, MATMUL_OP, Q8_MATMUL_OP, SWIGLU_MATMUL_OP, host_machine
 from cabinlm.engines.ort_fused.head_graph import head_model
 from cabinlm.engines.ort_fused.kernels.compiler import registrable
-from cabinlm.engines.ort_fused.spec import FusedSettings, KernelLibrary
+from cabinlm.contract.engines.fused import FusedSettings, KernelLibrary
 from cabinlm.engines.ort_graph.builder import spec_for, targets_cpu
 from cabinlm.engines.ort_static.builder import weight_table
-from cabinlm.engines.ort_static.spec import SharedWeights
+from cabinlm.contract.engines.static import SharedWeights
 from cabinlm.engines.output import BuildOutput
-from cabinlm.engines.registry import BackendKind
-from cabinlm.manifest import MANIFEST_NAME, Manifest
+from cabinlm.contract.engines import BackendKind
+from cabinlm.contract.manifest import MANIFEST_NAME, Manifest
 
 
 def _attention_wanted(manifest: Manifest, asked: str) -> str:
@@ -34,7 +34,7 @@ def _attention_wanted(manifest: Manifest, asked: str) -> str:
     (builders.AttentionKernel `asked`), else "onnxruntime". "auto" takes it for int8 KV; fp32 KV
     (FloatKVAttention: rows as steps and batched graphs, camera frames included) when asked for by name,
     its speed against GroupQueryAttention not yet measured."""
-    from cabinlm.layout import KVDType
+    from cabinlm.contract.layout import KVDType
 
     spec = manifest.model
     why = None

@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from cabinlm.engines.ort_fused.rotated import RotatedKeys, rotation_tables
-from cabinlm.layout import CacheLayout
+from cabinlm.contract.layout import CacheLayout
 
 if TYPE_CHECKING:
-    from cabinlm.runtime.slots import StepPlan
+    from cabinlm.contract.slots import StepPlan
 
 
 def turn(keys: np.ndarray, slots: np.ndarray, angles: np.ndarray, half: int) -> None:

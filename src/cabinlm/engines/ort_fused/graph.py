@@ -56,14 +56,14 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from cabinlm import io_spec
-from cabinlm import manifest as mf
-from cabinlm.engines.builder import BuildError
+from cabinlm.contract import io_spec
+from cabinlm.contract import manifest as mf
+from cabinlm.contract.errors import BuildError
 from cabinlm.engines.ort_fused.block_layouts import (BLOCK, block_q4_layout, block_q8_layout, pack4, q4_1_as_int8,
                                                      q4_zero_points_as_minimums)
 from cabinlm.engines.ort_fused.node_builder import ExportedWeights, NodeBuilder
-from cabinlm.layout import KVDType
-from cabinlm.manifest import Manifest
+from cabinlm.contract.layout import KVDType
+from cabinlm.contract.manifest import Manifest
 
 MS = "com.microsoft"
 FUSED_KV = (KVDType.INT8, KVDType.FP32)
@@ -120,7 +120,7 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
     (FloatKVSeatsAttention over fp32 KV). A vision-language decoder's image rows are each seat's own
     (image_embeds.seat{s}, image_mask.seat{s}), stacked as its token rows are (_seat_image_rows).
     Its weights are the one-seat graph's, under the same names (the build points both at one file)."""
-    from cabinlm.engines.ort_fused.spec import AttentionKernel, MatmulKernel, Minimums
+    from cabinlm.contract.engines.fused import AttentionKernel, MatmulKernel, Minimums
     from cabinlm.engines.ort_fused import kernels
 
     minimums = Minimums(minimums)

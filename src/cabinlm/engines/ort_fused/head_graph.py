@@ -9,10 +9,10 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
-from cabinlm import io_spec
-from cabinlm import manifest as mf
-from cabinlm.engines.builder import BuildError
-from cabinlm.manifest import Manifest
+from cabinlm.contract import io_spec
+from cabinlm.contract import manifest as mf
+from cabinlm.contract.errors import BuildError
+from cabinlm.contract.manifest import Manifest
 
 
 def head_model(decoder: onnx.ModelProto, manifest: Manifest) -> onnx.ModelProto:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from cabinlm.engines.backend import BackendError
 from cabinlm.engines.ort_fused.kernels import host_machine
-from cabinlm.engines.ort_fused.spec import FusedSettings, KernelLibrary
-from cabinlm.manifest import file_sha256
+from cabinlm.contract.engines.fused import FusedSettings, KernelLibrary
+from cabinlm.contract.manifest import file_sha256
 
 AGAIN = "run `cabinlm build` again"
 

@@ -7,7 +7,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from cabinlm.engines.builder import BuildError
+from cabinlm.contract.errors import BuildError
 
 
 class ExportedWeights:

@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cabinlm.layout import CacheLayout
+from cabinlm.contract.layout import CacheLayout
 
 if TYPE_CHECKING:  # the runtime's bookkeeping: annotations only
-    from cabinlm.runtime.slots import StepPlan
+    from cabinlm.contract.slots import StepPlan
 
 
 def rotation_tables(positions: np.ndarray, inv_freq: np.ndarray, scale: float,

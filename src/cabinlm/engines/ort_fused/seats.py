@@ -9,7 +9,7 @@ BlockQ8MatMul (FusedSettings.head_kernel "cabinlm"), else in the head graph they
 Each seat's rows are computed as its own run would compute them: the weight matmuls take every seat's
 rows (BlockQ4MatMul and BlockQ8MatMul compute each row by the same sequence whatever the rows beside it), and the
 attention is each seat's own node over its own cache, fed the inputs of its own chunk
-(FusedBackend._chunk_inputs). So a seat's logits are its solo logits bit for bit, and each seat
+(FusedBackend.chunk_inputs). So a seat's logits are its solo logits bit for bit, and each seat
 commits its own step exactly as alone (FusedBackend.commit). Places of a batch no seat takes are
 filled by the idle seat, whose output is dropped.
 """
@@ -19,16 +19,42 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from cabinlm import io_spec as io
+from cabinlm.contract import io_spec as io
+from cabinlm.contract.layout import CacheLayout
+from cabinlm.contract.slots import SlotTable, StepPlan
 from cabinlm.engines.backend import Backend, StepOutput
-from cabinlm.runtime.slots import SlotTable, StepPlan
+from cabinlm.engines.ort_fused.sessions import FusedGraphs
 
 if TYPE_CHECKING:
-    from cabinlm.engines.ort_fused.backend import FusedBackend, FusedGraphs
+    import onnxruntime as ort
+
+    from cabinlm.engines.ort_fused.rotated import RotatedKeys
+
+
+class BatchedSeat(Protocol):
+    """What a batched run asks of a seat of the fused build (backend.FusedBackend): the sessions its
+    build shares, its cache buffers to bind, and its own chunk's inputs, computed as its own run would."""
+
+    graphs: FusedGraphs
+    layout: CacheLayout
+    rotated: RotatedKeys  # its sink / pinned keys' tables for a chunk (chunk_tables)
+    steps: bool  # its attention takes a chunk as one-token steps (row_slots)
+    embed_dim: int  # image rows' width (0: a text model)
+    cache_values: list[tuple[str, ort.OrtValue]]  # its cache buffers, by input name
+    all_image: np.ndarray  # (chunk, 1) bool, all true: a camera frame chunk's image mask
+
+    @property
+    def seat_batches(self) -> tuple[int, ...]: ...
+
+    def seat(self, table: SlotTable) -> BatchedSeat: ...
+
+    def chunk_inputs(self, plan: StepPlan, ids: np.ndarray, all_logits: bool) -> dict[str, np.ndarray]: ...
+
+    def run(self, plan: StepPlan, ids: np.ndarray, all_logits: bool, embeds: np.ndarray | None) -> StepOutput: ...
 
 IDLE_IDS = np.zeros(1, dtype=np.int64)  # the idle seat's token (any id: its output is dropped)
 # A binding's decode outputs (one row per seat): arrays of our own, bound once, that every decode run
@@ -52,7 +78,7 @@ _HEAD_BINDINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 HEAD_BOUND_ROWS = 8  # the largest row count whose logits array stays bound (a decode run's: one row a seat)
 
 
-def run_batched(solo: FusedBackend, seats: Sequence[Backend], plans: Sequence[StepPlan],
+def run_batched(solo: BatchedSeat, seats: Sequence[Backend], plans: Sequence[StepPlan],
                 ids: Sequence[np.ndarray], all_logits: Sequence[bool] | None = None,
                 embeds: Sequence[np.ndarray | None] | None = None) -> list[StepOutput]:  # fmt: skip
     """The seats in runs of the largest batch while more seats are left than it holds, then the
@@ -70,7 +96,7 @@ def run_batched(solo: FusedBackend, seats: Sequence[Backend], plans: Sequence[St
         raise ValueError("run_seats takes seats of this loaded build (Decoder.seat), not another's")
     if len({id(b) for b in seats}) != len(seats):
         raise ValueError("run_seats: a seat appears twice in one step")
-    fused: list[FusedBackend] = list(seats)  # type: ignore[arg-type]  # checked above: this build's seats
+    fused: list[BatchedSeat] = list(seats)  # type: ignore[arg-type]  # checked above: this build's seats
     batches = solo.seat_batches
     outs: list[StepOutput] = []
     start = 0
@@ -94,7 +120,7 @@ def run_batched(solo: FusedBackend, seats: Sequence[Backend], plans: Sequence[St
     return outs
 
 
-def idle_step(solo: FusedBackend) -> tuple[FusedBackend, StepPlan, np.ndarray]:
+def idle_step(solo: BatchedSeat) -> tuple[BatchedSeat, StepPlan, np.ndarray]:
     """A place of a batched run no seat takes: the idle seat (made once per loaded build, cache
     buffers of its own, never committed, its table never advanced) feeding one token into its empty
     cache, so its attention reads no slot; its output is dropped. Its rows cost one row of each
@@ -103,10 +129,10 @@ def idle_step(solo: FusedBackend) -> tuple[FusedBackend, StepPlan, np.ndarray]:
     if graphs.idle is None or graphs.idle_table is None:
         graphs.idle = solo.seat(SlotTable(solo.layout))
         graphs.idle_table = SlotTable(solo.layout)
-    return graphs.idle, graphs.idle_table.plan(1), IDLE_IDS
+    return graphs.idle, graphs.idle_table.plan(1), IDLE_IDS  # type: ignore[return-value]  # a seat of this build
 
 
-def seat_binding(graphs: FusedGraphs, seats: Sequence[FusedBackend]):
+def seat_binding(graphs: FusedGraphs, seats: Sequence[BatchedSeat]):
     """The batched graph's binding for these seats in this order, their caches bound once (as a
     seat's own decode binding binds its cache at load): kept for the last few groups of seats."""
     held = graphs.seat_bindings
@@ -116,7 +142,7 @@ def seat_binding(graphs: FusedGraphs, seats: Sequence[FusedBackend]):
         return entry[1]
     binding = graphs.seats[len(seats)].io_binding()
     for s, seat in enumerate(seats):
-        for name, ov in seat._cache_values:
+        for name, ov in seat.cache_values:
             binding.bind_ortvalue_input(io.seat_name(name, s), ov)
     if len(held) >= 16:  # groups seen long ago (a serve's seats are few and fixed at start)
         del held[next(iter(held))]
@@ -124,7 +150,7 @@ def seat_binding(graphs: FusedGraphs, seats: Sequence[FusedBackend]):
     return binding
 
 
-def run_batch(graphs: FusedGraphs, seats: Sequence[FusedBackend], plans: Sequence[StepPlan],
+def run_batch(graphs: FusedGraphs, seats: Sequence[BatchedSeat], plans: Sequence[StepPlan],
               ids: Sequence[np.ndarray], all_logits: Sequence[bool],
               embeds: Sequence[np.ndarray | None] | None = None) -> list[StepOutput]:  # fmt: skip
     """One run of the batched graph for len(seats) seats (io_spec.seats_io): seat s's inputs under
@@ -155,12 +181,12 @@ def run_batch(graphs: FusedGraphs, seats: Sequence[FusedBackend], plans: Sequenc
         if plan.steps and not seat.steps:
             raise ValueError("this build's attention cannot run a chunk as one-token steps")
         seat.rotated.chunk_tables(plan)
-        own = seat._chunk_inputs(plan, chunk, all_logits=True)
+        own = seat.chunk_inputs(plan, chunk, all_logits=True)
         if frames[s] is not None:
             if not seat.embed_dim:
                 raise ValueError("this model has no vision input")
             own[io.IMAGE_EMBEDS] = np.ascontiguousarray(frames[s], dtype=np.float32)
-            own[io.IMAGE_MASK] = seat._all_image[: plan.tokens]
+            own[io.IMAGE_MASK] = seat.all_image[: plan.tokens]
         for name in io.SHARED_BY_SEATS:
             own.pop(name)
         names = _seat_names(s)

@@ -8,19 +8,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 import onnxruntime as ort
 
-from cabinlm import io_spec as io
-from cabinlm.engines.backend import BackendError
+from cabinlm.contract import io_spec as io
+from cabinlm.engines.backend import Backend, BackendError
 from cabinlm.engines.onnxruntime.session import check_io, mapped_weights, open_session, session_options
-from cabinlm.engines.ort_fused.spec import FusedSettings
-from cabinlm.manifest import Manifest
-from cabinlm.runtime.slots import SlotTable
-
-if TYPE_CHECKING:
-    from cabinlm.engines.ort_fused.backend import FusedBackend
+from cabinlm.contract.engines.fused import FusedSettings
+from cabinlm.contract.manifest import Manifest
+from cabinlm.contract.slots import SlotTable
 
 
 @dataclass
@@ -40,7 +35,7 @@ class FusedGraphs:
     weights: list[tuple[str, ort.OrtValue]] = field(default_factory=list)  # every graph's weights, one map, kept alive here
     # batched graphs' bindings with their seats' caches bound, by the seats (seats.seat_binding)
     seat_bindings: dict[tuple, tuple] = field(default_factory=dict)
-    idle: FusedBackend | None = None  # the place no seat takes in a batched run (seats.idle_step)
+    idle: Backend | None = None  # the place no seat takes in a batched run (seats.idle_step: a FusedBackend)
     idle_table: SlotTable | None = None  # its table: always empty
 
     def open_batched(self) -> None:

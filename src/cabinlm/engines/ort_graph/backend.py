@@ -24,13 +24,13 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from cabinlm import io_spec as io
-from cabinlm.engines.registry import BackendKind
-from cabinlm.manifest import Manifest
+from cabinlm.contract import io_spec as io
+from cabinlm.contract.engines import BackendKind
+from cabinlm.contract.manifest import Manifest
 from cabinlm.engines.backend import Backend, StepOutput, exported_graph_verifies_drafts
 from cabinlm.engines.onnxruntime.binding import Binding, ortvalue
 from cabinlm.engines.onnxruntime.session import check_io, open_session, session_options
-from cabinlm.runtime.slots import MASK_VALUE, SlotTable, StepPlan
+from cabinlm.contract.slots import MASK_VALUE, SlotTable, StepPlan
 
 
 @dataclass

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from cabinlm.buildspec import CPU_PROVIDER, BuildSpec, ExecutionProvider, OptimizationLevel
+from cabinlm.contract.buildspec import CPU_PROVIDER, BuildSpec, ExecutionProvider, OptimizationLevel
 from cabinlm.engines.builder import Builder, BuildRequest
 from cabinlm.engines.onnxruntime.offline import (OPT_DATA, OPT_GRAPH, cpu_session, fuse_rotary, log_weights, optimize_offline,
                                                  read_graph)
 from cabinlm.engines.output import BuildOutput
-from cabinlm.engines.registry import BackendKind
+from cabinlm.contract.engines import BackendKind
 
 
 def targets_cpu(profile, static: bool) -> bool:

@@ -11,10 +11,10 @@ import onnxruntime as ort
 from cabinlm.engines.backend import BackendError
 from cabinlm.engines.onnxruntime.session import mapped_weights
 from cabinlm.engines.ort_graph.backend import ExportedGraphBackend, load_graphs
-from cabinlm.engines.ort_static.spec import SharedWeights
-from cabinlm.engines.registry import BackendKind
-from cabinlm.manifest import Manifest
-from cabinlm.runtime.slots import SlotTable
+from cabinlm.contract.engines.static import SharedWeights
+from cabinlm.contract.engines import BackendKind
+from cabinlm.contract.manifest import Manifest
+from cabinlm.contract.slots import SlotTable
 
 
 def shared_weights(folder: Path, manifest: Manifest) -> list[tuple[str, ort.OrtValue]]:

@@ -8,13 +8,13 @@ from typing import ClassVar
 
 import onnx
 
-from cabinlm.buildspec import BuildSpec, OptimizationLevel
+from cabinlm.contract.buildspec import BuildSpec, OptimizationLevel
 from cabinlm.engines.builder import Builder, BuildError, BuildRequest
 from cabinlm.engines.onnxruntime.offline import fix_tokens
 from cabinlm.engines.ort_graph.builder import spec_for, targets_cpu
-from cabinlm.engines.ort_static.spec import SharedWeight, SharedWeights
+from cabinlm.contract.engines.static import SharedWeight, SharedWeights
 from cabinlm.engines.output import BuildOutput
-from cabinlm.engines.registry import BackendKind
+from cabinlm.contract.engines import BackendKind
 
 PREFILL_GRAPH, DECODE_GRAPH = "decoder.prefill.onnx", "decoder.decode.onnx"
 

@@ -29,7 +29,7 @@ def cpu_decoder(model: onnx.ModelProto | bytes | str, artifact: Path, manifest, 
     HTP. The export's manifest has no build facts, so the flag and the scales come from here."""
     import onnxruntime as ort
 
-    from cabinlm import io_spec as io
+    from cabinlm.contract import io_spec as io
     from cabinlm.engines.qnn_htp.backend import LoadedGraphs, QnnBackend
     from cabinlm.runtime import Decoder, SlotTable
 

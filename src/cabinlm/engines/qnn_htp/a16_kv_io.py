@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from cabinlm.engines.builder import BuildError
+from cabinlm.contract.errors import BuildError
 from cabinlm.engines.qnn_htp.graph import _consumers
 
 ONE = "htp/one"
@@ -38,7 +38,7 @@ def float_kv_io(model: onnx.ModelProto, scales: dict[str, float]) -> dict[str, f
     (rotated keys: key_cache ─ Transpose ─ QK^T): the quantizer leaves a Transpose of an unquantized
     input float, so its output is quantized only where QK^T reads it, and with this override as the
     cache's uint8. A multiplier that is not the tensor's scale: BuildError."""
-    from cabinlm import io_spec as io
+    from cabinlm.contract import io_spec as io
 
     g = model.graph
     consts = {t.name: numpy_helper.to_array(t) for t in g.initializer}

@@ -27,17 +27,17 @@ from pathlib import Path
 
 import numpy as np
 
-from cabinlm.engines.registry import BackendKind
-from cabinlm import io_spec as io
+from cabinlm.contract.engines import BackendKind
+from cabinlm.contract import io_spec as io
 from cabinlm.engines.backend import StepOutput
 from cabinlm.engines.ort_fused.rotated import RotatedKeys
-from cabinlm.engines.qnn_htp.spec import KV_ZERO_POINT, SIMULATOR, QnnSettings
-from cabinlm.manifest import Manifest
+from cabinlm.contract.engines.qnn import KV_ZERO_POINT, SIMULATOR, QnnSettings
+from cabinlm.contract.manifest import Manifest
 from cabinlm.engines.qnn_htp import plugin as qnn_plugin
 from cabinlm.engines.backend import BackendError
 from cabinlm.engines.ort_graph.backend import ExportedGraphBackend, LoadedGraphs
 from cabinlm.engines.onnxruntime.session import check_io
-from cabinlm.runtime.slots import SlotTable, StepPlan
+from cabinlm.contract.slots import SlotTable, StepPlan
 
 
 def simulated() -> bool:

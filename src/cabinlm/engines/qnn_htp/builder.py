@@ -14,131 +14,31 @@ build checks one decode step of the compiled graph there against ONNX Runtime's 
 
 from __future__ import annotations
 
-import contextlib
-import os
-import re
 import resource
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, ClassVar, Iterator
+from typing import ClassVar
 
 import numpy as np
 import onnx
 
-from cabinlm.buildspec import BuildSpec, ExecutionProvider, OptimizationLevel, SessionSettings
+from cabinlm.contract.buildspec import BuildSpec, OptimizationLevel, SessionSettings
 from cabinlm.engines.builder import Builder, BuildError, BuildRequest
 from cabinlm.engines.onnxruntime.offline import fix_tokens, read_graph
 from cabinlm.engines.output import BuildOutput
 from cabinlm.engines.qnn_htp import plugin as qnn_plugin
+from cabinlm.engines.qnn_htp.compile import SIM_PAIR, binary_of, compile_pair, profile_provider
 from cabinlm.engines.qnn_htp.graph import KV_ZERO_POINT, htp_ready, per_tensor_kv_scales, uint8_kv
 from cabinlm.engines.qnn_htp.rotated_graph import rotate_cached_keys, rotated_key_scales
 from cabinlm.engines.qnn_htp import qdq
 from cabinlm.engines.qnn_htp.qdq import a16_graph, a16_refusal
 from cabinlm.engines.qnn_htp.vision_build import place_vision
-from cabinlm.engines.qnn_htp.spec import QNN_PROVIDER, SIMULATOR, QnnSettings, builds_rotated_keys, shares_weights
-from cabinlm.engines.registry import BackendKind
-from cabinlm.manifest import Manifest
+from cabinlm.contract.engines.qnn import QNN_PROVIDER, SIMULATOR, QnnSettings, builds_rotated_keys, shares_weights
+from cabinlm.contract.engines import BackendKind
+from cabinlm.contract.manifest import Manifest
 
 PREFILL_CTX, DECODE_CTX = "decoder.prefill.ctx.onnx", "decoder.decode.ctx.onnx"
-# The unshared twin of a weight-sharing build's (prefill, decode) context models, for the x86 simulator.
-SIM_PAIR = ("decoder.prefill.sim.ctx.onnx", "decoder.decode.sim.ctx.onnx")
-
-
-class HTPRejected(BuildError):
-    """A node of the graph cannot run on the HTP (CPU fallback is off)."""
-
-
-@contextlib.contextmanager
-def _stderr_to(path: Path) -> Iterator[None]:
-    """The process's stderr (where ONNX Runtime's C++ logger writes) into a file, for the duration."""
-    import sys
-
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with open(path, "w") as f:
-        os.dup2(f.fileno(), 2)
-    try:
-        yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-_UNSUPPORTED = re.compile(r"\{ name: ([^,]+), type: ([^ }]+) \}")
-
-
-def compile_graph(src: Path, ctx: Path, profile, share: bool, last: bool) -> None:
-    """Compile one graph for the profile's HTP into ctx (+ its binary), CPU fallback disabled."""
-    import onnxruntime as ort
-
-    so = qnn_plugin.session_options(profile_provider(profile))
-    so.add_session_config_entry("ep.context_enable", "1")
-    so.add_session_config_entry("ep.context_file_path", str(ctx))
-    so.add_session_config_entry("ep.context_embed_mode", "0")
-    if share:
-        so.add_session_config_entry("ep.share_ep_contexts", "1")
-        if last:
-            so.add_session_config_entry("ep.stop_share_ep_contexts", "1")
-    so.log_severity_level = 2
-    with tempfile.TemporaryDirectory() as tmp:
-        log = Path(tmp) / "qnn.log"
-        try:
-            with _stderr_to(log), qnn_plugin.native_stdout_to_stderr():
-                ort.InferenceSession(str(src), so)
-        except Exception as e:  # onnxruntime raises its own exception types
-            text = log.read_text(errors="replace")
-            nodes = _UNSUPPORTED.findall(text)
-            if nodes:
-                names = ", ".join(f"{n} ({t})" for n, t in dict(nodes).items())
-                raise HTPRejected(f"the HTP ({profile.name}: v{profile.htp_arch}) cannot run {len(dict(nodes))} node(s) of "
-                                  f"{src.name}: {names}. CPU fallback is off for HTP builds; re-export without these "
-                                  "ops or report this") from e  # fmt: skip
-            detail = str(e).splitlines()[0] if str(e) else type(e).__name__
-            errors = [ln for ln in text.splitlines() if ":E:" in ln or "[E:" in ln or "ERROR" in ln]
-            raise BuildError(f"QNN could not compile {src.name} for {profile.name}: {detail}"
-                             + (f" ({errors[-1].strip()[:300]})" if errors else "")) from e  # fmt: skip
-
-
-def profile_provider(profile) -> ExecutionProvider:
-    """The QNN provider options of a profile: the HTP backend, its architecture and SoC."""
-    return ExecutionProvider(QNN_PROVIDER, {"backend_type": "htp", "htp_arch": str(profile.htp_arch),
-                                            "soc_model": str(profile.soc_model)})  # fmt: skip
-
-
-def _compile_pair(sources: list[tuple[Path, int]], out: Path, names: tuple[str, str], profile, share: bool,
-                  log: Callable[[str], None], simulator: bool = False) -> dict[str, str]:
-    """Compile the prefill and decode graphs into out/names (+ their binaries). Returns manifest
-    roles -> files: graph, graph_decode, context_binary[_N] (each with SIMULATOR appended for the
-    simulator's twin)."""
-    suffix = SIMULATOR if simulator else ""
-    files: dict[str, str] = {}
-    binaries: list[str] = []
-    for i, ((src, tokens), name) in enumerate(zip(sources, names)):
-        t = time.perf_counter()
-        log(f"compiling {name} (tokens = {tokens}) for HTP v{profile.htp_arch}, SoC {profile.soc_model}"
-            f"{', weights shared' if share else ''} ...")  # fmt: skip
-        compile_graph(src, out / name, profile, share=share, last=i == len(sources) - 1)
-        log(f"  compiled in {time.perf_counter() - t:.1f} s")
-        files[("graph", "graph_decode")[i] + suffix] = name
-    for name in names:
-        binary = _binary_of(out / name)[0]
-        if binary not in binaries:
-            binaries.append(binary)
-    for i, b in enumerate(binaries):
-        files[f"context_binary{'' if i == 0 else f'_{i}'}{suffix}"] = b
-    return files
-
-
-def _binary_of(ctx: Path) -> tuple[str, str]:
-    """The binary file an EPContext model points at, and the QNN SDK version it records."""
-    m = onnx.load(str(ctx), load_external_data=False)
-    nodes = list(m.graph.node)
-    if not nodes or any(n.op_type != "EPContext" for n in nodes):
-        raise BuildError(f"{ctx.name}: the compiled model is not one EPContext node; the HTP did not take the whole graph")
-    attrs = {a.name: a for a in nodes[0].attribute}
-    return attrs["ep_cache_context"].s.decode(), attrs["ep_sdk_version"].s.decode() if "ep_sdk_version" in attrs else ""
 
 
 class QnnBuilder(Builder):
@@ -220,17 +120,17 @@ class QnnBuilder(Builder):
                 # That twin is compiled first: a graph the HTP rejects fails there, before a shared
                 # context is open (a failed shared compile leaves the plugin unable to shut down cleanly).
                 log("compiling the graphs without weight sharing, for Qualcomm's x86 HTP simulator ...")
-                files = _compile_pair(sources, out, SIM_PAIR, profile, False, log, simulator=True)
+                files = compile_pair(sources, out, SIM_PAIR, profile, False, log, simulator=True)
                 log("compiling the graphs with shared weights, for the car ...")
-                files.update(_compile_pair(sources, out, (PREFILL_CTX, DECODE_CTX), profile, True, log))
+                files.update(compile_pair(sources, out, (PREFILL_CTX, DECODE_CTX), profile, True, log))
             else:
-                files = _compile_pair(sources, out, (PREFILL_CTX, DECODE_CTX), profile, False, log)
+                files = compile_pair(sources, out, (PREFILL_CTX, DECODE_CTX), profile, False, log)
             check = _check_decode(sources[1][0], out / files["graph_decode" + (SIMULATOR if share else "")], manifest, profile,
                                   rotated=rotated_keys)  # fmt: skip
         compile_seconds = round(time.perf_counter() - t0, 1)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         binaries = [p for r, p in files.items() if r.startswith("context_binary")]
-        sdk = _binary_of(out / files["graph"])[1]
+        sdk = binary_of(out / files["graph"])[1]
         a16 = request.activations == "a16"
         weights = (qdq.PER_CHANNEL or request.a16_weights) if a16 else "fp16" if not (rewrites["matmul_4bit"] or rewrites["matmul_8bit"]) else (
             "int4" if rewrites["matmul_4bit"] else "int8")  # fmt: skip
@@ -266,7 +166,7 @@ def _check_decode(src: Path, ctx: Path, manifest: Manifest, profile, min_correla
     takes the chunk's rotation rows (rotated_graph.py), here position 0's."""
     import onnxruntime as ort
 
-    from cabinlm import io_spec as io
+    from cabinlm.contract import io_spec as io
 
     lay = manifest.cache
     index = np.dtype(manifest.index_dtype)

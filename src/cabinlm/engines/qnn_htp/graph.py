@@ -28,9 +28,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from cabinlm.engines.builder import BuildError
+from cabinlm.contract.errors import BuildError
 from cabinlm.engines.ort_fused.block_layouts import pack4
-from cabinlm.engines.qnn_htp.spec import KV_ZERO_POINT as QNN_KV_ZERO_POINT
+from cabinlm.contract.engines.qnn import KV_ZERO_POINT as QNN_KV_ZERO_POINT
 
 MS = "com.microsoft"
 BLOCK = 32  # the export's block size along K (export/wquant.py)
@@ -275,7 +275,7 @@ def per_tensor_kv_scales(keys: np.ndarray, values: np.ndarray, layers: int) -> d
     rotation pairs' bounds instead (rotated_graph.rotated_key_scales, through this function). A scale whose codes reach beyond fp16 (128 x scale >
     65504: the dequantized cache overflows the HTP's fp16 activations) or that is no positive finite
     number is a calibration that went wrong: BuildError, naming the tensor."""
-    from cabinlm import io_spec as io
+    from cabinlm.contract import io_spec as io
 
     out: dict[str, float] = {}
     for name, table in ((io.key_cache_name, keys), (io.value_cache_name, values)):
@@ -334,7 +334,7 @@ def uint8_kv(model: onnx.ModelProto, scales: dict[str, float]) -> list[str]:
     outputs' bytes into its cache), and the chunk attends to its own K/V read back the same way,
     as the export does. The value_scale inputs and new_value_scale outputs go. Returns the cache
     inputs rewritten."""
-    from cabinlm import io_spec as io
+    from cabinlm.contract import io_spec as io
 
     g = model.graph
     consts = _consts(model)

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
-from cabinlm.buildspec import ExecutionProvider
+from cabinlm.contract.buildspec import ExecutionProvider
 from cabinlm.engines.backend import BackendError
 
 INSTALL = "pip install 'cabinlm[qnn]' (Qualcomm's QNN SDK as ONNX Runtime's QNN plugin, onnxruntime-qnn)"

@@ -36,7 +36,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from cabinlm.engines.builder import BuildError
+from cabinlm.contract.errors import BuildError
 from cabinlm.engines.qnn_htp.a16_feeds import calibration_feeds, stream_fidelity
 from cabinlm.engines.qnn_htp.a16_kv_io import float_kv_io, rewire, strip_kv_io
 from cabinlm.engines.qnn_htp import a16_weights
@@ -152,7 +152,7 @@ def _q4_1_offset(dq: onnx.NodeProto, users, producer, consts) -> tuple[str, list
 
 
 def calibration_ids(artifact: Path, manifest, text: Path | None) -> tuple[list[int], str]:
-    """The calibration tokens (export/calibration.py's: the built-in prose + in-car dialogue mix, or
+    """The calibration tokens (contract/calibration.py's: the built-in prose + in-car dialogue mix, or
     the user's file), tokenized with the artifact's tokenizer: of its first 60% (the export's
     calibration part), the first and the last MAX_CALIB_TOKENS / 2 (all of it when shorter). The
     built-in mix is prose then dialogue: the ranges see both, the chat template's tokens among them
@@ -173,7 +173,7 @@ def held_out_ids(artifact: Path, manifest, text: Path | None) -> list[int]:
 def _calibration_split(artifact: Path, manifest, text: Path | None) -> tuple[list[int], list[int], str]:
     from tokenizers import Tokenizer
 
-    from cabinlm.export.calibration import calibration_tokens
+    from cabinlm.contract.calibration import calibration_tokens
 
     tok = Tokenizer.from_file(str(artifact / manifest.files["tokenizer"].path))
     loaded = SimpleNamespace(tokenizer=SimpleNamespace(backend_tokenizer=tok))
@@ -190,7 +190,7 @@ def floor_masks(model: onnx.ModelProto) -> list[str]:
     runtime's masked value (io_spec.MASK_VALUE, -1e30) as a 16-bit range would leave the scores it is
     added to a step of ~1e25: every unmasked score the same number. -MASK_FLOOR still gives a masked
     slot a weight of exp(-MASK_FLOOR + score range) ~ 0. Returns the inputs floored."""
-    from cabinlm import io_spec as io
+    from cabinlm.contract import io_spec as io
 
     g = model.graph
     done = []
@@ -270,7 +270,7 @@ def a16_float_graph(artifact: Path, manifest) -> tuple[onnx.ModelProto, dict, di
     from cabinlm.engines.onnxruntime.offline import read_graph
     from cabinlm.engines.qnn_htp.graph import float_embedding, fuse_rms_norms, per_tensor_kv_scales, uint8_kv
     from cabinlm.engines.qnn_htp.rotated_graph import rotate_cached_keys, rotated_key_scales
-    from cabinlm.engines.qnn_htp.spec import builds_rotated_keys
+    from cabinlm.contract.engines.qnn import builds_rotated_keys
 
     lay = manifest.cache
     model = read_graph(artifact, manifest)

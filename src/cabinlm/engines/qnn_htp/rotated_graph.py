@@ -32,8 +32,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from cabinlm import io_spec as io
-from cabinlm.engines.builder import BuildError
+from cabinlm.contract import io_spec as io
+from cabinlm.contract.errors import BuildError
 from cabinlm.engines.qnn_htp.graph import _consts, _prune, per_tensor_kv_scales
 
 

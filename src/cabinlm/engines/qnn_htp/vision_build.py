@@ -27,9 +27,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from cabinlm.engines.builder import BuildError
+from cabinlm.contract.errors import BuildError
 from cabinlm.engines.output import BuildOutput
 from cabinlm.engines.qnn_htp import plugin as qnn_plugin
+from cabinlm.engines.qnn_htp.compile import binary_of, compile_graph, profile_provider
 
 VISION_CTX = "vision.ctx.onnx"
 VISION_CONTEXT, VISION_BINARY = "vision_context", "vision_context_binary"  # manifest file roles
@@ -76,8 +77,6 @@ def compile_and_check(src: Path, ctx: Path, profile) -> dict[str, float]:
     through it on the HTP and through src on the CPU: {relative_error, correlation}."""
     import onnxruntime as ort
 
-    from cabinlm.engines.qnn_htp.builder import compile_graph, profile_provider
-
     compile_graph(src, ctx, profile, share=False, last=True)
     so = ort.SessionOptions()
     so.log_severity_level = 3
@@ -101,13 +100,11 @@ def check_frame(shape) -> np.ndarray:
 
 def context_binary(ctx: Path) -> str:
     """The binary a compiled context model points at (checked to be EPContext nodes only)."""
-    from cabinlm.engines.qnn_htp.builder import _binary_of
-
-    return _binary_of(ctx)[0]
+    return binary_of(ctx)[0]
 
 
 def _reason(message: str) -> str:
-    """The compiler's complaint without the decoder's advice (builder.HTPRejected: "... CPU fallback is off")."""
+    """The compiler's complaint without the decoder's advice (compile.HTPRejected: "... CPU fallback is off")."""
     return message.split(". CPU fallback is off")[0]
 
 

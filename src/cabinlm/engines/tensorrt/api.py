@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cabinlm.errors import CabinlmError
-from cabinlm.io_spec import DecoderIO
-from cabinlm.layout import CacheLayout, KVDType
-from cabinlm.engines.tensorrt.spec import ApiEra, TokenProfile
+from cabinlm.contract.errors import CabinlmError
+from cabinlm.contract.io_spec import DecoderIO
+from cabinlm.contract.layout import CacheLayout, KVDType
+from cabinlm.contract.engines.tensorrt import ApiEra, TokenProfile
 
 Version = tuple[int, int]
 STRONGLY_TYPED_FROM: Version = (10, 15)  # the ONNX parser honours the graph's precision; weak typing deprecated

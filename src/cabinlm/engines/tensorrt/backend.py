@@ -39,14 +39,14 @@ if TYPE_CHECKING:  # NVIDIA's stubs (tests/test_tensorrt_types.py); at run time 
 
 import numpy as np
 
-from cabinlm import io_spec as io
-from cabinlm.engines.registry import BackendKind
-from cabinlm.manifest import Manifest
+from cabinlm.contract import io_spec as io
+from cabinlm.contract.engines import BackendKind
+from cabinlm.contract.manifest import Manifest
 from cabinlm.engines.backend import Backend, BackendError, StepOutput, exported_graph_verifies_drafts
 from cabinlm.engines.tensorrt.cuda_mem import Cuda, open_cuda
 from cabinlm.engines.tensorrt.device_plan import DevicePlan
-from cabinlm.runtime.slots import SlotTable, StepPlan
-from cabinlm.engines.tensorrt.spec import EngineState, TensorRTSettings
+from cabinlm.contract.slots import SlotTable, StepPlan
+from cabinlm.contract.engines.tensorrt import EngineState, TensorRTSettings
 
 # TensorRT DataType member name -> the graph contract's dtype name (io_spec.TensorSpec.dtype)
 ENGINE_DTYPES = {"FLOAT": "float", "HALF": "float16", "INT32": "int32", "INT64": "int64", "INT8": "int8",

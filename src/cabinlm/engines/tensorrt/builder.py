@@ -14,15 +14,15 @@ import shutil
 from pathlib import Path
 from typing import Callable, ClassVar
 
-from cabinlm.buildspec import BuildSpec
+from cabinlm.contract.buildspec import BuildSpec
 from cabinlm.engines.builder import Builder, BuildError, BuildRequest
 from cabinlm.engines.output import BuildOutput, check_output
-from cabinlm.engines.registry import BackendKind
+from cabinlm.contract.engines import BackendKind
 from cabinlm.engines.tensorrt.bundle import write_bundle
 from cabinlm.engines.tensorrt.compat import check_file, errors, format_report
 from cabinlm.engines.tensorrt.engine import TensorRTUnavailable, build_engine
-from cabinlm.engines.tensorrt.spec import EngineState, TensorRTSettings
-from cabinlm.manifest import MANIFEST_NAME, Manifest, load_manifest
+from cabinlm.contract.engines.tensorrt import EngineState, TensorRTSettings
+from cabinlm.contract.manifest import MANIFEST_NAME, Manifest, load_manifest
 
 __all__ = ["BUILDER", "TensorRTUnavailable", "gpu_present", "tensorrt_present"]
 

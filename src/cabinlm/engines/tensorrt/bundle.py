@@ -25,10 +25,10 @@ from cabinlm.engines.output import BuildOutput
 from cabinlm.engines.tensorrt.api import api_era, precision_flags, profile_shapes, token_profiles, workspace_bytes
 from cabinlm.engines.tensorrt.compat import check_model, errors, format_report, parse_version
 from cabinlm.engines.tensorrt.graph import fp16_matmuls, fp16_safe_norms
-from cabinlm.buildspec import BuildSpec
-from cabinlm.engines.registry import BackendKind
-from cabinlm.manifest import Manifest
-from cabinlm.engines.tensorrt.spec import ApiEra, EngineState, TensorRTSettings
+from cabinlm.contract.buildspec import BuildSpec
+from cabinlm.contract.engines import BackendKind
+from cabinlm.contract.manifest import Manifest
+from cabinlm.contract.engines.tensorrt import ApiEra, EngineState, TensorRTSettings
 
 GRAPH, DATA = "decoder.trt.onnx", "decoder.trt.onnx.data"
 README = "README.txt"

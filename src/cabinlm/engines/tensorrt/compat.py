@@ -21,8 +21,8 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from cabinlm.errors import CabinlmError
-from cabinlm.manifest import KVDType
+from cabinlm.contract.errors import CabinlmError
+from cabinlm.contract.manifest import KVDType
 from cabinlm.profiles import DeviceProfile, load_profile
 
 Version = tuple[int, int]

@@ -46,10 +46,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cabinlm import io_spec as io
+from cabinlm.contract import io_spec as io
 from cabinlm.engines.tensorrt.api import resolve_dims
-from cabinlm.io_spec import DecoderIO
-from cabinlm.layout import CacheLayout
+from cabinlm.contract.io_spec import DecoderIO
+from cabinlm.contract.layout import CacheLayout
 
 ALIGN = 256  # bytes: cudaMalloc's alignment, kept for every tensor inside a block
 _DTYPES = {"float": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32, "bool": np.bool_,

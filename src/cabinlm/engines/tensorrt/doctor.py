@@ -21,8 +21,8 @@ from typing import Callable
 
 import numpy as np
 
-from cabinlm.errors import CabinlmError
-from cabinlm.engines.tensorrt.spec import TensorRTSettings
+from cabinlm.contract.errors import CabinlmError
+from cabinlm.contract.engines.tensorrt import TensorRTSettings
 
 MIN_AGREEMENT = 0.9
 MAX_DIFF = 1.0
@@ -82,7 +82,7 @@ def diagnose(folder: Path, build: bool = True, report: Callable[[Check], None] =
 
     manifest = None
     try:
-        from cabinlm.manifest import load_manifest, verify_checksums
+        from cabinlm.contract.manifest import load_manifest, verify_checksums
 
         manifest = load_manifest(folder)
         settings = manifest.runtime_spec.facts_as(TensorRTSettings)
@@ -135,7 +135,7 @@ def diagnose(folder: Path, build: bool = True, report: Callable[[Check], None] =
 def compare_logits(folder: Path) -> tuple[str, str, str]:
     """The engine against ONNX Runtime's CPU provider running the bundle's own graph, every position
     of a short text (one prefill chunk at a time, then token by token)."""
-    from cabinlm.manifest import load_manifest
+    from cabinlm.contract.manifest import load_manifest
     from cabinlm.runtime import Decoder, Tokenizer
 
     manifest = load_manifest(folder)

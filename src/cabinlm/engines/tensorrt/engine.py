@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Callable
 
 import onnx
 
-from cabinlm.engines.builder import BuildError
+from cabinlm.contract.errors import BuildError
 from cabinlm.engines.tensorrt.api import api_era, network_flag_names, parse_installed_version, parser_error_line, profile_shapes
 from cabinlm.engines.tensorrt.compat import check_file, errors, format_report
-from cabinlm.errors import CabinlmError
-from cabinlm.manifest import FileEntry, Manifest
-from cabinlm.engines.tensorrt.spec import ApiEra, EngineState, GpuInfo, TensorRTSettings
+from cabinlm.contract.errors import CabinlmError
+from cabinlm.contract.manifest import FileEntry, Manifest
+from cabinlm.contract.engines.tensorrt import ApiEra, EngineState, GpuInfo, TensorRTSettings
 
 if TYPE_CHECKING:  # the stubs; at run time the module is imported by import_tensorrt
     import tensorrt as trt

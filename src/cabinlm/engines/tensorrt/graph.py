@@ -34,8 +34,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from cabinlm import io_spec
-from cabinlm.engines.builder import BuildError
+from cabinlm.contract import io_spec
+from cabinlm.contract.errors import BuildError
 
 FLOOR = 2.0**-6  # smallest row scale: eps / FLOOR^2 stays tiny (4096 * eps) and finite in fp16
 

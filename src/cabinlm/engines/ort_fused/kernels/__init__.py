@@ -28,10 +28,9 @@ from __future__ import annotations
 import functools
 import platform
 import re
-import tempfile
 from pathlib import Path
 
-from cabinlm.engines.ort_fused.spec import MATMUL_ISAS
+from cabinlm.contract.engines.fused import MATMUL_ISAS
 
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / name for name in ("register.cc", "int8_kv_attention.cc", "block_q4_matmul.cc", "block_q8_matmul.cc"))
@@ -63,16 +62,3 @@ def api_version() -> int:
     if m is None:  # the file is generated: only an edit by hand can lose the line
         raise RuntimeError(f"{HERE / 'ort_api_entries.h'} has no kApiVersion; run `python tools/gen_ort_api.py`")
     return int(m.group(1))
-
-
-def unavailable(march: str = "native", machine: str | None = None) -> str | None:
-    """Why `cabinlm build` cannot compile the kernel library for -march=`march` (on `machine`'s CPUs,
-    None: this machine's) here (None: it can)."""
-    from cabinlm.engines.ort_fused.kernels.compiler import KernelError, compile_library
-
-    with tempfile.TemporaryDirectory() as folder:
-        try:
-            compile_library(Path(folder), march, machine=machine)
-        except KernelError as e:
-            return str(e).splitlines()[0]
-    return None

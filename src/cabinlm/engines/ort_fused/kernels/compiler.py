@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import Iterator
 
 from cabinlm.engines.ort_fused.kernels import HEADERS, ISAS, LIBRARY, MACHINE_ALIASES, SOURCES, api_version, host_machine
-from cabinlm.engines.ort_fused.spec import KernelLibrary
-from cabinlm.manifest import file_sha256
+from cabinlm.contract.engines.fused import KernelLibrary
+from cabinlm.contract.manifest import file_sha256
 
 FLAGS = ("-O3", "-std=gnu++17", "-ffp-contract=fast", "-fPIC", "-shared", "-fvisibility=hidden")
 FIX = "or build with --attention-kernel onnxruntime --matmul-kernel onnxruntime to keep ONNX Runtime's own kernels"
@@ -222,7 +222,7 @@ def registrable(path: Path | None, facts: KernelLibrary | None) -> Iterator[Path
     if path is None or facts is None or facts.machine == host_machine():
         yield path
         return
-    from cabinlm.engines.builder import BuildError
+    from cabinlm.contract.errors import BuildError
 
     scratch = Path(tempfile.mkdtemp(prefix=".host-kernels-", dir=path.parent))
     try:
@@ -349,3 +349,14 @@ def _to_cache(key: str, library: Path, facts: KernelLibrary) -> None:
             os.replace(tmp, entry / name)  # atomic: a concurrent build of the same key writes the same bytes
     except OSError:
         return
+
+
+def unavailable(march: str = "native", machine: str | None = None) -> str | None:
+    """Why `cabinlm build` cannot compile the kernel library for -march=`march` (on `machine`'s CPUs,
+    None: this machine's) here (None: it can)."""
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            compile_library(Path(folder), march, machine=machine)
+        except KernelError as e:
+            return str(e).splitlines()[0]
+    return None

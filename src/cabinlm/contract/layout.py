@@ -7,8 +7,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from cabinlm.errors import LayoutError
-from cabinlm.precision import KVDType  # also re-exported: manifest.py and the runtime import it from here
+from cabinlm.contract.errors import LayoutError
+from cabinlm.contract.precision import KVDType  # also re-exported: contract/manifest.py and the runtime import it from here
 
 
 MAX_DIM = 1 << 24  # any one dimension of the cache (slots, layers, heads, head_dim)

@@ -25,6 +25,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from cabinlm.contract.io_spec import DecoderIO, DecoderShape
+
 QNN_PROVIDER = "QNNExecutionProvider"
 # Manifest roles ending in SIMULATOR ("graph_simulator", "context_binary_simulator", ...) are the
 # unshared twin a weight-sharing build carries for Qualcomm's x86 simulator.
@@ -128,6 +130,10 @@ class QnnSettings:
             raise ValueError(f"build.qnn.vision: expected {{}} or {{\"runs_on\": \"htp\" or \"cpu\", ...}}, got {self.vision!r}")
         if not isinstance(self.rewrites, dict) or not isinstance(self.check, dict):
             raise ValueError("build.qnn.rewrites and build.qnn.check: expected objects")
+
+    def decoder_io(self, shape: DecoderShape) -> DecoderIO:
+        """The exported contract, over the cache the binaries read and write (uint8, keys rotated or not)."""
+        return shape.exported(cache_dtype=self.kv_cache if self.kv_cache != "fp16" else None, rotated_keys=self.rotated_keys)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -28,6 +28,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from cabinlm.contract.io_spec import DecoderIO, DecoderShape
+
 ENGINE_FILE = "decoder.engine"
 TIMING_CACHE_FILE = "timing.cache"
 PRECISIONS = ("fp16", "bf16", "int8", "fp8", "tf32")  # builder flags cabinlm may set
@@ -168,6 +170,10 @@ class TensorRTSettings:
             if p.covers(tokens):
                 return i
         raise ValueError(f"no optimization profile covers {tokens} tokens (1..{self.max_tokens})")
+
+    def decoder_io(self, shape: DecoderShape) -> DecoderIO:
+        """The exported contract (index tensors as the export's index_dtype says)."""
+        return shape.exported()
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -9,7 +9,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from cabinlm.engines.ort_static.spec import SharedWeights
+from cabinlm.contract.io_spec import DecoderIO, DecoderShape, fused_decoder_io
+
+from cabinlm.contract.engines.static import SharedWeights
 
 
 class AttentionKernel(str, enum.Enum):
@@ -162,6 +164,12 @@ class FusedSettings:
         if packed is not None and (not isinstance(packed, dict) or not all(
                 isinstance(k, str) and type(v) is int and v >= 0 for k, v in packed.items())):  # fmt: skip
             raise ValueError(f"packed_bytes must map graph roles to byte counts >= 0, got {packed!r}"[:200])
+
+    def decoder_io(self, shape: DecoderShape) -> DecoderIO:
+        """The fused graph's contract: the cache written through present outputs where ONNX Runtime's
+        GroupQueryAttention runs, in place by cabinlm's kernel otherwise (step_rows: a chunk's rows as steps)."""
+        return fused_decoder_io(shape.layout, shape.num_heads, shape.vocab_size, self.attention_kernel == "onnxruntime",
+                                self.step_rows, shape.embed_dim)  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from cabinlm.contract.io_spec import DecoderIO, DecoderShape
+
 _WEIGHT_DTYPES = frozenset({"float32", "float16", "int64", "int32", "int8", "uint8"})
 
 
@@ -35,6 +37,10 @@ class SharedWeights:
 
     file: str
     tensors: tuple[SharedWeight, ...]
+
+    def decoder_io(self, shape: DecoderShape) -> DecoderIO:
+        """The exported contract: the pair's graphs are the export's with their token count fixed."""
+        return shape.exported()
 
     def to_dict(self) -> dict[str, Any]:
         return {"file": self.file, "tensors": [[t.name, t.dtype, list(t.shape), t.offset, t.length] for t in self.tensors]}

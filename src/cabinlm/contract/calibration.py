@@ -9,8 +9,8 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-from cabinlm.errors import CabinlmError
-from cabinlm.manifest import ChatTemplate
+from cabinlm.contract.errors import CabinlmError
+from cabinlm.contract.manifest import ChatTemplate
 
 CALIB_FRACTION = 0.6
 
@@ -21,7 +21,7 @@ def _split(ids: list[int]) -> tuple[list[int], list[int]]:
 
 
 def _builtin(name: str) -> str:
-    return resources.files("cabinlm.export").joinpath("data", name).read_text(encoding="utf-8")
+    return resources.files("cabinlm.contract").joinpath("data", name).read_text(encoding="utf-8")
 
 
 def dialogue_text(chat: ChatTemplate, system: str | None) -> str:

@@ -24,3 +24,7 @@ class InputError(CabinlmError):
 class OptionError(CabinlmError):
     """An option has a value that cannot work (out of range, or beyond what this machine holds); the
     message names the option and the value. Checked before anything heavy is loaded."""
+
+
+class BuildError(CabinlmError):
+    """The build cannot be done here or for this artifact."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cabinlm.errors import ModelError
+from cabinlm.contract.errors import ModelError
 
 IMAGE_PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cabinlm.errors import InputError
-from cabinlm.layout import CacheLayout
+from cabinlm.contract.errors import InputError
+from cabinlm.contract.layout import CacheLayout
 
 MASK_VALUE = np.float32(-1e30)  # additive mask for slots a token must not see
 

@@ -8,7 +8,7 @@ Standard library only, so that every stage (and every tool that inspects an arti
       decoder.onnx.data    its weights (ONNX external data)
       tokenizer.json       a `tokenizers` file
 
-`CacheLayout` (cabinlm.layout) owns the cache geometry; `decoder_io` (cabinlm.io_spec) declares the
+`CacheLayout` (cabinlm.contract.layout) owns the cache geometry; `decoder_io` (cabinlm.contract.io_spec) declares the
 graph's inputs and outputs; this module ties them to files, versions and checks.
 """
 
@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cabinlm.errors import LayoutError, ManifestError
-from cabinlm.io_spec import (  # noqa: F401 - re-exported: the manifest is where users look for the contract
+from cabinlm.contract.errors import LayoutError, ManifestError
+from cabinlm.contract.io_spec import (  # noqa: F401 - re-exported: the manifest is where users look for the contract
     ATTENTION_BIAS,
     ATTENTION_MASK,
     CACHE_POSITION_IDS,
@@ -51,6 +51,7 @@ from cabinlm.io_spec import (  # noqa: F401 - re-exported: the manifest is where
     SEQLENS_K,
     TOTAL_SEQUENCE_LENGTH,
     DecoderIO,
+    DecoderShape,
     TensorSpec,
     cached_key_rope,
     chunk_key_rope,
@@ -69,11 +70,9 @@ from cabinlm.io_spec import (  # noqa: F401 - re-exported: the manifest is where
     value_scale_name,
     weight_name,
 )
-from cabinlm.buildspec import BackendKind, BuildSpec
-from cabinlm.engines.ort_fused.spec import FusedSettings
-from cabinlm.engines.qnn_htp.spec import QnnSettings
-from cabinlm.layout import CacheLayout, KVDType  # noqa: F401 - re-exported
-from cabinlm.vision_spec import ImagePreprocess, VisionSpec  # noqa: F401 - re-exported
+from cabinlm.contract.buildspec import BuildSpec
+from cabinlm.contract.layout import CacheLayout, KVDType  # noqa: F401 - re-exported
+from cabinlm.contract.vision_spec import ImagePreprocess, VisionSpec  # noqa: F401 - re-exported
 
 # 2: logit_rows input, block-quantized weights; 3: "attention" (fused cpu builds); 4: the build as
 # typed data ("build"), RoPE tables and KV scales in the manifest (no build.json or key_scales.json
@@ -380,18 +379,12 @@ class Manifest:
 
     @property
     def io(self) -> DecoderIO:
-        spec = self.runtime_spec
-        embed_dim = self.vision.embed_dim if self.vision else 0
-        if spec.backend == BackendKind.FUSED:
-            fused = spec.facts_as(FusedSettings)
-            present = fused is None or fused.attention_kernel == "onnxruntime"
-            steps = fused is not None and fused.step_rows
-            return fused_decoder_io(self.cache, self.model.num_heads, self.model.vocab_size, present, steps, embed_dim)
-        qnn = spec.facts_as(QnnSettings) if spec.backend == BackendKind.QNN_HTP else None
-        return decoder_io(self.cache, self.model.vocab_size, self.index_dtype, embed_dim,
-                          mrope=self.vision is not None and self.vision.mrope,
-                          cache_dtype=qnn.kv_cache if qnn is not None and qnn.kv_cache != "fp16" else None,
-                          rotated_keys=qnn is not None and qnn.rotated_keys)  # fmt: skip
+        """The graph contract of what runs: the build's engine facts say it (EngineFacts.decoder_io);
+        a plain export, or a build whose engine records no facts, runs the exported graph."""
+        shape = DecoderShape(self.cache, self.model.num_heads, self.model.vocab_size, self.index_dtype,
+                             self.vision.embed_dim if self.vision else 0, mrope=self.vision is not None and self.vision.mrope)
+        facts = self.runtime_spec.facts
+        return facts.decoder_io(shape) if facts is not None else shape.exported()
 
     def to_dict(self) -> dict[str, Any]:
         return {

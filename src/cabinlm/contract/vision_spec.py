@@ -1,6 +1,6 @@
 """What a vision-language artifact's runtime needs to turn a camera frame into image tokens: the
 vision graph's geometry and the image processor as plain, checked numbers. Standard library only;
-part of the manifest (cabinlm.manifest re-exports both classes)."""
+part of the manifest (cabinlm.contract.manifest re-exports both classes)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from cabinlm.layout import CacheLayout
+from cabinlm.contract.layout import CacheLayout
 
 
 @dataclass(frozen=True)
@@ -129,6 +129,25 @@ def chunk_key_rope(layer: int) -> str:
 def query_rope(layer: int) -> str:
     """The exported subgraph that rotates the chunk's queries (the softmax scale in its tables)."""
     return f"n/layers.{layer}/rope_q"
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """What every engine's graph contract is computed from: the cache layout and the model's sizes.
+    An engine's facts (contract/engines/) turn it into that engine's DecoderIO; a plain export's is
+    exported()."""
+
+    layout: CacheLayout
+    num_heads: int
+    vocab_size: int
+    index_dtype: str = "int64"
+    embed_dim: int = 0  # image rows' width (0: a text model)
+    mrope: bool = False  # Qwen2-VL's multimodal positions
+
+    def exported(self, cache_dtype: str | None = None, rotated_keys: bool = False) -> DecoderIO:
+        """The exported graph's contract (decoder_io), with a cache dtype / rotated keys of an engine's own."""
+        return decoder_io(self.layout, self.vocab_size, self.index_dtype, self.embed_dim, mrope=self.mrope,
+                          cache_dtype=cache_dtype, rotated_keys=rotated_keys)  # fmt: skip
 
 
 def decoder_io(layout: CacheLayout, vocab_size: int, index_dtype: str = "int64", embed_dim: int = 0,

@@ -4,11 +4,11 @@ by the runtime to choose its engine. Standard library only.
 
     manifest.json
       "build": {
-        "backend":  "onnxruntime-fused"          BackendKind: which engines/<folder> runs it (engines/registry.py)
+        "backend":  "onnxruntime-fused"          BackendKind (contract/engines/): which engines/<folder> runs it
         "provider": {"name": "CPUExecutionProvider", "options": {}}
         "session":  {"graph_optimization_level": "basic", "intra_op_num_threads": null, ...}
         "profile", "engine", "engine_version"
-        "<KEY>":    the engine's facts (its spec.py): "fused", "shared_weights", "qnn" or "tensorrt";
+        "<KEY>":    the engine's facts (contract/engines/): "fused", "shared_weights", "qnn" or "tensorrt";
                     the other engines' keys are written as null
       }
 
@@ -23,7 +23,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from cabinlm.engines.registry import ENGINES, BackendKind, EngineFacts
+from cabinlm.contract.engines import FACTS, BackendKind, EngineFacts
 
 
 class OptimizationLevel(str, enum.Enum):
@@ -36,6 +36,9 @@ class OptimizationLevel(str, enum.Enum):
 
 
 CPU_PROVIDER = "CPUExecutionProvider"
+# Threads per core a session may ask for: beyond this, intra-op threads only wait for each other (and a
+# typo like 800 is caught). The runtime's --threads and a build's own thread count are held to it.
+THREADS_PER_CORE = 4
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,7 @@ class BuildSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backend", BackendKind(self.backend))
-        want = ENGINES[self.backend].facts
+        want = FACTS[self.backend]
         if want is None and self.facts is not None:
             raise ValueError(f"a {self.backend.value} build records no engine facts, got {type(self.facts).__name__}")
         if want is not None and not isinstance(self.facts, want):
@@ -121,9 +124,9 @@ class BuildSpec:
             "engine": self.engine,
             "engine_version": self.engine_version,
         }
-        for entry in ENGINES.values():  # every engine's key, null but the build's own (the format readers know)
-            if entry.facts is not None:
-                d[entry.facts.KEY] = None
+        for facts in FACTS.values():  # every engine's key, null but the build's own (the format readers know)
+            if facts is not None:
+                d[facts.KEY] = None
         if self.facts is not None:
             d[self.facts.KEY] = self.facts.to_dict()
         return d
@@ -134,11 +137,10 @@ class BuildSpec:
         if not isinstance(d, dict):
             raise TypeError(f"expected an object, got {type(d).__name__}")
         backend = BackendKind(d["backend"])
-        want = ENGINES[backend].facts
-        for entry in ENGINES.values():
-            other = entry.facts
+        want = FACTS[backend]
+        for kind, other in FACTS.items():
             if other is not None and other is not want and d.get(other.KEY) is not None:
-                raise ValueError(f"a {backend.value} build cannot hold build.{other.KEY} (the facts of {entry.kind.value})")
+                raise ValueError(f"a {backend.value} build cannot hold build.{other.KEY} (the facts of {kind.value})")
         raw = d.get(want.KEY) if want is not None else None  # absent in builds of cabinlm before that engine
         return cls(
             backend=backend,

@@ -18,8 +18,8 @@ import struct
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from cabinlm.errors import ModelError
-from cabinlm.manifest import STATIC_ROPE_TYPES, SUPPORTED_ARCHITECTURES, SUPPORTED_VLM_ARCHITECTURES, ModelSpec
+from cabinlm.contract.errors import ModelError
+from cabinlm.contract.manifest import STATIC_ROPE_TYPES, SUPPORTED_ARCHITECTURES, SUPPORTED_VLM_ARCHITECTURES, ModelSpec
 
 # Mirrors transformers' defaults for keys a config may leave out (LlamaConfig() / Qwen2Config(), 5.x):
 # LLaVA-style text_config blocks often carry only the keys that differ from them.
@@ -369,12 +369,12 @@ def image_tokens_from_config(path: str | Path, frame: tuple[int, int] | None = N
     if not isinstance(v, dict):
         return 0
     if mrope_family(d) is not None:
-        from cabinlm.export.image_processor import read_qwen2_vl_processor  # the export's own reading (stdlib)
+        from cabinlm.source.processor import read_qwen2_vl_processor  # the export's own reading (stdlib)
 
         folder = Path(path) if Path(path).is_dir() else Path(path).parent
         return read_qwen2_vl_processor(folder, frame, v).image_tokens
     if idefics3_family(d) is not None:
-        from cabinlm.export.image_processor import read_idefics3_processor  # the export's own reading (stdlib)
+        from cabinlm.source.processor import read_idefics3_processor  # the export's own reading (stdlib)
 
         folder = Path(path) if Path(path).is_dir() else Path(path).parent
         return read_idefics3_processor(folder, {**_IDEFICS3_VISION_DEFAULTS, **v}, d.get("scale_factor", 2), frame).image_tokens
