@@ -447,7 +447,7 @@ def test_a_frames_chunk_beside_a_text_chunk_in_one_run_of_the_batched_graph_is_e
     feeds = {io.INPUT_IDS: np.concatenate(ids), io.SEAT_TOKENS: counts, io.LOGIT_ROWS: np.arange(int(ends[-1]), dtype=np.int64)}
     for s, (b, plan, c) in enumerate(zip(backends, plans, ids)):
         b.rotated.chunk_tables(plan)
-        own = b._chunk_inputs(plan, c, all_logits=True)
+        own = b.chunk_inputs(plan, c, all_logits=True)
         if s == 0:
             own[io.IMAGE_EMBEDS], own[io.IMAGE_MASK] = np.ascontiguousarray(rows, np.float32), np.ones((len(rows), 1), bool)
         for name in io.SHARED_BY_SEATS:
