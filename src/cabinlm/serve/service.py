@@ -10,6 +10,7 @@
         ("started", None)        the prompt is in the cache; the reply's tokens follow
         ("delta", text)          a piece of the reply
         ("call", event)          a piece of a tool call: (kind, index, value), turns.answer's on_call
+        ("scores", [TokenScore]) the log probabilities of the tokens the next delta or call piece holds
         ("done", TurnOutcome)    the turn is closed and, with --sessions, saved
         ("error", exception)     nothing more follows
 
@@ -183,6 +184,16 @@ class ChatService:
                 self._grammars = Grammars(path, list(self.manifest.stop_ids), self.manifest.model.vocab_size)
             return self._grammars
 
+    def token_bytes(self, token: int) -> tuple[str, bytes | None]:
+        """A token as logprobs name it: (its text, its bytes). The bytes are its piece of the reply's
+        text (part of a character's UTF-8 where a character spans tokens); a control token, which a
+        reply's text never shows, has its name and no bytes (None)."""
+        tok = self.grammars.tokenizer
+        raw = tok.decode_bytes([int(token)])
+        if tok.is_special_token(int(token)):
+            return raw.decode("utf-8", "replace"), None
+        return raw.decode("utf-8", "replace"), raw
+
     @classmethod
     def open(cls, config: ServeConfig) -> ChatService:
         """Load the artifact once and make config.seats dialogues on it (weights held once), as
@@ -307,12 +318,14 @@ class ChatService:
             constraint = None if admitted.grammar is None else self.grammars.constraint(admitted.grammar)
             sampling = Sampling(request.max_tokens or self.max_new_tokens, request.temperature, request.top_p,
                                 request.seed, request.stop, constraint, request.calls_tools,
-                                style_of(self.manifest.chat))  # fmt: skip
+                                style_of(self.manifest.chat), request.logprobs)  # fmt: skip
             outcome = answer(seat, conv, plan, frames, sampling, self.model,
                              on_text=(lambda t: turn.post("delta", t)) if request.stream else (lambda t: None),
                              stopped=turn.cancelled.is_set,
                              on_prefilled=lambda: turn.post("started"),
-                             on_call=(lambda *e: turn.post("call", e)) if request.stream else None)  # fmt: skip
+                             on_call=(lambda *e: turn.post("call", e)) if request.stream else None,
+                             on_scores=(lambda s: turn.post("scores", s))
+                             if request.stream and request.logprobs is not None else None)  # fmt: skip
             outcome.saved = self._save(seat)
             seat.last = summary(outcome)
             seat.answered += 1
