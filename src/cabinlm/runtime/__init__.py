@@ -15,6 +15,7 @@ from cabinlm.runtime.perplexity import PerplexityResult, stream_perplexity, toke
 from cabinlm.runtime.sampler import Sampler
 from cabinlm.runtime.slots import SlotTable, StepPlan
 from cabinlm.runtime.tokenizer import StreamDecoder, Tokenizer
+from cabinlm.runtime.tools import shown_markers
 from cabinlm.runtime.assembly import Runtime, RuntimeConfig, open_runtime
 
 
@@ -30,6 +31,9 @@ def open_artifact(folder: str | Path, threads: int | None = None, verify: bool =
     if verify:
         verify_checksums(folder, m)
     tok = tokenizer if tokenizer is not None else Tokenizer(Path(folder) / m.files["tokenizer"].path)
+    shown = shown_markers(m.chat)
+    if shown:  # a call opener that is a control token shows in replies' text (runtime/tools.py)
+        tok.show(shown)
     return Decoder(folder, manifest=m, threads=threads), tok
 
 

@@ -261,10 +261,15 @@ def _message(m: Any, i: int, style: CallStyle) -> Message:
         raise _fail(f"{where}.tool_call_id", f"{where}.tool_call_id: only tool messages answer a call")
     if role == "assistant" and not _absent(m.get("tool_calls")):
         calls = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+        for j, (call_id, _, _) in enumerate(calls):
+            try:
+                style.check_id(call_id, f"{where}.tool_calls[{j}].id")
+            except GrammarError as e:
+                raise _fail(e.param or where, str(e)) from None
         content = m.get("content")
         text = "" if content is None or content == "" else _content(m, where, role)[0]
-        return Message("assistant", style.render(text, [(n, a) for _, n, a in calls]), None,
-                       tuple(c for c, _, _ in calls))  # fmt: skip
+        ids = tuple(c for c, _, _ in calls)
+        return Message("assistant", style.render(text, [(n, a) for _, n, a in calls], ids), None, ids)
     text, image = _content(m, where, role)
     return Message(role, text, image)
 
@@ -320,7 +325,7 @@ def _conversation(messages: Any, style: CallStyle) -> Conversation:
             raise _fail(f"{at}.tool_call_id", f"{at}.tool_call_id {m.call_ids[0]!r} matches no call of the assistant "
                                               f"message before it ({', '.join(calls)})")  # fmt: skip
         results = [*group.call_ids, m.call_ids[0]]
-        texts = ([group.text] if group.text else []) + [style.results([m.text])]
+        texts = ([group.text] if group.text else []) + [style.results([m.text], m.call_ids)]
         turns.append(Message("tool", "\n".join(texts), None, tuple(results)))
     for i, m in enumerate(turns):
         want = ("user", "tool") if i % 2 == 0 else ("assistant",)

@@ -154,6 +154,7 @@ class ChatService:
             d.tok, d.template = shared, Template(shared, d.chat)  # type: ignore[arg-type]
         self.admission = Admission(shared, first.manifest, dialogues[0].long_messages, max_prompt_tokens)
         self.default_system = dialogues[0].chat.default_system
+        self.style = style_of(self.manifest.chat, shared.token_to_id)  # how the model writes its tool calls
         self.max_new_tokens = max_new_tokens
         self.seats = SeatManager(dialogues)
         self.store = store
@@ -232,7 +233,7 @@ class ChatService:
         """A decoded JSON body, checked whole before it may take a seat or the model (in a thread of its
         own, never a seat's: tokenizing a long history must not hold anybody up). RequestError when the
         request is malformed or more than the model can take."""
-        request = parse_chat_request(body, self.model_id, style_of(self.manifest.chat))
+        request = parse_chat_request(body, self.model_id, self.style)
         conv = request.conversation
         if not self.vision and (conv.prompt.image or any(u.image for u, _ in conv.exchanges)):
             raise RequestError("this model has no vision input; send text only, or serve a vision-language artifact",
@@ -318,7 +319,7 @@ class ChatService:
             constraint = None if admitted.grammar is None else self.grammars.constraint(admitted.grammar)
             sampling = Sampling(request.max_tokens or self.max_new_tokens, request.temperature, request.top_p,
                                 request.seed, request.stop, constraint, request.calls_tools,
-                                style_of(self.manifest.chat), request.logprobs)  # fmt: skip
+                                self.style, request.logprobs)  # fmt: skip
             outcome = answer(seat, conv, plan, frames, sampling, self.model,
                              on_text=(lambda t: turn.post("delta", t)) if request.stream else (lambda t: None),
                              stopped=turn.cancelled.is_set,

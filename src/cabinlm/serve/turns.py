@@ -204,7 +204,7 @@ def answer(seat, conversation: Conversation, plan: TurnPlan, frames: Frames, sam
         # and read as it arrives for the calls' names and arguments.
         trigger = sampling.style.trigger
         content_only = StopStrings([trigger] if sampling.calls_tools else [])
-        calls_so_far = CallStream()
+        calls_so_far = CallStream(sampling.style.ids_written)
         raw: list[str] = []
         ids: list[str] = []
         fed_to_calls = 0  # characters of the call text given to calls_so_far
@@ -230,7 +230,7 @@ def answer(seat, conversation: Conversation, plan: TurnPlan, frames: Frames, sam
             region = whole[whole.find(trigger):]
             for kind, index, value in calls_so_far.push(region[fed_to_calls:]):
                 if kind == "call":
-                    ids.append(new_call_id())
+                    ids.append(calls_so_far.ids[index] if sampling.style.ids_written else new_call_id())
                     on_call("call", index, f"{ids[index]} {value}")  # the id and the name
                 else:
                     on_call("args", index, value)
@@ -246,10 +246,12 @@ def answer(seat, conversation: Conversation, plan: TurnPlan, frames: Frames, sam
                 seat.record = None
             raise
     content, found = sampling.style.parse(result.reply) if sampling.calls_tools else (result.reply, [])
-    calls = [ToolCall(ids[i] if i < len(ids) else new_call_id(), name, arguments) for i, (name, arguments) in enumerate(found)]
+    written = sampling.style.written_ids(result.reply) if found else []
+    calls = [ToolCall(written[i] if written else ids[i] if i < len(ids) else new_call_id(), name, arguments)
+             for i, (name, arguments) in enumerate(found)]  # fmt: skip
     # A reply with calls is kept as the text a history sends back for it (its assistant message with
     # tool_calls, rendered): the seat then extends with the tool results.
-    reply = sampling.style.render(content, found) if calls else result.reply
+    reply = sampling.style.render(content, found, [c.id for c in calls]) if calls else result.reply
     streamed = "".join(deltas)
     finish = "cancelled" if cancelled else result.finish
     prompt = conversation.prompt
