@@ -185,7 +185,7 @@ LLAMA3_TOOLS_PREFIX = (
     "function call. Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name "
     "and its value}. Do not use variables.\n\n"
 )
-TOOL_CALL_STYLES = ("hermes", "llama3-json")
+TOOL_CALL_STYLES = ("hermes", "llama3-json", "mistral")
 
 
 @dataclass(frozen=True)
@@ -213,7 +213,7 @@ class ChatTemplate:
     #     SYSTEM + tools_prefix + TOOL_JSON (+ tools_separator + TOOL_JSON)* + tools_suffix
     # and the model writes its calls in its family's convention, tool_call_style: "hermes"
     # (<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>) or "llama3-json" ({"name": ...,
-    # "parameters": {...}}). tools_source: "model" (cut from the model's own template rendered with
+    # "parameters": {...}}) or "mistral" ([TOOL_CALLS] [{...}], control-token markers). tools_source: "model" (cut from the model's own template rendered with
     # tools: Qwen2.5, Qwen3) or "default" (these pieces, in the style's words). A tool result's turn:
     # tool_result_prefix + RESULTS + tool_result_suffix + assistant_prefix where the template gives
     # tool results a turn of their own (Llama's "ipython"); None: a user turn.

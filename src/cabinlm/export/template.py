@@ -148,8 +148,9 @@ def _image_user_prefix(tok: Any, user_prefix: str) -> str | None:
 def _tool_pieces(tok: Any, chat: ChatTemplate) -> ChatTemplate:
     """chat with the model's own tool-list wording (tools_source "model") where its template renders
     tools Hermes-style into the system message as the runtime writes them (runtime/tools.py: each
-    tool's JSON, one separator between two, calls in <tool_call> tags: Qwen2.5, Qwen3); chat as it
-    is (the default wording) otherwise."""
+    tool's JSON, one separator between two, calls in <tool_call> tags: Qwen2.5, Qwen3) or in
+    Mistral's [AVAILABLE_TOOLS] (_mistral_pieces); Llama 3.x's JSON calls (_llama3_pieces); chat as
+    it is (the default wording) otherwise."""
     from cabinlm.runtime.tools import OPEN, Tool
 
     one = Tool("cabinlm_probe_one", "first", {"type": "object", "properties": {}})
@@ -162,6 +163,8 @@ def _tool_pieces(tok: Any, chat: ChatTemplate) -> ChatTemplate:
     except Exception:  # noqa: BLE001 - a template that takes no tools
         return chat
     l1, l2 = one.listing(), two.listing()
+    if _mistral(tok, r1):
+        return _mistral_pieces(tok, chat, r1, r2, l1, l2)
     if OPEN not in r1 and _llama3_json(tok):
         return _llama3_pieces(tok, chat)
     if OPEN not in r1 or _S not in r1 or l1 not in r1 or l2 not in r2:
@@ -216,3 +219,52 @@ def _llama3_pieces(tok: Any, chat: ChatTemplate) -> ChatTemplate:
                                tools_separator="\n\n", tools_suffix="", tools_source="default",
                                tool_result_prefix=prefix, tool_result_suffix=suffix)  # fmt: skip
 
+
+
+def _mistral(tok: Any, rendered: str) -> bool:
+    """The template lists tools in Mistral's [AVAILABLE_TOOLS], and [TOOL_CALLS] is one control token
+    of the tokenizer (Mistral's v0.3 tokenizer and later)."""
+    from cabinlm.runtime.mistral_calls import CALLS, TOOLS_OPEN
+
+    if TOOLS_OPEN not in rendered or CALLS not in (getattr(tok, "chat_template", None) or ""):
+        return False
+    ids = tok.encode(CALLS, add_special_tokens=False)
+    return len(ids) == 1 and CALLS in tok.all_special_tokens
+
+
+def _mistral_pieces(tok: Any, chat: ChatTemplate, r1: str, r2: str, l1: str, l2: str) -> ChatTemplate:
+    """Mistral: the tool list's pieces cut from the template ([AVAILABLE_TOOLS] [ ... ][/AVAILABLE_TOOLS]:
+    the runtime lists the tools in the pinned system prompt, where the template puts them before the
+    last user message), and the tool turn's pieces around [TOOL_RESULTS] blocks, checked against the
+    template rendered with a call and its result; chat as it is where the template writes either
+    otherwise than runtime/mistral_calls.py does."""
+    from cabinlm.runtime.mistral_calls import MISTRAL, TOOLS_CLOSE, TOOLS_OPEN
+
+    at = r1.index(l1) if l1 in r1 else -1
+    if at < 0 or l2 not in r2 or TOOLS_OPEN not in r1[:at]:
+        return chat
+    prefix = r1[r1.rindex(TOOLS_OPEN, 0, at): at]
+    end = r1.find(TOOLS_CLOSE, at + len(l1))
+    if end < 0:
+        return chat
+    suffix = r1[at + len(l1): end + len(TOOLS_CLOSE)]
+    separator = r2.split(l1, 1)[1].split(l2, 1)[0]
+    call_id = "cabinlm01"
+    msgs = [{"role": "user", "content": _U},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": call_id, "type": "function", "function": {
+                "name": "cabinlm_probe_one", "arguments": {}}}]},
+            {"role": "tool", "tool_call_id": call_id, "content": _R}]  # fmt: skip
+    try:
+        rendered = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - a template that renders no tool turn: not Mistral's convention
+        return chat
+    call = MISTRAL.render("", [("cabinlm_probe_one", "{}")], [call_id]) + chat.assistant_suffix
+    result = MISTRAL.results([_R], [call_id])
+    if call not in rendered or result not in rendered.split(call, 1)[1]:
+        return chat
+    between, after = rendered.split(call, 1)[1].split(result, 1)
+    if not after.endswith(chat.assistant_prefix) or "\x02" in prefix + suffix + separator + between:
+        return chat
+    return dataclasses.replace(chat, tool_call_style="mistral", tools_prefix=prefix, tools_separator=separator,
+                               tools_suffix=suffix, tools_source="model", tool_result_prefix=between,
+                               tool_result_suffix=after[: len(after) - len(chat.assistant_prefix)])  # fmt: skip

@@ -7,6 +7,7 @@ from pathlib import Path
 from cabinlm.contract.manifest import Manifest, load_manifest, verify_checksums
 from cabinlm.runtime.decoder import Decoder
 from cabinlm.runtime.tokenizer import Tokenizer
+from cabinlm.runtime.tools import shown_markers
 
 
 def open_artifact(folder: str | Path, threads: int | None = None, verify: bool = True, *,
@@ -21,4 +22,7 @@ def open_artifact(folder: str | Path, threads: int | None = None, verify: bool =
     if verify:
         verify_checksums(folder, m)
     tok = tokenizer if tokenizer is not None else Tokenizer(Path(folder) / m.files["tokenizer"].path)
+    shown = shown_markers(m.chat)
+    if shown:  # a call opener that is a control token shows in replies' text (runtime/tools.py)
+        tok.show(shown)
     return Decoder(folder, manifest=m, threads=threads), tok

@@ -48,7 +48,7 @@ class ToolDialogue:
         self.dialogue = dialogue
         self.tools = tuple(tools)
         self.parallel = parallel
-        self.style = style_of(dialogue.chat)
+        self.style = style_of(dialogue.chat, dialogue.tok.token_to_id)
         self.grammars = grammars if grammars is not None else grammars_for(dialogue)
         self._compiled: dict[str, Compiled | None] = {}  # per tool_choice, compiled once
         self.choice = choice
@@ -80,8 +80,15 @@ class ToolDialogue:
             if not any(c.name == name for c in self.pending):
                 raise InputError(f"no call of {name!r} is waiting for a result "
                                  f"(waiting: {', '.join(c.name for c in self.pending) or 'none'})")  # fmt: skip
+        ids, waiting = [], list(self.pending)
+        for name, _ in items:  # each result answers the first call of its function not yet answered
+            call = next((c for c in waiting if c.name == name), None)
+            if call is None:
+                raise InputError(f"more results for {name!r} than calls of it")
+            waiting.remove(call)
+            ids.append(call.id)
         self.pending = []
-        return self._turn(self.style.results([content for _, content in items]), on_text, choice, tool=True)
+        return self._turn(self.style.results([content for _, content in items], ids), on_text, choice, tool=True)
 
     @property
     def missing(self) -> int:
@@ -111,6 +118,8 @@ class ToolDialogue:
 
         result = self.dialogue.ask(text, on_text=shown, constraint=constraint, tool=tool)
         content, found = self.style.parse(result.reply)
-        calls = [ToolCall(new_call_id(), name, arguments) for name, arguments in found]
+        written = self.style.written_ids(result.reply) if found else []
+        calls = [ToolCall(written[i] if written else new_call_id(), name, arguments)
+                 for i, (name, arguments) in enumerate(found)]  # fmt: skip
         self.pending = calls
         return ToolTurn(result, content, calls)

@@ -119,7 +119,8 @@ class Dialogue:
 
     def ask(self, text: str, on_text: Callable[[str], None] | None = None, image=None, *,
             should_stop: Callable[[], bool] | None = None, stop: Sequence[str] = (),
-            constraint: Constraint | None = None, tool: bool = False) -> TurnResult:
+            constraint: Constraint | None = None, tool: bool = False,
+            on_token: Callable[[int], None] | None = None) -> TurnResult:
         """One user turn: feed the prompt, stream the reply through on_text, return the turn's numbers.
 
         image (a path or PIL image; vision-language models): a new camera frame. Its tokens replace the
@@ -141,6 +142,8 @@ class Dialogue:
 
         tool: `text` is tool results (runtime/tools.CallStyle.results), fed as the template's tool
         turn where it has one, else as a user turn.
+
+        on_token: each reply token as it joins the reply, before on_text gets the text it adds.
         """
         dec = self.decoder
         frame = None
@@ -175,6 +178,8 @@ class Dialogue:
         t_decode = t_prefill
 
         def emit(token: int) -> None:
+            if on_token is not None:
+                on_token(token)
             delta = stops.push(stream.push(token))
             if delta and on_text:
                 on_text(delta)

@@ -16,7 +16,9 @@ its row and is never accepted, and the reply loop does not even send it (Sampler
 
 A lazy grammar (`trigger`): the reply is free text until the trigger text (a tool-call opener, e.g.
 "<tool_call>") appears in it; from there on the grammar holds, starting with the trigger itself, so
-ordinary replies are not touched at all. The grammar's end allows only the model's stop ids.
+ordinary replies are not touched at all. A trigger may also be a token id (a control token that
+opens calls, Mistral's [TOOL_CALLS]): the grammar holds from that token on, whatever text precedes it.
+The grammar's end allows only the model's stop ids.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class GrammarSpec:
     `%json {...}`), and optionally the text from which it holds (None: from the first token)."""
 
     lark: str
-    trigger: str | None = None
+    trigger: str | int | None = None  # text, or a control token's id
     param: str | None = None  # the request field it came from (errors name it)
 
 
@@ -83,7 +85,7 @@ class Compiled:
     """A grammar llguidance accepted for this model's vocabulary."""
 
     grammar: str  # llguidance's serialized grammar
-    trigger: bytes | None
+    trigger: bytes | int | None  # text's bytes, or a token id
 
 
 class Grammars:
@@ -112,7 +114,8 @@ class Grammars:
             # one line: llguidance's messages may quote the grammar over several
             detail = " ".join("; ".join(messages).split())[:300]
             raise GrammarError(f"{spec.param or 'the grammar'} cannot be enforced: {detail}", spec.param)
-        return Compiled(grammar, None if spec.trigger is None else spec.trigger.encode("utf-8"))
+        trigger = spec.trigger.encode("utf-8") if isinstance(spec.trigger, str) else spec.trigger
+        return Compiled(grammar, trigger)
 
     def constraint(self, compiled: Compiled) -> Constraint:
         return Constraint(self, compiled)
@@ -174,6 +177,11 @@ class Constraint:
     def consume(self, token: int) -> None:
         if self._matcher is not None:
             self._matcher.consume_token(int(self._stops[0]) if token in self._g.stop_ids else int(token))
+            return
+        if isinstance(self._compiled.trigger, int):  # a control token: the grammar holds from it on
+            if token == self._compiled.trigger:
+                self._matcher = self._g.matcher(self._compiled)
+                self._matcher.consume_token(int(token))
             return
         self._text += self._g.tokenizer.decode_bytes([int(token)])
         at = self._text.find(self._compiled.trigger)

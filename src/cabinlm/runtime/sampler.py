@@ -1,4 +1,5 @@
-"""Next-token choice: greedy, or temperature with top-k / top-p (nucleus), seeded."""
+"""Next-token choice: greedy, or temperature with top-k / top-p (nucleus), seeded; and, where asked,
+each chosen token's log probability with the likeliest alternatives (OpenAI's logprobs)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ class Sampler:
     # What the reply must follow (runtime/grammar.py): every choice is made from the masked logits
     # and consumed by it, draft checks included. None: unconstrained.
     constraint: Constraint | None = None
+    # OpenAI's logprobs: None records nothing; k (0..20) records, for every token chosen (a plain
+    # step's, or a draft check's row by row), its log probability and the k likeliest tokens', from
+    # the model's raw logits of that position: before the grammar's mask, temperature or top-p.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # OptionErrors named as the command line spells them; NaN fails every comparison, so each
@@ -37,8 +42,11 @@ class Sampler:
             self.rng = np.random.default_rng(self.seed)
         except (TypeError, ValueError) as e:
             raise OptionError(f"--seed must be a whole number >= 0, got {self.seed!r}") from e
+        # Invariant: scores[i] is the i-th token chosen (the stop id that ends a reply included).
+        self.scores: list[TokenScore] = []
 
     def __call__(self, logits: np.ndarray) -> int:
+        raw = logits
         if self.constraint is not None:
             logits = self.constraint.mask(logits)
         if self.temperature == 0:
@@ -48,7 +56,12 @@ class Sampler:
             token = int(self.rng.choice(p.size, p=p))
         if self.constraint is not None:
             self.constraint.consume(token)
+        self._score(raw, token)
         return token
+
+    def _score(self, logits: np.ndarray, token: int) -> None:
+        if self.logprobs is not None:
+            self.scores.append(score(logits, token, self.logprobs))
 
     def admissible(self, drafts):
         """The drafts the constraint lets follow the reply so far (all of them without one): the
@@ -67,8 +80,10 @@ class Sampler:
         if self.constraint is not None:
             ok, token = self._accept_draft(self.constraint.mask(logits), draft)
             self.constraint.consume(token)
-            return ok, token
-        return self._accept_draft(logits, draft)
+        else:
+            ok, token = self._accept_draft(logits, draft)
+        self._score(logits, token)
+        return ok, token
 
     def _accept_draft(self, logits: np.ndarray, draft: int) -> tuple[bool, int]:
         if self.temperature == 0:
@@ -101,6 +116,34 @@ class Sampler:
             q[keep] = p[keep]
             p = q / q.sum()
         return p
+
+
+@dataclass(frozen=True)
+class TokenScore:
+    """A chosen token's log probability under the model, and the `top` likeliest tokens' (id, log
+    probability), likeliest first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """The model's log probabilities of one position (float64)."""
+    z = logits.astype(np.float64)
+    z = z - z.max()
+    return z - np.log(np.exp(z).sum())
+
+
+def score(logits: np.ndarray, token: int, top: int) -> TokenScore:
+    lp = log_softmax(logits)
+    best: list[tuple[int, float]] = []
+    if top:
+        k = min(top, lp.size)
+        ids = np.argpartition(-lp, k - 1)[:k]
+        ids = ids[np.lexsort((ids, -lp[ids]))]  # likeliest first; ties by id
+        best = [(int(i), float(lp[i])) for i in ids]
+    return TokenScore(int(token), float(lp[token]), tuple(best))
 
 
 def _number(x) -> bool:

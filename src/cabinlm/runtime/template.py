@@ -7,24 +7,41 @@ renderer of a dialogue's turns, used by the Dialogue, by the checks made before 
     closing    assistant_suffix                                              fed with the next prompt
 
 The pieces are encoded as control tokens (they hold strings like "<|im_start|>"); the text between
-them always as plain text, so a message cannot forge a turn.
+them always as plain text, so a message cannot forge a turn. The tool-call style's markers (Mistral's
+[AVAILABLE_TOOLS], [TOOL_CALLS], [TOOL_RESULTS]: CallStyle.markers) are control tokens where the
+runtime writes them: in a system prompt (the tool list), a reply sent back (its calls) and a tool turn
+(the results); a user's message never holds one.
 """
 
 from __future__ import annotations
 
+import re
+
 from cabinlm.contract.layout import CacheLayout
 from cabinlm.contract.manifest import ChatTemplate
 from cabinlm.runtime.tokenizer import Tokenizer
+from cabinlm.runtime.tools import style_of
 
 
 class Template:
     def __init__(self, tokenizer: Tokenizer, chat: ChatTemplate):
         self.tok = tokenizer
         self.chat = chat
+        self.markers = style_of(chat).markers
+
+    def marked(self, text: str) -> list[int]:
+        """Text whose call-style markers are control tokens, the rest plain text."""
+        if not self.markers or not any(m in text for m in self.markers):
+            return self.tok.encode_text(text)
+        ids: list[int] = []
+        for i, piece in enumerate(re.split("(" + "|".join(map(re.escape, self.markers)) + ")", text)):
+            if piece:
+                ids += self.tok.encode(piece) if i % 2 else self.tok.encode_text(piece)
+        return ids
 
     def system(self, text: str) -> list[int]:
         c = self.chat
-        return self.tok.encode(c.system_prefix) + self.tok.encode_text(text) + self.tok.encode(c.system_suffix)
+        return self.tok.encode(c.system_prefix) + self.marked(text) + self.tok.encode(c.system_suffix)
 
     def start(self, system: str | None) -> list[int]:
         """What a dialogue pins before its first turn: the BOS the template does not render (if the
@@ -37,7 +54,7 @@ class Template:
         results (runtime/tools.py), in the template's own tool turn where it has one."""
         c = self.chat
         if tool and c.tool_result_prefix is not None:
-            return (self.tok.encode(c.tool_result_prefix) + self.tok.encode_text(text)
+            return (self.tok.encode(c.tool_result_prefix) + self.marked(text)
                     + self.tok.encode(c.tool_result_suffix + c.assistant_prefix))  # fmt: skip
         return self.user_head() + self.user_tail(text)
 
@@ -56,8 +73,8 @@ class Template:
         return self.tok.encode(self.chat.assistant_suffix)
 
     def text(self, text: str) -> list[int]:
-        """Plain text (a reply a client sends), never control tokens."""
-        return self.tok.encode_text(text)
+        """A reply a client sends: plain text, but for the call style's markers (its calls)."""
+        return self.marked(text)
 
 
 def system_overflow(tokens: int, layout: CacheLayout, shorter: str | None) -> str | None:

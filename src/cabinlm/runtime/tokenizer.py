@@ -15,6 +15,16 @@ class Tokenizer:
             self._tk = _Tokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises a bare Exception for unreadable files
             raise ManifestError(f"{path}: cannot read the tokenizer ({e}); re-export") from e
+        self._shown: frozenset[int] = frozenset()
+        self._hidden: frozenset[int] = frozenset()
+
+    def show(self, tokens: set[str]) -> None:
+        """Control tokens whose text decode() keeps (a tool-call opener that is a control token,
+        Mistral's [TOOL_CALLS]: the reply's text then says where its calls begin); every other one
+        stays hidden."""
+        added = {i: t for i, t in self._tk.get_added_tokens_decoder().items() if t.special}
+        self._shown = frozenset(i for i, t in added.items() if t.content in tokens)
+        self._hidden = frozenset(added) - self._shown
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`, special-token strings (e.g. "<|im_end|>") becoming control tokens.
@@ -31,6 +41,8 @@ class Tokenizer:
             self._tk.encode_special_tokens = False
 
     def decode(self, ids: list[int]) -> str:
+        if self._shown and any(i in self._shown for i in ids):
+            return self._tk.decode([i for i in ids if i not in self._hidden], skip_special_tokens=False)
         return self._tk.decode(ids, skip_special_tokens=True)
 
     def token_to_id(self, token: str) -> int | None:

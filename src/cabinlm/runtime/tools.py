@@ -9,6 +9,8 @@ otherwise) and writes each call in its family's convention (CallStyle, ChatTempl
                                            </tool_call>
     llama3-json (Llama 3.1 / 3.2)          {"name": "set_temperature", "parameters": {"zone": "driver", "celsius": 22}}
                                            (one call a reply, as Llama's template allows)
+    mistral (Mistral's v0.3 templates)     [TOOL_CALLS] [{"name": "set_temperature", "arguments": {...}, "id": "a1B2c3D4e"}]
+                                           (control-token markers, ids the model writes: runtime/mistral_calls.py)
 
 The grammar (runtime/grammar.py) makes every call well-formed: the name one of the tools', the
 arguments valid against that tool's JSON Schema, the JSON written with fixed separators (", " and
@@ -144,6 +146,22 @@ class CallStyle:
     trigger: str  # the text a call starts with: a lazy grammar holds from it on, the parser looks for it
     result_open: str = ""  # around each tool result
     result_close: str = ""
+    # control tokens' texts the style's pieces hold (the tool list's, a call's, a result's): where
+    # they stand in a system prompt, a reply sent back or a tool turn they are fed as control tokens
+    # (runtime/template.py); never in a user's message
+    markers: tuple[str, ...] = ()
+    ids_written = False  # the model writes each call's id (written_ids); else the runtime names calls
+
+    def bind(self, token_to_id) -> CallStyle:
+        """The style for one model's vocabulary (token_to_id: the tokenizer's lookup)."""
+        return self
+
+    def written_ids(self, text: str) -> list[str]:
+        """The ids the model wrote for a reply's calls ([]: the runtime names them, new_call_id)."""
+        return []
+
+    def check_id(self, call_id: str, param: str) -> None:
+        """GrammarError unless a history's call id is one this style can render."""
 
     def call_schema(self, tool: Tool) -> dict:
         return {"type": "object", "properties": {"name": {"const": tool.name}, self.args_key: tool.parameters},
@@ -199,8 +217,9 @@ class CallStyle:
             return text, []
         return content, calls
 
-    def render(self, content: str, calls: Sequence[tuple[str, str]]) -> str:
-        """An assistant message with tool calls as the model writes it (grammar()'s form)."""
+    def render(self, content: str, calls: Sequence[tuple[str, str]], ids: Sequence[str] = ()) -> str:
+        """An assistant message with tool calls as the model writes it (grammar()'s form); ids: the
+        calls' ids, for styles whose calls hold them."""
         parts = [content] if content else []
         for name, arguments in calls:
             try:
@@ -211,8 +230,8 @@ class CallStyle:
             parts.append(f"{self.open}{call}{self.close}")
         return "\n".join(parts)
 
-    def results(self, results: Sequence[str]) -> str:
-        """Tool results as the text of the turn that carries them."""
+    def results(self, results: Sequence[str], ids: Sequence[str] = ()) -> str:
+        """Tool results as the text of the turn that carries them (ids: the calls each answers)."""
         return "\n".join(f"{self.result_open}{r}{self.result_close}" for r in results)
 
 
@@ -221,8 +240,22 @@ LLAMA3_JSON = CallStyle("llama3-json", "", "", "parameters", False, '{"name": ')
 STYLES = {s.name: s for s in (HERMES, LLAMA3_JSON)}
 
 
-def style_of(chat: ChatTemplate) -> CallStyle:
-    return STYLES[chat.tool_call_style]
+def style_of(chat: ChatTemplate, token_to_id=None) -> CallStyle:
+    """The model's style; token_to_id (the tokenizer's lookup): bound to its vocabulary, as a style
+    whose grammar names a control token needs (Mistral's)."""
+    if chat.tool_call_style == "mistral":
+        from cabinlm.runtime.mistral_calls import MISTRAL
+
+        style: CallStyle = MISTRAL
+    else:
+        style = STYLES[chat.tool_call_style]
+    return style if token_to_id is None else style.bind(token_to_id)
+
+
+def shown_markers(chat: ChatTemplate) -> set[str]:
+    """The control tokens a reply's text shows: the style's call opener where it is one."""
+    style = style_of(chat)
+    return {style.trigger} if style.trigger in style.markers else set()
 
 
 def calls_grammar(tools: Sequence[Tool], choice: ToolChoice, parallel: bool, style: CallStyle = HERMES) -> GrammarSpec | None:
@@ -245,12 +278,13 @@ def parse_calls(text: str, style: CallStyle = HERMES) -> tuple[str, list[tuple[s
     return style.parse(text)
 
 
-def render_calls(content: str, calls: Sequence[tuple[str, str]], style: CallStyle = HERMES) -> str:
-    return style.render(content, calls)
+def render_calls(content: str, calls: Sequence[tuple[str, str]], style: CallStyle = HERMES,
+                 ids: Sequence[str] = ()) -> str:  # fmt: skip
+    return style.render(content, calls, ids)
 
 
-def render_results(results: Sequence[str], style: CallStyle = HERMES) -> str:
-    return style.results(results)
+def render_results(results: Sequence[str], style: CallStyle = HERMES, ids: Sequence[str] = ()) -> str:
+    return style.results(results, ids)
 
 
 _CALL_HEAD = re.compile(r'\{"name": "([A-Za-z0-9_-]{1,64})", "(?:arguments|parameters)": ')
@@ -262,14 +296,20 @@ class CallStream:
     arguments streamed for a call, joined, are the arguments its parse gives (the grammar writes the
     JSON as json.dumps does), so a client that joins the deltas holds the final call."""
 
-    def __init__(self) -> None:
+    def __init__(self, ids_written: bool = False) -> None:
+        """ids_written: each call's id follows its arguments in its text (Mistral's): a call is
+        announced once its id is whole (ids), its arguments then in one piece."""
         self.text = ""
         self.names: list[str] = []  # announced calls
         self.sent: list[int] = []  # characters of each call's arguments streamed
+        self.ids_written = ids_written
+        self.ids: list[str] = []  # the announced calls' ids (ids_written)
 
     def push(self, delta: str) -> list[tuple[str, int, str]]:
         """New events: ("call", index, name) and ("args", index, text)."""
         self.text += delta
+        if self.ids_written:
+            return self._whole_calls()
         events: list[tuple[str, int, str]] = []
         decoder = json.JSONDecoder()
         for i, m in enumerate(_CALL_HEAD.finditer(self.text)):
@@ -290,3 +330,25 @@ class CallStream:
                 events.append(("args", i, args[self.sent[i]:]))
                 self.sent[i] = len(args)
         return events
+
+    def _whole_calls(self) -> list[tuple[str, int, str]]:
+        events: list[tuple[str, int, str]] = []
+        decoder = json.JSONDecoder()
+        for i, m in enumerate(_CALL_HEAD.finditer(self.text)):
+            if i < len(self.names):
+                continue
+            try:
+                _, end = decoder.raw_decode(self.text, m.end())
+            except json.JSONDecodeError:
+                break
+            found = _WRITTEN_ID.match(self.text, end)
+            if found is None:
+                break
+            self.names.append(m.group(1))
+            self.ids.append(found.group(1))
+            self.sent.append(end - m.end())
+            events += [("call", i, m.group(1)), ("args", i, self.text[m.end():end])]
+        return events
+
+
+_WRITTEN_ID = re.compile(r', "id": "([A-Za-z0-9]{1,64})"')

@@ -157,32 +157,52 @@ class TurnStream(StreamingResponse):
             self.turn.cancel()
 
 
-async def _events(turn: Turn, cid: str, model: str, created: int) -> AsyncIterator[str]:
+async def _events(turn: Turn, cid: str, model: str, created: int,
+                  token_bytes: Callable[[int], tuple[str, bytes | None]]) -> AsyncIterator[str]:  # fmt: skip
     request = turn.request
     yield _sse(replies.chunk(cid, model, created, {"role": "assistant", "content": ""}))
     streamed_args: dict[int, str] = {}  # tool calls streamed so far: index -> arguments sent
+    pending: list = []  # scores of tokens not yet sent (logprobs): they go with the next chunk
+    sent = 0  # scores sent
+
+    def take_scores() -> dict | None:
+        """The pending scores as a chunk's logprobs (None where there are none)."""
+        nonlocal pending, sent
+        if not pending:
+            return None
+        scores, sent, pending = replies.logprobs(pending, token_bytes), sent + len(pending), []
+        return scores
+
+    def with_scores(delta: dict) -> str:
+        return _sse(replies.chunk(cid, model, created, delta, scores=take_scores()))
+
     while True:
         kind, value = await turn.next()
-        if kind == "delta":
-            yield _sse(replies.chunk(cid, model, created, {"content": value}))
+        if kind == "scores":
+            pending.extend(value)
+        elif kind == "delta":
+            yield with_scores({"content": value})
         elif kind == "call":
             piece, index, text = value
             streamed_args[index] = streamed_args.get(index, "") + (text if piece == "args" else "")
-            yield _sse(replies.chunk(cid, model, created, replies.call_piece(piece, index, text)))
+            yield with_scores(replies.call_piece(piece, index, text))
         elif kind == "done" and value.cancelled:  # the client is still here: the server is stopping
             yield _sse(STOPPING.body())
             return
         elif kind == "done":
+            # the scores of tokens held back (a stop string's start that was not one, a call opener)
+            # go with what follows; those of a stop string's own tokens are not returned
+            pending = list(value.logprobs[sent:]) if value.logprobs is not None else []
             if value.calls:  # content the opener's hold-back kept, then the calls
                 if value.content.startswith(value.streamed) and len(value.content) > len(value.streamed):
-                    yield _sse(replies.chunk(cid, model, created, {"content": value.content[len(value.streamed):]}))
+                    yield with_scores({"content": value.content[len(value.streamed):]})
                 for delta in replies.call_deltas(value, streamed_args):
-                    yield _sse(replies.chunk(cid, model, created, delta))
+                    yield with_scores(delta)
             elif request.calls_tools and value.result.reply.startswith(value.streamed) \
                     and len(value.result.reply) > len(value.streamed):
                 # a tool call's opener held back, but no call followed it (cut by max_tokens): it is text
-                yield _sse(replies.chunk(cid, model, created, {"content": value.result.reply[len(value.streamed):]}))
-            yield _sse(replies.final_chunk(cid, model, created, value))
+                yield with_scores({"content": value.result.reply[len(value.streamed):]})
+            yield _sse(replies.final_chunk(cid, model, created, value, take_scores()))
             if request.include_usage:
                 usage = replies.usage(value, turn.seat.name)
                 yield _sse(replies.chunk(cid, model, created, usage_block=usage))
@@ -216,7 +236,7 @@ def create_app(service: ChatService, ui: bool = True) -> Starlette:
                 raise value
             if chat.stream:
                 watcher.cancel()  # from here the streamed response listens for the client itself
-                return TurnStream(turn, _events(turn, cid, model_id, int(time.time())))
+                return TurnStream(turn, _events(turn, cid, model_id, int(time.time()), service.token_bytes))
             while kind != "done":
                 kind, value = await turn.next()
                 if kind == "error":
@@ -225,7 +245,8 @@ def create_app(service: ChatService, ui: bool = True) -> Starlette:
                 if turn.client_gone:
                     return Response(status_code=499)  # nobody reads it; the access log tells what happened
                 raise STOPPING  # the client is still here: the server is stopping
-            return JSONResponse(replies.completion(cid, model_id, value, replies.usage(value, turn.seat.name)))
+            return JSONResponse(replies.completion(cid, model_id, value, replies.usage(value, turn.seat.name),
+                                                   service.token_bytes))  # fmt: skip
         except BaseException:
             turn.cancel()  # this handler is gone (cancelled, or failing): the reply stops at its next token
             raise

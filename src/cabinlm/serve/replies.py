@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from cabinlm.runtime.sampler import TokenScore
 from cabinlm.serve.turns import TurnOutcome
 
 
@@ -88,7 +90,22 @@ def call_deltas(outcome: TurnOutcome, streamed: dict[int, str] | None = None) ->
     return out
 
 
-def completion(cid: str, model: str, outcome: TurnOutcome, usage_block: dict) -> dict[str, Any]:
+def logprobs(scores: Sequence[TokenScore], describe: Callable[[int], tuple[str, bytes | None]]) -> dict[str, Any]:
+    """Tokens' scores as OpenAI's choice.logprobs: {"content": [{token, logprob, bytes, top_logprobs}]}.
+    describe: a token id -> (its text, its bytes or None), ChatService.token_bytes (a piece of a
+    character that spans tokens shows as U+FFFD in the text; the bytes hold it exactly)."""
+
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        text, raw = describe(token)
+        return {"token": text, "logprob": logprob, "bytes": None if raw is None else list(raw)}
+
+    content = [{**entry(s.token, s.logprob), "top_logprobs": [entry(t, lp) for t, lp in s.top]} for s in scores]
+    return {"content": content, "refusal": None}
+
+
+def completion(cid: str, model: str, outcome: TurnOutcome, usage_block: dict,
+               token_bytes: Callable[[int], tuple[str, bytes | None]] | None = None) -> dict[str, Any]:  # fmt: skip
+    """token_bytes: how the outcome's logprobs name their tokens (where the request asked for them)."""
     return {
         "id": cid,
         "object": "chat.completion",
@@ -99,25 +116,27 @@ def completion(cid: str, model: str, outcome: TurnOutcome, usage_block: dict) ->
             "index": 0,
             "message": message(outcome),
             "finish_reason": _finish(outcome),
-            "logprobs": None,
+            "logprobs": None if outcome.logprobs is None or token_bytes is None
+            else logprobs(outcome.logprobs, token_bytes),
         }],
         "usage": usage_block,
     }  # fmt: skip
 
 
 def chunk(cid: str, model: str, created: int, delta: dict | None = None, finish: str | None = None,
-          usage_block: dict | None = None) -> dict[str, Any]:  # fmt: skip
-    """One streamed chunk: a delta (choices [one]), or with usage_block the final usage chunk (choices [])."""
+          usage_block: dict | None = None, scores: dict | None = None) -> dict[str, Any]:  # fmt: skip
+    """One streamed chunk: a delta (choices [one]) with the logprobs of its tokens (scores: logprobs()'s
+    object), or with usage_block the final usage chunk (choices [])."""
     body: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
     if usage_block is not None:
         body["choices"], body["usage"] = [], usage_block
     else:
-        body["choices"] = [{"index": 0, "delta": delta or {}, "finish_reason": finish, "logprobs": None}]
+        body["choices"] = [{"index": 0, "delta": delta or {}, "finish_reason": finish, "logprobs": scores}]
     return body
 
 
-def final_chunk(cid: str, model: str, created: int, outcome: TurnOutcome) -> dict[str, Any]:
-    return chunk(cid, model, created, {}, _finish(outcome))
+def final_chunk(cid: str, model: str, created: int, outcome: TurnOutcome, scores: dict | None = None) -> dict[str, Any]:
+    return chunk(cid, model, created, {}, _finish(outcome), scores=scores)
 
 
 def models(model_id: str, created: float, backend: str) -> dict[str, Any]:

@@ -13,7 +13,10 @@ What a request may carry (https://platform.openai.com/docs/api-reference/chat/cr
     response_format                      {"type": "json_object"} or {"type": "json_schema", ...}: the
                                          reply is JSON following it (grammar-constrained)
     stop                                 a string or up to 4: the reply ends at the first, not shown
-    n, logprobs, ...                     accepted only at the value that changes nothing (n = 1, ...);
+    logprobs, top_logprobs               each returned token's log probability under the model (its raw
+                                         logits, before any grammar mask or temperature), and 0..20
+                                         likeliest alternatives'
+    n, frequency_penalty, ...            accepted only at the value that changes nothing (n = 1, ...);
                                          anything else is refused, not ignored
     metadata, store, service_tier, ...   accepted and ignored (they do not change the reply)
     any other field                      refused: a misspelt field must not be silently dropped
@@ -103,6 +106,7 @@ class ChatRequest:
     parallel_tool_calls: bool = True
     grammar: GrammarSpec | None = None  # what the reply must follow (tool calls or response_format)
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # top_logprobs when logprobs is true (0: the chosen token's alone); None: false
 
     @property
     def calls_tools(self) -> bool:
@@ -134,8 +138,6 @@ _ONLY_NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "n": (lambda v: v is None or (_is_int(v) and v == 1), "one choice per request: n must be 1"),
     "frequency_penalty": (lambda v: v is None or (_is_number(v) and v == 0), "penalties are not supported: use 0"),
     "presence_penalty": (lambda v: v is None or (_is_number(v) and v == 0), "penalties are not supported: use 0"),
-    "logprobs": (lambda v: v is None or v is False, "log probabilities are not returned"),
-    "top_logprobs": (lambda v: v is None or (_is_int(v) and v == 0), "log probabilities are not returned"),
     "logit_bias": (_absent, "logit_bias is not supported"),
     "functions": (_absent, "the legacy functions field is not supported: send tools"),
     "function_call": (lambda v: v is None or v == "none", "the legacy function_call field is not supported: send "
@@ -152,7 +154,8 @@ _IGNORED = {"metadata", "store", "service_tier", "safety_identifier", "prompt_ca
             "moderation"}  # fmt: skip
 _KNOWN = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stream",
           "stream_options", "user", "tools", "tool_choice", "parallel_tool_calls", "response_format",
-          "stop"} | set(_ONLY_NEUTRAL) | _IGNORED  # fmt: skip
+          "stop", "logprobs", "top_logprobs"} | set(_ONLY_NEUTRAL) | _IGNORED  # fmt: skip
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 # Keys of a message object: content and role, plus what the openai client writes back with a reply.
 _MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id"}
 _MESSAGE_NULL_KEYS = {"function_call", "refusal", "audio", "annotations", "reasoning_content"}
@@ -258,10 +261,15 @@ def _message(m: Any, i: int, style: CallStyle) -> Message:
         raise _fail(f"{where}.tool_call_id", f"{where}.tool_call_id: only tool messages answer a call")
     if role == "assistant" and not _absent(m.get("tool_calls")):
         calls = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+        for j, (call_id, _, _) in enumerate(calls):
+            try:
+                style.check_id(call_id, f"{where}.tool_calls[{j}].id")
+            except GrammarError as e:
+                raise _fail(e.param or where, str(e)) from None
         content = m.get("content")
         text = "" if content is None or content == "" else _content(m, where, role)[0]
-        return Message("assistant", style.render(text, [(n, a) for _, n, a in calls]), None,
-                       tuple(c for c, _, _ in calls))  # fmt: skip
+        ids = tuple(c for c, _, _ in calls)
+        return Message("assistant", style.render(text, [(n, a) for _, n, a in calls], ids), None, ids)
     text, image = _content(m, where, role)
     return Message(role, text, image)
 
@@ -317,7 +325,7 @@ def _conversation(messages: Any, style: CallStyle) -> Conversation:
             raise _fail(f"{at}.tool_call_id", f"{at}.tool_call_id {m.call_ids[0]!r} matches no call of the assistant "
                                               f"message before it ({', '.join(calls)})")  # fmt: skip
         results = [*group.call_ids, m.call_ids[0]]
-        texts = ([group.text] if group.text else []) + [style.results([m.text])]
+        texts = ([group.text] if group.text else []) + [style.results([m.text], m.call_ids)]
         turns.append(Message("tool", "\n".join(texts), None, tuple(results)))
     for i, m in enumerate(turns):
         want = ("user", "tool") if i % 2 == 0 else ("assistant",)
@@ -344,6 +352,17 @@ def _stop(value: Any) -> tuple[str, ...]:
     if len(stops) > MAX_STOP_STRINGS:
         raise _fail("stop", f"stop holds {len(stops)} strings; at most {MAX_STOP_STRINGS}")
     return tuple(_text(x, "stop") for x in stops if x)
+
+
+def _logprobs(body: dict) -> int | None:
+    """logprobs / top_logprobs -> how many alternatives each token reports (None: no log probabilities)."""
+    asked = body.get("logprobs")
+    if asked is not None and not isinstance(asked, bool):
+        raise _fail("logprobs", f"logprobs must be true or false, got {asked!r}")
+    top = _int_field(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and not asked:
+        raise _fail("top_logprobs", "top_logprobs needs logprobs: true")
+    return (top or 0) if asked else None
 
 
 def _grammar(body: dict, tools: tuple[Tool, ...], choice: ToolChoice, parallel: bool,
@@ -429,4 +448,4 @@ def parse_chat_request(body: Any, model_id: str, style: CallStyle = HERMES) -> C
         raise RequestError(str(e), param=e.param, code="invalid_value") from None
     return ChatRequest(conversation, seat, max_completion if max_tokens is None else max_tokens, temperature, top_p,
                        seed, bool(stream), include_usage, tools, choice, parallel is not False, grammar,
-                       _stop(body.get("stop")))  # fmt: skip
+                       _stop(body.get("stop")), _logprobs(body))  # fmt: skip

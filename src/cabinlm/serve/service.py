@@ -10,6 +10,7 @@
         ("started", None)        the prompt is in the cache; the reply's tokens follow
         ("delta", text)          a piece of the reply
         ("call", event)          a piece of a tool call: (kind, index, value), turns.answer's on_call
+        ("scores", [TokenScore]) the log probabilities of the tokens the next delta or call piece holds
         ("done", TurnOutcome)    the turn is closed and, with --sessions, saved
         ("error", exception)     nothing more follows
 
@@ -153,6 +154,7 @@ class ChatService:
             d.tok, d.template = shared, Template(shared, d.chat)  # type: ignore[arg-type]
         self.admission = Admission(shared, first.manifest, dialogues[0].long_messages, max_prompt_tokens)
         self.default_system = dialogues[0].chat.default_system
+        self.style = style_of(self.manifest.chat, shared.token_to_id)  # how the model writes its tool calls
         self.max_new_tokens = max_new_tokens
         self.seats = SeatManager(dialogues)
         self.store = store
@@ -182,6 +184,16 @@ class ChatService:
                 path = first.folder / self.manifest.files["tokenizer"].path
                 self._grammars = Grammars(path, list(self.manifest.stop_ids), self.manifest.model.vocab_size)
             return self._grammars
+
+    def token_bytes(self, token: int) -> tuple[str, bytes | None]:
+        """A token as logprobs name it: (its text, its bytes). The bytes are its piece of the reply's
+        text (part of a character's UTF-8 where a character spans tokens); a control token, which a
+        reply's text never shows, has its name and no bytes (None)."""
+        tok = self.grammars.tokenizer
+        raw = tok.decode_bytes([int(token)])
+        if tok.is_special_token(int(token)):
+            return raw.decode("utf-8", "replace"), None
+        return raw.decode("utf-8", "replace"), raw
 
     @classmethod
     def open(cls, config: ServeConfig) -> ChatService:
@@ -221,7 +233,7 @@ class ChatService:
         """A decoded JSON body, checked whole before it may take a seat or the model (in a thread of its
         own, never a seat's: tokenizing a long history must not hold anybody up). RequestError when the
         request is malformed or more than the model can take."""
-        request = parse_chat_request(body, self.model_id, style_of(self.manifest.chat))
+        request = parse_chat_request(body, self.model_id, self.style)
         conv = request.conversation
         if not self.vision and (conv.prompt.image or any(u.image for u, _ in conv.exchanges)):
             raise RequestError("this model has no vision input; send text only, or serve a vision-language artifact",
@@ -307,12 +319,14 @@ class ChatService:
             constraint = None if admitted.grammar is None else self.grammars.constraint(admitted.grammar)
             sampling = Sampling(request.max_tokens or self.max_new_tokens, request.temperature, request.top_p,
                                 request.seed, request.stop, constraint, request.calls_tools,
-                                style_of(self.manifest.chat))  # fmt: skip
+                                self.style, request.logprobs)  # fmt: skip
             outcome = answer(seat, conv, plan, frames, sampling, self.model,
                              on_text=(lambda t: turn.post("delta", t)) if request.stream else (lambda t: None),
                              stopped=turn.cancelled.is_set,
                              on_prefilled=lambda: turn.post("started"),
-                             on_call=(lambda *e: turn.post("call", e)) if request.stream else None)  # fmt: skip
+                             on_call=(lambda *e: turn.post("call", e)) if request.stream else None,
+                             on_scores=(lambda s: turn.post("scores", s))
+                             if request.stream and request.logprobs is not None else None)  # fmt: skip
             outcome.saved = self._save(seat)
             seat.last = summary(outcome)
             seat.answered += 1

@@ -23,8 +23,9 @@ import numpy as np
 
 from cabinlm.runtime.dialogue import Dialogue, TurnResult
 from cabinlm.runtime.grammar import Constraint
-from cabinlm.runtime.sampler import Sampler
+from cabinlm.runtime.sampler import Sampler, TokenScore
 from cabinlm.runtime.stops import StopStrings
+from cabinlm.runtime.tokenizer import StreamDecoder
 from cabinlm.runtime.tools import HERMES, CallStream, CallStyle, ToolCall, new_call_id
 from cabinlm.serve.history import Exchange, SeatRecord, TurnPlan, image_key
 from cabinlm.serve.images import open_image
@@ -103,6 +104,7 @@ class TurnOutcome:
     cancelled: bool  # the reply was ended because the client went away
     content: str  # the reply's text, less its tool calls
     calls: list[ToolCall]  # the tool calls read from the reply (requests with tools)
+    logprobs: list[TokenScore] | None = None  # the returned reply's tokens' (requests with logprobs)
     saved: bool = False  # written to --sessions (set by the service once the seat is saved)
 
 
@@ -116,6 +118,7 @@ class Sampling:
     constraint: Constraint | None = None  # what the reply must follow (tool calls, a JSON format)
     calls_tools: bool = False  # the reply may hold tool calls: they are read back, never streamed as text
     style: CallStyle = HERMES  # how the model writes them
+    logprobs: int | None = None  # each token's log probability and this many alternatives'; None: none
 
 
 def _replay(d: Dialogue, ex: Exchange, image, model: ModelTurns) -> None:
@@ -139,11 +142,14 @@ def _replay(d: Dialogue, ex: Exchange, image, model: ModelTurns) -> None:
 def answer(seat, conversation: Conversation, plan: TurnPlan, frames: Frames, sampling: Sampling, model: ModelTurns,
            *, on_text: Callable[[str], None], stopped: Callable[[], bool],
            on_prefilled: Callable[[], None],
-           on_call: Callable[[str, int, str], None] | None = None) -> TurnOutcome:  # fmt: skip
+           on_call: Callable[[str, int, str], None] | None = None,
+           on_scores: Callable[[list[TokenScore]], None] | None = None) -> TurnOutcome:  # fmt: skip
     """Run plan on seat (its .dialogue and .record) while holding model. conversation.system is the
     effective system prompt (the model's default already filled in). on_call: the reply's tool calls
     as they stream (runtime/tools.CallStream): ("call", index, "ID NAME") once a call's name is whole
-    (the id is the outcome's call's), then ("args", index, text) pieces."""
+    (the id is the outcome's call's), then ("args", index, text) pieces. on_scores (sampling.logprobs):
+    the scores of the tokens chosen since the last call, before each on_text or on_call they led to
+    (tokens whose text is held back, a stop string's or a call opener's, come with a later one)."""
     d: Dialogue = seat.dialogue
     record: SeatRecord | None = seat.record
     with model:
@@ -178,7 +184,8 @@ def answer(seat, conversation: Conversation, plan: TurnPlan, frames: Frames, sam
             fed(Exchange(user.text, image_key(user.image), assistant.text, tool=tool))
         seat.record = SeatRecord(conversation.system, list(held))
 
-        sampler = RecordingSampler(temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed)
+        sampler = RecordingSampler(temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
+                                   logprobs=sampling.logprobs)  # fmt: skip
         d.sampler, d.max_new_tokens = sampler, sampling.max_new_tokens
         prefilled: list[int] = []
         deltas: list[str] = []
@@ -197,13 +204,21 @@ def answer(seat, conversation: Conversation, plan: TurnPlan, frames: Frames, sam
         # and read as it arrives for the calls' names and arguments.
         trigger = sampling.style.trigger
         content_only = StopStrings([trigger] if sampling.calls_tools else [])
-        calls_so_far = CallStream()
+        calls_so_far = CallStream(sampling.style.ids_written)
         raw: list[str] = []
         ids: list[str] = []
         fed_to_calls = 0  # characters of the call text given to calls_so_far
+        emitted = scored = 0  # reply tokens so far; and how many of their scores went to on_scores
+
+        def token(_: int) -> None:
+            nonlocal emitted
+            emitted += 1
 
         def text(delta: str) -> None:
-            nonlocal fed_to_calls
+            nonlocal fed_to_calls, scored
+            if on_scores is not None and emitted > scored:  # a draft check scores ahead: only the emitted
+                on_scores(sampler.scores[scored:emitted])
+                scored = emitted
             shown = content_only.push(delta)
             if shown:
                 deltas.append(shown)
@@ -215,7 +230,7 @@ def answer(seat, conversation: Conversation, plan: TurnPlan, frames: Frames, sam
             region = whole[whole.find(trigger):]
             for kind, index, value in calls_so_far.push(region[fed_to_calls:]):
                 if kind == "call":
-                    ids.append(new_call_id())
+                    ids.append(calls_so_far.ids[index] if sampling.style.ids_written else new_call_id())
                     on_call("call", index, f"{ids[index]} {value}")  # the id and the name
                 else:
                     on_call("args", index, value)
@@ -225,20 +240,37 @@ def answer(seat, conversation: Conversation, plan: TurnPlan, frames: Frames, sam
         try:
             result = d.ask(conversation.prompt.text, on_text=text, image=frames.prompt, should_stop=between_tokens,
                            stop=sampling.stop, constraint=sampling.constraint,
-                           tool=conversation.prompt.role == "tool")  # fmt: skip
+                           tool=conversation.prompt.role == "tool", on_token=token)  # fmt: skip
         except BaseException:
             if d.turns != turns:  # something of the prompt was fed: the cache no longer matches `held`
                 seat.record = None
             raise
     content, found = sampling.style.parse(result.reply) if sampling.calls_tools else (result.reply, [])
-    calls = [ToolCall(ids[i] if i < len(ids) else new_call_id(), name, arguments) for i, (name, arguments) in enumerate(found)]
+    written = sampling.style.written_ids(result.reply) if found else []
+    calls = [ToolCall(written[i] if written else ids[i] if i < len(ids) else new_call_id(), name, arguments)
+             for i, (name, arguments) in enumerate(found)]  # fmt: skip
     # A reply with calls is kept as the text a history sends back for it (its assistant message with
     # tool_calls, rendered): the seat then extends with the tool results.
-    reply = sampling.style.render(content, found) if calls else result.reply
+    reply = sampling.style.render(content, found, [c.id for c in calls]) if calls else result.reply
     streamed = "".join(deltas)
     finish = "cancelled" if cancelled else result.finish
     prompt = conversation.prompt
     exchange = Exchange(prompt.text, image_key(prompt.image), reply, None if streamed == reply else streamed,
                         sampler.choices, sampling.max_new_tokens, finish, prompt.role == "tool")  # fmt: skip
     seat.record = SeatRecord(conversation.system, held + [exchange])
-    return TurnOutcome(result, plan, prefilled[0] - start, streamed, cancelled, content, calls)
+    scores = None
+    if sampling.logprobs is not None:
+        n = result.new_tokens  # the stop id that ended the reply is not returned
+        scores = sampler.scores[: _tokens_shown(d, sampler.choices[:n], len(result.reply)) if sampling.stop else n]
+    return TurnOutcome(result, plan, prefilled[0] - start, streamed, cancelled, content, calls, scores)
+
+
+def _tokens_shown(d: Dialogue, ids: list[int], chars: int) -> int:
+    """How many of a reply's tokens begin within its first `chars` characters (a reply a stop string
+    cut: the tokens of the stop string are not returned, nor their scores)."""
+    stream, length = StreamDecoder(d.tok), 0
+    for i, t in enumerate(ids):
+        if length >= chars:
+            return i
+        length += len(stream.push(t))
+    return len(ids)
