@@ -12,6 +12,6 @@
     errors.py       the typed errors every layer raises
 
 Layers point down only (tests/test_import_graph.py):
-    contract <- profiles <- engines <- runtime <- export, serve, bench <- cli
+    contract <- source <- profiles <- engines <- runtime <- export, serve, bench <- cli
 Nothing here imports another cabinlm package; slots.py alone uses numpy.
 """
