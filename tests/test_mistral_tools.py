@@ -64,21 +64,80 @@ MISTRAL_TOOLS_TEMPLATE = (
     "', \"call_id\": \"' + message.tool_call_id + '\"}[/TOOL_RESULTS]' }}"
     "{%- endif %}{%- endfor %}"
 )
+# The chat template Mistral publishes with Mistral-7B-Instruct-v0.3 (its tokenizer_config.json),
+# verbatim: the system text folded into the last user message, the tools before it.
+V03_TEMPLATE = (Path(__file__).parent / "data" / "mistral-7b-instruct-v0.3.jinja").read_text()
 ID = re.compile(r"[A-Za-z0-9]{9}")
+
+
+def tiny_mistral(folder: Path, template: str):
+    from conftest import make_tiny_model
+    from transformers import AutoTokenizer
+
+    source = make_tiny_model(folder, "mistral", max_position_embeddings=2048)
+    tok = AutoTokenizer.from_pretrained(source)
+    tok.add_special_tokens({"additional_special_tokens": CONTROL})
+    tok.chat_template = template
+    tok.save_pretrained(source)
+    return source, tok
+
+
+def export_mistral(load, export_to, tmp_path_factory, template: str, name: str) -> Path:
+    source, _ = tiny_mistral(tmp_path_factory.mktemp(f"tiny-{name}"), template)
+    art = export_to(load(str(source)), sink=4, pinned=1400, window=256, chunk=16, kv="int8")
+    return build_artifact(art, load_profile("cpu"), tmp_path_factory.mktemp(name) / "build-cpu")
 
 
 @pytest.fixture(scope="module")
 def artifact(load, export_to, tmp_path_factory) -> Path:
-    from conftest import make_tiny_model
-    from transformers import AutoTokenizer
+    return export_mistral(load, export_to, tmp_path_factory, MISTRAL_TOOLS_TEMPLATE, "mistral-tools")
 
-    source = make_tiny_model(tmp_path_factory.mktemp("tiny-mistral-tools"), "mistral", max_position_embeddings=2048)
-    tok = AutoTokenizer.from_pretrained(source)
-    tok.add_special_tokens({"additional_special_tokens": CONTROL})
-    tok.chat_template = MISTRAL_TOOLS_TEMPLATE
-    tok.save_pretrained(source)
-    art = export_to(load(str(source)), sink=4, pinned=1400, window=256, chunk=16, kv="int8")
-    return build_artifact(art, load_profile("cpu"), tmp_path_factory.mktemp("mistral-tools") / "build-cpu")
+
+@pytest.fixture(scope="module")
+def v03_artifact(load, export_to, tmp_path_factory) -> Path:
+    return export_mistral(load, export_to, tmp_path_factory, V03_TEMPLATE, "mistral-v03")
+
+
+def test_the_published_v03_template_resolves_with_the_system_prompt_first(tmp_path):
+    """Mistral's v0.3 template writes the system text into the last user message, where no pinned
+    prefix can hold it: the pieces are its turns without a system message, exactly, and the system
+    prompt goes first with the template's own separator before the first [INST]; the tool pieces are
+    the suite's Mistral layout's."""
+    from cabinlm.export.template import resolve_chat_template
+
+    _, tok = tiny_mistral(tmp_path, V03_TEMPLATE)
+    chat = resolve_chat_template(tok)
+    assert chat.tool_call_style == "mistral" and chat.tools_source == "model"
+    assert (chat.system_prefix, chat.system_suffix, chat.user_prefix, chat.user_suffix) == \
+        ("", "\n\n", "[INST] ", "[/INST]")  # fmt: skip
+    msgs = [{"role": "user", "content": "Is the road icy?"}, {"role": "assistant", "content": "Yes."},
+            {"role": "user", "content": "Thanks!"}]  # fmt: skip
+    turn = chat.user_prefix + "{}" + chat.user_suffix + chat.assistant_prefix
+    pieces = chat.bos + turn.format("Is the road icy?") + " Yes." + chat.assistant_suffix + turn.format("Thanks!")
+    assert pieces == tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    ours = resolve_chat_template(tiny_mistral(tmp_path / "suite", MISTRAL_TOOLS_TEMPLATE)[1])
+    assert chat == ours
+
+
+def test_the_v03_template_exports_with_mistrals_calls(v03_artifact):
+    """Exported with the published template: Mistral's convention, markers as single control ids,
+    a forced call that opens with the control token, parses and validates."""
+    test_the_markers_are_single_control_tokens_where_the_runtime_writes_them(v03_artifact)
+    tools = parse_tools(TOOLS)
+    dec, tok = open_artifact(v03_artifact, threads=1, verify=False)
+    assert dec.manifest.chat.tool_call_style == "mistral"
+    style = style_of(dec.manifest.chat, tok.token_to_id)
+    g = grammars_of(dec)
+    spec = style.grammar(tools, parse_tool_choice("required", tools), False)
+    system = tools_system("You drive the car.", tools, dec.manifest.chat)
+    d = Dialogue(dec, tok, system=system, max_new_tokens=200)
+    fed = []
+    r = d.ask(ASK, constraint=g.constraint(g.compile(spec)), on_token=fed.append)
+    assert fed[0] == style.opener_id == tok.token_to_id("[TOOL_CALLS]")
+    content, calls = style.parse(r.reply)
+    assert content == "" and len(calls) == 1, r.reply
+    assert all(ID.fullmatch(i) for i in style.written_ids(r.reply))
+    check_call(*calls[0])
 
 
 def test_the_export_resolves_mistrals_convention_from_the_template(artifact):

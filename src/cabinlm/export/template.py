@@ -63,6 +63,8 @@ def resolve_chat_template(tok: Any) -> ChatTemplate:
 def _pieces(tok: Any) -> ChatTemplate:
     parts = _reads_parts(tok)
     full = _render(tok, [("system", _S), ("user", _U), ("assistant", _A), ("user", _U2)], True, parts)
+    if not parts and _U in full and _S in full and full.index(_S) > full.index(_U):
+        return _folded_pieces(tok, full)
     with_gen = _render(tok, [("system", _S), ("user", _U)], True, parts)
     without_gen = _render(tok, [("system", _S), ("user", _U)], False, parts)
     if not with_gen.startswith(without_gen):
@@ -120,6 +122,46 @@ def _pieces(tok: Any) -> ChatTemplate:
         source="model",
         bos=start,
         image_user_prefix=image_user_prefix,
+    )
+
+
+def _folded_pieces(tok: Any, full: str) -> ChatTemplate:
+    """A template that writes the system text into the last user message rather than first
+    (Mistral-7B-Instruct-v0.3: "[INST] SYSTEM\n\nUSER[/INST]" on the last turn only). That text moves
+    with every turn, so no pinned prefix holds it where the template does: the pieces are cut from
+    renders without a system message, and the system prompt goes first, before the first user turn,
+    followed by the separator the template writes between the system text and the user's (the
+    layout of Mistral's earlier templates' system message, and of its single-turn render less the
+    [INST] around it). The text the template writes before the first message (its BOS) is fed once,
+    first (ChatTemplate.bos)."""
+    one = _render(tok, [("system", _S), ("user", _U)], True)
+    between = one.split(_S, 1)[1].split(_U, 1)[0] if _S in one and _U in one.split(_S, 1)[1] else ""
+    if not between or "\x02" in between:
+        raise ValueError("the chat template writes the system message after the user's, in a layout not cut here")
+    turns = _render(tok, [("user", _U), ("assistant", _A), ("user", _U2)], True)
+    with_gen = _render(tok, [("user", _U)], True)
+    without_gen = _render(tok, [("user", _U)], False)
+    if not with_gen.startswith(without_gen):
+        raise ValueError("the chat template's generation prompt is not a suffix of the rendered turns")
+    assistant_prefix = with_gen[len(without_gen):]
+    head, rest = turns.split(_U, 1)
+    user_to_asst, rest = rest.split(_A, 1)
+    asst_to_user, tail = rest.split(_U2, 1)
+    bos = getattr(tok, "bos_token", None) or ""
+    lead = bos if bos and head.startswith(bos) else ""
+    user_prefix = head[len(lead):]
+    if not (tail.endswith(assistant_prefix) and user_to_asst.endswith(assistant_prefix)) or not user_prefix \
+            or not asst_to_user.endswith(user_prefix) or one != lead + user_prefix + _S + between + _U + tail:
+        raise ValueError("the chat template renders user turns inconsistently")
+    return ChatTemplate(
+        system_prefix="",
+        system_suffix=between,
+        user_prefix=user_prefix,
+        user_suffix=tail[: len(tail) - len(assistant_prefix)],
+        assistant_prefix=assistant_prefix,
+        assistant_suffix=asst_to_user[: len(asst_to_user) - len(user_prefix)],
+        source="model",
+        bos=lead,
     )
 
 
