@@ -31,7 +31,8 @@ from cabinlm.runtime.grammar import Grammars  # noqa: E402
 from cabinlm.runtime.mistral_calls import MISTRAL  # noqa: E402
 from cabinlm.runtime.speculative import PlainDecoding, PromptLookupDrafting  # noqa: E402
 from cabinlm.runtime.template import Template  # noqa: E402
-from cabinlm.runtime.tools import parse_tool_choice, parse_tools, style_of, tools_system  # noqa: E402
+from cabinlm.runtime.call_styles import style_of  # noqa: E402
+from cabinlm.runtime.tools import parse_tool_choice, parse_tools, tools_system  # noqa: E402
 
 MODEL = TOOLS_MODEL  # the name stream_calls asks for
 CONTROL = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",

@@ -7,7 +7,7 @@ from pathlib import Path
 from cabinlm.contract.manifest import Manifest, load_manifest, verify_checksums
 from cabinlm.runtime.decoder import Decoder
 from cabinlm.runtime.tokenizer import Tokenizer
-from cabinlm.runtime.tools import shown_markers
+from cabinlm.runtime.call_styles import shown_markers
 
 
 def open_artifact(folder: str | Path, threads: int | None = None, verify: bool = True, *,

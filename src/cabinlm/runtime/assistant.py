@@ -21,7 +21,8 @@ from cabinlm.contract.errors import InputError
 from cabinlm.runtime.dialogue import Dialogue, TurnResult
 from cabinlm.runtime.grammar import Compiled, Grammars
 from cabinlm.runtime.stops import StopStrings
-from cabinlm.runtime.tools import Tool, ToolCall, new_call_id, parse_tool_choice, style_of, tools_system
+from cabinlm.runtime.call_styles import style_of
+from cabinlm.runtime.tools import Tool, ToolCall, new_call_id, parse_tool_choice, tools_system
 
 
 @dataclass

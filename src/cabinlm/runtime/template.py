@@ -20,7 +20,7 @@ import re
 from cabinlm.contract.layout import CacheLayout
 from cabinlm.contract.manifest import ChatTemplate
 from cabinlm.runtime.tokenizer import Tokenizer
-from cabinlm.runtime.tools import style_of
+from cabinlm.runtime.call_styles import style_of
 
 
 class Template:

@@ -237,27 +237,6 @@ class CallStyle:
 
 HERMES = CallStyle("hermes", OPEN + "\n", "\n" + CLOSE, "arguments", True, OPEN, RESULT_OPEN, RESULT_CLOSE)
 LLAMA3_JSON = CallStyle("llama3-json", "", "", "parameters", False, '{"name": ')
-STYLES = {s.name: s for s in (HERMES, LLAMA3_JSON)}
-
-
-def style_of(chat: ChatTemplate, token_to_id=None) -> CallStyle:
-    """The model's style; token_to_id (the tokenizer's lookup): bound to its vocabulary, as a style
-    whose grammar names a control token needs (Mistral's)."""
-    if chat.tool_call_style == "mistral":
-        from cabinlm.runtime.mistral_calls import MISTRAL
-
-        style: CallStyle = MISTRAL
-    else:
-        style = STYLES[chat.tool_call_style]
-    return style if token_to_id is None else style.bind(token_to_id)
-
-
-def shown_markers(chat: ChatTemplate) -> set[str]:
-    """The control tokens a reply's text shows: the style's call opener where it is one."""
-    style = style_of(chat)
-    return {style.trigger} if style.trigger in style.markers else set()
-
-
 def calls_grammar(tools: Sequence[Tool], choice: ToolChoice, parallel: bool, style: CallStyle = HERMES) -> GrammarSpec | None:
     """The grammar of a reply under `choice` in `style` (None for "none")."""
     return style.grammar(tools, choice, parallel)

@@ -40,7 +40,8 @@ from cabinlm.runtime.dialogue import Dialogue, LongMessages
 from cabinlm.runtime.grammar import Compiled, GrammarError, Grammars
 from cabinlm.runtime.limits import check_count
 from cabinlm.runtime.template import Template
-from cabinlm.runtime.tools import json_reply_grammar, style_of, tools_system
+from cabinlm.runtime.call_styles import style_of
+from cabinlm.runtime.tools import json_reply_grammar, tools_system
 from cabinlm.serve.admission import Admission, SharedTokenizer
 from cabinlm.serve.history import SeatRecord, TurnPlan, plan_turn
 from cabinlm.serve.scheduler import ModelTurns, SeatSteps
