@@ -15,6 +15,8 @@ contract/engines/, with BackendKind):
                  here (None: it can); imports numpy and onnxruntime (and the engine's own SDK) only
 
 The manifest names the kind (`build.backend`); the runtime loads exactly that engine, never a guess.
+An engine outside this package registers its kind (contract.engines.register_kind) and its folder
+(register_engine): tests/test_toy_engine.py does, and the conformance suite runs it.
 Adding an engine: a folder with those two modules, its kind and facts in contract/engines/, and a
 line in ENGINES.
 The conformance suite (tests/test_backends.py) runs over every kind listed here that can run on the
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from cabinlm.contract.engines import FACTS, BackendKind, EngineFacts  # noqa: F401 - EngineFacts re-exported
+from cabinlm.contract.engines import BUILT_IN, FACTS, BackendKind, EngineFacts  # noqa: F401 - EngineFacts re-exported
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -72,6 +74,22 @@ ENGINES: dict[BackendKind, EngineEntry] = {e.kind: e for e in (
     EngineEntry(BackendKind.TENSORRT, "cabinlm.engines.tensorrt", "a TensorRT engine on an NVIDIA GPU"),
 )}  # fmt: skip
 assert set(ENGINES) == set(BackendKind), "every BackendKind has its line in ENGINES"
+
+
+def register_engine(entry: EngineEntry) -> None:
+    """An engine from outside this package (its kind registered with contract.engines.register_kind):
+    `cabinlm build` then offers its builder to every profile and the runtime opens the artifacts
+    whose manifest names its kind, as for the built-in ones."""
+    if entry.kind in ENGINES:
+        raise ValueError(f"the {entry.kind.value} engine is registered already")
+    ENGINES[entry.kind] = entry
+
+
+def unregister_engine(kind: BackendKind) -> None:
+    """Remove an engine registered with register_engine (its kind stays until unregister_kind)."""
+    if kind in BUILT_IN:
+        raise ValueError(f"{kind.value} is a built-in engine")
+    del ENGINES[kind]
 
 
 def open_backend(folder: Path, manifest: Manifest, table: SlotTable, threads: int | None = None,
