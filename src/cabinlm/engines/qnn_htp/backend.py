@@ -144,6 +144,18 @@ class QnnBackend(ExportedGraphBackend):
         return "qnn-htp"
 
 
+def open_camera_encoder(folder: Path, manifest: Manifest, threads: int | None = None):
+    """An HTP build's camera encoder: the tower's context binary where the build compiled it (files
+    "vision_context", engines/qnn_htp/vision_build.py; CPU fallback off: it runs on the HTP or not at
+    all), else the vision graph on the CPU provider."""
+    if "vision_context" not in manifest.files:
+        from cabinlm.engines.onnxruntime.session import vision_session
+
+        return vision_session(folder, manifest, threads), "cpu"
+    path = folder / manifest.files["vision_context"].path
+    return qnn_plugin.open_context_session(path, manifest.runtime_spec.provider, share=False), "qnn-htp"
+
+
 def unavailable() -> str | None:
     """Why the HTP (or its simulator) cannot be had here: the onnxruntime-qnn plugin is missing."""
     try:
