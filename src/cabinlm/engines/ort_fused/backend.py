@@ -39,7 +39,7 @@ from cabinlm.engines.backend import Backend, BackendError, StepOutput
 from cabinlm.contract.engines.fused import FusedSettings
 from cabinlm.engines.onnxruntime.binding import Binding, ortvalue
 from cabinlm.engines.ort_fused.frames import FrameKeys
-from cabinlm.engines.ort_fused.rotated import RingTables, RotatedKeys
+from cabinlm.engines.onnxruntime.rotated import RingTables, RotatedKeys
 from cabinlm.engines.ort_fused.row_moves import move_rows
 from cabinlm.engines.ort_fused.seats import run_batched
 from cabinlm.engines.ort_fused.sessions import FusedGraphs, load_fused
