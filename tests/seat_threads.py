@@ -1,4 +1,4 @@
-"""Seats' turns in threads of their own under serve's scheduler (serve.scheduler.SeatSteps), as
+"""Seats' turns in threads of their own under serve's scheduler (runtime.model_turns.SeatSteps), as
 `cabinlm serve` runs them: the tests' shared harness (test_batched_seats, test_batched_frames)."""
 
 from __future__ import annotations

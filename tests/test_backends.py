@@ -238,7 +238,7 @@ def test_the_int8_tolerance_fails_a_fused_cache_one_position_off(artifacts, stre
     """The int8 tolerance is loose enough for rounding, not for bookkeeping: the same build with
     each chunk rotated one eviction late (the window keys' distances unchanged, the re-rotated sink
     and pinned keys' off by one) is far outside it."""
-    from cabinlm.engines.ort_fused.rotated import RotatedKeys
+    from cabinlm.engines.onnxruntime.rotated import RotatedKeys
 
     folder = artifacts(FUSED_INT8)
     right = RotatedKeys.chunk_tables

@@ -371,14 +371,14 @@ def test_seats_drafting_under_the_server_scheduler_ride_with_their_drafts(build)
     serve` runs it): riders post their verified drafts instead of taking the model, and each reply is
     the seat's plain greedy reply alone."""
     from cabinlm.runtime.reply import decode_reply
-    from cabinlm.serve.scheduler import SeatSteps
+    from cabinlm.runtime.model_turns import SeatSteps
 
     stop = set(load_manifest(build).stop_ids)
     want = [solo_reply(d, prompt(i, 0), 40, stop) for i, d in enumerate(seats(build, 3))]
     model = SeatSteps(4)
     ds = seats(build, 3)
     for d in ds:
-        d.together = model
+        model.join(d)
 
     def turn(i: int) -> list[int]:
         with model:

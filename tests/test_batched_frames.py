@@ -305,10 +305,10 @@ def test_a_frames_chunks_ride_with_other_seats_steps_and_a_verified_draft(vlm):
 
 def test_seats_with_frames_under_the_server_scheduler_give_their_own_greedy_replies(vlm):
     """Three seats in three threads, each a turn as the server runs it (hold the model, a frame, a
-    prompt, then greedy tokens with pass_turn between them; serve.scheduler.SeatSteps): a frame's chunks
+    prompt, then greedy tokens with pass_turn between them; runtime.model_turns.SeatSteps): a frame's chunks
     ride like text steps (the holder's frame carries the riders' steps), the riders' text steps go with
     the holder's in batched runs, and every seat's greedy reply is the one it gives alone."""
-    from cabinlm.serve.scheduler import SeatSteps
+    from cabinlm.runtime.model_turns import SeatSteps
 
     _, _, _, built = vlm
     rng = np.random.default_rng(7)
@@ -333,7 +333,7 @@ def test_seats_with_frames_under_the_server_scheduler_give_their_own_greedy_repl
     model = SeatSteps(4)
     ds = seats(built, 3)
     for d in ds:
-        d.together = model
+        model.join(d)
     got = turns_in_threads(model, [lambda i=i: turn(ds[i], rows[i], prompts[i], n, model) for i in range(3)])
     assert got == expected
     assert len({tuple(g) for g in got}) > 1

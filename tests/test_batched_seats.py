@@ -247,7 +247,7 @@ def test_smollm2_seats_decode_together_as_they_do_alone(smollm2_fused):
     assert all(p.together.cache.evicted > 0 for p in pairs)
 
 
-# -- the server's scheduler: seats that pass their turn ride along (serve.scheduler.SeatSteps) --------
+# -- the server's scheduler: seats that pass their turn ride along (runtime.model_turns.SeatSteps) --------
 
 
 def test_seats_taking_turns_under_the_server_scheduler_ride_together_with_their_own_replies(build):
@@ -256,7 +256,7 @@ def test_seats_taking_turns_under_the_server_scheduler_ride_together_with_their_
     holder's next token, the seat that passed it on then rides, and the riders' steps go with the
     holder's (its prefill chunks too) in batched runs; every seat's tokens are those it decodes alone."""
 
-    from cabinlm.serve.scheduler import SeatSteps
+    from cabinlm.runtime.model_turns import SeatSteps
 
     rng = np.random.default_rng(5)
     prompts = [[rng.integers(3, 300, int(rng.integers(1, 5))) for _ in range(3)] for _ in range(3)]
@@ -278,7 +278,7 @@ def test_seats_taking_turns_under_the_server_scheduler_ride_together_with_their_
     model = SeatSteps(4)
     ds = seats(build, 3)
     for d in ds:
-        d.together = model
+        model.join(d)
     got = turns_in_threads(model, [lambda i=i: turn(ds[i], prompts[i], 40, model) for i in range(3)])
     assert got == expected
     assert model.batched_runs > 10
@@ -296,7 +296,7 @@ class _Nothing:
 def test_three_clients_at_once_on_a_fused_server_get_the_replies_chat_gives_each_alone(load, tiny_qwen2_dir, export_to,
                                                                                        tmp_path):  # fmt: skip
     """`cabinlm serve --seats 3` on a fused build with batched graphs (its seats' steps ride together,
-    serve.scheduler.SeatSteps), three openai clients sending their turns at the same moment, greedy,
+    runtime.model_turns.SeatSteps), three openai clients sending their turns at the same moment, greedy,
     the window (40 tokens) turning over: every reply is what `cabinlm chat` gives that conversation
     alone, byte for byte."""
     pytest.importorskip("openai")

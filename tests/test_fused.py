@@ -1,4 +1,4 @@
-"""The cpu build's fused decoder (builders/ort_fused.py, runtime/rotated.py): the same logits as the
+"""The cpu build's fused decoder (builders/ort_fused.py, engines/onnxruntime/rotated.py): the same logits as the
 exported graph, step by step, with eviction, pinning and sinks at work; sessions and seats on it."""
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ pytest.importorskip("uvicorn")
 from cabinlm.runtime import Dialogue, open_artifact  # noqa: E402
 from cabinlm.runtime.persist import save_session  # noqa: E402
 from cabinlm.serve.history import Exchange, SeatRecord, plan_turn  # noqa: E402
-from cabinlm.serve.scheduler import ModelTurns  # noqa: E402
+from cabinlm.runtime.model_turns import ModelTurns  # noqa: E402
 from cabinlm.serve.store import SeatStore  # noqa: E402
 from cabinlm.serve.schema import Conversation, Message  # noqa: E402
 

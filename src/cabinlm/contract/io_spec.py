@@ -243,7 +243,7 @@ ATTENTION_BIAS = "attention_bias"
 SEQLENS_K = "seqlens_k"
 TOTAL_SEQUENCE_LENGTH = "total_sequence_length"
 # The sink and pinned keys for the next step, rotated at their rank + the evictions after this step
-# (runtime/rotated.py): a small side computation the decode step carries, in the same kernel pool.
+# (engines/onnxruntime/rotated.py): a small side computation the decode step carries, in the same kernel pool.
 REFRESH_SOURCE = "refresh_source"
 REFRESH_POSITION_IDS = "refresh_position_ids"
 REFRESH_COS = "refresh_cos"

@@ -39,7 +39,7 @@ class Decoder:
             _backend = open_backend(self.folder, self.manifest, self.cache, threads, session_config)
         self.backend = _backend
         self.vision = _vision
-        # Where steps go when seats decode together under a scheduler (serve.scheduler.SeatSteps): it
+        # Where steps go when seats decode together under a scheduler (runtime.model_turns.SeatSteps): it
         # runs them itself, with other seats' steps, through Decoder._step / step_seats. None: here.
         self.together = None
         if _vision is None and self.manifest.vision is not None:

@@ -22,7 +22,6 @@ from pathlib import Path
 from cabinlm.contract.buildspec import THREADS_PER_CORE
 from cabinlm.contract.errors import OptionError
 from cabinlm.contract.manifest import Manifest
-from cabinlm.profiles.weights import packed_head_bytes
 from cabinlm.runtime.memory import available_bytes
 from cabinlm.runtime.template import Template, system_overflow
 from cabinlm.runtime.tokenizer import Tokenizer
@@ -72,21 +71,12 @@ def seat_bytes(manifest: Manifest) -> int:
 
 
 def together_bytes(manifest: Manifest) -> int:
-    """What a build whose seats decode together (FusedSettings.seat_batches) holds once beyond its files:
-    what its sessions pack beside the one map of its weights file (FusedSettings.packed_bytes, every graph's,
-    as the planner counts them; a build that does not record them: the LM head's copy in the head graph's
-    session, profiles/weights.packed_head_bytes, none where the head is cabinlm's BlockQ8MatMul, which
-    every graph reads in place), and the idle seat that fills a batched run's empty places (one
-    seat_bytes). 0 for any other build."""
-    from cabinlm.contract.engines.fused import FusedSettings
+    """What the loaded build holds once beyond its files and its seats' buffers, as its engine says
+    (engines.registry.held_once_bytes: a build whose seats decode together packs its batched graphs'
+    weights and keeps an idle seat; 0 for most builds)."""
+    from cabinlm.engines.registry import held_once_bytes
 
-    facts = manifest.runtime_spec.facts_as(FusedSettings) if manifest.build is not None else None
-    if facts is None or not facts.seat_batches:
-        return 0
-    if facts.packed_bytes is not None:
-        return sum(facts.packed_bytes.values()) + seat_bytes(manifest)
-    head = 0 if facts.head_kernel == "cabinlm" else packed_head_bytes(manifest.model)
-    return head + seat_bytes(manifest)
+    return held_once_bytes(manifest, seat_bytes(manifest))
 
 
 def seat_limit(manifest: Manifest, available: int | None = None) -> SeatLimit:

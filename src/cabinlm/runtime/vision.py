@@ -8,7 +8,6 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 
 from cabinlm.contract.errors import InputError
 from cabinlm.contract.manifest import VisionSpec
@@ -176,14 +175,11 @@ def patchify(image: np.ndarray, spec: VisionSpec) -> np.ndarray:
 
 
 class VisionEncoder:
-    """The vision graph on ONNX Runtime: one fixed-size image in, (image_tokens, embed_dim) out.
-    session: an open session over the tower (an HTP build's context binary: device "qnn-htp");
-    None: the graph on the CPU provider."""
+    """The camera encoder: one fixed-size image in, (image_tokens, embed_dim) out, on the session its
+    engine opened (engines.registry.open_camera_encoder; device: what it runs on, e.g. "cpu", "qnn-htp")."""
 
-    def __init__(self, graph: Path | None, spec: VisionSpec, options: ort.SessionOptions | None, session=None,
-                 device: str = "cpu"):  # fmt: skip
-        self.spec, self.device = spec, device
-        self.session = session or ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
+    def __init__(self, session, spec: VisionSpec, device: str = "cpu"):
+        self.spec, self.device, self.session = spec, device, session
 
     def encode(self, image) -> np.ndarray:
         pixels = preprocess(load_image(image), self.spec)
@@ -191,16 +187,11 @@ class VisionEncoder:
 
 
 def open_encoder(folder: Path, manifest, threads: int | None = None) -> VisionEncoder:
-    """The artifact's camera encoder: the tower's HTP context binary where an HTP build compiled it
-    (files "vision_context"; engines/qnn_htp/vision_build.py), otherwise the vision graph on ONNX
-    Runtime's CPU provider with the build's settings."""
-    from cabinlm.engines.onnxruntime.session import session_options
+    """The artifact's camera encoder, as the build's engine runs it (an HTP build: the tower's context
+    binary, CPU fallback off; every other: the vision graph on ONNX Runtime's CPU provider)."""
+    from cabinlm.engines.onnxruntime.session import vision_session
+    from cabinlm.engines.registry import open_camera_encoder
 
-    if "vision_context" in manifest.files:  # CPU fallback off: the tower runs on the HTP or not at all
-        from cabinlm.engines.qnn_htp import plugin
-
-        path = folder / manifest.files["vision_context"].path
-        return VisionEncoder(None, manifest.vision, None, plugin.open_context_session(path, manifest.runtime_spec.provider,
-                                                                                      share=False), "qnn-htp")  # fmt: skip
-    options = session_options(manifest.runtime_spec, threads)
-    return VisionEncoder(folder / manifest.files["vision_graph"].path, manifest.vision, options)
+    opened = open_camera_encoder(folder, manifest, threads)
+    session, device = opened if opened is not None else (vision_session(folder, manifest, threads), "cpu")
+    return VisionEncoder(session, manifest.vision, device)

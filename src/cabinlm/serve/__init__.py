@@ -5,7 +5,7 @@
     history.py    what a seat holds (SeatRecord) and what a request's history asks of it (TurnPlan)
     images.py     image_url parts: data URLs and local files -> images for Dialogue.ask
     turns.py      one request's work on its seat, in a worker thread (replays, the answer, the record)
-    scheduler.py  one inference at a time on the shared model, passed between seats at every token
+    (the seats' turns on the one loaded model, and their steps riding together: runtime/model_turns.py)
     seats.py      named seats and admission control
     store.py      --sessions DIR: each seat's session file and record, resumed at start
     service.py    the loaded model, its seats and worker threads: what the HTTP app calls

@@ -8,7 +8,7 @@ conversation: the caller learns at once, and frees one with DELETE /v1/seats/NAM
 request that is refused or fails gives the seat back (give_back): only an answered request keeps one.
 
 Requests on one seat run one after another, in arrival order (Seat.lock); requests on different seats
-run side by side, sharing the model between tokens (scheduler.ModelTurns).
+run side by side, sharing the model between tokens (runtime.model_turns.ModelTurns).
 """
 
 from __future__ import annotations

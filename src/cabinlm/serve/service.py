@@ -44,7 +44,7 @@ from cabinlm.runtime.call_styles import style_of
 from cabinlm.runtime.tools import json_reply_grammar, tools_system
 from cabinlm.serve.admission import Admission, SharedTokenizer
 from cabinlm.serve.history import SeatRecord, TurnPlan, plan_turn
-from cabinlm.serve.scheduler import ModelTurns, SeatSteps
+from cabinlm.runtime.model_turns import ModelTurns, share_model
 from cabinlm.serve.schema import MAX_TOKENS_LIMIT, ChatRequest, RequestError, parse_chat_request
 from cabinlm.serve.seats import Seat, SeatManager
 from cabinlm.serve.store import SeatStore
@@ -160,13 +160,8 @@ class ChatService:
         self.seats = SeatManager(dialogues)
         self.store = store
         self.resumed = self.seats.resume(store) if store is not None else []
-        batches = first.backend.seat_batches
-        if batches and len(dialogues) > 1:  # the seats' steps ride together (scheduler.SeatSteps)
-            self.model: ModelTurns = SeatSteps(max(batches))
-            for d in dialogues:
-                d.decoder.together = self.model
-        else:
-            self.model = ModelTurns()
+        # the seats' turns on the model (their steps ride together where the build's seats decode together)
+        self.model: ModelTurns = share_model([d.decoder for d in dialogues])
         self.started = time.time()
         # One worker per seat: every seat can have a turn in flight (they take the model in turns).
         self._executor = concurrent.futures.ThreadPoolExecutor(len(dialogues), thread_name_prefix="cabinlm-seat")

@@ -29,7 +29,7 @@ from cabinlm.runtime.tokenizer import StreamDecoder
 from cabinlm.runtime.tools import HERMES, CallStream, CallStyle, ToolCall, new_call_id
 from cabinlm.serve.history import Exchange, SeatRecord, TurnPlan, image_key
 from cabinlm.serve.images import open_image
-from cabinlm.serve.scheduler import ModelTurns
+from cabinlm.runtime.model_turns import ModelTurns
 from cabinlm.serve.schema import Conversation
 
 

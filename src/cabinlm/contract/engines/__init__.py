@@ -8,12 +8,13 @@
     tensorrt             TensorRTSettings  "tensorrt"        tensorrt.py
 
 The manifest names the kind (`build.backend`); engines/registry.py maps each kind to the folder whose
-code builds and runs it. Standard library only.
+code builds and runs it. Kinds are registered, not enumerated: an engine outside this package (a
+test's own) registers its kind and facts here and its folder in the registry. Standard library only.
 """
 
 from __future__ import annotations
 
-import enum
+from collections.abc import Iterator
 from typing import Any, ClassVar, Protocol
 
 from cabinlm.contract.engines.fused import FusedSettings
@@ -23,14 +24,45 @@ from cabinlm.contract.engines.tensorrt import TensorRTSettings
 from cabinlm.contract.io_spec import DecoderIO, DecoderShape
 
 
-class BackendKind(str, enum.Enum):
-    """How the decoder graph(s) of an artifact are run: one engine folder each (engines/registry.py)."""
+class _Kinds(type):
+    """Iterating BackendKind gives the kinds registered so far, in registration order."""
 
-    EXPORTED_GRAPH = "onnxruntime-graph"
-    STATIC_PAIR = "onnxruntime-static"
-    FUSED = "onnxruntime-fused"
-    QNN_HTP = "qnn-htp"
-    TENSORRT = "tensorrt"
+    def __iter__(cls) -> Iterator[BackendKind]:
+        return iter(list(FACTS))
+
+    def __len__(cls) -> int:
+        return len(FACTS)
+
+
+class BackendKind(str, metaclass=_Kinds):
+    """How the decoder graph(s) of an artifact are run, by the name the manifest writes
+    (`build.backend`): one engine folder each (engines/registry.py). A kind exists once it is
+    registered (register_kind); BackendKind(name) gives that one object (so `is` compares kinds) and
+    refuses a name no engine registered, as the manifest's readers need."""
+
+    # The built-in engines' kinds (set below, after the class exists).
+    EXPORTED_GRAPH: ClassVar[BackendKind]
+    STATIC_PAIR: ClassVar[BackendKind]
+    FUSED: ClassVar[BackendKind]
+    QNN_HTP: ClassVar[BackendKind]
+    TENSORRT: ClassVar[BackendKind]
+
+    def __new__(cls, name: str) -> BackendKind:
+        for kind in FACTS:
+            if kind == name:
+                return kind
+        raise ValueError(f"{name!r} is not a backend kind ({', '.join(FACTS)})")
+
+    @property
+    def value(self) -> str:
+        """The name as the manifest writes it."""
+        return str.__str__(self)
+
+    def __repr__(self) -> str:
+        return f"BackendKind({self.value!r})"
+
+    def __reduce__(self):  # a copy or a pickle is the registered kind again
+        return (BackendKind, (self.value,))
 
 
 class EngineFacts(Protocol):
@@ -44,12 +76,34 @@ class EngineFacts(Protocol):
     def decoder_io(self, shape: DecoderShape) -> DecoderIO: ...
 
 
-# The class of the facts each kind's builds record (None: it records none).
-FACTS: dict[BackendKind, type | None] = {
-    BackendKind.EXPORTED_GRAPH: None,
-    BackendKind.STATIC_PAIR: SharedWeights,
-    BackendKind.FUSED: FusedSettings,
-    BackendKind.QNN_HTP: QnnSettings,
-    BackendKind.TENSORRT: TensorRTSettings,
-}
-assert set(FACTS) == set(BackendKind), "every BackendKind has its facts line"
+# Each registered kind and the class of the facts its builds record (None: it records none), in
+# registration order.
+FACTS: dict[BackendKind, type | None] = {}
+
+
+def register_kind(name: str, facts: type | None) -> BackendKind:
+    """A new backend kind, its builds recording `facts` (a class with KEY, to_dict, from_dict and
+    decoder_io; None: no facts) under build.<KEY>. engines/registry.py registers the built-in
+    engines; a kind registered twice is refused."""
+    if not name or any(kind == name for kind in FACTS):
+        raise ValueError(f"backend kind {name!r} is empty or already registered")
+    if facts is not None and any(f is not None and f.KEY == facts.KEY for f in FACTS.values()):
+        raise ValueError(f"build.{facts.KEY} already holds another engine's facts")
+    kind = str.__new__(BackendKind, name)
+    FACTS[kind] = facts
+    return kind
+
+
+def unregister_kind(kind: BackendKind) -> None:
+    """Remove a kind registered at run time (a test's own engine); the built-in ones stay."""
+    if kind in BUILT_IN:
+        raise ValueError(f"{kind.value} is a built-in backend kind")
+    del FACTS[kind]
+
+
+BackendKind.EXPORTED_GRAPH = register_kind("onnxruntime-graph", None)
+BackendKind.STATIC_PAIR = register_kind("onnxruntime-static", SharedWeights)
+BackendKind.FUSED = register_kind("onnxruntime-fused", FusedSettings)
+BackendKind.QNN_HTP = register_kind("qnn-htp", QnnSettings)
+BackendKind.TENSORRT = register_kind("tensorrt", TensorRTSettings)
+BUILT_IN = frozenset(FACTS)

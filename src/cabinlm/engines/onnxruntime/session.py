@@ -14,7 +14,6 @@ import onnxruntime as ort
 from cabinlm.contract.buildspec import THREADS_PER_CORE, BuildSpec, OptimizationLevel
 from cabinlm.contract.io_spec import DecoderIO
 from cabinlm.engines.backend import BackendError
-from cabinlm.contract.engines.fused import FusedSettings
 
 _LEVELS = {
     OptimizationLevel.DISABLE: ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -96,29 +95,26 @@ def session_options(spec: BuildSpec, threads: int | None = None, extra: dict[str
     return so
 
 
-def register_kernels(options: ort.SessionOptions, folder: Path, spec: BuildSpec) -> None:
-    """Register the build's own kernel library (a fused build with cabinlm's kernels) in `options`:
-    the file in `folder` the manifest lists, verified first (ort_fused/kernel_library.py: onnxruntime's C API
-    version, this CPU, the sha256), so that a missing, damaged or mismatched library is a BackendError
-    before ONNX Runtime opens it. Nothing is compiled and no cache is read."""
-    fused = spec.facts_as(FusedSettings)
-    if fused is None or not fused.own_kernels:
-        return
-    from cabinlm.engines.ort_fused.kernel_library import checked_library
+def register_custom_ops(options: ort.SessionOptions, folder: Path, spec: BuildSpec) -> None:
+    """Register in `options` the custom-op libraries the build's engine lists for its graphs
+    (engines.registry.custom_ops_libraries: each one verified by its engine before ONNX Runtime
+    opens it, so that a missing, damaged or mismatched library is a BackendError here). Nothing is
+    compiled and no cache is read."""
+    from cabinlm.engines.registry import custom_ops_libraries
 
-    library = checked_library(folder, fused, ort.__version__)
-    try:
-        options.register_custom_ops_library(str(library))
-    except Exception as e:  # onnxruntime raises its own exception types; register.cc's refusal is one
-        raise BackendError(f"{library}: onnxruntime cannot register cabinlm's kernels ({str(e).strip().splitlines()[0]}); "
-                           "run `cabinlm build` again") from e
+    for library in custom_ops_libraries(folder, spec, ort.__version__):
+        try:
+            options.register_custom_ops_library(str(library))
+        except Exception as e:  # onnxruntime raises its own exception types; a library's own refusal is one
+            raise BackendError(f"{library}: onnxruntime cannot register this custom-op library "
+                               f"({str(e).strip().splitlines()[0]}); run `cabinlm build` again") from e  # fmt: skip
 
 
 def open_session(graph: Path, options: ort.SessionOptions, spec: BuildSpec) -> ort.InferenceSession:
     """A session on the build's execution provider, refused if ONNX Runtime would run it elsewhere.
-    A build with cabinlm's own kernels gets its library (in the graph's folder) registered in `options`
-    first (register_kernels)."""
-    register_kernels(options, graph.parent, spec)
+    A build whose engine runs custom ops (the fused cpu build's kernels) gets their libraries (in the
+    graph's folder) registered in `options` first (register_custom_ops)."""
+    register_custom_ops(options, graph.parent, spec)
     provider = spec.provider
     offered = ort.get_available_providers()
     if provider.name not in offered:
@@ -167,3 +163,11 @@ def mapped_weights(folder: Path, table) -> list[tuple[str, ort.OrtValue]]:
         arr = data[t.offset : t.offset + t.length].view(np.dtype(t.dtype)).reshape(t.shape)
         out.append((t.name, ort.OrtValue.ortvalue_from_numpy(arr)))
     return out
+
+
+def vision_session(folder: Path, manifest, threads: int | None = None) -> ort.InferenceSession:
+    """The artifact's vision graph (files "vision_graph") on ONNX Runtime's CPU provider, with the
+    build's session settings: how every engine without a camera encoder of its own runs it."""
+    options = session_options(manifest.runtime_spec, threads)
+    return ort.InferenceSession(str(folder / manifest.files["vision_graph"].path), options,
+                                providers=["CPUExecutionProvider"])  # fmt: skip

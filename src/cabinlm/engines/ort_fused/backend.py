@@ -36,9 +36,10 @@ from cabinlm.contract import io_spec as io
 from cabinlm.contract.engines import BackendKind
 from cabinlm.contract.manifest import Manifest
 from cabinlm.engines.backend import Backend, BackendError, StepOutput
+from cabinlm.contract.engines.fused import FusedSettings
 from cabinlm.engines.onnxruntime.binding import Binding, ortvalue
 from cabinlm.engines.ort_fused.frames import FrameKeys
-from cabinlm.engines.ort_fused.rotated import RingTables, RotatedKeys
+from cabinlm.engines.onnxruntime.rotated import RingTables, RotatedKeys
 from cabinlm.engines.ort_fused.row_moves import move_rows
 from cabinlm.engines.ort_fused.seats import run_batched
 from cabinlm.engines.ort_fused.sessions import FusedGraphs, load_fused
@@ -396,3 +397,32 @@ def unavailable() -> str | None:
 def open_backend(folder: Path, manifest: Manifest, table: SlotTable, threads: int | None = None,
                  session_config: dict[str, str] | None = None) -> FusedBackend:
     return FusedBackend(load_fused(folder, manifest, threads, session_config), table)
+
+
+def held_once_bytes(manifest: Manifest, seat_bytes: int) -> int:
+    """What a build whose seats decode together (FusedSettings.seat_batches) holds once beyond its
+    files: what its sessions pack beside the one map of its weights file (FusedSettings.packed_bytes,
+    every graph's, as the planner counts them; a build that does not record them: the LM head's copy
+    in the head graph's session, profiles/weights.packed_head_bytes, none where the head is cabinlm's
+    BlockQ8MatMul, which every graph reads in place), and the idle seat that fills a batched run's
+    empty places (one seat_bytes). 0 for a build without batched graphs."""
+    from cabinlm.profiles.weights import packed_head_bytes
+
+    facts = manifest.runtime_spec.facts_as(FusedSettings)
+    if facts is None or not facts.seat_batches:
+        return 0
+    if facts.packed_bytes is not None:
+        return sum(facts.packed_bytes.values()) + seat_bytes
+    head = 0 if facts.head_kernel == "cabinlm" else packed_head_bytes(manifest.model)
+    return head + seat_bytes
+
+
+def custom_ops_libraries(folder: Path, spec, ort_version: str) -> list[Path]:
+    """A build with cabinlm's own kernels: its kernel library, verified against the manifest
+    (kernel_library.checked_library: onnxruntime's C API version, this CPU, the sha256)."""
+    from cabinlm.engines.ort_fused.kernel_library import checked_library
+
+    fused = spec.facts_as(FusedSettings)
+    if fused is None or not fused.own_kernels:
+        return []
+    return [checked_library(folder, fused, ort_version)]

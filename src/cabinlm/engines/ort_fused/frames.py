@@ -2,7 +2,7 @@
 "Camera frames on the fused decoder"). fp32 KV only (graph.ineligible): the turns below rotate keys
 already in the cache, which for int8 KV would rotate quantized keys.
 
-The cache holds keys rotated at their positions + E (runtime/rotated.py). The frame's own keys are
+The cache holds keys rotated at their positions + E (engines/onnxruntime/rotated.py). The frame's own keys are
 re-written from their un-rotated copy before each step, as the pinned ones are (RotatedKeys.refresh).
 What moves the window keys is a new frame (SlotTable.begin_frame): it takes the old frame's tokens in
 the image region out of the cache with no eviction, so E stays while
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cabinlm.engines.ort_fused.rotated import RotatedKeys, rotation_tables
+from cabinlm.engines.onnxruntime.rotated import RotatedKeys, rotation_tables
 from cabinlm.contract.layout import CacheLayout
 
 if TYPE_CHECKING:

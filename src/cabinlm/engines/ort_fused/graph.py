@@ -10,7 +10,7 @@ float minimum: by default the block becomes 8-bit codes with an integer zero poi
 
 How the cache semantics survive the fusion. GroupQueryAttention rotates the chunk's keys before it
 stores them, so keys are cached *rotated*, at a virtual position v = rank + E, where E is the number
-of window tokens evicted before the token was written (runtime/rotated.py):
+of window tokens evicted before the token was written (engines/onnxruntime/rotated.py):
 
   * a window token's rank drops by one at every later eviction (the evicted tokens are older), so
     its rank is always v - E_now: a query rotated at L + E_now (L = its rank) sees every window key

@@ -32,7 +32,7 @@ from cabinlm.engines.ort_fused.sessions import FusedGraphs
 if TYPE_CHECKING:
     import onnxruntime as ort
 
-    from cabinlm.engines.ort_fused.rotated import RotatedKeys
+    from cabinlm.engines.onnxruntime.rotated import RotatedKeys
 
 
 class BatchedSeat(Protocol):

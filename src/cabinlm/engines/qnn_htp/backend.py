@@ -10,7 +10,7 @@ the context models are EPContext nodes only), so `device` is "qnn-htp" because t
 
 A uint8 cache with rotated keys (build.qnn.rotated_keys; engines/qnn_htp/rotated_graph.py) holds every
 key rotated once, at its virtual position, as the fused cpu build does, with that build's bookkeeping
-(engines/ort_fused/rotated.RotatedKeys): before each run the chunk's rotation rows at L + i + E
+(engines/onnxruntime/rotated.RotatedKeys): before each run the chunk's rotation rows at L + i + E
 (rope_cos / rope_sin), and after a step that evicted the sink / pinned keys re-rotated at rank + E from
 their un-rotated fp16 copy, rounded with the key tensor's one scale, written as uint8 (+ 128):
 
@@ -30,7 +30,7 @@ import numpy as np
 from cabinlm.contract.engines import BackendKind
 from cabinlm.contract import io_spec as io
 from cabinlm.engines.backend import StepOutput
-from cabinlm.engines.ort_fused.rotated import RotatedKeys
+from cabinlm.engines.onnxruntime.rotated import RotatedKeys
 from cabinlm.contract.engines.qnn import KV_ZERO_POINT, SIMULATOR, QnnSettings
 from cabinlm.contract.manifest import Manifest
 from cabinlm.engines.qnn_htp import plugin as qnn_plugin
@@ -142,6 +142,18 @@ class QnnBackend(ExportedGraphBackend):
     @property
     def device(self) -> str:
         return "qnn-htp"
+
+
+def open_camera_encoder(folder: Path, manifest: Manifest, threads: int | None = None):
+    """An HTP build's camera encoder: the tower's context binary where the build compiled it (files
+    "vision_context", engines/qnn_htp/vision_build.py; CPU fallback off: it runs on the HTP or not at
+    all), else the vision graph on the CPU provider."""
+    if "vision_context" not in manifest.files:
+        from cabinlm.engines.onnxruntime.session import vision_session
+
+        return vision_session(folder, manifest, threads), "cpu"
+    path = folder / manifest.files["vision_context"].path
+    return qnn_plugin.open_context_session(path, manifest.runtime_spec.provider, share=False), "qnn-htp"
 
 
 def unavailable() -> str | None:

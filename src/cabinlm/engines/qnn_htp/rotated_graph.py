@@ -1,7 +1,7 @@
 """The HTP's uint8 cache with rotated keys (docs/architecture.md "The rotated-key uint8
 cache on the HTP"): a rewrite after graph.uint8_kv, so that the cache holds every key rotated once,
 when written, at its virtual position v = rank + E (E: window tokens evicted before it), as the
-fused cpu build does (engines/ort_fused/rotated.py: why a query at L + E then sees every cached key
+fused cpu build does (engines/onnxruntime/rotated.py: why a query at L + E then sees every cached key
 at the distance of the normative ranks).
 
 Why: one scale per tensor costs un-rotated keys more than rotated ones (SmolLM2 in PyTorch with the

@@ -24,8 +24,13 @@ from __future__ import annotations
 
 import collections
 import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from cabinlm.runtime.decoder import Decoder
 
 
 class ModelTurns:
@@ -128,6 +133,10 @@ class SeatSteps(ModelTurns):
         self._local = threading.local()  # .riding: this thread passed its turn on and holds no model
         self.batched_runs = 0  # runs of two or more seats' steps (reports, tests)
         self.verified_riding = 0  # verified drafts that ran with other seats' steps (reports, tests)
+
+    def join(self, dec: Decoder) -> None:
+        """Route this seat's steps and verified drafts through these turns (Decoder.together)."""
+        dec.together = self
 
     def _riding(self) -> bool:
         return getattr(self._local, "riding", False)
@@ -268,3 +277,17 @@ class SeatSteps(ModelTurns):
         riders = self._ready(self._take(self.max_batch, wait=False))
         if riders:
             self._run(riders, riders)
+
+
+def share_model(decoders: Sequence[Decoder]) -> ModelTurns:
+    """The turns the seats of one loaded model take on it: SeatSteps where its build's seats decode
+    together (Backend.seat_batches) and there are two or more seats, every seat's steps and verified
+    drafts routed through it (SeatSteps.join); plain ModelTurns otherwise. The caller (serve) holds,
+    passes and releases the turns; how the seats' steps run together is this module's."""
+    batches = decoders[0].backend.seat_batches
+    if not batches or len(decoders) < 2:
+        return ModelTurns()
+    model = SeatSteps(max(batches))
+    for d in decoders:
+        model.join(d)
+    return model

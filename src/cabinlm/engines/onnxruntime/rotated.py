@@ -1,4 +1,5 @@
-"""Positions for a cache that holds keys already rotated (fused cpu builds, engines/ort_fused/builder.py).
+"""Positions for a cache that holds keys already rotated: the fused cpu build (engines/ort_fused/) and
+the HTP's rotated-key uint8 cache (engines/qnn_htp/backend.py) share this bookkeeping.
 
 The normative semantics give every cached token its rank as position. A fused attention kernel
 rotates a key once, when it is written, so each token gets a *virtual* position v instead:
