@@ -24,20 +24,18 @@ from cabinlm.layout import CacheLayout, KVDType, LayoutError
 from cabinlm.profiles import load_profile
 from cabinlm.runtime import Decoder
 from reference import StreamingReference
-from test_backends import static_profile
+from test_backends import TOLERANCE, static_profile
 
-# (every feed, mean) of a feed's largest |logit difference| from the reference, by KV dtype. fp32: float
-# rounding. int8 rounds every key and value: on this stream the exported graph's own int8 KV reaches 1.65
-# (every feed) and 0.21 (mean), the fused int8 build 1.95 and 0.23; the window keys rotated as if the
-# region did not move their ranks (test_the_int8_tolerance_fails_...) give far more.
-TOLERANCE = {KVDType.FP32: (2e-3, 2e-3), KVDType.INT8: (2.5, 0.4)}
+# TOLERANCE: tests/test_backends.py's (fp32 rounding; int8 KV's rounding, measured there). On this stream
+# the fused int8 build's logits are 0.84 (every feed) and 0.22 (mean) from the reference; the window keys
+# rotated as if the region did not move their ranks give 4.9 and 0.75 (the test below).
 
-LAYOUT = dict(sink=2, pinned=8, recall=12, window=16, chunk=4)
+LAYOUT = dict(sink=2, pinned=8, recall=16, window=16, chunk=4)
 
 # (token count, where): "pin" the pinned system prompt, "win" window tokens, "recall" a new region's
 # text (begin_recall first; fed in chunks), with decode (single tokens) between.
 STREAM = ([(6, "pin"), (11, "win")] + [(1, "win")] * 30 + [(10, "recall"), (7, "win")] + [(1, "win")] * 60
-          + [(3, "recall")] + [(1, "win")] * 40 + [(9, "win"), (12, "recall"), (5, "win")] + [(1, "win")] * 20)  # fmt: skip
+          + [(3, "recall")] + [(1, "win")] * 40 + [(9, "win"), (16, "recall"), (5, "win")] + [(1, "win")] * 20)  # fmt: skip
 
 CASES = {
     "graph": ("fp32", None, ()),
@@ -99,7 +97,7 @@ def run_stream(dec: Decoder, ids: np.ndarray) -> list[np.ndarray]:
             dec.cache.begin_recall()
         pin = {"pin": True, "recall": "recall"}.get(where, False)
         got.append(dec.step(chunk, pin=pin).copy())
-    assert dec.cache.evicted > 6 * LAYOUT["window"] and dec.cache.recall_fill == 12 and dec.cache.recalls == 3
+    assert dec.cache.evicted > 6 * LAYOUT["window"] and dec.cache.recall_fill == 16 and dec.cache.recalls == 3
     return got
 
 
@@ -144,7 +142,7 @@ def test_the_int8_tolerance_fails_window_keys_that_ignore_the_region(artifacts, 
     monkeypatch.setattr(StepPlan, "row_offset", property(lambda self: self.row_evicted))
     errors = np.array([float(np.abs(g - e).max()) for g, e in zip(run_stream(Decoder(folder), ids), expected)])
     every, mean = TOLERANCE[KVDType.INT8]
-    assert errors.max() > every and errors.mean() > 2 * mean, (errors.max(), errors.mean())
+    assert errors.max() > 2 * every and errors.mean() > 1.5 * mean, (errors.max(), errors.mean())
 
 
 def test_dense_while_the_stream_fits(stream):
@@ -168,29 +166,33 @@ def test_dense_while_the_stream_fits(stream):
 
 def test_the_layout_refuses_what_a_region_cannot_go_with():
     base = dict(sink=2, pinned=4, window=8, chunk=4, layers=2, kv_heads=1, head_dim=8)
-    lay = CacheLayout(**base, recall=6)
-    assert lay.slots == 2 + 4 + 6 + 8 and lay.recall_start == 6 and lay.window_start == 12
+    lay = CacheLayout(**base, recall=16)
+    assert lay.slots == 2 + 4 + 16 + 8 and lay.recall_start == 6 and lay.window_start == 22
     assert CacheLayout(**base).recall == 0  # an older manifest's cache: no "recall" key
     for bad, word in ((dict(image=4), "camera frame"), (dict(local_window=4, local_layers=(0,)), "sliding-window"),
                       (dict(sink=0), "sink")):  # fmt: skip
         with pytest.raises(LayoutError, match=word):
-            CacheLayout(**{**base, **bad, "recall": 6})
+            CacheLayout(**{**base, **bad, "recall": 16})
     with pytest.raises(LayoutError, match="recall"):
         CacheLayout(**base, recall=-1)
+    with pytest.raises(LayoutError, match="multiple of 16; give --recall 16"):
+        CacheLayout(**base, recall=6)
 
 
 def test_a_region_too_long_or_before_the_sink_is_refused():
     from cabinlm.runtime.slots import SlotTable
 
-    table = SlotTable(CacheLayout(sink=2, pinned=4, window=8, chunk=4, layers=1, kv_heads=1, head_dim=8, recall=5))
+    table = SlotTable(CacheLayout(sink=2, pinned=4, window=8, chunk=4, layers=1, kv_heads=1, head_dim=8, recall=16))
     with pytest.raises(ValueError, match="after the sink"):
         table.plan(2, pin="recall")
     table.advance(table.plan(2))
     table.begin_recall()
-    table.advance(table.plan(4, pin="recall"))
+    for _ in range(3):
+        table.advance(table.plan(4, pin="recall"))
+    table.advance(table.plan(3, pin="recall"))
     with pytest.raises(InputError, match="recall region has 1 free"):
         table.plan(2, pin="recall")
-    assert table.length == 6 and table.extent == 2 + 4 + 4
+    assert table.length == 17 and table.extent == 2 + 4 + 15
     with pytest.raises(ValueError, match="no recall region"):
         SlotTable(CacheLayout(sink=2, pinned=4, window=8, chunk=4, layers=1, kv_heads=1, head_dim=8)).begin_recall()
 

@@ -13,6 +13,7 @@ from cabinlm.precision import KVDType  # also re-exported: manifest.py and the r
 
 MAX_DIM = 1 << 24  # any one dimension of the cache (slots, layers, heads, head_dim)
 MAX_CACHE_BYTES = 1 << 40
+RECALL_MULTIPLE = 16  # the recall region's size is a multiple of this (CacheLayout._check_recall)
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,11 @@ class CacheLayout:
         frame fed between window tokens would rank after some of them: both combinations are refused."""
         if not self.recall:
             return
+        if self.recall % RECALL_MULTIPLE:
+            # an empty region then shifts the window's slots by whole 16-lane blocks: every sum over the
+            # slots runs in the order an artifact without a region runs it (--no-recall bit for bit)
+            raise LayoutError(f"--recall {self.recall} must be a multiple of {RECALL_MULTIPLE}; give --recall "
+                              f"{-(-self.recall // RECALL_MULTIPLE) * RECALL_MULTIPLE}")  # fmt: skip
         if self.local_layers:
             raise LayoutError("--recall: a model with sliding-window (local) layers takes no recall region yet; "
                               "export it with --recall 0")  # fmt: skip

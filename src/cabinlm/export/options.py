@@ -58,6 +58,8 @@ def _check(sink: int | None, pinned: int | None, window: int | None, chunk: int 
     for name, value, least in (("sink", sink, 0), ("pinned", pinned, 0), ("window", window, 1), ("chunk", chunk, 1),
                                ("recall", recall, 0)):  # fmt: skip
         _count(name, value, least)
+    if recall and recall % 16:
+        raise LayoutError(f"--recall {recall} must be a multiple of 16; give --recall {-(-recall // 16) * 16}")
     if recall and sink is not None and sink < 1:
         raise LayoutError("--recall needs at least one sink token (--sink 1 or more): the region is fed after the sink")
     if chunk is not None and window is not None and chunk > window:
