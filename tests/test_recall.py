@@ -252,3 +252,38 @@ def test_bad_options_are_refused_in_one_line(artifacts):
         RuntimeConfig(artifacts["region"], recall_archive_mb=0)
     with pytest.raises(OptionError, match="recall must be true or false"):
         RuntimeConfig(artifacts["region"], recall="yes")
+
+
+def test_the_recall_command_refuses_bad_input_in_one_line(artifacts, tmp_path):
+    from test_cli import assert_clean_error, cabinlm
+
+    good = '{"statement": "s", "question": "q?", "choices": ["a", "b"], "answer": "a"}'
+    cases = {
+        "not JSON": "{broken",
+        "not among its choices": good.replace('"answer": "a"', '"answer": "c"'),
+        "exactly the keys": '{"statement": "s"}',
+        "2 distinct": good.replace('["a", "b"]', '["a", "a"]'),
+    }
+    for word, text in cases.items():
+        facts = tmp_path / "facts.jsonl"
+        facts.write_text(good + "\n" + text + "\n")
+        assert_clean_error(cabinlm("recall", artifacts["region"], "--facts", facts), word, "line 2")
+    short = tmp_path / "short.txt"
+    short.write_text("a few words only")
+    assert_clean_error(cabinlm("recall", artifacts["region"], "--filler", short, "--distances", "500"), "longer filler")
+    assert_clean_error(cabinlm("recall", artifacts["region"], "--distances", "2000,x"), "--distances")
+
+
+def test_the_recall_command_runs_both_ways(artifacts, tmp_path):
+    from test_cli import cabinlm
+
+    facts = tmp_path / "facts.jsonl"
+    facts.write_text(json.dumps({"statement": FACTS[0], "question": "where is my car parked?",
+                                 "choices": ["level three", "level one"], "answer": "level three"}) + "\n")  # fmt: skip
+    filler = tmp_path / "filler.txt"
+    filler.write_text(" ".join(FILLER) * 20)
+    out = cabinlm("recall", artifacts["region"], "--facts", facts, "--filler", filler, "--distances", "300", "--json")
+    assert out.returncode == 0, out.stderr
+    results = json.loads(out.stdout.strip().splitlines()[-1])["results"]
+    assert [(r["distance"], r["recall"], r["trials"]) for r in results] == [(300, True, 1), (300, False, 1)]
+    assert results[0]["recall_ms_per_turn"] > 0 and results[1]["recall_ms_per_turn"] == 0

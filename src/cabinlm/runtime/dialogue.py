@@ -98,7 +98,8 @@ class Dialogue:
         # recall: the artifact's recall region in use (False: StreamingLLM exactly, the region left empty)
         self.recall = bool(recall) and decoder.layout.recall > 0
         self.archive = Archive(int(check_archive_mb(archive_mb) * 2**20))
-        self.recaller = Recaller(tokenizer, self.chat, decoder.layout.recall) if self.recall else None
+        self.recaller = Recaller(tokenizer, self.chat, decoder.layout.recall) if decoder.layout.recall else None
+        self.prompt_logits: np.ndarray | None = None  # the last prompt's last token's logits (vocab,)
         self.region: Choice = EMPTY  # what the recall region holds now
         self.reset()
 
@@ -151,7 +152,7 @@ class Dialogue:
     def _refresh_region(self, text: str) -> dict | None:
         """Before a user turn (Ctrl-C held by the caller): the region refilled for `text` when what it
         should hold changed; one prefill of at most R tokens that never touches the window's K/V."""
-        if self.recaller is None:
+        if not self.recall:
             return None
         choice = self.recaller.choose(self.archive, text)
         if choice.ids == self.region.ids:
@@ -167,7 +168,7 @@ class Dialogue:
 
     def _archive_left(self) -> None:
         """Messages whose first token left the window join the archive."""
-        if self.recaller is None:
+        if not self.recall:
             return
         c = self.decoder.cache
         if not c.evicted:
@@ -249,7 +250,7 @@ class Dialogue:
             with defer_sigint():
                 if not tool and frame is None:
                     recalled = self._refresh_region(text)
-                if self.recaller is not None:
+                if self.recall:
                     self.archive.add(Message("user", self.tok.encode_text(text), self.turns, dec.cache.seen))
                 if frame is None:
                     logits = dec.feed(prompt)
@@ -262,6 +263,7 @@ class Dialogue:
                     dec.feed(image_ids, pin="image", embeds=embeds)
                     logits = dec.feed(tail)
                 prefilled = True
+                self.prompt_logits = logits
                 self._pending = []
                 self.drafting.observe(prompt)
             t_decode = time.perf_counter()
@@ -285,7 +287,7 @@ class Dialogue:
         if prefilled:
             # Close the assistant turn in the cache as the template would have rendered it.
             self._pending = reply.unfed + self.template.closing()
-            if self.recaller is not None and reply_ids:
+            if self.recall and reply_ids:
                 self.archive.add(Message("assistant", list(reply_ids), self.turns, reply_start))
             self._archive_left()
         decode_s = t_end - t_decode
@@ -307,15 +309,16 @@ class Dialogue:
             recall=recalled,
         )
 
-    def add_turn(self, text: str, reply: str, image=None, tool: bool = False) -> None:
+    def add_turn(self, text: str, reply: str, image=None, tool: bool = False) -> TurnResult:
         """A past exchange fed into the cache without generating (a history a client sends): the user
         turn exactly as ask() feeds it, then `reply` as the assistant's answer (its text encoded as
         plain text, fed in chunks), the turn closed as a generated reply's is."""
-        self.ask(text, image=image, should_stop=lambda: True, tool=tool)  # the prompt only; no token chosen
+        result = self.ask(text, image=image, should_stop=lambda: True, tool=tool)  # the prompt only; no token chosen
         ids = self.template.text(reply)
         if ids:
-            if self.recaller is not None:
+            if self.recall:
                 self.archive.add(Message("assistant", list(ids), self.turns, self.decoder.cache.seen))
             self.decoder.feed(ids)
             self.drafting.observe(ids)  # the reply is text later turns may repeat
             self._archive_left()
+        return result
