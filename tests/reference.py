@@ -7,6 +7,9 @@ sub-modules: nothing is shared with the ONNX graph builder or the numpy ring boo
   * positions are ranks: cached tokens 0..L-1 (stream order), the chunk L..L+c-1;
   * then the chunk joins the cache; the first S stream tokens and pinned tokens are never evicted;
     the oldest unpinned tokens beyond W are dropped.
+  * the recall region (docs/design.md, "The recall region"), once begin_recall() was called: recalled
+    tokens are pinned, rank after the sink and pinned tokens and before the window, and their chunk
+    attends to the cached non-window tokens and causally to itself, never to the window;
   * a layer with its own sliding window of w tokens (Gemma 3's local layers, when `local` is set)
     attends instead to the stream's tokens within w of each query (itself included), at their ranks
     among the last w - 1 tokens of the stream, whatever the other layers evicted or pinned.
@@ -40,6 +43,8 @@ class StreamingReference:
         # The last w - 1 tokens of the stream, for the local layers: (stream index, [per-layer (k, v)]).
         self.recent: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]] = []
         self.seen = 0
+        self.recalled: set[int] = set()  # stream indices of the recalled tokens cached
+        self.recall_mode = False  # a recall region was started: the window ranks after every other token
 
     def _rope(self, x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
         # x (heads, n, D), pos (n,); "rotate half" convention, computed in float64 then cast.
@@ -49,10 +54,19 @@ class StreamingReference:
         x1, x2 = x[..., : self.D // 2], x[..., self.D // 2 :]
         return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
+    def begin_recall(self) -> None:
+        """The recalled tokens cached are dropped; feed(recall=True) then caches new ones."""
+        self.entries = [e for e in self.entries if e[0] not in self.recalled]
+        self.recalled = set()
+        self.recall_mode = True
+
     @torch.no_grad()
-    def feed(self, ids: list[int], pin: bool = False) -> torch.Tensor:
-        """Process one chunk; returns its logits (n, vocab)."""
-        m, n, cached = self.m.model, len(ids), len(self.entries)
+    def feed(self, ids: list[int], pin: bool = False, recall: bool = False) -> torch.Tensor:
+        """Process one chunk; returns its logits (n, vocab). recall: recalled text (begin_recall first)."""
+        if self.recall_mode:  # ranks: the pinned (sink, pinned, recalled) tokens first, then the window's
+            self.entries = [e for e in self.entries if e[1]] + [e for e in self.entries if not e[1]]
+        seen_by = [e for e in self.entries if e[1]] if recall else self.entries
+        m, n, cached = self.m.model, len(ids), len(seen_by)
         x = m.embed_tokens(torch.tensor(ids))
         new_kv = [[] for _ in range(n)]
         q_pos = torch.arange(cached, cached + n)
@@ -81,7 +95,7 @@ class StreamingReference:
                 allowed = torch.cat([allowed, causal], dim=1)
                 kp, qp = torch.arange(r + n), torch.arange(r, r + n)
             else:
-                held = [e[2][li] for e in self.entries]
+                held = [e[2][li] for e in seen_by]
                 allowed = torch.cat([torch.ones(n, cached, dtype=torch.bool), causal], dim=1)
                 kp, qp = k_pos, q_pos
             ks = [kv[0] for kv in held] + [k[:, t] for t in range(n)]
@@ -103,7 +117,9 @@ class StreamingReference:
         logits = self.m.lm_head(m.norm(x))
         for t in range(n):
             idx = self.seen + t
-            self.entries.append((idx, pin or idx < self.sink, new_kv[t]))
+            self.entries.append((idx, pin or recall or idx < self.sink, new_kv[t]))
+            if recall:
+                self.recalled.add(idx)
             self.recent.append((idx, new_kv[t]))
         self.seen += n
         self.recent = self.recent[-(self.w - 1) :] if self.w else []

@@ -15,7 +15,7 @@ import sys
 
 import typer
 
-from cabinlm.cli import build, chat, doctor, export, measure, serve
+from cabinlm.cli import build, chat, doctor, export, measure, recall, serve
 from cabinlm.cli.common import err
 from cabinlm.contract.errors import CabinlmError
 
@@ -32,7 +32,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 for command in (export.export, export.profiles, export.plan, build.build, doctor.doctor, chat.chat, serve.serve,
-                measure.perplexity, measure.bench, measure.fetch):  # fmt: skip
+                measure.perplexity, measure.bench, measure.fetch, recall.recall):  # fmt: skip
     app.command()(command)
 
 

@@ -44,7 +44,15 @@ def chat(
         "the same replies, faster (docs/results.md, \"Drafting\"). Default: on for the fused cpu build "
         "(`make demo`'s), whose chunk rows are bit for bit its one-token steps; off where a check costs a whole "
         "fixed chunk (Snapdragon HTP, static pairs) or where rows match steps only to rounding (an unbuilt export)."),
-    json_out: bool = typer.Option(False, "--json", help="One JSON object per turn on stdout instead of text."),
+    json_out: bool = typer.Option(False, "--json", help="One JSON object per turn on stdout instead of text "
+                                  "(its \"recall\": the turns and tokens the recall region held)."),
+    recall: bool = typer.Option(
+        True, "--recall/--no-recall",
+        help="With an artifact exported with --recall R: archive what leaves the window and recall what is relevant "
+        "before each message (docs/design.md, \"The recall region\"). --no-recall: StreamingLLM exactly, bit for bit."),
+    recall_archive_mb: float = typer.Option(
+        16.0, help="Largest archive of what left the window, per seat, in MB: the oldest messages dropped first, "
+        "the opening exchange kept."),
     tools: Optional[Path] = typer.Option(
         None, help="A JSON file with an OpenAI tool list ([{\"type\": \"function\", \"function\": {\"name\", "
         "\"description\", \"parameters\"}}]): the model may call them. Each call is printed as a JSON line "
@@ -75,7 +83,8 @@ def chat(
     tool_list = read_tools(tools) if tools is not None else ()
     config = RuntimeConfig(artifact, seats=seats, threads=threads, system=system, temperature=temperature, top_p=top_p,
                            seed=seed, max_new_tokens=max_new_tokens, long_messages=long_messages,
-                           speculative=speculative, images=image is not None, tools=tool_list)  # fmt: skip
+                           speculative=speculative, images=image is not None, tools=tool_list, recall=recall,
+                           recall_archive_mb=recall_archive_mb)  # fmt: skip
     runtime = open_runtime(config)
     # Input a program cannot decode (invalid UTF-8) becomes U+FFFD instead of ending the session.
     sys.stdin.reconfigure(errors="replace")

@@ -29,6 +29,10 @@ def export(
         None, help="Rolling-window slots: the most recent W unpinned tokens. [default: 1020, or the plan's]"
     ),
     chunk: Optional[int] = typer.Option(None, help="Largest prefill chunk C. [default: 64, or the profile's]"),
+    recall: Optional[int] = typer.Option(
+        None, help="Recall-region slots R: text the runtime recalls from the dialogue's own past before each user turn "
+        "(docs/design.md, \"The recall region\"); 0 = none. [default: 0]"
+    ),
     kv: Optional[KVDType] = typer.Option(
         None, help="KV storage: fp32, fp16, or int8 / fp8 (E4M3) at 1/4 of fp32. [default: fp32, or the profile's]"
     ),
@@ -82,7 +86,7 @@ def export(
 
     # Checked here, before a profile is planned or the model is loaded.
     request = ExportRequest(sink=sink, pinned=pinned, window=window, chunk=chunk, kv=kv, weights=weights, head=head,
-                            calib=calib, max_ppl_increase=max_ppl_increase, force=force, verify=verify,
+                            calib=calib, max_ppl_increase=max_ppl_increase, force=force, verify=verify, recall=recall,
                             lora=None if lora is None else LoraRequest.parse(lora))  # fmt: skip
     if profile is not None:
         m = export_for_profile(model, out, load_profile(profile), request, log=info)  # plans from the config first
@@ -94,7 +98,8 @@ def export(
     lay = m.cache
     typer.echo(
         f"exported {m.model.source} ({m.model.architecture}, {m.model.num_layers} layers) to {out}: "
-        f"sink {lay.sink} + pinned {lay.pinned} + window {lay.window} slots, chunk {lay.chunk}, "
+        f"sink {lay.sink} + pinned {lay.pinned}" + (f" + recall {lay.recall}" if lay.recall else "")
+        + f" + window {lay.window} slots, chunk {lay.chunk}, "
         f"{lay.kv_dtype.value} KV = {lay.cache_bytes / 2**20:.1f} MiB, {m.weights} weights"
         + (f", LoRA {m.quality['lora']['source']} merged" if "lora" in m.quality else "")
     )

@@ -39,6 +39,11 @@ def serve(
         help="Draft reply tokens by prompt lookup and check them in one step, as `cabinlm chat` does: the same "
         "replies (greedy) or the same distribution (sampled). [default: on for the fused cpu build]",
     ),
+    recall: bool = typer.Option(
+        True, "--recall/--no-recall",
+        help="With an artifact exported with --recall R: each seat archives what leaves its window and recalls what "
+        "is relevant before each message; usage.cabinlm.recall says what. --no-recall: StreamingLLM exactly."),
+    recall_archive_mb: float = typer.Option(16.0, help="Largest archive of what left the window, per seat, in MB."),
     no_ui: bool = typer.Option(
         False, "--no-ui", help="Serve no page at / (then a 404): the API and /metrics only."
     ),
@@ -63,7 +68,8 @@ def serve(
     check_count("port", port, 0, 65535)
     config = ServeConfig(artifact, seats=seats, sessions=sessions, max_new_tokens=max_new_tokens, threads=threads,
                          long_messages=long_messages, model_id=model_name, speculative=speculative,
-                         max_prompt_tokens=max_prompt_tokens)  # fmt: skip
+                         max_prompt_tokens=max_prompt_tokens, recall=recall,
+                         recall_archive_mb=recall_archive_mb)  # fmt: skip
     service = ChatService.open(config)
     if service.resumed:
         info(f"resumed {len(service.resumed)} seats from {sessions}: {', '.join(service.resumed)}")

@@ -1,4 +1,4 @@
-"""Cache geometry: one object owns sink, pinned, image, window, chunk, heads, head_dim and KV dtype,
+"""Cache geometry: one object owns sink, pinned, image, recall, window, chunk, heads, head_dim and KV dtype,
 and derives the slot map and every byte count from them. Standard library only."""
 
 from __future__ import annotations
@@ -13,23 +13,26 @@ from cabinlm.contract.precision import KVDType  # also re-exported: contract/man
 
 MAX_DIM = 1 << 24  # any one dimension of the cache (slots, layers, heads, head_dim)
 MAX_CACHE_BYTES = 1 << 40
+RECALL_MULTIPLE = 16  # the recall region's size is a multiple of this (CacheLayout._check_recall)
 
 
 @dataclass(frozen=True)
 class CacheLayout:
     """Geometry of the fixed-size KV cache.
 
-    Slot map of one layer's (kv_heads, slots, head_dim) buffer, slots = S + P + I + W:
+    Slot map of one layer's (kv_heads, slots, head_dim) buffer, slots = S + P + I + R + W:
 
-        | sink: S | pinned: P | image: I  | window ring: W |
-          first S   spans the   the current   the most recent W
-          tokens    runtime     camera        unpinned tokens,
-          of the    pins        frame (VLMs;  oldest overwritten
-          stream    (system)    replaced by   first
-                                the next)
+        | sink: S | pinned: P | image: I  | recall: R     | window ring: W |
+          first S   spans the   the current   text recalled   the most recent W
+          tokens    runtime     camera        from the        unpinned tokens,
+          of the    pins        frame (VLMs;  dialogue's      oldest overwritten
+          stream    (system)    replaced by   past, replaced  first
+                                the next)     whole per turn
 
     A chunk of up to C tokens attends to every cached token and to itself causally, then joins the
-    cache. Positions are ranks in stream order, so the largest position ever used is S + P + W + C - 1.
+    cache. Positions are ranks in stream order, so the largest position ever used is S + P + I + R + W + C - 1.
+    The recall region (docs/design.md, "The recall region") ranks after the sink and pinned spans and
+    before the window; its chunk attends to everything but the window.
 
     Per-layer geometry (docs/design.md, "Layers with their own sliding window"). A layer listed in
     `local_layers` is one whose model attends only within a sliding window of `local_window` = w
@@ -56,16 +59,17 @@ class CacheLayout:
     image: int = 0  # slots of one camera frame's tokens (0: a text-only model)
     local_window: int = 0  # w: a local layer's query sees its last w tokens, itself included (0: no local layers)
     local_layers: tuple[int, ...] = ()  # the layers with their own sliding window, ascending
+    recall: int = 0  # R: slots of the recall region (0: none; an artifact made before it existed)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_dtype", KVDType(self.kv_dtype))
         if isinstance(self.local_layers, list):  # from JSON
             object.__setattr__(self, "local_layers", tuple(self.local_layers))
-        for name in ("sink", "pinned", "image", "window", "chunk", "layers", "kv_heads", "head_dim"):
+        for name in ("sink", "pinned", "image", "recall", "window", "chunk", "layers", "kv_heads", "head_dim"):
             value = getattr(self, name)
             if type(value) is not int or value > MAX_DIM:
                 raise LayoutError(f"{name} must be a whole number up to {MAX_DIM}, got {value!r}")
-        for name in ("sink", "pinned", "image"):
+        for name in ("sink", "pinned", "image", "recall"):
             if getattr(self, name) < 0:
                 raise LayoutError(f"--{name} must be >= 0, got {getattr(self, name)}")
         for name in ("window", "chunk", "layers", "kv_heads", "head_dim"):
@@ -79,6 +83,7 @@ class CacheLayout:
                 "the window; lower --chunk or raise --window"
             )
         self._check_local()
+        self._check_recall()
         if self.cache_bytes > MAX_CACHE_BYTES:
             raise LayoutError(f"a cache of {self.cache_bytes / 2**30:.0f} GiB is beyond any device cabinlm targets; "
                               "lower --window")  # fmt: skip
@@ -100,6 +105,27 @@ class CacheLayout:
             # the ring must hold a whole chunk, as the window must (no token of a chunk overwrites another)
             raise LayoutError(f"--chunk {self.chunk} is longer than the model's sliding window {w}, which its local "
                               f"layers' rings hold; lower --chunk to at most {w}")  # fmt: skip
+
+    def _check_recall(self) -> None:
+        """The recall region's tokens never pass through a local layer's ring (a ring holds the stream's
+        last w tokens, and the region is not part of that run) and rank before the window, where a camera
+        frame fed between window tokens would rank after some of them: both combinations are refused."""
+        if not self.recall:
+            return
+        if self.recall % RECALL_MULTIPLE:
+            # an empty region then shifts the window's slots by whole 16-lane blocks: every sum over the
+            # slots runs in the order an artifact without a region runs it (--no-recall bit for bit)
+            raise LayoutError(f"--recall {self.recall} must be a multiple of {RECALL_MULTIPLE}; give --recall "
+                              f"{-(-self.recall // RECALL_MULTIPLE) * RECALL_MULTIPLE}")  # fmt: skip
+        if self.local_layers:
+            raise LayoutError("--recall: a model with sliding-window (local) layers takes no recall region yet; "
+                              "export it with --recall 0")  # fmt: skip
+        if self.image:
+            raise LayoutError("--recall: a vision-language model's camera frame and a recall region do not go "
+                              "together yet; export it with --recall 0")  # fmt: skip
+        if self.sink < 1:
+            raise LayoutError("--recall needs at least one sink token (--sink 1 or more): the region is fed "
+                              "after the sink is full")  # fmt: skip
 
     @property
     def global_layers(self) -> tuple[int, ...]:
@@ -124,8 +150,8 @@ class CacheLayout:
 
     @property
     def slots(self) -> int:
-        """Cache slots per layer and KV head: sink + pinned + image + window."""
-        return self.sink + self.pinned + self.image + self.window
+        """Cache slots per layer and KV head: sink + pinned + image + recall + window."""
+        return self.sink + self.pinned + self.image + self.recall + self.window
 
     @property
     def max_position(self) -> int:
@@ -137,8 +163,12 @@ class CacheLayout:
         return self.sink + self.pinned
 
     @property
-    def window_start(self) -> int:
+    def recall_start(self) -> int:
         return self.sink + self.pinned + self.image
+
+    @property
+    def window_start(self) -> int:
+        return self.sink + self.pinned + self.image + self.recall
 
     @property
     def quantized(self) -> bool:

@@ -1,4 +1,4 @@
-"""The sink / pinned / image / rolling-window slot bookkeeping of one dialogue's cache, in numpy.
+"""The sink / pinned / image / recall / rolling-window slot bookkeeping of one dialogue's cache, in numpy.
 
 Every backend shares this: the graph is a pure function of (cache, chunk, positions, mask) that
 returns the chunk's K/V; this table decides where those K/V go and what every slot's position is.
@@ -9,8 +9,13 @@ Invariants (tested property-wise in tests/test_cache.py):
   * sink slots hold the first S tokens of the stream and are never overwritten;
   * pinned slots hold the pinned spans and are never overwritten by unpinned tokens;
   * the image region holds the current camera frame's tokens (begin_frame empties it);
+  * the recall region holds the text recalled before the current user turn (begin_recall empties it);
+    its chunks attend to every cached token but the window's (docs/design.md, "The recall region");
   * the window ring holds exactly the most recent min(W, unpinned seen) unpinned tokens;
-  * positions are ranks in stream order: cached tokens 0..L-1, the chunk L..L+c-1;
+  * positions are ranks in stream order: cached tokens 0..L-1, the chunk L..L+c-1; in a layout with
+    a recall region (layout.recall > 0) the window's tokens rank after every other cached token (its
+    rule 3: the window's ranks follow the region's length), a recall chunk after the other
+    non-window tokens;
   * the counters below are a function of slot_token and the stream so far: restore() checks them.
 
 Local layers (CacheLayout.local_layers) keep a ring of R = w slots that every token of the
@@ -47,7 +52,7 @@ class StepPlan:
         self.position_ids = position_ids  # (tokens,) int64
         self.slots = slots  # (tokens,) int64: destination slot of each chunk token
         self.evicts = evicts  # how many cached window tokens this chunk overwrites
-        self.pin = pin  # False: window; True: pinned region; "image": the camera-frame region
+        self.pin = pin  # False: window; True: pinned region; "image": the camera-frame region; "recall": the recall region
         self.slot_token = slot_token  # (slots,) int64, a copy: the table moves on after the commit
         # The table's counters before this chunk (SlotTable's meanings):
         self.cached = cached  # L = table.length: tokens in the cache (the chunk's first rank)
@@ -57,6 +62,9 @@ class StepPlan:
         self.pinned_fill = table.pinned_fill
         self.image_fill = table.image_fill
         self.frames = table.frames
+        self.recall_fill = table.recall_fill
+        self.recalls = table.recalls
+        self.layout = table.layout
         self.seen = table.seen  # the chunk's first stream index
         # the stream index of the current camera frame's first token (-1: none), this chunk's own
         # first token when it starts a frame (multimodal RoPE's grid offsets count from there)
@@ -75,15 +83,27 @@ class StepPlan:
     def tokens(self) -> int:
         return len(self.slots)
 
+    @property
+    def offset(self) -> int:
+        """O = E - r: what a cache of keys rotated once at write time adds to a rank (engines/ort_fused/
+        rotated.py). A window token's rank falls by one at each eviction and rises by one for each token
+        the recall region gains, so its rank is always v - O, v its rank + O when it was written."""
+        return self.evicted - self.recall_fill
+
     @functools.cached_property
     def cache_position_ids(self) -> np.ndarray:
         """(slots,) int64: each cached slot's rank in stream order (0 for empty slots). Stream indices
-        are unique and increasing, so a slot's rank is the number of cached tokens older than it."""
+        are unique and increasing, so a slot's rank is the number of cached tokens older than it. With
+        a recall region in the layout the window's tokens count after every other cached token."""
         st = self.slot_token
         valid = st >= 0
         cached = int(valid.sum())
         cache_pos = np.zeros(len(st), dtype=np.int64)
-        order = np.argsort(np.where(valid, st, np.iinfo(np.int64).max), kind="stable")
+        key = np.where(valid, st, np.iinfo(np.int64).max)
+        if self.layout.recall:  # the window last: its keys above every stream index, below the empty slots'
+            ws = self.layout.window_start
+            key[ws:] = np.where(valid[ws:], st[ws:] + (1 << 62), key[ws:])
+        order = np.argsort(key, kind="stable")
         cache_pos[order[:cached]] = np.arange(cached)
         return cache_pos
 
@@ -131,7 +151,11 @@ class StepPlan:
     @functools.cached_property
     def pinned_slots(self) -> np.ndarray:
         """(K,) int64: the sink and pinned slots in use, sink first: 0..K-1 (K = sink_fill + pinned_fill;
-        nothing is pinned before the sink is full)."""
+        nothing is pinned before the sink is full). With recalled text cached: every slot before the
+        region's end, 0..K-1 with K = recall_start + recall_fill (the free pinned slots among them are
+        empty, masked), so that the keys re-rotated from their float copies stay the first K slots."""
+        if self.recall_fill:
+            return np.arange(self.layout.recall_start + self.recall_fill, dtype=np.int64)
         return np.concatenate([np.arange(self.sink_fill), self.sink + np.arange(self.pinned_fill)]).astype(np.int64)
 
     @functools.cached_property
@@ -151,12 +175,19 @@ class StepPlan:
         over = (self.overwritten >= 0).astype(np.int64)
         return self.evicted + np.concatenate([[0], np.cumsum(over[:-1])]).astype(np.int64)
 
+    @property
+    def row_offset(self) -> np.ndarray:
+        """(tokens,) int64: each row's offset O (see offset) at its own step."""
+        return self.row_evicted - self.recall_fill
+
     @functools.cached_property
     def row_pinned_ranks(self) -> np.ndarray:
         """(tokens, K) int64: the ranks of the sink / pinned slots (pinned_slots) before each row's
         step: a row that evicts a token older than one of them moves that one down a rank."""
         slots = self.pinned_slots
         ranks = self.cache_position_ids[slots]
+        if self.layout.recall:  # the window ranks last: an eviction moves no other token's rank
+            return np.repeat(ranks[None, :], self.tokens, axis=0)
         ev = self.overwritten
         older = (ev[:, None] >= 0) & (ev[:, None] < self.slot_token[slots][None, :])
         drop = np.concatenate([np.zeros((1, len(slots)), np.int64), np.cumsum(older, axis=0)[:-1]])
@@ -214,6 +245,8 @@ class StepPlan:
         n, N = len(self.slots), len(self.slot_token)
         mask = np.empty((n, N + n), dtype=np.float32)
         mask[:, :N] = np.where(self.slot_token >= 0, np.float32(0), MASK_VALUE)
+        if self.pin == "recall":  # the region never sees the window (docs/design.md, "The recall region", rule 2)
+            mask[:, self.layout.window_start : N] = MASK_VALUE
         mask[:, N:] = np.where(np.tri(n, dtype=bool), np.float32(0), MASK_VALUE)
         return mask
 
@@ -231,8 +264,12 @@ class SlotState:
     frames: int
     window_fill: int
     ring_next: int
+    recall_fill: int = 0  # 0 in a session file written before the recall region existed
+    recalls: int = 0
 
-    COUNTERS = ("seen", "evicted", "sink_fill", "pinned_fill", "image_fill", "frames", "window_fill", "ring_next")
+    COUNTERS = ("seen", "evicted", "sink_fill", "pinned_fill", "image_fill", "frames", "window_fill", "ring_next",
+                "recall_fill", "recalls")
+    OPTIONAL = ("recall_fill", "recalls")  # counters an older session file may lack
 
     def counters(self) -> dict[str, int]:
         return {k: int(getattr(self, k)) for k in self.COUNTERS}
@@ -258,6 +295,8 @@ class SlotTable:
         self.frames = 0  # camera frames started (each replaces the previous one)
         self.window_fill = 0
         self.ring_next = 0  # index inside the window ring of the next slot to write (= the oldest)
+        self.recall_fill = 0  # tokens in the recall region
+        self.recalls = 0  # recall regions started (each replaces the previous one)
         # Multimodal RoPE: the stream index of the current frame's first token (-1: none yet), and
         # whether begin_frame() was called with no frame token fed since. Not part of SlotState:
         # restore() derives it (a frame's tokens are the last ones of the stream's frame-sized run
@@ -270,7 +309,7 @@ class SlotTable:
     @property
     def length(self) -> int:
         """Tokens currently cached."""
-        return self.sink_fill + self.pinned_fill + self.image_fill + self.window_fill
+        return self.sink_fill + self.pinned_fill + self.image_fill + self.recall_fill + self.window_fill
 
     @property
     def pinned_free(self) -> int:
@@ -283,6 +322,8 @@ class SlotTable:
         lay = self.layout
         if self.window_fill:
             return lay.slots if self.window_fill == lay.window else lay.window_start + self.window_fill
+        if self.recall_fill:
+            return lay.recall_start + self.recall_fill
         if self.image_fill:
             return lay.image_start + self.image_fill
         if self.pinned_fill:
@@ -293,10 +334,24 @@ class SlotTable:
         """A new camera frame replaces the current one: its slots are emptied (masked) and the new
         frame's tokens, fed with pin="image", are written into them."""
         lay = self.layout
-        self.slot_token[lay.image_start : lay.window_start] = -1
+        self.slot_token[lay.image_start : lay.recall_start] = -1
         self.image_fill = 0
         self.frames += 1
         self.frame_start, self.frame_open = -1, True
+
+    def begin_recall(self) -> None:
+        """New recalled text replaces the region's whole: its slots are emptied (masked) and the new
+        text's tokens, fed with pin="recall", are written into them. No window token moves."""
+        lay = self.layout
+        if not lay.recall:
+            raise ValueError("this layout has no recall region (export with --recall R)")
+        self.slot_token[lay.recall_start : lay.window_start] = -1
+        self.recall_fill = 0
+        self.recalls += 1
+
+    @property
+    def recall_free(self) -> int:
+        return self.layout.recall - self.recall_fill
 
     def cached_stream_indices(self) -> np.ndarray:
         """Stream indices of the cached tokens, in stream order."""
@@ -339,6 +394,17 @@ class SlotTable:
         slots = np.empty(n, dtype=np.int64)
         slots[:sink_take] = np.arange(self.sink_fill, self.sink_fill + sink_take)
         evicts = 0
+        if pin == "recall":
+            if sink_take or not lay.recall:
+                raise ValueError("recalled text is fed after the sink is full, into a layout with a recall region")
+            if rest > self.recall_free:
+                raise InputError(f"the recall region has {self.recall_free} free slots of {lay.recall}; {rest} more "
+                                 "recalled tokens do not fit (call begin_recall() before each region)")  # fmt: skip
+            start = lay.recall_start + self.recall_fill
+            slots[:] = np.arange(start, start + rest)
+            first = self.sink_fill + self.pinned_fill + self.image_fill + self.recall_fill  # ranks after the region's own
+            return StepPlan(np.arange(first, first + n, dtype=np.int64), slots, 0, pin, self.slot_token.copy(), self,
+                            self.length, steps)  # fmt: skip
         if pin == "image":
             if rest > lay.image - self.image_fill:
                 raise InputError(
@@ -377,6 +443,8 @@ class SlotTable:
             if self.frame_open:
                 self.frame_start, self.frame_open = plan.seen, False
             self.image_fill += rest
+        elif plan.pin == "recall":
+            self.recall_fill += rest
         elif plan.pin:
             self.pinned_fill += rest
         else:
@@ -396,7 +464,7 @@ def restored_frame_start(state: SlotState, layout: CacheLayout) -> int:
     """The current frame's first stream index from a saved state: the frame is the layout.image
     tokens ending with the newest token of the image region (the sink took the first ones when the
     frame came before the sink was full). -1 when the region is empty."""
-    region = state.slot_token[layout.image_start : layout.window_start]
+    region = state.slot_token[layout.image_start : layout.recall_start]
     held = region[region >= 0]
     if not len(held):
         return -1
@@ -420,7 +488,8 @@ def check_state(state: SlotState, layout: CacheLayout) -> None:
             raise StateError(f"{k} = {v} is out of range")
     lay = layout
     regions = {"sink_fill": (0, lay.sink), "pinned_fill": (lay.sink, lay.image_start),
-               "image_fill": (lay.image_start, lay.window_start), "window_fill": (lay.window_start, lay.slots)}  # fmt: skip
+               "image_fill": (lay.image_start, lay.recall_start), "recall_fill": (lay.recall_start, lay.window_start),
+               "window_fill": (lay.window_start, lay.slots)}  # fmt: skip
     for k, (lo, hi) in regions.items():
         used = st[lo:hi] >= 0
         if c[k] != int(used.sum()):

@@ -98,6 +98,9 @@ def build_artifact(artifact: str | Path, profile: DeviceProfile | None, out: str
             f"{artifact} holds {manifest.cache.kv_dtype.value} KV, which profile {profile.name} cannot run "
             f"({', '.join(k.value for k in profile.kv_dtypes)}); re-export with --profile {profile.name}"
         )
+    if manifest.cache.recall and profile.execution_provider != "CPUExecutionProvider":
+        raise BuildError(f"{artifact} has a recall region ({manifest.cache.recall} slots), which only the cpu builds run "
+                         f"(ONNX Runtime's CPU provider); re-export with --recall 0 for {profile.name}")  # fmt: skip
     if manifest.opset > profile.max_opset:
         raise BuildError(f"{artifact}: graph opset {manifest.opset} is above {profile.name}'s {profile.max_opset}")
     out = Path(out) if out is not None else default_output(artifact, profile.name)

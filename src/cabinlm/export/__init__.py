@@ -208,10 +208,10 @@ def export_model(
     folder, gguf = resolve_source(source, log)
     image = image_tokens_from_config(folder, opts.frame) if gguf is None else 0
     check_positions(spec_for(source, log), sink=opts.sink, pinned=opts.pinned, chunk=opts.chunk, window=opts.window,
-                    image=image)  # fmt: skip
+                    image=image, recall=opts.recall)  # fmt: skip
     if gguf is None:  # a model's own sliding window, before the weights load
         config, where = read_config(folder)
-        check_attention_window(config, where, opts.sink + opts.pinned + image + opts.window + opts.chunk)
+        check_attention_window(config, where, opts.sink + opts.pinned + image + opts.recall + opts.window + opts.chunk)
     if opts.lora is not None:  # the adapter against the model's config, before the weights load
         check_adapter(read_adapter(opts.lora.path), spec_for(source, log))
     loaded = load_model(source, log)

@@ -53,10 +53,15 @@ def _count(name: str, value: int | None, least: int) -> None:
 
 
 def _check(sink: int | None, pinned: int | None, window: int | None, chunk: int | None, weights: WeightFormat | None,
-           head: WeightFormat | None, calib: Path | None, max_ppl_increase: float) -> None:  # fmt: skip
+           head: WeightFormat | None, calib: Path | None, max_ppl_increase: float, recall: int | None = 0) -> None:  # fmt: skip
     """The checks ExportOptions and ExportRequest share; a None value is not set (yet) and passes."""
-    for name, value, least in (("sink", sink, 0), ("pinned", pinned, 0), ("window", window, 1), ("chunk", chunk, 1)):
+    for name, value, least in (("sink", sink, 0), ("pinned", pinned, 0), ("window", window, 1), ("chunk", chunk, 1),
+                               ("recall", recall, 0)):  # fmt: skip
         _count(name, value, least)
+    if recall and recall % 16:
+        raise LayoutError(f"--recall {recall} must be a multiple of 16; give --recall {-(-recall // 16) * 16}")
+    if recall and sink is not None and sink < 1:
+        raise LayoutError("--recall needs at least one sink token (--sink 1 or more): the region is fed after the sink")
     if chunk is not None and window is not None and chunk > window:
         # A chunk joins the ring after it has been processed; the ring must hold a whole chunk.
         raise LayoutError(
@@ -123,6 +128,7 @@ class ExportOptions:
     # default_frame)
     frame: tuple[int, int] | None = None
     lora: LoraRequest | None = None  # a LoRA adapter merged into the float weights before they are quantized
+    recall: int = 0  # R: slots of the recall region (docs/design.md, "The recall region"); 0: none
 
     def __post_init__(self) -> None:
         _check_lora(self.lora)
@@ -137,7 +143,7 @@ class ExportOptions:
         if self.calib is not None:
             object.__setattr__(self, "calib", Path(self.calib))
         _check(self.sink, self.pinned, self.window, self.chunk, self.weights, self.head, self.calib,
-               self.max_ppl_increase)  # fmt: skip
+               self.max_ppl_increase, self.recall)  # fmt: skip
         if self.index_dtype not in ("int64", "int32"):
             raise OptionError(f"index_dtype must be 'int64' or 'int32', got {self.index_dtype!r}")
         if self.opset is not None:
@@ -176,6 +182,7 @@ class ExportRequest:
     force: bool = False
     verify: bool = True
     lora: LoraRequest | None = None
+    recall: int | None = None
 
     def __post_init__(self) -> None:
         _check_lora(self.lora)
@@ -186,7 +193,7 @@ class ExportRequest:
         if self.calib is not None:
             object.__setattr__(self, "calib", Path(self.calib))
         _check(self.sink, self.pinned, self.window, self.chunk, self.weights, self.head, self.calib,
-               self.max_ppl_increase)  # fmt: skip
+               self.max_ppl_increase, self.recall)  # fmt: skip
 
     def options(self) -> ExportOptions:
         """Without a profile: what was set here, ExportOptions' defaults for the rest."""
@@ -206,28 +213,28 @@ class ExportRequest:
         return ExportOptions(
             sink=sink, pinned=pinned, window=window, chunk=chunk, kv=kv, weights=weights, head=self.head,
             verify=self.verify, calib=self.calib, max_ppl_increase=self.max_ppl_increase, force=self.force,
-            index_dtype=index_dtype, profile=profile, plan=plan, lora=self.lora,
+            index_dtype=index_dtype, profile=profile, plan=plan, lora=self.lora, recall=_or(self.recall, 0),
         )  # fmt: skip
 
 
 def check_positions(spec: ModelSpec, *, sink: int, pinned: int, chunk: int, window: int | None = None,
-                    image: int = 0) -> None:  # fmt: skip
+                    image: int = 0, recall: int = 0) -> None:  # fmt: skip
     """The geometry against the model's positions, from its config alone (no weights).
 
     Positions are ranks in stream order, so the largest one the graph sees is
-    sink + pinned + image + window + chunk - 1, and it must stay below max_position_embeddings.
+    sink + pinned + image + recall + window + chunk - 1, and it must stay below max_position_embeddings.
     window None (a profile's planner searches it): a window of at least one chunk must fit.
     A refusal names the option to change and the value that would fit:
         the window alone is too large       -> --window (the largest that fits)
         sink + pinned + image + chunk are   -> the largest of --sink, --pinned, --chunk
     """
     limit = spec.max_positions
-    fixed = sink + pinned + image + chunk  # every term but the window
+    fixed = sink + pinned + image + recall + chunk  # every term but the window
     least_window = chunk  # the ring holds a whole chunk (CacheLayout)
     w = least_window if window is None else window
     if fixed + w <= limit:
         return
-    image_term = f" + image {image}" if image else ""
+    image_term = (f" + image {image}" if image else "") + (f" + recall {recall}" if recall else "")
     model = f"the model has only {limit} (its max_position_embeddings)"
     if window is not None and limit - fixed >= least_window:
         raise LayoutError(
@@ -258,7 +265,7 @@ def check_profile_request(spec: ModelSpec, profile, request: ExportRequest, imag
     resolve_kv(profile, request.kv)  # a precision the chip cannot run is the first thing to say
     check_positions(spec, sink=_or(request.sink, profile.default_sink),
                     pinned=_or(request.pinned, ExportOptions.pinned), chunk=_or(request.chunk, profile.default_chunk),
-                    window=request.window, image=image_tokens)  # fmt: skip
+                    window=request.window, image=image_tokens, recall=_or(request.recall, 0))  # fmt: skip
 
 
 def options_for_profile(spec: ModelSpec, profile, request: ExportRequest, vision_params: int = 0,
@@ -272,7 +279,7 @@ def options_for_profile(spec: ModelSpec, profile, request: ExportRequest, vision
     check_profile_request(spec, profile, request, image_tokens)
     p = plan(spec, profile, kv=request.kv, sink=request.sink, chunk=request.chunk,
              pinned=_or(request.pinned, ExportOptions.pinned), window=request.window, vision_params=vision_params,
-             image_tokens=image_tokens)  # fmt: skip
+             image_tokens=image_tokens, recall=_or(request.recall, 0))  # fmt: skip
     if not p.fits:
         raise PlanError(
             f"window {p.window} needs {p.total_bytes / 2**20:.0f} MiB but profile {profile.name} budgets "
@@ -301,11 +308,13 @@ def make_layout(spec: ModelSpec, opts: ExportOptions, image: int = 0) -> CacheLa
     """The cache layout of an export: the options' geometry on the model's layers and heads, checked
     against the model's positions first (check_positions). Needs only the ModelSpec: `cabinlm export`
     calls it before the weights load."""
-    check_positions(spec, sink=opts.sink, pinned=opts.pinned, chunk=opts.chunk, window=opts.window, image=image)
-    keys = opts.sink + opts.pinned + image + opts.window + opts.chunk  # what one query of the graph attends to
+    check_positions(spec, sink=opts.sink, pinned=opts.pinned, chunk=opts.chunk, window=opts.window, image=image,
+                    recall=opts.recall)  # fmt: skip
+    keys = opts.sink + opts.pinned + image + opts.recall + opts.window + opts.chunk  # what one query of the graph attends to
     return CacheLayout(
         **spec.local_geometry(keys),  # local layers get their own ring when their window is shorter than that
         image=image,
+        recall=opts.recall,
         sink=opts.sink,
         pinned=opts.pinned,
         window=opts.window,

@@ -168,6 +168,7 @@ class Plan:
     # the total; 0 elsewhere), and the LM head's share of together_bytes.
     packed_bytes: int = 0
     together_head_bytes: int = 0
+    recall: int = 0  # slots of the cache's recall region (docs/design.md, "The recall region")
 
     @property
     def headroom_bytes(self) -> int:
@@ -175,7 +176,7 @@ class Plan:
 
     @property
     def slots(self) -> int:
-        return self.sink + self.pinned + self.window
+        return self.sink + self.pinned + self.recall + self.window
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -218,6 +219,7 @@ def plan(
     packed_head: bool = True,
     packed: int = 0,
     seats_packed: dict[str, int] | None = None,
+    recall: int = 0,
 ) -> Plan:
     """The memory breakdown and the largest window that fits `profile`'s budget.
 
@@ -242,8 +244,8 @@ def plan(
     kv = resolve_kv(profile, kv)
     sink = profile.default_sink if sink is None else sink
     chunk = profile.default_chunk if chunk is None else chunk
-    if chunk < 1 or sink < 0 or pinned < 0:
-        raise LayoutError(f"chunk {chunk} must be >= 1 and sink {sink}, pinned {pinned} >= 0")
+    if chunk < 1 or sink < 0 or pinned < 0 or recall < 0:
+        raise LayoutError(f"chunk {chunk} must be >= 1 and sink {sink}, pinned {pinned}, recall {recall} >= 0")
     if vision_params < 0:
         raise PlanError(f"vision_params must be >= 0, got {vision_params}")
     params = parameter_count(spec)
@@ -277,13 +279,13 @@ def plan(
         binaries = 1 if shares_weights(profile.htp_arch) else 2
         binary_bytes = htp_graph_weight_bytes(spec, params, fmt) * binaries
         fixed += binary_bytes - weights  # the binaries replace the plain weights term
-    room = spec.max_positions - sink - pinned - image_tokens - chunk  # positions left for the window
+    room = spec.max_positions - sink - pinned - image_tokens - recall - chunk  # positions left for the window
     max_by_positions = (room // chunk) * chunk
 
     def make(w: int) -> Plan:
         layout = CacheLayout(sink=sink, pinned=pinned, window=w, chunk=chunk, layers=spec.num_layers,
                              kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, kv_dtype=kv, image=image_tokens,
-                             **spec.local_geometry(sink + pinned + image_tokens + w + chunk))  # as export's make_layout
+                             recall=recall, **spec.local_geometry(sink + pinned + image_tokens + recall + w + chunk))  # as export's make_layout
         kv_total = layout.cache_bytes + layout.key_scale_bytes
         if htp and layout.quantized:  # int8 KV on the HTP: its uint8 cache, no value scales (engines/qnn_htp)
             kv_total = uint8_cache_bytes(layout)
@@ -310,14 +312,14 @@ def plan(
             htp_process_bytes=process, htp_process_limit_bytes=limit, build=kind or "",
             weights_layout=held.layout if kind else "", tokenizer_bytes=tokenizer,
             seat_batches=batches, together_bytes=together, batch_bytes=batch, packed_bytes=packed,
-            together_head_bytes=head_copy,
+            together_head_bytes=head_copy, recall=recall,
             htp_step_bytes=guess.step_bytes if guess else 0,
             htp_tokens_per_s_estimate=round(guess.tokens_per_s, 1) if guess else 0.0,
             htp_estimate=guess.line() if guess else "",
         )  # fmt: skip
 
     if window is not None:
-        if sink + pinned + image_tokens + window + chunk > spec.max_positions:
+        if sink + pinned + image_tokens + recall + window + chunk > spec.max_positions:
             raise LayoutError(
                 f"sink {sink} + pinned {pinned} + window {window} + chunk {chunk} = "
                 f"{sink + pinned + window + chunk} positions, but the model has only {spec.max_positions}; "
@@ -374,7 +376,7 @@ def format_plan(p: Plan) -> str:
                  p.weights_bytes)
     else:
         first = (f"weights ({p.parameters / 1e6:.1f}M params at {p.weight_dtype})", p.weights_bytes)
-    slots = f"{p.sink}+{p.pinned}+{p.image_tokens}+{p.window}" if p.image_tokens else f"{p.sink}+{p.pinned}+{p.window}"
+    slots = "+".join(str(n) for n in (p.sink, p.pinned, p.image_tokens or None, p.recall or None, p.window) if n is not None)
     rings = f"; {p.local_layers} local layers on rings of {p.local_window}" if p.local_layers else ""
     kv_row = f"KV cache ({slots} slots at {p.kv}, {p.kv_bytes_per_token} B/token{rings})"
     rows = [
@@ -423,4 +425,4 @@ def plan_for_manifest(manifest: Any, profile: DeviceProfile, *, tokenizer_bytes:
     if facts["build"] is None:
         facts = {"weights": facts["weights"]}
     return plan(manifest.model, profile, kv=lay.kv_dtype, sink=lay.sink, chunk=lay.chunk, pinned=lay.pinned,
-                window=lay.window, image_tokens=lay.image, tokenizer_bytes=tokenizer_bytes, **facts)
+                window=lay.window, image_tokens=lay.image, recall=lay.recall, tokenizer_bytes=tokenizer_bytes, **facts)

@@ -34,6 +34,7 @@ from cabinlm.runtime.limits import (
     check_system_prompt,
     check_threads,
 )
+from cabinlm.runtime.recall import DEFAULT_ARCHIVE_MB, check_archive_mb
 from cabinlm.runtime.sampler import Sampler
 from cabinlm.runtime.speculative import Drafting, PlainDecoding, PromptLookupDrafting, drafting_by_default
 from cabinlm.runtime.tokenizer import Tokenizer
@@ -59,6 +60,8 @@ class RuntimeConfig:
     images: bool = False  # the caller will send camera frames (`cabinlm chat --image`)
     verify: bool = True  # check every file's sha256 against the manifest before loading
     tools: tuple = ()  # runtime.tools.Tool: listed after the system prompt (`cabinlm chat --tools`)
+    recall: bool = True  # fill the artifact's recall region (False, --no-recall: StreamingLLM exactly)
+    recall_archive_mb: float = DEFAULT_ARCHIVE_MB  # each seat's archive of what left the window, at most
 
     def __post_init__(self) -> None:
         if not isinstance(self.artifact, (str, Path)):
@@ -77,7 +80,8 @@ class RuntimeConfig:
             raise OptionError(f"--speculative must be on, off or unset, got {self.speculative!r}")
         if self.system is not None and not isinstance(self.system, str):
             raise OptionError(f"{self.system_option or 'the system prompt'} must be text, got {self.system!r}")
-        for name in ("images", "verify"):
+        check_archive_mb(self.recall_archive_mb)
+        for name in ("images", "verify", "recall"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
@@ -120,7 +124,8 @@ class Runtime:
             c = self.config
             self._dialogues = [Dialogue(d, self.tokenizer, system=self.system, sampler=c.sampler(),
                                         max_new_tokens=c.max_new_tokens, long_messages=c.long_messages,
-                                        drafting=self.new_drafting())
+                                        drafting=self.new_drafting(), recall=c.recall,
+                                        archive_mb=c.recall_archive_mb)
                                for d in self.decoders]  # fmt: skip
         return self._dialogues
 

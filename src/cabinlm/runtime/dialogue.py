@@ -2,7 +2,12 @@
 
 The cache after some turns (slots are fixed; only the window ring turns over):
 
-    | sink | system prompt (pinned) | ... older turns evicted ... | recent turns in the window |
+    | sink | system prompt (pinned) | recalled text | ... older turns evicted ... | recent turns in the window |
+
+With a recall region (an artifact exported with --recall R, recall not switched off), every message
+that leaves the window is archived (runtime/recall.py), and before each user turn the region is
+refilled with what the archive holds that is relevant to the new message: one prefill of at most R
+tokens, skipped when the region's text would not change. Without it, StreamingLLM exactly.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from cabinlm.contract.errors import InputError
 from cabinlm.runtime.interrupts import defer_sigint
 from cabinlm.runtime.memory import rss_mb
 from cabinlm.runtime.decoder import Decoder
+from cabinlm.runtime.recall import DEFAULT_ARCHIVE_MB, EMPTY, Archive, Choice, Message, Recaller, check_archive_mb
 from cabinlm.runtime.reply import Reply, decode_reply
 from cabinlm.runtime.sampler import Sampler
 from cabinlm.runtime.speculative import Drafting, PlainDecoding
@@ -52,6 +58,9 @@ class TurnResult:
     backend: str  # what the decoder ran on (Decoder.device), e.g. "onnxruntime-cpu"
     drafted_tokens: int = 0  # speculative decoding: tokens drafted by prompt lookup in this reply
     accepted_tokens: int = 0  # and how many of them the model accepted
+    # what the recall region held for this turn: {"turns", "tokens", "refreshed", "prefill_ms"}; None
+    # without a recall region (or with recall switched off)
+    recall: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -67,6 +76,8 @@ class Dialogue:
         max_new_tokens: int = 256,
         long_messages: LongMessages = LongMessages.REFUSE,
         drafting: Drafting | None = None,
+        recall: bool = True,
+        archive_mb: float = DEFAULT_ARCHIVE_MB,
     ):
         """drafting: what the reply loop verifies after each token (runtime/speculative.py); None:
         plain decoding. PromptLookupDrafting gives the same tokens as plain decoding, greedy or
@@ -84,6 +95,12 @@ class Dialogue:
         self.sampler = sampler or Sampler()
         self.max_new_tokens = max_new_tokens
         self.drafting = drafting if drafting is not None else PlainDecoding()
+        # recall: the artifact's recall region in use (False: StreamingLLM exactly, the region left empty)
+        self.recall = bool(recall) and decoder.layout.recall > 0
+        self.archive = Archive(int(check_archive_mb(archive_mb) * 2**20))
+        self.recaller = Recaller(tokenizer, self.chat, decoder.layout.recall) if decoder.layout.recall else None
+        self.prompt_logits: np.ndarray | None = None  # the last prompt's last token's logits (vocab,)
+        self.region: Choice = EMPTY  # what the recall region holds now
         self.reset()
 
     def reset(self) -> None:
@@ -92,6 +109,8 @@ class Dialogue:
         self.drafting.reset()
         self.turns = 0
         self._pending: list[int] = []  # tokens that close the previous turn, fed with the next prompt
+        self.archive.clear()
+        self.region = EMPTY
         ids = self.template.start(self.system)  # the BOS a model may need, and the system prompt
         if ids:
             why = system_overflow(len(ids), self.decoder.layout, "shorten it")
@@ -109,13 +128,54 @@ class Dialogue:
             "pending": list(self._pending),
             "system": self.system,
             "rng": self.sampler.rng.bit_generator.state,
+            "recall": {"region": list(self.region.ids), "turns": list(self.region.turns)},
         }
 
-    def restore(self, state: dict) -> None:
+    def archive_state(self) -> dict:
+        """The archive (runtime/recall.py), JSON-able: a session file keeps it beside state()'s header."""
+        return self.archive.state()
+
+    def restore(self, state: dict, archive: dict | None = None) -> None:
+        """state(): the dialogue's own; archive: archive_state() (None: an empty archive)."""
         self.turns = int(state["turns"])
         self._pending = [int(t) for t in state["pending"]]
         self.system = state["system"]
         self.sampler.rng.bit_generator.state = state["rng"]
+        recall = state.get("recall")  # absent in a session file written before the recall region existed
+        self.region = EMPTY if recall is None else Choice(tuple(int(t) for t in recall["region"]),
+                                                          tuple(int(t) for t in recall["turns"]))  # fmt: skip
+        if archive is not None:
+            self.archive.restore(archive)
+        else:
+            self.archive.clear()
+
+    def _refresh_region(self, text: str) -> dict | None:
+        """Before a user turn (Ctrl-C held by the caller): the region refilled for `text` when what it
+        should hold changed; one prefill of at most R tokens that never touches the window's K/V."""
+        if not self.recall:
+            return None
+        choice = self.recaller.choose(self.archive, text)
+        if choice.ids == self.region.ids:
+            return choice.report(False, 0.0)
+        t0 = time.perf_counter()
+        dec = self.decoder
+        dec.cache.begin_recall()
+        self.region = EMPTY  # the region is empty from here until the feed below completes
+        if choice.ids:
+            dec.feed(choice.ids, pin="recall")
+        self.region = choice
+        return choice.report(True, (time.perf_counter() - t0) * 1e3)
+
+    def _archive_left(self) -> None:
+        """Messages whose first token left the window join the archive."""
+        if not self.recall:
+            return
+        c = self.decoder.cache
+        if not c.evicted:
+            return
+        window = c.slot_token[self.decoder.layout.window_start :]
+        held = window[window >= 0]
+        self.archive.left_window(int(held.min()) if len(held) else c.seen, self.tok)
 
     def ask(self, text: str, on_text: Callable[[str], None] | None = None, image=None, *,
             should_stop: Callable[[], bool] | None = None, stop: Sequence[str] = (),
@@ -174,6 +234,8 @@ class Dialogue:
         self.sampler.constraint = constraint
         reply = Reply()
         prefilled = False
+        recalled = None
+        reply_start = dec.cache.seen
         t_prefill = time.perf_counter()
         t_decode = t_prefill
 
@@ -191,6 +253,10 @@ class Dialogue:
             # The prompt joins the cache whole: its chunks run with Ctrl-C held (an interrupt then ends
             # the turn before any reply token), so the cache never holds half a turn.
             with defer_sigint():
+                if not tool and frame is None:
+                    recalled = self._refresh_region(text)
+                if self.recall:
+                    self.archive.add(Message("user", self.tok.encode_text(text), self.turns, dec.cache.seen))
                 if frame is None:
                     logits = dec.feed(prompt)
                 else:
@@ -202,9 +268,11 @@ class Dialogue:
                     dec.feed(image_ids, pin="image", embeds=embeds)
                     logits = dec.feed(tail)
                 prefilled = True
+                self.prompt_logits = logits
                 self._pending = []
                 self.drafting.observe(prompt)
             t_decode = time.perf_counter()
+            reply_start = dec.cache.seen
             reply = decode_reply(dec, self.sampler, logits, self.max_new_tokens, self.stop_ids, emit, self.drafting,
                                  ended)  # fmt: skip
         except KeyboardInterrupt:
@@ -224,6 +292,9 @@ class Dialogue:
         if prefilled:
             # Close the assistant turn in the cache as the template would have rendered it.
             self._pending = reply.unfed + self.template.closing()
+            if self.recall and reply_ids:
+                self.archive.add(Message("assistant", list(reply_ids), self.turns, reply_start))
+            self._archive_left()
         decode_s = t_end - t_decode
         return TurnResult(
             turn=self.turns,
@@ -240,14 +311,19 @@ class Dialogue:
             backend=dec.device,
             drafted_tokens=reply.drafted,
             accepted_tokens=reply.accepted,
+            recall=recalled,
         )
 
-    def add_turn(self, text: str, reply: str, image=None, tool: bool = False) -> None:
+    def add_turn(self, text: str, reply: str, image=None, tool: bool = False) -> TurnResult:
         """A past exchange fed into the cache without generating (a history a client sends): the user
         turn exactly as ask() feeds it, then `reply` as the assistant's answer (its text encoded as
         plain text, fed in chunks), the turn closed as a generated reply's is."""
-        self.ask(text, image=image, should_stop=lambda: True, tool=tool)  # the prompt only; no token chosen
+        result = self.ask(text, image=image, should_stop=lambda: True, tool=tool)  # the prompt only; no token chosen
         ids = self.template.text(reply)
         if ids:
+            if self.recall:
+                self.archive.add(Message("assistant", list(ids), self.turns, self.decoder.cache.seen))
             self.decoder.feed(ids)
             self.drafting.observe(ids)  # the reply is text later turns may repeat
+            self._archive_left()
+        return result

@@ -10,7 +10,11 @@ Layout (little-endian; the size is fixed for a given build, so a short file is a
     16+H    8 * slots     slot_token (int64): stream index held by each slot, -1 = empty
     ...     cache bytes   the backend's buffers (Backend.buffers(): keys, values, and value scales or
                           un-rotated sink keys, as that backend holds them), in that order
+    ...     A             the recall archive (runtime/recall.py): JSON, A = the header's archive_bytes
+                          (0 without a recall region; absent from a version 2 file)
     end-32  32            sha256 of everything before it
+
+The size is fixed for a given build and archive size (the header says the latter).
 
 Guarantees: a save writes a temporary file next to the target (a fresh random name, created
 exclusively and never through a symbolic link), fsyncs it, renames it over the target (atomic on
@@ -42,7 +46,8 @@ from cabinlm.runtime.interrupts import defer_sigint
 from cabinlm.contract.slots import SlotState, StateError, check_state
 
 MAGIC = b"CABINSES"
-FORMAT = 2  # 2: the image region's state, the backend in the identity
+FORMAT = 3  # 2: the image region's state, the backend in the identity; 3: the recall archive after the buffers
+READS = (2, 3)  # a version 2 file is a session without an archive
 HEADER_BYTES = 65536
 _PREFIX = struct.Struct("<8sII")
 _DIGEST = 32
@@ -71,12 +76,17 @@ def session_size(d: Dialogue) -> int:
     return _PREFIX.size + HEADER_BYTES + sum(b.nbytes for b in _buffers(d)) + _DIGEST
 
 
-def _header(d: Dialogue) -> bytes:
+def _archive(d: Dialogue) -> bytes:
+    return json.dumps(d.archive_state()).encode("utf-8") if d.recall else b""
+
+
+def _header(d: Dialogue, archive: bytes) -> bytes:
     header = {
         "format": FORMAT,
         "identity": _identity(d),
         "cache": d.decoder.cache.state().counters(),
         "dialogue": d.state(),
+        "archive_bytes": len(archive),
     }
     raw = json.dumps(header).encode("utf-8")
     if len(raw) > HEADER_BYTES:
@@ -93,8 +103,15 @@ def _write_all(fd: int, data) -> None:
 
 def _check_dialogue_state(state, vocab: int) -> None:
     """Every field Dialogue.restore takes, by type and range (raises TypeError / ValueError)."""
-    if not isinstance(state, dict) or set(state) != {"turns", "pending", "system", "rng"}:
-        raise ValueError("the dialogue state needs exactly turns, pending, system, rng")
+    if not isinstance(state, dict) or set(state) - {"recall"} != {"turns", "pending", "system", "rng"}:
+        raise ValueError("the dialogue state needs exactly turns, pending, system, rng (and recall)")
+    recall = state.get("recall")
+    if recall is not None:
+        if not isinstance(recall, dict) or set(recall) != {"region", "turns"}:
+            raise ValueError("the recall state needs exactly region, turns")
+        for k, top in (("region", vocab), ("turns", 2**62)):
+            if not isinstance(recall[k], list) or not all(type(t) is int and 0 <= t < top for t in recall[k]):
+                raise ValueError(f"the recall {k} must be a list of whole numbers below {top}")
     if type(state["turns"]) is not int or not 0 <= state["turns"] < 2**62:
         raise ValueError(f"turns = {state['turns']!r}")
     pending = state["pending"]
@@ -103,6 +120,19 @@ def _check_dialogue_state(state, vocab: int) -> None:
     if state["system"] is not None and not isinstance(state["system"], str):
         raise TypeError("system must be text or null")
     np.random.default_rng().bit_generator.state = state["rng"]  # a scratch generator: raises if malformed
+
+
+def _check_archive(archive) -> None:
+    """The archive's fields by type (raises TypeError / ValueError; runtime/recall.Archive.restore)."""
+    if not isinstance(archive, dict) or set(archive) != {"kept", "live", "dropped"}:
+        raise ValueError("the archive needs exactly kept, live, dropped")
+    for m in archive["kept"] + archive["live"]:
+        if not isinstance(m, dict) or set(m) != {"role", "ids", "turn", "start", "text"}:
+            raise ValueError("an archived message needs exactly role, ids, turn, start, text")
+        if m["role"] not in ("user", "assistant") or not isinstance(m["text"], str):
+            raise ValueError("an archived message's role is user or assistant, its text a string")
+        if not all(type(t) is int and t >= 0 for t in [*m["ids"], m["turn"], m["start"]]):
+            raise ValueError("an archived message's ids, turn and start are whole numbers")
 
 
 _LOCKS: dict[Path, int] = {}  # session file -> the lock file descriptor this process holds
@@ -154,7 +184,8 @@ def save_session(path: str | Path, d: Dialogue) -> None:
     if not path.parent.is_dir():
         raise SessionError(f"{path}: the folder {path.parent} does not exist; create it or choose another --session")
     _lock(path)
-    header = _header(d)  # may refuse (a system prompt too long for the header) before any file is touched
+    archive = _archive(d)
+    header = _header(d, archive)  # may refuse (a system prompt too long for the header) before any file is touched
     for old in _stale_temporaries(path):
         old.unlink(missing_ok=True)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
@@ -166,7 +197,7 @@ def save_session(path: str | Path, d: Dialogue) -> None:
             raise SessionError(f"{path}: cannot write the session ({e.strerror}); the previous one is kept") from e
         try:
             try:
-                for part in (_PREFIX.pack(MAGIC, FORMAT, HEADER_BYTES), header, *_buffers(d)):
+                for part in (_PREFIX.pack(MAGIC, FORMAT, HEADER_BYTES), header, *_buffers(d), archive):
                     part = np.ascontiguousarray(part) if isinstance(part, np.ndarray) else part
                     h.update(part)
                     _write_all(fd, part)
@@ -210,12 +241,12 @@ def load_session(path: str | Path, d: Dialogue) -> None:
     if len(head) < _PREFIX.size or head[:8] != MAGIC:
         raise SessionError(f"{path}: not a cabinlm session file; {fix}")
     _, version, header_bytes = _PREFIX.unpack_from(head)
-    if version != FORMAT:
-        raise SessionError(f"{path}: session format version {version}, this cabinlm reads {FORMAT}; {fix}")
+    if version not in READS:
+        raise SessionError(f"{path}: session format version {version}, this cabinlm reads {', '.join(map(str, READS))}; {fix}")
     if header_bytes != HEADER_BYTES:  # the version's own header size: the file is damaged
         raise SessionError(f"{path}: the header size field says {header_bytes} bytes, a version {FORMAT} session's "
                            f"header is {HEADER_BYTES}: the file is damaged; {fix}")
-    if st.st_size != expected:
+    if st.st_size < expected:
         raise SessionError(
             f"{path}: {st.st_size} bytes, a session of this build has {expected} (truncated, or from another "
             f"build); {fix}"
@@ -225,7 +256,7 @@ def load_session(path: str | Path, d: Dialogue) -> None:
         data = path.read_bytes()
     except OSError as e:
         raise SessionError(f"{path}: cannot read the session file ({e.strerror})") from e
-    if len(data) != expected or data[: _PREFIX.size] != head:
+    if len(data) != st.st_size or data[: _PREFIX.size] != head:
         raise SessionError(f"{path}: the file changed while it was read; {fix}")
     body, digest = data[:-_DIGEST], data[-_DIGEST:]
     if hashlib.sha256(body).digest() != digest:
@@ -235,9 +266,17 @@ def load_session(path: str | Path, d: Dialogue) -> None:
         if not isinstance(header, dict):
             raise TypeError("the header is not an object")
         identity, cache_state, dialogue_state = header["identity"], header["cache"], header["dialogue"]
+        archive_bytes = header.get("archive_bytes", 0) if version >= 3 else 0
         if not isinstance(identity, dict):
             raise TypeError("identity is not an object")
+        if type(archive_bytes) is not int or len(data) != expected + archive_bytes:
+            raise ValueError(f"{len(data)} bytes, a session of this build with its archive has {expected} + "
+                             f"{archive_bytes!r} (truncated, or from another build)")  # fmt: skip
         _check_dialogue_state(dialogue_state, d.decoder.manifest.model.vocab_size)
+        archive = None
+        if archive_bytes:
+            archive = json.loads(body[expected - _DIGEST :])
+            _check_archive(archive)
     except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise SessionError(f"{path}: unreadable session header ({str(e)[:200]}); {fix}") from e
     mine = _identity(d)
@@ -266,4 +305,4 @@ def load_session(path: str | Path, d: Dialogue) -> None:
             np.copyto(buf, saved)
         dec.cache.restore(state)
         dec.backend.restored()
-        d.restore(dialogue_state)
+        d.restore(dialogue_state, archive)

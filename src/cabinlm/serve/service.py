@@ -69,6 +69,8 @@ class ServeConfig:
     verify: bool = True  # check the artifact's files against the manifest's sha256 at start
     speculative: bool | None = None  # prompt-lookup drafts; None: the backend's default, as chat
     max_prompt_tokens: int | None = None  # what one request may feed before its reply; None: 4 windows
+    recall: bool = True  # each seat fills the artifact's recall region (False: StreamingLLM exactly)
+    recall_archive_mb: float = 16.0  # each seat's archive of what left its window, at most
     runtime: RuntimeConfig = field(init=False)  # what chat and bench are checked and opened by too
 
     def __post_init__(self) -> None:
@@ -80,7 +82,8 @@ class ServeConfig:
         check_count("max-prompt-tokens", self.max_prompt_tokens, 1, MAX_PROMPT_TOKENS)
         runtime = RuntimeConfig(self.artifact, seats=self.seats, threads=self.threads, system=None, system_option=None,
                                 max_new_tokens=self.max_new_tokens, long_messages=self.long_messages,
-                                speculative=self.speculative, verify=self.verify)  # fmt: skip
+                                speculative=self.speculative, verify=self.verify, recall=self.recall,
+                                recall_archive_mb=self.recall_archive_mb)  # fmt: skip
         object.__setattr__(self, "runtime", runtime)
         if self.model_id is not None and not self.model_id.strip():
             raise CabinlmError("--model-name must not be empty")

@@ -21,6 +21,10 @@ tokens) refreshes through the build's rotation graph, with the same arithmetic.
 A camera frame's tokens (the image region) are refreshed as the pinned ones are, at their ranks in
 stream order (a window token older than the frame lowers them when it is evicted, a younger one does
 not), from their own un-rotated copy.
+The recall region (docs/design.md, "The recall region") is kept as the pinned spans are: its keys'
+un-rotated copies sit in key_source after the pinned ones, and they are re-written at rank + O. Its
+length moves the window's ranks as evictions do, the other way: O = E - r (StepPlan.offset; r the
+region's tokens) takes E's place everywhere above, so a window key written at rank + O keeps rank v - O.
 The rotation tables are computed here in float64 for the chunk's rows only, so positions may grow
 without bound (hours of dialogue) with no loss of precision in the graph.
 """
@@ -150,11 +154,11 @@ class RotatedKeys:
         the graph's position_ids name). Rows as steps: each row's rank and E at its step, the same sums."""
         n = len(plan.slots)
         if self.mrope is not None:  # three components per token (GroupQueryAttention builds: no steps)
-            cos, sin = self._tables(self.mrope_positions(plan)[0] + plan.evicted)
+            cos, sin = self._tables(self.mrope_positions(plan)[0] + plan.offset)
         elif n == 1:
-            cos, sin = self._run(0, int(plan.position_ids[0]) + plan.evicted, 1)
+            cos, sin = self._run(0, int(plan.position_ids[0]) + plan.offset, 1)
         else:
-            cos, sin = self._tables(plan.position_ids + (plan.row_evicted if plan.steps else plan.evicted))
+            cos, sin = self._tables(plan.position_ids + (plan.row_offset if plan.steps else plan.offset))
         self.cos[:n] = cos
         self.sin[:n] = sin
 
@@ -165,13 +169,13 @@ class RotatedKeys:
         every row; a plan of rows as steps one per row, at the ranks and E of each row's step. A decode
         step whose sink / pinned tokens are the oldest cuts them from a table of the next positions
         (E moves by one per step), with the same float64 arithmetic as a computed table."""
-        K = plan.sink_fill + plan.pinned_fill
+        K = len(plan.pinned_slots)
         half = self.layout.head_dim // 2
         if K == 0:
             empty = np.zeros((1, 0, half), np.float32)
             return empty, empty
         if plan.steps and plan.tokens > 1:
-            positions = plan.row_pinned_ranks + plan.row_evicted[:, None]
+            positions = plan.row_pinned_ranks + plan.row_offset[:, None]
             if (positions == positions[0]).all():  # no row's step evicts (the window has room): one version
                 cos, sin = self._tables(positions[0])  # for every row, the same numbers as n copies
                 return cos.astype(np.float32)[None], sin.astype(np.float32)[None]
@@ -180,9 +184,9 @@ class RotatedKeys:
             return cos.astype(np.float32).reshape(shape), sin.astype(np.float32).reshape(shape)
         ranks = self._ranks(plan, plan.pinned_slots)
         if self._oldest:  # ranks 0..K-1
-            cos, sin = self._run(1, plan.evicted, K)
+            cos, sin = self._run(1, plan.offset, K)
             return cos[None], sin[None]
-        cos, sin = self._tables(ranks + plan.evicted)
+        cos, sin = self._tables(ranks + plan.offset)
         return cos.astype(np.float32)[None], sin.astype(np.float32)[None]
 
     def keep_sources(self, plan: StepPlan, qkv: list[np.ndarray], num_heads: int) -> None:
@@ -200,7 +204,7 @@ class RotatedKeys:
         lay = self.layout
         if not plan.pin and plan.sink_fill >= lay.sink:  # a window chunk: nothing to keep
             return
-        rows = np.flatnonzero(plan.slots < lay.window_start)  # sink, pinned and camera-frame slots
+        rows = np.flatnonzero(plan.slots < lay.window_start)  # sink, pinned, camera-frame and recall slots
         if not len(rows):
             return
         for layer, k in enumerate(keys):
@@ -217,7 +221,7 @@ class RotatedKeys:
         if self.mrope is not None:  # (3, K): never the ranks 0..K-1 of one component, no side refresh
             self._oldest = False
             return self.mrope_positions(plan)[1][:, slots]
-        if plan.image_fill:
+        if plan.image_fill or plan.recall_fill:
             ranks = plan.cache_position_ids[slots]
             self._oldest = bool(np.array_equal(ranks, np.arange(len(slots))))
             return ranks
@@ -241,13 +245,14 @@ class RotatedKeys:
             return
         self._ahead = None
         slots = np.concatenate([np.arange(c.sink_fill), lay.sink + np.arange(c.pinned_fill),
-                                lay.image_start + np.arange(c.image_fill)]).astype(np.int64)  # fmt: skip
+                                lay.image_start + np.arange(c.image_fill),
+                                lay.recall_start + np.arange(c.recall_fill)]).astype(np.int64)  # fmt: skip
         if not len(slots):
             self._refreshed = state
             return
         if self._slots is None or not np.array_equal(self._slots, slots):
             self._prepare(slots)
-        cos, sin = self._tables(self._ranks(plan, slots) + c.evicted)  # (rows, D/2)
+        cos, sin = self._tables(self._ranks(plan, slots) + c.offset)  # (rows, D/2)
         cos, sin = cos.astype(np.float32), sin.astype(np.float32)
         if self.session is not None:
             (rotated,) = self.session.run(None, {"source": self._scaled, "position_ids": self._positions, "cos": cos, "sin": sin})
@@ -278,10 +283,10 @@ class RotatedKeys:
                 or self._refreshed != _state(plan)):  # fmt: skip
             return
         rows = len(self._slots)
-        cos, sin = self._run(1, c.evicted + plan.evicts, rows)
+        cos, sin = self._run(1, c.offset + plan.evicts, rows)
         self._ahead_cos[:rows] = cos
         self._ahead_sin[:rows] = sin
-        self._pending = (c.evicted + plan.evicts, *_state(plan)[1:])
+        self._pending = (c.offset + plan.evicts, *_state(plan)[1:])
 
     def ahead_done(self) -> None:
         """The graph run that carried the side tables finished: its keys stand for that state."""
@@ -289,9 +294,11 @@ class RotatedKeys:
 
 
 def _state(plan: StepPlan) -> tuple:
-    """What the sink / pinned / camera-frame keys' rotation depends on: E, the fills (and, once a frame
-    was started, the image fill and the frame)."""
-    text = (plan.evicted, plan.sink_fill, plan.pinned_fill)
+    """What the sink / pinned / camera-frame / recall keys' rotation depends on: O, the fills (and, once a
+    frame was started, the image fill and the frame; once a recall region was, its fill and its count)."""
+    text = (plan.offset, plan.sink_fill, plan.pinned_fill)
+    if plan.recalls:
+        text = (*text, plan.recall_fill, plan.recalls)
     return (*text, plan.image_fill, plan.frames) if plan.frames else text
 
 

@@ -7,9 +7,9 @@ Buffers (allocated once per dialogue):
 
     keys, values  (layers, kv_heads, slots + chunk, head_dim)  int8 or float32: rows 0..N-1 the slots,
                   rows N.. scratch where the kernel writes a chunk that lands beyond the slots in use
-    key_source    (layers, kv_heads, sink + pinned + image, head_dim)  float32: the sink / pinned (and
-                  camera-frame) tokens' keys, un-rotated, from which their rotated rows are re-written
-                  as evictions move them
+    key_source    (layers, kv_heads, sink + pinned + image + recall, head_dim)  float32: the sink / pinned
+                  (camera-frame, recall) tokens' keys, un-rotated, from which their rotated rows are
+                  re-written as evictions and the recall region's length move them (rotated.py)
     local_keys, local_values  (local layers, kv_heads, R + chunk, head_dim)  the local layers' rings
                   (CacheLayout.local_layers; `layers` above are then the global ones): rows 0..R-1
                   the ring, keys rotated at their stream index, never re-written
@@ -58,7 +58,7 @@ class FusedBackend(Backend):
         dtype = np.dtype(lay.kv_dtype.numpy_name)
         self.keys = np.zeros((L, H, N + lay.chunk, D), dtype=dtype)
         self.values = np.zeros((L, H, N + lay.chunk, D), dtype=dtype)
-        self.key_source = np.zeros((L, H, lay.sink + lay.pinned + lay.image, D), dtype=np.float32)
+        self.key_source = np.zeros((L, H, lay.window_start, D), dtype=np.float32)  # every slot before the window
         scales = m.kv_scales.array("rotated_keys")[list(lay.global_layers)] if lay.quantized else None
         v = m.vision
         mrope = (v.image_tokens, tuple(v.grid), tuple(v.mrope_section)) if v is not None and v.mrope else None
@@ -201,7 +201,7 @@ class FusedBackend(Backend):
         if self.steps:  # the row's slot (F: one token is its own step) and the sink / pinned keys' tables
             self._slots1 = np.zeros(1, dtype=np.int64)
             fixed[io.ROW_SLOTS] = self._slots1
-            P = lay.sink + lay.pinned
+            P = lay.sink + lay.pinned + lay.recall  # the rows the kernel rotates (a recall region's after the pinned)
             self._source_cos1 = np.zeros((1, P, lay.head_dim // 2), np.float32)
             self._source_sin1 = np.zeros_like(self._source_cos1)
             self._source_rows: int | None = None  # K bound now
@@ -236,7 +236,7 @@ class FusedBackend(Backend):
             self.rotated.refresh(plan)
         self.rotated.chunk_tables(plan)
         F = plan.extent
-        if plan.tokens == 1 and embeds is None:
+        if plan.tokens == 1 and embeds is None and plan.pin != "recall":  # a recall chunk masks the window
             return self._run_one(ids, plan, F)
         inputs = self.chunk_inputs(plan, ids, all_logits)
         if embeds is not None:
@@ -261,7 +261,7 @@ class FusedBackend(Backend):
         hands the graph (a vision-language decoder's: no image rows; run() puts a frame's in)."""
         self._frame_keys(plan)
         n, N, F = plan.tokens, self.layout.slots, plan.extent
-        if n == 1:  # a seat's one-token step in a batched run: the bias a one-token step keeps
+        if n == 1 and plan.pin != "recall":  # a seat's one-token step in a batched run: the bias a one-token step keeps
             bias = self._one_token_bias(plan)
         else:
             mask = plan.attention_mask
@@ -302,7 +302,7 @@ class FusedBackend(Backend):
         it changes only with F and the sink / pinned / camera-frame fills (a window step replaces the
         oldest window token, a slot that stays in use). Never written once made: bindings hold it."""
         F = plan.extent
-        held = (F, plan.sink_fill, plan.pinned_fill, plan.image_fill, plan.frames)
+        held = (F, plan.sink_fill, plan.pinned_fill, plan.image_fill, plan.frames, plan.recall_fill, plan.recalls)
         if held != self._bias_held:
             if plan.cached == F:  # every slot below F holds a token: nothing to mask
                 self._bias = self._zero_bias[..., : F + 1]

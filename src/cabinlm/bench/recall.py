@@ -1,0 +1,171 @@
+"""`cabinlm recall`: does the dialogue remember a fact once it has left the window? Through the real
+dialogue path (runtime/dialogue.py), with and without the artifact's recall region.
+
+One trial per fact and distance D:
+
+    turn 1         the fact's statement (the user's), a short assistant reply
+    turns 2..k     filler: user messages cut from the filler text, short assistant replies, until the
+                   statement's first token is D tokens back
+    last turn      the fact's question; each of its choices scored as the assistant's reply by the
+                   model's log-likelihood (teacher-forced, from the same cache); right = the answer
+                   scores highest
+
+Every turn goes through Dialogue.add_turn / ask, so the recall region is refilled before each user
+turn as in `cabinlm chat`; its prefill time per turn is reported. Every input is checked before
+anything runs (check_inputs): one line per problem.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from cabinlm.contract.errors import InputError
+
+DATA = Path(__file__).parent / "data"
+DEFAULT_FACTS = DATA / "recall_facts.jsonl"
+DEFAULT_FILLER = Path(__file__).parents[1] / "export" / "data" / "calibration_prose.txt"
+REPLY = "All right."  # the assistant's reply to every statement and filler turn
+FILLER_MESSAGE = 160  # tokens of filler text per user message
+KEYS = ("statement", "question", "choices", "answer")
+
+
+@dataclass(frozen=True)
+class Fact:
+    statement: str
+    question: str
+    choices: tuple[str, ...]
+    answer: str
+
+
+@dataclass
+class Result:
+    distance: int
+    recall: bool
+    accuracy: float
+    trials: int
+    recall_ms_per_turn: float
+
+    def to_dict(self) -> dict:
+        return {"distance": self.distance, "recall": self.recall, "accuracy": round(self.accuracy, 4),
+                "trials": self.trials, "recall_ms_per_turn": round(self.recall_ms_per_turn, 2)}  # fmt: skip
+
+
+def read_facts(path: Path) -> list[Fact]:
+    """The facts file: one JSON object a line with statement, question, choices (2 or more distinct
+    strings) and answer (one of them). Every problem is one InputError line naming the line."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"--facts {path}: cannot read it ({e}); give a UTF-8 JSON-lines file") from e
+    facts = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"--facts {path} line {n}"
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{where}: not JSON ({e.msg}); each line is an object with {', '.join(KEYS)}") from e
+        if not isinstance(d, dict) or set(d) != set(KEYS):
+            raise InputError(f"{where}: needs exactly the keys {', '.join(KEYS)}")
+        if not all(isinstance(d[k], str) and d[k].strip() for k in ("statement", "question", "answer")):
+            raise InputError(f"{where}: statement, question and answer must be non-empty text")
+        choices = d["choices"]
+        if (not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) and c.strip() for c in choices)
+                or len(set(choices)) != len(choices)):  # fmt: skip
+            raise InputError(f"{where}: choices must be a list of at least 2 distinct non-empty strings")
+        if d["answer"] not in choices:
+            raise InputError(f"{where}: the answer {d['answer']!r} is not among its choices")
+        facts.append(Fact(d["statement"], d["question"], tuple(choices), d["answer"]))
+    if not facts:
+        raise InputError(f"--facts {path}: no facts in it; give one JSON object a line")
+    return facts
+
+
+def parse_distances(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",")]
+    except ValueError as e:
+        raise InputError(f"--distances {text!r}: give whole numbers of tokens separated by commas, e.g. 2000,8000") from e
+    if not out or any(d < 1 or d > 10**7 for d in out):
+        raise InputError(f"--distances {text!r}: each distance is 1..10000000 tokens")
+    return out
+
+
+def filler_messages(tokenizer, path: Path, distances: list[int], window: int) -> list[str]:
+    """The filler text cut into user messages of FILLER_MESSAGE tokens (a quarter of the window at most,
+    so that a message and its reply fit it); it must hold the largest distance."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"--filler {path}: cannot read it ({e}); give a UTF-8 text file") from e
+    ids = tokenizer.encode_text(" ".join(text.split()))
+    if len(ids) < max(distances):
+        raise InputError(f"--filler {path}: {len(ids)} tokens, but --distances goes to {max(distances)}: give a longer "
+                         f"filler or smaller distances")  # fmt: skip
+    size = max(1, min(FILLER_MESSAGE, window // 4))
+    return [tokenizer.decode(ids[a : a + size]) for a in range(0, len(ids), size)]
+
+
+def score_choices(d, question: str, choices: tuple[str, ...]) -> tuple[np.ndarray, float]:
+    """((choices,) log-likelihood of each choice as the assistant's reply to `question`, the question
+    turn's recall prefill ms). Each choice is scored from the cache as the question left it (the slot
+    table and the buffers saved, then put back), teacher-forced."""
+    dec = d.decoder
+    r = d.ask(question, should_stop=lambda: True)  # the question's turn fed (the region refilled first); no reply
+    first = d.prompt_logits
+    state = dec.cache.state()
+    saved = [b.copy() for b in dec.backend.buffers().values()]
+    out = []
+    for choice in choices:
+        ids = d.template.text(choice)
+        logp = _log_softmax(first)[ids[0]]
+        if len(ids) > 1:
+            logits = dec.feed(ids[:-1], all_logits=True)
+            logp += sum(_log_softmax(logits[i])[ids[i + 1]] for i in range(len(ids) - 1))
+        out.append(float(logp))
+        for buf, keep in zip(dec.backend.buffers().values(), saved):
+            np.copyto(buf, keep)
+        dec.cache.restore(state)
+        dec.backend.restored()
+    return np.array(out), (r.recall or {}).get("prefill_ms", 0.0)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max()
+    return x - m - math.log(np.exp(x - m).sum())
+
+
+def trial(d, fact: Fact, filler: list[str], offset: int, distance: int) -> tuple[bool, float, int]:
+    """One fact at one distance: (right, recall prefill ms over its user turns, user turns)."""
+    d.reset()
+    start = d.decoder.cache.seen  # the statement's turn's first token
+    d.add_turn(fact.statement, REPLY)
+    ms, turns, i = 0.0, 1, offset
+    while d.decoder.cache.seen - start < distance:
+        r = d.add_turn(filler[i % len(filler)], REPLY)
+        ms += (r.recall or {}).get("prefill_ms", 0.0)
+        turns, i = turns + 1, i + 1
+    scores, last = score_choices(d, fact.question, fact.choices)
+    return fact.choices[int(np.argmax(scores))] == fact.answer, ms + last, turns + 1
+
+
+def run(d, facts: list[Fact], filler: list[str], distances: list[int], modes: list[bool]) -> list[Result]:
+    """Every (distance, recall on / off) over every fact; the dialogue's recall switched per mode."""
+    results = []
+    has_region = d.recaller is not None
+    for recall in modes:
+        d.recall = recall and has_region
+        for distance in distances:
+            right, ms, turns = 0, 0.0, 0
+            for k, fact in enumerate(facts):
+                ok, t, n = trial(d, fact, filler, offset=k * 7, distance=distance)
+                right, ms, turns = right + ok, ms + t, turns + n
+            results.append(Result(distance, recall, right / len(facts), len(facts), ms / max(turns, 1)))
+    return results
