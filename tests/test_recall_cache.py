@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cabinlm.engines.build import build_artifact
-from cabinlm.engines.ort_fused import kernels
+from cabinlm.engines.ort_fused.kernels import compiler
 from cabinlm.contract.errors import InputError
 from cabinlm.contract.layout import CacheLayout, KVDType, LayoutError
 from cabinlm.profiles import load_profile
@@ -76,8 +76,8 @@ def artifacts(stream, export_to, tmp_path_factory):
 
     def get(label: str) -> Path:
         kv, profile, options = CASES[label]
-        if "fused" in label and options[-1][-1] != "onnxruntime" and kernels.unavailable() is not None:
-            pytest.skip(f"cabinlm's attention kernel cannot be compiled here: {kernels.unavailable()}")
+        if "fused" in label and options[-1][-1] != "onnxruntime" and compiler.unavailable() is not None:
+            pytest.skip(f"cabinlm's attention kernel cannot be compiled here: {compiler.unavailable()}")
         if label not in made:
             art = export_to(loaded, kv=kv, **LAYOUT)
             if profile is None:
