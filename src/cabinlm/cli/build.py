@@ -8,7 +8,8 @@ from typing import Optional
 
 import typer
 
-from cabinlm.engines.build import Attention, AttentionKernel, MatmulKernel, Minimums
+from cabinlm.contract.engines.fused import AttentionKernel, MatmulKernel, Minimums
+from cabinlm.engines.builder import Attention
 from cabinlm.cli.common import info, load_profile
 from cabinlm.contract.engines.tensorrt import TensorRTSettings
 

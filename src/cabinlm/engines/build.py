@@ -16,19 +16,19 @@ A TensorRT bundle (a build whose engine is made on the target) is finished by `c
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from cabinlm.engines.builder import Attention, BuildError, Builder, BuildRequest, CpuBuildOptions
-from cabinlm.contract.engines.fused import AttentionKernel, MatmulKernel, Minimums
+from cabinlm.engines.builder import Attention, BuildError, Builder, BuildRequest
 from cabinlm.engines.output import BuildOutput, check_output
 from cabinlm.engines.registry import ENGINES, BackendKind
 
 if TYPE_CHECKING:
     from cabinlm.profiles import DeviceProfile
 
-__all__ = ["Attention", "AttentionKernel", "BuildError", "MatmulKernel", "Minimums", "build_artifact", "choose_builder",
+__all__ = ["Attention", "BuildError", "build_artifact", "choose_builder", "engine_choices",
            "default_output"]
 
 
@@ -40,7 +40,7 @@ def default_output(artifact: Path, profile_name: str) -> Path:
 def choose_builder(request: BuildRequest) -> Builder:
     """The engine that builds this artifact for the request's profile: the most preferred one that can
     (--attention fused / graph insist on one), or a BuildError saying why none can."""
-    profile, attention = request.profile, request.options.attention
+    profile, attention = request.profile, request.attention
     targets = [e.builder() for e in ENGINES.values()]
     targets = sorted((b for b in targets if b.targets(profile)), key=lambda b: -b.preference)
     if not targets:
@@ -68,25 +68,25 @@ def choose_builder(request: BuildRequest) -> Builder:
 
 def build_artifact(artifact: str | Path, profile: DeviceProfile | None, out: str | Path | None = None,
                    log: Callable[[str], None] = lambda s: None, attention: Attention | str = Attention.AUTO,
-                   accuracy_level: int = 4, minimums: Minimums | str = Minimums.INT8,
-                   attention_kernel: AttentionKernel | str = AttentionKernel.AUTO,
-                   matmul_kernel: MatmulKernel | str = MatmulKernel.AUTO, activations: str = "fp16",
-                   calib: str | Path | None = None, a16_weights: str = "int8") -> Path:
+                   **engine_options: Any) -> Path:
     """Build `artifact` for `profile` (None: cpu) into `out` (default: beside it, ARTIFACT-build-PROFILE).
     A TensorRT bundle (`artifact` made by a tensorrt profile's build) gets its engine built, in place
     unless `out` is given; its profile is the one it was made for.
 
     cpu builds: attention "auto" fuses the decoder (engines/ort_fused) where the artifact allows and
-    keeps the exported graph otherwise; "fused" insists; "graph" keeps the export. accuracy_level:
-    the fused build's MatMulNBits activations (4: int8, as llama.cpp; 0: float32). minimums: how the
-    fused build runs GGUF Q4_1 blocks. attention_kernel, matmul_kernel: the fused build's kernels.
-    activations, calib: HTP builds' activations ("fp16"; "a16": 16-bit integer, calibrated on calib);
-    a16_weights: the a16 build's weight matrices ("int8" or "int4" symmetric blocks of 32)."""
-    options = CpuBuildOptions(attention=attention, accuracy_level=accuracy_level, minimums=minimums,  # type: ignore[arg-type]
-                              attention_kernel=attention_kernel, matmul_kernel=matmul_kernel)  # type: ignore[arg-type]
+    keeps the exported graph otherwise; "fused" insists; "graph" keeps the export. engine_options:
+    the engines' own choices by name, each routed to the engine whose options_type has the field
+    (the fused build's accuracy_level, minimums, attention_kernel, matmul_kernel:
+    ort_fused/options.py; the HTP build's activations, calib, a16_weights: qnn_htp/options.py) and
+    checked there; a name no engine takes is refused."""
     from cabinlm.contract.manifest import load_manifest
     from cabinlm.profiles import load_profile
 
+    try:
+        attention = Attention(attention)
+    except ValueError as e:
+        raise BuildError(str(e)) from e
+    options = engine_choices(engine_options)
     artifact = Path(artifact)
     manifest = load_manifest(artifact)
     if manifest.build is not None:
@@ -105,16 +105,12 @@ def build_artifact(artifact: str | Path, profile: DeviceProfile | None, out: str
         raise BuildError(f"{artifact}: graph opset {manifest.opset} is above {profile.name}'s {profile.max_opset}")
     out = Path(out) if out is not None else default_output(artifact, profile.name)
     check_output(artifact, out)  # before any engine's checks; BuildOutput.prepare checks again as it creates the folder
-    if activations not in ("fp16", "a16"):
-        raise BuildError(f"--activations must be fp16 or a16, got {activations!r}")
-    if (activations != "fp16" or calib is not None) and profile.execution_provider != "QNNExecutionProvider":
-        raise BuildError(f"--activations a16 and --calib are for the Snapdragon HTP builds (sa8775p); {profile.name} "
-                         "computes in float")  # fmt: skip
-    if a16_weights not in ("int8", "int4"):
-        raise BuildError(f"--a16-weights must be int8 or int4, got {a16_weights!r}")
-    if a16_weights != "int8" and activations != "a16":
-        raise BuildError(f"--a16-weights {a16_weights} is for --activations a16 builds (this build: --activations {activations})")
-    request = BuildRequest(artifact, manifest, profile, options, log, activations, Path(calib) if calib else None, a16_weights)
+    targeted = {type(b) for b in _builders() if b.targets(profile)}
+    for o in options:  # an engine's choices set for a profile none of whose engines is that one
+        owner = next(b for b in _builders() if b.options_type is type(o))
+        if type(o).REFUSED_ELSEWHERE and type(owner) not in targeted:  # type: ignore[attr-defined]
+            raise BuildError(o.refused(profile))  # type: ignore[attr-defined]
+    request = BuildRequest(artifact, manifest, profile, attention, tuple(options), log)
     builder = choose_builder(request)
     t0 = time.perf_counter()
     output = BuildOutput.prepare(artifact, manifest, out)
@@ -123,3 +119,25 @@ def build_artifact(artifact: str | Path, profile: DeviceProfile | None, out: str
     builder.after_save(request, output, built)
     output.update_quality(built, seconds=round(time.perf_counter() - t0, 1))
     return out
+
+
+def _builders() -> list[Builder]:
+    return [e.builder() for e in ENGINES.values()]
+
+
+def engine_choices(given: dict[str, Any]) -> list[object]:
+    """The engines' typed options from `cabinlm build`'s choices by name: one object per engine
+    options_type that takes any of them (checked as it is made, one line per refusal), only the
+    choices set away from their defaults. A name no engine takes is refused."""
+    left = dict(given)
+    made: list[object] = []
+    for cls in dict.fromkeys(b.options_type for b in _builders() if b.options_type is not None):
+        names = {f.name for f in dataclasses.fields(cls)}
+        picked = {k: left.pop(k) for k in list(left) if k in names}
+        if picked:
+            options = cls(**picked)
+            if options != cls():
+                made.append(options)
+    if left:
+        raise BuildError(f"no engine takes the build option(s) {', '.join(sorted(left))}")
+    return made

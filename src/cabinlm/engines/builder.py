@@ -14,19 +14,21 @@ from __future__ import annotations
 
 import abc
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, ClassVar
+from typing import TYPE_CHECKING, Callable, ClassVar, TypeVar
 
-from cabinlm.contract.engines.fused import AttentionKernel, MatmulKernel, Minimums
 from cabinlm.contract.engines import BackendKind
-from cabinlm.contract.errors import BuildError, OptionError
+from cabinlm.contract.errors import BuildError
 
 if TYPE_CHECKING:
     from cabinlm.contract.buildspec import BuildSpec
     from cabinlm.engines.output import BuildOutput
     from cabinlm.contract.manifest import Manifest
     from cabinlm.profiles import DeviceProfile
+
+
+T = TypeVar("T")
 
 
 class Attention(str, enum.Enum):
@@ -38,38 +40,24 @@ class Attention(str, enum.Enum):
 
 
 @dataclass(frozen=True)
-class CpuBuildOptions:
-    """The choices of a cpu build (`cabinlm build` flags), validated once."""
-
-    attention: Attention = Attention.AUTO
-    accuracy_level: int = 4  # the fused build's quantized matmuls: 4 = int8 activations, 0 = float32
-    minimums: Minimums = Minimums.INT8
-    attention_kernel: AttentionKernel = AttentionKernel.AUTO
-    matmul_kernel: MatmulKernel = MatmulKernel.AUTO
-
-    def __post_init__(self) -> None:
-        try:
-            for name, cls in (("attention", Attention), ("minimums", Minimums), ("attention_kernel", AttentionKernel),
-                              ("matmul_kernel", MatmulKernel)):  # fmt: skip
-                object.__setattr__(self, name, cls(getattr(self, name)))
-        except ValueError as e:
-            raise BuildError(str(e)) from e
-        if isinstance(self.accuracy_level, bool) or self.accuracy_level not in (0, 1, 2, 3, 4):  # MatMulNBits' levels
-            raise OptionError(f"--accuracy-level must be 0..4 (4 = int8 activations, 0 = float32), got {self.accuracy_level!r}")
-
-
-@dataclass(frozen=True)
 class BuildRequest:
-    """One build: the export, the profile, the user's choices."""
+    """One build: the export, the profile, the user's choices. Each engine's own choices are a typed
+    options object of its builder's (Builder.options_type), read with options_for; build.py routes
+    `cabinlm build`'s flags to them by name and checks each once."""
 
     artifact: Path  # the folder `cabinlm export` wrote (read only)
     manifest: Manifest  # its manifest, validated
     profile: DeviceProfile
-    options: CpuBuildOptions = field(default_factory=CpuBuildOptions)
+    attention: Attention = Attention.AUTO  # cpu profiles: which of their engines builds (build.choose_builder)
+    options: tuple[object, ...] = ()  # the engines' typed options, one object per options_type given
     log: Callable[[str], None] = lambda s: None
-    activations: str = "fp16"  # HTP builds (--activations): fp16, or a16 (16-bit integer QDQ, engines/qnn_htp/qdq.py)
-    calib: Path | None = None  # a16: the calibration text (None: contract/calibration.py's built-in mix)
-    a16_weights: str = "int8"  # a16 (--a16-weights): the matrices' symmetric blocks, int8 or int4 (qnn_htp/a16_weights.py)
+
+    def options_for(self, cls: type[T]) -> T:
+        """The request's options of type `cls` (an engine's options_type), or its defaults."""
+        for o in self.options:
+            if isinstance(o, cls):
+                return o
+        return cls()
 
 
 class Builder(abc.ABC):
@@ -77,6 +65,10 @@ class Builder(abc.ABC):
 
     kind: ClassVar[BackendKind]
     preference: ClassVar[int] = 0  # among engines that target one profile, the higher is tried first
+    # The engine's own build choices: a frozen dataclass whose fields are `cabinlm build` options by
+    # name, checked in __post_init__, with REFUSED_ELSEWHERE (True: given to another engine's build,
+    # they are refused with refused(profile); False: ignored there). None: no choices of its own.
+    options_type: ClassVar[type | None] = None
 
     @abc.abstractmethod
     def targets(self, profile: DeviceProfile) -> bool:

@@ -20,13 +20,16 @@ import enum
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from cabinlm.contract.errors import LayoutError, OptionError
 from cabinlm.export.lora import LoraRequest
 from cabinlm.contract.layout import MAX_DIM, CacheLayout
 from cabinlm.contract.manifest import ModelSpec
 from cabinlm.contract.precision import KVDType, WeightFormat
+
+if TYPE_CHECKING:
+    from cabinlm.profiles import DeviceProfile
 
 E = TypeVar("E", bound=enum.Enum)
 
@@ -257,7 +260,7 @@ def check_positions(spec: ModelSpec, *, sink: int, pinned: int, chunk: int, wind
     )
 
 
-def check_profile_request(spec: ModelSpec, profile, request: ExportRequest, image_tokens: int = 0) -> None:
+def check_profile_request(spec: ModelSpec, profile: DeviceProfile, request: ExportRequest, image_tokens: int = 0) -> None:
     """The KV precision against the profile, then check_positions for what `request` sets, the
     profile's defaults filling in the rest (the window, when not set, is the planner's to choose)."""
     from cabinlm.profiles.planner import resolve_kv
@@ -268,7 +271,7 @@ def check_profile_request(spec: ModelSpec, profile, request: ExportRequest, imag
                     window=request.window, image=image_tokens, recall=_or(request.recall, 0))  # fmt: skip
 
 
-def options_for_profile(spec: ModelSpec, profile, request: ExportRequest, vision_params: int = 0,
+def options_for_profile(spec: ModelSpec, profile: DeviceProfile, request: ExportRequest, vision_params: int = 0,
                         image_tokens: int = 0) -> ExportOptions:  # fmt: skip
     """Export options planned for a device profile (a DeviceProfile). What `request` sets is kept and
     checked; the rest comes from the plan. A KV precision the profile cannot run, a window that does

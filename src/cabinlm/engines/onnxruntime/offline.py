@@ -22,6 +22,7 @@ from cabinlm.contract.layout import CacheLayout
 from cabinlm.contract.manifest import Manifest
 
 if TYPE_CHECKING:
+    from cabinlm.profiles import DeviceProfile
     from cabinlm.engines.output import BuildOutput
 
 OPT_GRAPH, OPT_DATA = "decoder.opt.onnx", "decoder.opt.onnx.data"
@@ -35,7 +36,7 @@ def read_graph(artifact: Path, manifest: Manifest) -> onnx.ModelProto:
         raise BuildError(f"{artifact}: cannot read the graph and its weights ({str(e).splitlines()[0]}); re-export") from e
 
 
-def cpu_session(profile, optimization: OptimizationLevel) -> SessionSettings:
+def cpu_session(profile: DeviceProfile, optimization: OptimizationLevel) -> SessionSettings:
     """What a build for ONNX Runtime's CPU provider applies at load."""
     return SessionSettings(
         graph_optimization_level=optimization,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import tempfile
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import onnx
@@ -15,6 +15,7 @@ import onnx
 from cabinlm.contract import io_spec
 from cabinlm.contract.buildspec import BuildSpec, OptimizationLevel
 from cabinlm.engines.builder import Builder, BuildError, BuildRequest
+from cabinlm.engines.ort_fused.options import FusedBuildOptions
 from cabinlm.engines.onnxruntime.offline import OPT_DATA, OPT_GRAPH, log_weights, optimize_offline, read_graph
 from cabinlm.engines.ort_fused import graph as fused_graph
 from cabinlm.engines.ort_fused.kernels import LIBRARY, MATMUL_OP, Q8_MATMUL_OP, SWIGLU_MATMUL_OP, host_machine
@@ -27,6 +28,9 @@ from cabinlm.contract.engines.static import SharedWeights
 from cabinlm.engines.output import BuildOutput
 from cabinlm.contract.engines import BackendKind
 from cabinlm.contract.manifest import MANIFEST_NAME, Manifest
+
+if TYPE_CHECKING:
+    from cabinlm.profiles import DeviceProfile
 
 
 def _attention_wanted(manifest: Manifest, asked: str) -> str:
@@ -206,7 +210,8 @@ def _seat_graphs(request: BuildRequest, output: BuildOutput, graph: onnx.ModelPr
     if not own_head:  # MatMulNBits: packed once per session, so the batched graphs share one head graph
         write(head_model(solo, manifest), HEAD_GRAPH, "graph_head")
     for b in batches:
-        write(fused_graph.fused_model(graph, manifest, request.options.accuracy_level, request.options.minimums, kernel,
+        opts = request.options_for(FusedBuildOptions)
+        write(fused_graph.fused_model(graph, manifest, opts.accuracy_level, opts.minimums, kernel,
                                       matmul, seats=b), seats_graph_file(b), f"graph_seats{b}")  # fmt: skip
     head = "each with the LM head" if own_head else "and their LM head"
     request.log(f"seats decode together: batched graphs for {', '.join(map(str, batches))} seats (one attention per "
@@ -217,15 +222,16 @@ def _seat_graphs(request: BuildRequest, output: BuildOutput, graph: onnx.ModelPr
 class FusedBuilder(Builder):
     kind: ClassVar[BackendKind] = BackendKind.FUSED
     preference: ClassVar[int] = 10  # the cpu profile's engine wherever it applies
+    options_type: ClassVar[type | None] = FusedBuildOptions
 
-    def targets(self, profile) -> bool:
+    def targets(self, profile: DeviceProfile) -> bool:
         return targets_cpu(profile, static=False)
 
     def check(self, request: BuildRequest) -> str | None:
         return fused_graph.ineligible(request.manifest)
 
     def build(self, request: BuildRequest, output: BuildOutput) -> BuildSpec:
-        manifest, opts, log = request.manifest, request.options, request.log
+        manifest, opts, log = request.manifest, request.options_for(FusedBuildOptions), request.log
         output.copy("tokenizer")
         output.copy_if_present("vision_graph", "vision_data")  # the camera encoder runs as exported
         graph = read_graph(request.artifact, manifest)

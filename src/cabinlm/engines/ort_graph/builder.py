@@ -5,7 +5,7 @@ becomes where the fused decoder does not apply (fp16 / fp8 KV, int8-KV vision-la
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from cabinlm.contract.buildspec import CPU_PROVIDER, BuildSpec, ExecutionProvider, OptimizationLevel
 from cabinlm.engines.builder import Builder, BuildRequest
@@ -14,8 +14,11 @@ from cabinlm.engines.onnxruntime.offline import (OPT_DATA, OPT_GRAPH, cpu_sessio
 from cabinlm.engines.output import BuildOutput
 from cabinlm.contract.engines import BackendKind
 
+if TYPE_CHECKING:
+    from cabinlm.profiles import DeviceProfile
 
-def targets_cpu(profile, static: bool) -> bool:
+
+def targets_cpu(profile: DeviceProfile, static: bool) -> bool:
     """An ONNX Runtime profile on the CPU provider, with (static) or without fixed shapes."""
     return profile.engine.value == "onnxruntime" and profile.execution_provider == CPU_PROVIDER and profile.static_shapes == static
 
@@ -30,7 +33,7 @@ def spec_for(kind: BackendKind, request: BuildRequest, optimization: Optimizatio
 class GraphBuilder(Builder):
     kind: ClassVar[BackendKind] = BackendKind.EXPORTED_GRAPH
 
-    def targets(self, profile) -> bool:
+    def targets(self, profile: DeviceProfile) -> bool:
         return targets_cpu(profile, static=False)
 
     def build(self, request: BuildRequest, output: BuildOutput) -> BuildSpec:

@@ -4,7 +4,7 @@ lists where each weight lies, and the runtime maps the file once for both sessio
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import onnx
 
@@ -15,6 +15,9 @@ from cabinlm.engines.ort_graph.builder import spec_for, targets_cpu
 from cabinlm.contract.engines.static import SharedWeight, SharedWeights
 from cabinlm.engines.output import BuildOutput
 from cabinlm.contract.engines import BackendKind
+
+if TYPE_CHECKING:
+    from cabinlm.profiles import DeviceProfile
 
 PREFILL_GRAPH, DECODE_GRAPH = "decoder.prefill.onnx", "decoder.decode.onnx"
 
@@ -42,7 +45,7 @@ def weight_table(model: onnx.ModelProto, data_name: str) -> SharedWeights:
 class StaticBuilder(Builder):
     kind: ClassVar[BackendKind] = BackendKind.STATIC_PAIR
 
-    def targets(self, profile) -> bool:
+    def targets(self, profile: DeviceProfile) -> bool:
         return targets_cpu(profile, static=True)
 
     def build(self, request: BuildRequest, output: BuildOutput) -> BuildSpec:

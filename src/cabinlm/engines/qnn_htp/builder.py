@@ -18,7 +18,7 @@ import resource
 import tempfile
 import time
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import onnx
@@ -28,6 +28,7 @@ from cabinlm.engines.builder import Builder, BuildError, BuildRequest
 from cabinlm.engines.onnxruntime.offline import fix_tokens, read_graph
 from cabinlm.engines.output import BuildOutput
 from cabinlm.engines.qnn_htp import plugin as qnn_plugin
+from cabinlm.engines.qnn_htp.options import HtpBuildOptions
 from cabinlm.engines.qnn_htp.compile import SIM_PAIR, binary_of, compile_pair, profile_provider
 from cabinlm.engines.qnn_htp.graph import KV_ZERO_POINT, htp_ready, per_tensor_kv_scales, uint8_kv
 from cabinlm.engines.qnn_htp.rotated_graph import rotate_cached_keys, rotated_key_scales
@@ -38,13 +39,17 @@ from cabinlm.contract.engines.qnn import QNN_PROVIDER, SIMULATOR, QnnSettings, b
 from cabinlm.contract.engines import BackendKind
 from cabinlm.contract.manifest import Manifest
 
+if TYPE_CHECKING:
+    from cabinlm.profiles import DeviceProfile
+
 PREFILL_CTX, DECODE_CTX = "decoder.prefill.ctx.onnx", "decoder.decode.ctx.onnx"
 
 
 class QnnBuilder(Builder):
     kind: ClassVar[BackendKind] = BackendKind.QNN_HTP
+    options_type: ClassVar[type | None] = HtpBuildOptions
 
-    def targets(self, profile) -> bool:
+    def targets(self, profile: DeviceProfile) -> bool:
         return profile.execution_provider == QNN_PROVIDER
 
     def check(self, request: BuildRequest) -> str | None:
@@ -52,7 +57,7 @@ class QnnBuilder(Builder):
         if kv not in ("fp16", "int8"):
             return (f"it holds {kv} KV; the HTP builds take fp16 KV, or int8 KV (compiled as a uint8 cache with one "
                     f"scale per tensor): re-export with --kv fp16 or --kv int8")  # fmt: skip
-        if request.activations == "a16":
+        if request.options_for(HtpBuildOptions).activations == "a16":
             return a16_refusal(request.profile, kv)
         return None
 
@@ -60,6 +65,7 @@ class QnnBuilder(Builder):
         """Compile the artifact for the profile's HTP (module docstring)."""
         qnn_plugin.require()
         artifact, manifest, profile, log = request.artifact, request.manifest, request.profile, request.log
+        options = request.options_for(HtpBuildOptions)
         out = output.folder
         for stale in (PREFILL_CTX, DECODE_CTX, *SIM_PAIR):
             (out / stale).unlink(missing_ok=True)
@@ -71,14 +77,14 @@ class QnnBuilder(Builder):
         vision = place_vision(output, profile, log) if manifest.vision is not None else {}
         # the uint8 cache's keys rotated when written (rotated_graph.py): an int8-KV text model without local layers
         rotated_keys = builds_rotated_keys(manifest)
-        if request.activations == "a16":  # the calibrated 16-bit QDQ graph (qdq.py), its uint8 cache tied as uint8_kv's
+        if options.activations == "a16":  # the calibrated 16-bit QDQ graph (qdq.py), its uint8 cache tied as uint8_kv's
             with tempfile.TemporaryDirectory(prefix="cabinlm-a16-") as work:
-                model, rewrites, kv_scales, calibration = a16_graph(artifact, manifest, request.calib, Path(work), log,
-                                                                    request.a16_weights)  # fmt: skip
+                model, rewrites, kv_scales, calibration = a16_graph(artifact, manifest, options.calib, Path(work), log,
+                                                                    options.a16_weights)  # fmt: skip
             output.quality["activation_calibration"] = calibration
             ppl_f, ppl_q = rewrites["fidelity_perplexity"]
-            form = f"symmetric {request.a16_weights} blocks of 32" if rewrites["weight_blocks"] else f"{qdq.PER_CHANNEL} per channel"
-            if request.a16_weights == "int4" and rewrites["weight_blocks_int8"]:
+            form = f"symmetric {options.a16_weights} blocks of 32" if rewrites["weight_blocks"] else f"{qdq.PER_CHANNEL} per channel"
+            if options.a16_weights == "int4" and rewrites["weight_blocks_int8"]:
                 form += f" ({rewrites['weight_blocks_int8']} of them, the LM head, int8)"
             keys = "; keys rotated when written, QK^T reading them 8-bit" if rotated_keys else ""
             log(f"the graph with 16-bit activations: {rewrites['float_weights']} weight matrices as {form} "
@@ -131,8 +137,8 @@ class QnnBuilder(Builder):
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         binaries = [p for r, p in files.items() if r.startswith("context_binary")]
         sdk = binary_of(out / files["graph"])[1]
-        a16 = request.activations == "a16"
-        weights = (qdq.PER_CHANNEL or request.a16_weights) if a16 else "fp16" if not (rewrites["matmul_4bit"] or rewrites["matmul_8bit"]) else (
+        a16 = options.activations == "a16"
+        weights = (qdq.PER_CHANNEL or options.a16_weights) if a16 else "fp16" if not (rewrites["matmul_4bit"] or rewrites["matmul_8bit"]) else (
             "int4" if rewrites["matmul_4bit"] else "int8")  # fmt: skip
         settings = QnnSettings(
             qairt_version=sdk.removeprefix("v"), soc_model=profile.soc_model, htp_arch=profile.htp_arch,
@@ -158,7 +164,7 @@ class QnnBuilder(Builder):
                          profile=profile.name, engine="qnn", engine_version=settings.qairt_version, facts=settings)  # fmt: skip
 
 
-def _check_decode(src: Path, ctx: Path, manifest: Manifest, profile, min_correlation: float = 0.99,
+def _check_decode(src: Path, ctx: Path, manifest: Manifest, profile: DeviceProfile, min_correlation: float = 0.99,
                   rotated: bool = False) -> dict:
     """One decode step (the first token of a dialogue, empty cache) of the compiled graph in the
     HTP (the simulator on x86) against the same HTP-ready graph on ONNX Runtime's CPU provider. A

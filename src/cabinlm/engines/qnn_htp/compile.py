@@ -13,7 +13,7 @@ import re
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import onnx
 
@@ -21,6 +21,9 @@ from cabinlm.contract.buildspec import ExecutionProvider
 from cabinlm.contract.engines.qnn import QNN_PROVIDER, SIMULATOR
 from cabinlm.contract.errors import BuildError
 from cabinlm.engines.qnn_htp import plugin as qnn_plugin
+
+if TYPE_CHECKING:
+    from cabinlm.profiles import DeviceProfile
 
 # The unshared twin of a weight-sharing build's (prefill, decode) context models, for the x86 simulator.
 SIM_PAIR = ("decoder.prefill.sim.ctx.onnx", "decoder.decode.sim.ctx.onnx")
@@ -50,7 +53,7 @@ def _stderr_to(path: Path) -> Iterator[None]:
 _UNSUPPORTED = re.compile(r"\{ name: ([^,]+), type: ([^ }]+) \}")
 
 
-def compile_graph(src: Path, ctx: Path, profile, share: bool, last: bool) -> None:
+def compile_graph(src: Path, ctx: Path, profile: DeviceProfile, share: bool, last: bool) -> None:
     """Compile one graph for the profile's HTP into ctx (+ its binary), CPU fallback disabled."""
     import onnxruntime as ort
 
@@ -82,13 +85,13 @@ def compile_graph(src: Path, ctx: Path, profile, share: bool, last: bool) -> Non
                              + (f" ({errors[-1].strip()[:300]})" if errors else "")) from e  # fmt: skip
 
 
-def profile_provider(profile) -> ExecutionProvider:
+def profile_provider(profile: DeviceProfile) -> ExecutionProvider:
     """The QNN provider options of a profile: the HTP backend, its architecture and SoC."""
     return ExecutionProvider(QNN_PROVIDER, {"backend_type": "htp", "htp_arch": str(profile.htp_arch),
                                             "soc_model": str(profile.soc_model)})  # fmt: skip
 
 
-def compile_pair(sources: list[tuple[Path, int]], out: Path, names: tuple[str, str], profile, share: bool,
+def compile_pair(sources: list[tuple[Path, int]], out: Path, names: tuple[str, str], profile: DeviceProfile, share: bool,
                   log: Callable[[str], None], simulator: bool = False) -> dict[str, str]:
     """Compile the prefill and decode graphs into out/names (+ their binaries). Returns manifest
     roles -> files: graph, graph_decode, context_binary[_N] (each with SIMULATOR appended for the

@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import onnx
@@ -42,6 +42,9 @@ from cabinlm.engines.qnn_htp.a16_kv_io import float_kv_io, rewire, strip_kv_io
 from cabinlm.engines.qnn_htp import a16_weights
 from cabinlm.engines.qnn_htp.a16_weights import WEIGHT_FORMATS, block_weights
 from cabinlm.engines.qnn_htp.graph import BLOCK, _consts, _consumers, _values
+
+if TYPE_CHECKING:
+    from cabinlm.profiles import DeviceProfile
 
 # benchmarks only: the quantizer's own per-output-channel weights ("int8" / "int16" / "int4") kept in place of
 # the blocks the build takes (a16_weights). int8 blocks: SmolLM2's QDQ graph 77.59 against its float graph's
@@ -55,7 +58,7 @@ MAX_CALIB_TOKENS = 512  # the calibration text's first tokens run through the fl
 A16_MIN_ARCH = 73  # a16 is built for HTP v73+ only (a16_refusal)
 
 
-def a16_refusal(profile, kv: str) -> str | None:
+def a16_refusal(profile: DeviceProfile, kv: str) -> str | None:
     """Why this profile / export cannot have --activations a16 (None: it can)."""
     if profile.htp_arch < A16_MIN_ARCH:
         # measured: the x86 simulator's v68 compiles the tiny model's a16 graph; what refuses it is

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -31,6 +31,9 @@ from cabinlm.contract.errors import BuildError
 from cabinlm.engines.output import BuildOutput
 from cabinlm.engines.qnn_htp import plugin as qnn_plugin
 from cabinlm.engines.qnn_htp.compile import binary_of, compile_graph, profile_provider
+
+if TYPE_CHECKING:
+    from cabinlm.profiles import DeviceProfile
 
 VISION_CTX = "vision.ctx.onnx"
 VISION_CONTEXT, VISION_BINARY = "vision_context", "vision_context_binary"  # manifest file roles
@@ -40,7 +43,7 @@ VISION_CONTEXT, VISION_BINARY = "vision_context", "vision_context_binary"  # man
 MAX_RELATIVE_ERROR = 0.05
 
 
-def place_vision(output: BuildOutput, profile, log: Callable[[str], None]) -> dict[str, Any]:
+def place_vision(output: BuildOutput, profile: DeviceProfile, log: Callable[[str], None]) -> dict[str, Any]:
     """Compile the artifact's vision tower for the profile's HTP and list its context model and
     binary in output; where it cannot run there, copy vision.onnx for the CPU instead. Returns the
     record for build.qnn.vision (module docstring)."""
@@ -72,7 +75,7 @@ def place_vision(output: BuildOutput, profile, log: Callable[[str], None]) -> di
     return {"runs_on": "htp", "binary": binary, "activations": "fp16", "compile_seconds": seconds, "check": check}
 
 
-def compile_and_check(src: Path, ctx: Path, profile) -> dict[str, float]:
+def compile_and_check(src: Path, ctx: Path, profile: DeviceProfile) -> dict[str, float]:
     """Compile src into ctx (+ its binary) with the decoder's compile path, then run one input
     through it on the HTP and through src on the CPU: {relative_error, correlation}."""
     import onnxruntime as ort

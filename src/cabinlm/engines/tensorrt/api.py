@@ -19,11 +19,15 @@ Sources: NVIDIA's TensorRT release notes and migration guides (the eras above), 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from cabinlm.contract.errors import CabinlmError
 from cabinlm.contract.io_spec import DecoderIO
 from cabinlm.contract.layout import CacheLayout, KVDType
 from cabinlm.contract.engines.tensorrt import ApiEra, TokenProfile
+
+if TYPE_CHECKING:
+    from cabinlm.profiles import DeviceProfile
 
 Version = tuple[int, int]
 STRONGLY_TYPED_FROM: Version = (10, 15)  # the ONNX parser honours the graph's precision; weak typing deprecated
@@ -135,7 +139,7 @@ def runtime_shapes(io: DecoderIO, layout: CacheLayout, tokens: int, rows: int) -
             if not all(isinstance(d, int) for d in t.shape)}  # fmt: skip
 
 
-def workspace_bytes(profile) -> int:
+def workspace_bytes(profile: DeviceProfile) -> int:
     """The MemoryPoolType.WORKSPACE limit: the device profile's tensorrt_workspace_mib, else 1 GiB,
     never above the assistant's budget."""
     mib = getattr(profile, "tensorrt_workspace_mib", None)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 import shutil
 from pathlib import Path
-from typing import Callable, ClassVar
+from typing import TYPE_CHECKING, Callable, ClassVar
 
 from cabinlm.contract.buildspec import BuildSpec
 from cabinlm.engines.builder import Builder, BuildError, BuildRequest
@@ -23,6 +23,9 @@ from cabinlm.engines.tensorrt.compat import check_file, errors, format_report
 from cabinlm.engines.tensorrt.engine import TensorRTUnavailable, build_engine
 from cabinlm.contract.engines.tensorrt import EngineState, TensorRTSettings
 from cabinlm.contract.manifest import MANIFEST_NAME, Manifest, load_manifest
+
+if TYPE_CHECKING:
+    from cabinlm.profiles import DeviceProfile
 
 __all__ = ["BUILDER", "TensorRTUnavailable", "gpu_present", "tensorrt_present"]
 
@@ -41,7 +44,7 @@ def tensorrt_present() -> bool:
 class TensorRTBuilder(Builder):
     kind: ClassVar[BackendKind] = BackendKind.TENSORRT
 
-    def targets(self, profile) -> bool:
+    def targets(self, profile: DeviceProfile) -> bool:
         return profile.engine.value == "tensorrt"
 
     def check(self, request: BuildRequest) -> str | None:
@@ -75,7 +78,8 @@ class TensorRTBuilder(Builder):
             return
         build_engine(output.folder, built, request.log)
 
-    def finish(self, artifact: Path, manifest: Manifest, profile, out: Path | None, log: Callable[[str], None]) -> Path:
+    def finish(self, artifact: Path, manifest: Manifest, profile: DeviceProfile | None, out: Path | None,
+               log: Callable[[str], None]) -> Path:
         """`cabinlm build BUNDLE`: build (or rebuild) the engine of a TensorRT bundle, in place (a bundle is
         an unfinished build: its engine is what it is for) or in a copy at `out`, outside the bundle."""
         spec = manifest.runtime_spec

@@ -15,6 +15,8 @@ unfinished build: completing it is what it is for) and turns the manifest's stat
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pathlib import Path
 
 import onnx
@@ -30,6 +32,9 @@ from cabinlm.contract.engines import BackendKind
 from cabinlm.contract.manifest import Manifest
 from cabinlm.contract.engines.tensorrt import ApiEra, EngineState, TensorRTSettings
 
+if TYPE_CHECKING:
+    from cabinlm.profiles import DeviceProfile
+
 GRAPH, DATA = "decoder.trt.onnx", "decoder.trt.onnx.data"
 README = "README.txt"
 
@@ -40,7 +45,7 @@ def finish_instruction(bundle: Path, settings: TensorRTSettings, profile_name: s
             f"and run `cabinlm build {bundle.name}` there; `cabinlm doctor {bundle.name}` checks the board first")
 
 
-def plan_settings(profile, manifest: Manifest, norms: int) -> TensorRTSettings:
+def plan_settings(profile: DeviceProfile, manifest: Manifest, norms: int) -> TensorRTSettings:
     """The engine settings for a profile: its TensorRT version's API era, the precision flags the KV
     dtype needs, the token profiles of the chunk, the workspace from the profile."""
     target = parse_version(profile.engine_version or "")
@@ -89,7 +94,7 @@ def write_bundle(request: BuildRequest, output: BuildOutput) -> BuildSpec:
     return spec
 
 
-def readme(out: Path, s: TensorRTSettings, profile, manifest: Manifest) -> str:
+def readme(out: Path, s: TensorRTSettings, profile: DeviceProfile, manifest: Manifest) -> str:
     """The bundle's settings in words, for whoever carries it to the car. manifest: the export's (its graph I/O is the bundle's)."""
     assert s is not None
     lines = [
