@@ -93,3 +93,141 @@ def test_no_adapter_is_the_base_export_bit_for_bit(arch, request, tmp_path, long
             got.append(dec.feed(ids, all_logits=True) if chunked else np.stack([dec.step(ids[i : i + 1])[0].copy()
                                                                                  for i in range(len(ids))]))  # fmt: skip
         np.testing.assert_array_equal(got[0], got[1])
+
+
+# -- the build: adapters prepared once, listed and checksummed ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def built(llama_switch):
+    """The switchable export built for the cpu profile with both adapters (the fused decoder does not
+    take adapter inputs: the build keeps the exported graph)."""
+    out = llama_switch.root / "build"
+    p = cabinlm("build", llama_switch.folder, "--profile", "cpu", "-o", out, "--adapter", f"a={llama_switch.a}",
+                "--adapter", f"b={llama_switch.b}:0.5")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert "switchable LoRA adapter inputs" in p.stderr and "prepared adapter a" in p.stderr
+    return out
+
+
+def test_the_build_lists_each_adapter_with_its_file_and_checksum(built, llama_switch):
+    from cabinlm.contract.manifest import load_manifest, verify_checksums
+
+    m = load_manifest(built)
+    verify_checksums(built, m)  # the adapters' files included
+    assert m.runtime_spec.backend.value == "onnxruntime-graph"
+    assert (m.lora.rank, m.lora.targets, m.lora.names) == (8, TARGETS, ("a", "b"))
+    b = m.lora.adapter("b")
+    assert (b.rank, b.scale, b.targets, b.format) == (8, 0.5, ("down_proj", "q_proj", "v_proj"), "peft")
+    assert m.files["adapter.a"].path == "adapters/a.npz" and (built / "adapters" / "b.npz").is_file()
+    raw = json.loads((built / "manifest.json").read_text())
+    assert [t["name"] for t in raw["io"]["inputs"]][-2:] == ["lora_a.1.down_proj", "lora_b.1.down_proj"]
+
+
+def test_a_built_adapter_scores_as_the_merged_model(built, llama_switch, tmp_path, long_text):
+    """perplexity --adapter b (scale 0.5) on the build = PEFT's merge with half of b's scaling."""
+    ids = tokens(llama_switch.loaded, long_text, 100)
+    text = tmp_path / "t.txt"
+    text.write_text(llama_switch.loaded.tokenizer.decode(ids[1:]))
+    p = cabinlm("perplexity", built, "--text", text, "--adapter", "b", "--json", "--nll-out", tmp_path / "nll.npy")
+    assert p.returncode == 0, p.stderr
+    plain = cabinlm("perplexity", built, "--text", text, "--json")
+    assert json.loads(p.stdout)["ppl"] != json.loads(plain.stdout)["ppl"]
+    dec = Decoder(built)
+    dec.set_adapter("b")
+    scored = np.load(tmp_path / "nll.npy")
+    fed = tokens_of(dec, text)
+    ours = nll_of(np.stack([dec.step(np.array([t]))[0].copy() for t in fed]), fed)
+    np.testing.assert_allclose(scored, ours, atol=1e-6)
+    half = shutil.copytree(llama_switch.b, tmp_path / "half")
+    cfg = json.loads((half / "adapter_config.json").read_text())
+    (half / "adapter_config.json").write_text(json.dumps({**cfg, "lora_alpha": cfg["lora_alpha"] * 0.5}))
+    np.testing.assert_allclose(ours, merged_nll(peft_merged(llama_switch.loaded.folder, half), fed), atol=TOL)
+
+
+def tokens_of(dec: Decoder, text: Path) -> list[int]:
+    from cabinlm.runtime import Tokenizer
+
+    return Tokenizer(dec.folder / dec.manifest.files["tokenizer"].path).encode(text.read_text(), add_special_tokens=True)
+
+
+# -- seats: their own adapters, switching, session files ----------------------------------------------
+
+
+def ask(d, text: str) -> str:
+    return d.ask(text).reply
+
+
+def test_seats_with_different_adapters_answer_as_each_would_alone(built):
+    from cabinlm.runtime import RuntimeConfig, open_runtime
+
+    rt = open_runtime(RuntimeConfig(built, seats=2, max_new_tokens=12, speculative=False))
+    one, two = rt.dialogues()
+    two.set_adapter("a")
+    assert (one.adapter, two.adapter) == (None, "a")
+    got = [ask(one, "hello there"), ask(two, "hello there")]
+    alone = open_runtime(RuntimeConfig(built, adapter="a", max_new_tokens=12, speculative=False)).dialogues()[0]
+    base = open_runtime(RuntimeConfig(built, max_new_tokens=12, speculative=False)).dialogues()[0]
+    assert got == [ask(base, "hello there"), ask(alone, "hello there")]
+    assert got[0] != got[1]  # the adapter changes the reply
+
+
+def test_switching_adapter_gives_the_reply_a_fresh_seat_with_that_adapter_and_history_gets(built):
+    from cabinlm.runtime import RuntimeConfig, open_runtime
+
+    rt = open_runtime(RuntimeConfig(built, seats=2, max_new_tokens=10, speculative=False))
+    seat, fresh = rt.dialogues()
+    ask(seat, "first message")  # answered by the base model
+    history = list(seat.decoder.history)
+    seat.set_adapter("b")  # the cache rebuilt from the seat's history, with b
+    state = seat.state()
+    # A fresh seat with b, fed the same chunks (the base model's reply included), holds the same cache ...
+    fresh.set_adapter("b")
+    fresh.decoder.reset()
+    for ids, pin in history:
+        fresh.decoder.step(ids, pin=pin)
+    fresh.restore(state)
+    for name, buf in seat.decoder.backend.buffers().items():
+        np.testing.assert_array_equal(fresh.decoder.backend.buffers()[name], buf, err_msg=name)
+    # ... and gives the same reply, which is not the base model's.
+    replies = [ask(seat, "second message"), ask(fresh, "second message")]
+    assert replies[0] == replies[1]
+    base = open_runtime(RuntimeConfig(built, max_new_tokens=10, speculative=False)).dialogues()[0]
+    ask(base, "first message")
+    assert ask(base, "second message") != replies[0]
+
+
+def test_a_seat_saved_with_its_adapter_resumes_with_it(built, tmp_path):
+    from cabinlm.runtime import RuntimeConfig, open_runtime
+    from cabinlm.runtime.persist import SessionError, load_session, save_session
+
+    config = RuntimeConfig(built, max_new_tokens=10, speculative=False)
+    d = open_runtime(dataclass_replace(config, adapter="a")).dialogues()[0]
+    ask(d, "remember this")
+    save_session(tmp_path / "s.bin", d)
+    expected = ask(d, "and now?")
+    resumed = open_runtime(config).dialogues()[0]  # opened without an adapter
+    load_session(tmp_path / "s.bin", resumed)
+    assert resumed.adapter == "a"
+    assert ask(resumed, "and now?") == expected
+    with pytest.raises(InputError, match="restored from a session file"):  # no history to run again
+        resumed.set_adapter("b")
+    # A build that does not hold the adapter as it was refuses the file.
+    other = dataclass_replace(config, artifact=rebuilt_without_a(built, tmp_path))
+    with pytest.raises(SessionError, match="saved with adapter 'a', which this build does not hold"):
+        load_session(tmp_path / "s.bin", open_runtime(other).dialogues()[0])
+
+
+def dataclass_replace(obj, **changes):
+    import dataclasses
+
+    return dataclasses.replace(obj, **changes)
+
+
+def rebuilt_without_a(built: Path, tmp_path: Path) -> Path:
+    """The same build with adapter a recorded at another scale (its session no longer fits)."""
+    copy = shutil.copytree(built, tmp_path / "copy")
+    raw = json.loads((copy / "manifest.json").read_text())
+    raw["lora"]["adapters"][0]["scale"] = 0.25
+    (copy / "manifest.json").write_text(json.dumps(raw))
+    return copy

@@ -16,17 +16,31 @@ A TensorRT bundle (a build whose engine is made on the target) is finished by `c
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
+from cabinlm.contract.adapters import adapter_role
 from cabinlm.engines.builder import Attention, BuildError, Builder, BuildRequest, CpuBuildOptions
 from cabinlm.contract.engines.fused import AttentionKernel, MatmulKernel, Minimums
 from cabinlm.engines.output import BuildOutput, check_output
 from cabinlm.engines.registry import ENGINES, BackendKind
 
 if TYPE_CHECKING:
+    from cabinlm.contract.adapters import AdapterRecord
     from cabinlm.profiles import DeviceProfile
+
+
+class PreparedAdapter(Protocol):
+    """An adapter read, checked and padded for the export's inputs (export/adapter_files.py)."""
+
+    record: AdapterRecord
+
+    def save(self, folder: Path) -> str:
+        """Write its file into the build folder; the path relative to it."""
+        ...
 
 __all__ = ["Attention", "AttentionKernel", "BuildError", "MatmulKernel", "Minimums", "build_artifact", "choose_builder",
            "default_output"]
@@ -71,7 +85,8 @@ def build_artifact(artifact: str | Path, profile: DeviceProfile | None, out: str
                    accuracy_level: int = 4, minimums: Minimums | str = Minimums.INT8,
                    attention_kernel: AttentionKernel | str = AttentionKernel.AUTO,
                    matmul_kernel: MatmulKernel | str = MatmulKernel.AUTO, activations: str = "fp16",
-                   calib: str | Path | None = None, a16_weights: str = "int8") -> Path:
+                   calib: str | Path | None = None, a16_weights: str = "int8",
+                   adapters: Sequence[PreparedAdapter] = ()) -> Path:
     """Build `artifact` for `profile` (None: cpu) into `out` (default: beside it, ARTIFACT-build-PROFILE).
     A TensorRT bundle (`artifact` made by a tensorrt profile's build) gets its engine built, in place
     unless `out` is given; its profile is the one it was made for.
@@ -81,7 +96,9 @@ def build_artifact(artifact: str | Path, profile: DeviceProfile | None, out: str
     the fused build's MatMulNBits activations (4: int8, as llama.cpp; 0: float32). minimums: how the
     fused build runs GGUF Q4_1 blocks. attention_kernel, matmul_kernel: the fused build's kernels.
     activations, calib: HTP builds' activations ("fp16"; "a16": 16-bit integer, calibrated on calib);
-    a16_weights: the a16 build's weight matrices ("int8" or "int4" symmetric blocks of 32)."""
+    a16_weights: the a16 build's weight matrices ("int8" or "int4" symmetric blocks of 32).
+    adapters: switchable LoRA adapters prepared for the export's adapter inputs (--lora-rank), one file
+    each in the build (contract/adapters.py), listed and checksummed in its manifest."""
     options = CpuBuildOptions(attention=attention, accuracy_level=accuracy_level, minimums=minimums,  # type: ignore[arg-type]
                               attention_kernel=attention_kernel, matmul_kernel=matmul_kernel)  # type: ignore[arg-type]
     from cabinlm.contract.manifest import load_manifest
@@ -113,9 +130,23 @@ def build_artifact(artifact: str | Path, profile: DeviceProfile | None, out: str
         raise BuildError(f"--a16-weights {a16_weights} is for --activations a16 builds (this build: --activations {activations})")
     request = BuildRequest(artifact, manifest, profile, options, log, activations, Path(calib) if calib else None, a16_weights)
     builder = choose_builder(request)
+    if manifest.lora is not None and builder.kind is not BackendKind.EXPORTED_GRAPH:
+        raise BuildError(f"{artifact} has switchable LoRA adapter inputs (export --lora-rank), which {builder.kind.value} "
+                         "builds do not take; build it for the cpu profile, or export with --lora to merge an adapter")  # fmt: skip
+    if adapters and manifest.lora is None:
+        raise BuildError(f"--adapter: {artifact} has no adapter inputs; export it with --lora-rank R")
+    names = [a.record.name for a in adapters]
+    if len(set(names)) != len(names):
+        raise BuildError(f"--adapter: the name {next(n for n in names if names.count(n) > 1)!r} is given twice")
     t0 = time.perf_counter()
     output = BuildOutput.prepare(artifact, manifest, out)
     spec = builder.build(request, output)
+    if manifest.lora is not None:
+        for a in adapters:
+            output.add(adapter_role(a.record.name), a.save(output.folder))
+            log(f"prepared adapter {a.record.name} ({a.record.format}, rank {a.record.rank}, scale {a.record.scale:g}, "
+                f"{', '.join(a.record.targets)})")  # fmt: skip
+        output.lora = dataclasses.replace(manifest.lora, adapters=tuple(a.record for a in adapters))
     built = output.finish(spec, profile.name)
     builder.after_save(request, output, built)
     output.update_quality(built, seconds=round(time.perf_counter() - t0, 1))
