@@ -231,3 +231,102 @@ def rebuilt_without_a(built: Path, tmp_path: Path) -> Path:
     raw["lora"]["adapters"][0]["scale"] = 0.25
     (copy / "manifest.json").write_text(json.dumps(raw))
     return copy
+
+
+# -- what is refused, one line each ----------------------------------------------------------------------
+
+
+def build_refusal(llama_switch, tmp_path, *adapters: str) -> str:
+    args = [a for spec in adapters for a in ("--adapter", spec)]
+    p = cabinlm("build", llama_switch.folder, "--profile", "cpu", "-o", tmp_path / "never", *args)
+    assert p.returncode == 2, p.stderr
+    assert not (tmp_path / "never").exists()  # refused before anything was built
+    return next(line for line in p.stderr.splitlines() if line.startswith("error:"))
+
+
+def test_an_adapter_for_another_base_model_is_refused(llama_switch, tmp_path):
+    from conftest import make_tiny_model
+
+    other = make_tiny_model(tmp_path / "wider", "llama", hidden_size=32, intermediate_size=64)
+    adapter = make_peft_adapter(other, tmp_path / "adapter", targets=["q_proj"])
+    line = build_refusal(llama_switch, tmp_path, f"x={adapter}")
+    assert f"--adapter x={adapter}: layers.0.self_attn.q_proj" in line and "another base model" in line
+
+
+def test_a_missing_or_corrupt_safetensors_file_is_refused(llama_switch, tmp_path):
+    cut = shutil.copytree(llama_switch.a, tmp_path / "cut")
+    data = (cut / "adapter_model.safetensors").read_bytes()
+    (cut / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
+    assert "not a readable safetensors file" in build_refusal(llama_switch, tmp_path, f"cut={cut}")
+    (cut / "adapter_model.safetensors").unlink()
+    assert "no adapter_model.safetensors" in build_refusal(llama_switch, tmp_path, f"cut={cut}")
+
+
+def test_a_rank_above_the_exports_maximum_is_refused(llama_switch, tiny_llama_dir, tmp_path):
+    big = make_peft_adapter(tiny_llama_dir, tmp_path / "big", r=16, targets=["q_proj"])
+    assert "rank 16, above the export's maximum 8; re-export with --lora-rank 16" in build_refusal(llama_switch, tmp_path,
+                                                                                                   f"big={big}")  # fmt: skip
+
+
+def test_a_target_the_export_takes_no_inputs_on_is_refused(tiny_llama_dir, llama_switch, tmp_path):
+    folder, _ = export_switchable(tiny_llama_dir, tmp_path / "qv", rank=8, lora_targets=("q_proj", "v_proj"))
+    with pytest.raises(ModelError, match="changes down_proj, but the export takes adapter inputs on q_proj, v_proj only"):
+        prepare(AdapterRequest.parse(f"b={llama_switch.b}"), Decoder(folder).manifest)
+
+
+def test_bad_adapter_names_and_options_are_refused(llama_switch, built, tmp_path):
+    assert "give NAME=DIR[:SCALE]" in build_refusal(llama_switch, tmp_path, str(llama_switch.a))
+    assert "the name '-x' must be letters" in build_refusal(llama_switch, tmp_path, f"-x={llama_switch.a}")
+    assert "is given twice" in build_refusal(llama_switch, tmp_path, f"a={llama_switch.a}", f"a={llama_switch.b}")
+    p = cabinlm("chat", built, "--adapter", "nope", stdin="hi\n")
+    assert_clean_error(p, "--adapter nope: no adapter of that name in this build (it holds: a, b)")
+    with pytest.raises(InputError, match="no adapter named 'nope'"):
+        Decoder(built).set_adapter("nope")
+    with pytest.raises(OptionError, match="--lora-rank must be a whole number"):
+        ExportOptions(lora_rank=-1)
+
+
+def test_an_export_without_adapter_inputs_refuses_adapters(tiny_qwen2_dir, llama_switch, tmp_path):
+    plain = tmp_path / "plain"
+    export_loaded(load_model(str(tiny_qwen2_dir)), plain, ExportOptions(verify=False, gate=False, **DENSE))
+    p = cabinlm("build", plain, "--profile", "cpu", "--adapter", f"a={llama_switch.a}", "-o", tmp_path / "b")
+    assert_clean_error(p, "this export has no adapter inputs; export the model with --lora-rank R")
+    p = cabinlm("chat", plain, "--adapter", "a", stdin="hi\n")
+    assert_clean_error(p, "--adapter a: this artifact takes no switchable adapters")
+
+
+def test_htp_and_tensorrt_profiles_refuse_lora_rank_exports(tiny_llama_dir, llama_switch, tmp_path):
+    for profile in ("sa8775p", "orin-x"):
+        p = cabinlm("export", tiny_llama_dir, "-o", tmp_path / profile, "--profile", profile, "--lora-rank", 8)
+        assert_clean_error(p, f"--lora-rank: switchable adapters run on the cpu profile's engines; profile {profile}",
+                           "merge the adapter with --lora instead")  # fmt: skip
+    p = cabinlm("build", llama_switch.folder, "--profile", "sa8775p", "-o", tmp_path / "htp")
+    assert_clean_error(p, "has switchable LoRA adapter inputs (export --lora-rank), which profile sa8775p's engine does not take")
+
+
+# -- serve: BASE and BASE:NAME ---------------------------------------------------------------------------
+
+
+def test_serve_lists_an_adapter_per_model_and_refuses_an_unknown_one(built, tmp_path):
+    pytest.importorskip("starlette")
+    from test_serve import Server
+
+    with Server(built, tmp_path / "log", "--seats", 2, model="tiny") as s:
+        status, listed = s.request("GET", "/v1/models")
+        assert status == 200 and [m["id"] for m in listed["data"]] == ["tiny", "tiny:a", "tiny:b"]
+        assert s.request("GET", "/v1/models/tiny:b")[0] == 200
+        body = {"model": "tiny:nope", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        status, err = s.request("POST", "/v1/chat/completions", body)
+        assert status == 404 and err["error"]["param"] == "model" and err["error"]["code"] == "model_not_found"
+        assert "'tiny:a'" in err["error"]["message"]
+        replies = {}
+        # seat two answers with the base model, then (the same first message, a new conversation) with a:
+        # its cache started over with a, the reply seat one's with a
+        for model, user in (("tiny:a", "one"), ("tiny", "two"), ("tiny:a", "two")):
+            body = {"model": model, "user": user, "messages": [{"role": "user", "content": "hello there"}],
+                    "max_tokens": 8}  # fmt: skip
+            status, out = s.request("POST", "/v1/chat/completions", body)
+            assert status == 200, out
+            replies.setdefault(model, []).append(out["choices"][0]["message"]["content"])
+        assert replies["tiny:a"][0] == replies["tiny:a"][1] != replies["tiny"][0]
+        assert s.seat("one")["turns"] >= 1

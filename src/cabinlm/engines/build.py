@@ -110,6 +110,11 @@ def build_artifact(artifact: str | Path, profile: DeviceProfile | None, out: str
         builder = ENGINES[manifest.build.backend].builder()
         return builder.finish(artifact, manifest, profile, Path(out) if out is not None else None, log)
     profile = profile if profile is not None else load_profile("cpu")  # no --profile: the host CPU
+    if manifest.lora is not None and (profile.engine.value != "onnxruntime" or profile.static_shapes
+                                      or profile.execution_provider != "CPUExecutionProvider"):  # fmt: skip
+        raise BuildError(f"{artifact} has switchable LoRA adapter inputs (export --lora-rank), which profile "
+                         f"{profile.name}'s engine does not take; build it for the cpu profile, or export with --lora "
+                         "to merge an adapter")  # fmt: skip
     if manifest.cache.kv_dtype not in profile.kv_dtypes:
         raise BuildError(
             f"{artifact} holds {manifest.cache.kv_dtype.value} KV, which profile {profile.name} cannot run "

@@ -287,12 +287,12 @@ def options_for_profile(spec: ModelSpec, profile, request: ExportRequest, vision
     from cabinlm.profiles import Engine
     from cabinlm.profiles.planner import PlanError, plan
 
-    check_profile_request(spec, profile, request, image_tokens)
     if request.lora_rank and (profile.engine != Engine.ONNXRUNTIME or profile.execution_provider != "CPUExecutionProvider"
                               or profile.static_shapes):  # fmt: skip
         raise OptionError(f"--lora-rank: switchable adapters run on the cpu profile's engines; profile {profile.name} "
                           f"({profile.engine.value}, {profile.execution_provider}) does not take adapter inputs: merge "
                           "the adapter with --lora instead")  # fmt: skip
+    check_profile_request(spec, profile, request, image_tokens)
     p = plan(spec, profile, kv=request.kv, sink=request.sink, chunk=request.chunk,
              pinned=_or(request.pinned, ExportOptions.pinned), window=request.window, vision_params=vision_params,
              image_tokens=image_tokens)  # fmt: skip
