@@ -67,6 +67,11 @@ def build(
         "SA8775P). Figures: docs/results.md, \"The HTP in the simulator\"."),
     calib: Optional[Path] = typer.Option(None, help="--activations a16: calibration text (UTF-8, at least 256 tokens) "
                                          "[default: the built-in prose + in-car dialogue mix, as export's --calib]."),
+    adapter: list[str] = typer.Option(
+        [], "--adapter", metavar="NAME=DIR[:SCALE]",
+        help="An export with --lora-rank: prepare a LoRA adapter (PEFT folder or GGUF LoRA file, scaled by SCALE on "
+        "top of its own alpha / r) into the build under NAME, which `cabinlm chat --adapter NAME`, `cabinlm "
+        "perplexity --adapter NAME` and serve's model BASE:NAME select. Repeatable. docs/lora.md."),
 ) -> None:
     """Build an exported artifact for a device: the cpu profile gets the decoder fused and optimized
     offline; Snapdragon targets (sa8295p, sa8775p) get the prefill and decode graphs compiled by
@@ -78,6 +83,14 @@ def build(
     from cabinlm.engines.build import build_artifact
     from cabinlm.engines.tensorrt.builder import TensorRTUnavailable
 
+    prepared = []
+    if adapter:  # each adapter read and checked against the export before anything is built
+        from cabinlm.contract.manifest import load_manifest as read_manifest
+        from cabinlm.export.adapter_files import AdapterRequest, prepare
+
+        requests = [AdapterRequest.parse(a) for a in adapter]
+        source = read_manifest(artifact)
+        prepared = [prepare(r, source) for r in requests]
     try:
         device = load_profile(profile) if profile else None
         if engine is EngineChoice.CPU:
@@ -87,7 +100,7 @@ def build(
         path = build_artifact(artifact, device, out, log=info, attention=attention,
                               accuracy_level=accuracy_level, minimums=minimums, attention_kernel=attention_kernel,
                               matmul_kernel=matmul_kernel, activations=activations, calib=calib,
-                              a16_weights=a16_weights)  # fmt: skip
+                              a16_weights=a16_weights, adapters=prepared)  # fmt: skip
     except TensorRTUnavailable as e:
         if e.details:  # the compatibility report
             info(e.details)

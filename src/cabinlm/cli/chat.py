@@ -61,6 +61,10 @@ def chat(
     tool_choice: str = typer.Option(
         "auto", help="With --tools: 'auto' (the model decides; a grammar makes every call valid), 'required' "
         "(every reply is a call), 'none' (no calls), or a function's name (always that one)."),
+    adapter: Optional[str] = typer.Option(
+        None, "--adapter", metavar="NAME",
+        help="A build with switchable LoRA adapters (`cabinlm build --adapter NAME=DIR`): answer with adapter NAME "
+        "(default: the base model). A resumed session keeps the adapter it was saved with. docs/lora.md."),
 ) -> None:
     """Talk to an exported model. Interactive on a terminal; otherwise one user message per input line.
 
@@ -84,7 +88,7 @@ def chat(
     config = RuntimeConfig(artifact, seats=seats, threads=threads, system=system, temperature=temperature, top_p=top_p,
                            seed=seed, max_new_tokens=max_new_tokens, long_messages=long_messages,
                            speculative=speculative, images=image is not None, tools=tool_list, recall=recall,
-                           recall_archive_mb=recall_archive_mb)  # fmt: skip
+                           recall_archive_mb=recall_archive_mb, adapter=adapter)  # fmt: skip
     runtime = open_runtime(config)
     # Input a program cannot decode (invalid UTF-8) becomes U+FFFD instead of ending the session.
     sys.stdin.reconfigure(errors="replace")

@@ -66,6 +66,17 @@ def export(
         "adapter_model.safetensors) or a llama.cpp GGUF LoRA file, scaled by SCALE (default 1.0) on top of its own "
         "alpha / r. Example: --lora my-adapter:0.8. Checked against the model first; docs/lora.md.",
     ),
+    lora_rank: int = typer.Option(
+        0, "--lora-rank", metavar="R",
+        help="Switchable LoRA adapters: give the graph adapter inputs of maximum rank R on --lora-targets, so that "
+        "`cabinlm build --adapter NAME=DIR` prepares adapters a seat selects at run time (none: exactly the base "
+        "model). cpu profile only; docs/lora.md.",
+    ),
+    lora_targets: str = typer.Option(
+        "all", "--lora-targets", metavar="LIST",
+        help="With --lora-rank: the projections that take adapter inputs, e.g. q,v or q,k,v,o; 'all' = "
+        "q,k,v,o,gate,up,down.",
+    ),
 ) -> None:
     """Export MODEL to a fixed-shape sink + rolling-window decoder graph (plain ONNX) with its manifest.
 
@@ -81,13 +92,14 @@ def export(
     `cabinlm export my-model -o out --weights int4 --lora my-adapter:0.8`.
     """
     from cabinlm.export import ExportRequest, export_for_profile, export_model  # torch lives behind this import
-    from cabinlm.export.lora import LoraRequest
+    from cabinlm.export.lora import LoraRequest, parse_targets
     from cabinlm.export.options import make_layout
 
     # Checked here, before a profile is planned or the model is loaded.
     request = ExportRequest(sink=sink, pinned=pinned, window=window, chunk=chunk, kv=kv, weights=weights, head=head,
                             calib=calib, max_ppl_increase=max_ppl_increase, force=force, verify=verify, recall=recall,
-                            lora=None if lora is None else LoraRequest.parse(lora))  # fmt: skip
+                            lora=None if lora is None else LoraRequest.parse(lora), lora_rank=lora_rank,
+                            lora_targets=parse_targets(lora_targets))  # fmt: skip
     if profile is not None:
         m = export_for_profile(model, out, load_profile(profile), request, log=info)  # plans from the config first
     else:
@@ -102,6 +114,8 @@ def export(
         + f" + window {lay.window} slots, chunk {lay.chunk}, "
         f"{lay.kv_dtype.value} KV = {lay.cache_bytes / 2**20:.1f} MiB, {m.weights} weights"
         + (f", LoRA {m.quality['lora']['source']} merged" if "lora" in m.quality else "")
+        + (f", adapter inputs of rank {m.lora.rank} ({','.join(t.removesuffix('_proj') for t in m.lora.targets)})"
+           if m.lora else "")
     )
 
 

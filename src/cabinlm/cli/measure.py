@@ -28,11 +28,17 @@ def perplexity(
         "expands one image (Qwen2-VL: <|vision_start|>, the image tokens, <|vision_end|>); the NLL is then the text's "
         "tokens 2..N given the frame and the text before each.",
     ),
+    adapter: Optional[str] = typer.Option(
+        None, "--adapter", metavar="NAME",
+        help="A build with switchable LoRA adapters: score with adapter NAME (default: the base model).",
+    ),
 ) -> None:
     """Perplexity of a text streamed through the graph one token per step (eviction active beyond the cache)."""
     import numpy as np
 
+    from cabinlm.contract.manifest import load_manifest
     from cabinlm.runtime import open_artifact, stream_perplexity
+    from cabinlm.runtime.assembly import check_adapter
     from cabinlm.runtime.limits import check_count, check_output_file, check_threads
 
     # Checked before the model loads and the long run starts: a bad value is one line, exit 2.
@@ -45,7 +51,9 @@ def perplexity(
         body = text.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise CabinlmError(f"{text}: not UTF-8 text ({e})") from e
+    check_adapter(adapter, load_manifest(artifact))
     dec, tok = open_artifact(artifact, threads=threads)
+    dec.set_adapter(adapter)
     frame = None
     if image is not None:
         if dec.vision is None:

@@ -91,6 +91,30 @@ IMAGE_EMBEDS = "image_embeds"
 IMAGE_MASK = "image_mask"
 
 
+# Switchable LoRA adapters (contract/adapters.py): per layer l and target projection t, its A and B.
+def lora_a_name(layer: int, target: str) -> str:
+    return f"lora_a.{layer}.{target}"
+
+
+def lora_b_name(layer: int, target: str) -> str:
+    return f"lora_b.{layer}.{target}"
+
+
+def lora_inputs(rank: int, targets: tuple[str, ...], layers: int, shapes: dict[str, tuple[int, int]]) -> tuple[TensorSpec, ...]:
+    """The adapter inputs of an export with --lora-rank `rank`: for every layer, for every target t
+    (shapes[t] = (out, in) of its weight), A then B:
+      lora_a.{l}.{t}   float  (rank, in)    A, zero-padded to the rank
+      lora_b.{l}.{t}   float  (out, rank)   B times the adapter's scaling, zero-padded
+    added to the projection as (x A^T) B^T; all zeros: exactly the base model."""
+    specs = []
+    for layer in range(layers):
+        for t in targets:
+            out, inp = shapes[t]
+            specs += [TensorSpec(lora_a_name(layer, t), "float", (rank, inp)),
+                      TensorSpec(lora_b_name(layer, t), "float", (out, rank))]  # fmt: skip
+    return tuple(specs)
+
+
 # Tensors inside the exported graph that builds rely on (engines/), named here and used by the
 # exporter (export/decoder.py), so that no build finds them by matching patterns.
 #
@@ -143,15 +167,17 @@ class DecoderShape:
     index_dtype: str = "int64"
     embed_dim: int = 0  # image rows' width (0: a text model)
     mrope: bool = False  # Qwen2-VL's multimodal positions
+    lora: tuple[TensorSpec, ...] = ()  # switchable adapters' inputs (lora_inputs), () without
 
     def exported(self, cache_dtype: str | None = None, rotated_keys: bool = False) -> DecoderIO:
         """The exported graph's contract (decoder_io), with a cache dtype / rotated keys of an engine's own."""
         return decoder_io(self.layout, self.vocab_size, self.index_dtype, self.embed_dim, mrope=self.mrope,
-                          cache_dtype=cache_dtype, rotated_keys=rotated_keys)  # fmt: skip
+                          cache_dtype=cache_dtype, rotated_keys=rotated_keys, lora=self.lora)  # fmt: skip
 
 
 def decoder_io(layout: CacheLayout, vocab_size: int, index_dtype: str = "int64", embed_dim: int = 0,
-               mrope: bool = False, cache_dtype: str | None = None, rotated_keys: bool = False) -> DecoderIO:
+               mrope: bool = False, cache_dtype: str | None = None, rotated_keys: bool = False,
+               lora: tuple[TensorSpec, ...] = ()) -> DecoderIO:
     """The graph contract for a layout.
 
     inputs (index = int64, or int32 for TensorRT targets, whose bindings need INT32 before 9.0)
@@ -194,6 +220,7 @@ def decoder_io(layout: CacheLayout, vocab_size: int, index_dtype: str = "int64",
     and, for multimodal RoPE (mrope: Qwen2-VL), three position components (time, row, column) each:
       position_ids        index  (3, tokens)                  the chunk's (docs/vlm.md: ranks, grid offsets)
       cache_position_ids  index  (3, slots)                   each slot's
+    and, last, an export's switchable LoRA inputs (lora: lora_inputs(...)), lora_a.{l}.{t} / lora_b.{l}.{t}.
     """
     kv = cache_dtype or layout.kv_dtype.onnx_name
     h, d = layout.kv_heads, layout.head_dim
@@ -232,6 +259,7 @@ def decoder_io(layout: CacheLayout, vocab_size: int, index_dtype: str = "int64",
     if embed_dim:
         inputs.append(TensorSpec(IMAGE_EMBEDS, "float", ("tokens", embed_dim)))
         inputs.append(TensorSpec(IMAGE_MASK, "bool", ("tokens", 1)))
+    inputs += lora
     return DecoderIO(tuple(inputs), tuple(outputs))
 
 

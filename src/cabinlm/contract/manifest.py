@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cabinlm.contract.adapters import SwitchableLora, adapter_role, target_shapes
 from cabinlm.contract.errors import LayoutError, ManifestError
 from cabinlm.contract.io_spec import (  # noqa: F401 - re-exported: the manifest is where users look for the contract
     ATTENTION_BIAS,
@@ -58,6 +59,8 @@ from cabinlm.contract.io_spec import (  # noqa: F401 - re-exported: the manifest
     decoder_io,
     fused_decoder_io,
     key_cache_name,
+    lora_a_name,
+    lora_b_name,
     new_key_name,
     new_key_source_name,
     new_value_name,
@@ -369,6 +372,7 @@ class Manifest:
     rotary: RotaryTables | None = None
     kv_scales: KVScales | None = None  # int8 / fp8 KV
     build: BuildSpec | None = None  # None: a plain export (see runtime_spec)
+    lora: SwitchableLora | None = None  # switchable LoRA adapter inputs (export --lora-rank), and a build's adapters
     format_version: int = FORMAT_VERSION
     cabinlm_version: str = ""
 
@@ -382,9 +386,16 @@ class Manifest:
         """The graph contract of what runs: the build's engine facts say it (EngineFacts.decoder_io);
         a plain export, or a build whose engine records no facts, runs the exported graph."""
         shape = DecoderShape(self.cache, self.model.num_heads, self.model.vocab_size, self.index_dtype,
-                             self.vision.embed_dim if self.vision else 0, mrope=self.vision is not None and self.vision.mrope)
+                             self.vision.embed_dim if self.vision else 0, mrope=self.vision is not None and self.vision.mrope,
+                             lora=self.lora.inputs(self.model.num_layers, self.lora_shapes) if self.lora else ())
         facts = self.runtime_spec.facts
         return facts.decoder_io(shape) if facts is not None else shape.exported()
+
+    @property
+    def lora_shapes(self) -> dict[str, tuple[int, int]]:
+        """(out, in) of each projection an adapter input can target (contract/adapters.py)."""
+        m = self.model
+        return target_shapes(m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.intermediate_size)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -406,6 +417,7 @@ class Manifest:
             "rotary": dataclasses.asdict(self.rotary) if self.rotary else None,
             "kv_scales": dataclasses.asdict(self.kv_scales) if self.kv_scales else None,
             "build": self.build.to_dict() if self.build else None,
+            "lora": self.lora.to_dict() if self.lora else None,
         }
 
     def save(self, folder: Path) -> Path:
@@ -446,6 +458,7 @@ class Manifest:
                 rotary=RotaryTables(**d["rotary"]) if d["rotary"] is not None else None,
                 kv_scales=KVScales(**d["kv_scales"]).check(cache) if d["kv_scales"] is not None else None,
                 build=BuildSpec.from_dict(d["build"]) if d["build"] is not None else None,
+                lora=SwitchableLora(**d["lora"]) if d.get("lora") else None,
                 format_version=version,
                 cabinlm_version=str(d["cabinlm_version"]),
             )
@@ -469,6 +482,9 @@ class Manifest:
         for role in ("graph", "tokenizer"):
             if role not in m.files:
                 raise ManifestError(f"{where}: no {role!r} file listed under 'files'; re-export")
+        for a in m.lora.adapters if m.lora else ():
+            if adapter_role(a.name) not in m.files:
+                raise ManifestError(f"{where}: adapter {a.name!r} has no file listed under 'files'; run `cabinlm build` again")
         return m
 
 

@@ -127,6 +127,13 @@ class Backend(abc.ABC):
         """The cache's own memory (host views), by name, in a fixed order: session files save and
         restore exactly these bytes."""
 
+    def set_adapter(self, inputs: dict[str, np.ndarray] | None) -> None:
+        """Feed these switchable LoRA adapter inputs (io_spec.lora_inputs, read-only arrays kept alive by
+        the caller) to this seat's every later run; None: the zeros of no adapter. The cache is not
+        touched: what it holds was computed with the previous adapter (the Decoder rebuilds it)."""
+        raise BackendError(f"{self.kind.value} builds do not take switchable LoRA adapters; run the export, or "
+                           "its cpu build, which keeps the exported graph")  # fmt: skip
+
     def reset(self) -> None:
         """The table was reset: drop anything derived from the cached tokens."""
 

@@ -18,15 +18,29 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
+from cabinlm.contract.adapters import adapter_role
 from cabinlm.engines.builder import Attention, BuildError, Builder, BuildRequest
 from cabinlm.engines.output import BuildOutput, check_output
 from cabinlm.engines.registry import ENGINES, BackendKind
 
 if TYPE_CHECKING:
+    from cabinlm.contract.adapters import AdapterRecord
     from cabinlm.profiles import DeviceProfile
+
+
+class PreparedAdapter(Protocol):
+    """An adapter read, checked and padded for the export's inputs (export/adapter_files.py)."""
+
+    record: AdapterRecord
+
+    def save(self, folder: Path) -> str:
+        """Write its file into the build folder; the path relative to it."""
+        ...
+
 
 __all__ = ["Attention", "BuildError", "build_artifact", "choose_builder", "engine_choices",
            "default_output"]
@@ -68,7 +82,7 @@ def choose_builder(request: BuildRequest) -> Builder:
 
 def build_artifact(artifact: str | Path, profile: DeviceProfile | None, out: str | Path | None = None,
                    log: Callable[[str], None] = lambda s: None, attention: Attention | str = Attention.AUTO,
-                   **engine_options: Any) -> Path:
+                   adapters: Sequence[PreparedAdapter] = (), **engine_options: Any) -> Path:
     """Build `artifact` for `profile` (None: cpu) into `out` (default: beside it, ARTIFACT-build-PROFILE).
     A TensorRT bundle (`artifact` made by a tensorrt profile's build) gets its engine built, in place
     unless `out` is given; its profile is the one it was made for.
@@ -78,7 +92,9 @@ def build_artifact(artifact: str | Path, profile: DeviceProfile | None, out: str
     the engines' own choices by name, each routed to the engine whose options_type has the field
     (the fused build's accuracy_level, minimums, attention_kernel, matmul_kernel:
     ort_fused/options.py; the HTP build's activations, calib, a16_weights: qnn_htp/options.py) and
-    checked there; a name no engine takes is refused."""
+    checked there; a name no engine takes is refused. adapters: switchable LoRA adapters prepared for
+    the export's adapter inputs (--lora-rank), one file each in the build (contract/adapters.py),
+    listed and checksummed in its manifest."""
     from cabinlm.contract.manifest import load_manifest
     from cabinlm.profiles import load_profile
 
@@ -93,14 +109,16 @@ def build_artifact(artifact: str | Path, profile: DeviceProfile | None, out: str
         builder = ENGINES[manifest.build.backend].builder()
         return builder.finish(artifact, manifest, profile, Path(out) if out is not None else None, log)
     profile = profile if profile is not None else load_profile("cpu")  # no --profile: the host CPU
+    if manifest.lora is not None and (profile.engine.value != "onnxruntime" or profile.static_shapes
+                                      or profile.execution_provider != "CPUExecutionProvider"):  # fmt: skip
+        raise BuildError(f"{artifact} has switchable LoRA adapter inputs (export --lora-rank), which profile "
+                         f"{profile.name}'s engine does not take; build it for the cpu profile, or export with --lora "
+                         "to merge an adapter")  # fmt: skip
     if manifest.cache.kv_dtype not in profile.kv_dtypes:
         raise BuildError(
             f"{artifact} holds {manifest.cache.kv_dtype.value} KV, which profile {profile.name} cannot run "
             f"({', '.join(k.value for k in profile.kv_dtypes)}); re-export with --profile {profile.name}"
         )
-    if manifest.cache.recall and profile.execution_provider != "CPUExecutionProvider":
-        raise BuildError(f"{artifact} has a recall region ({manifest.cache.recall} slots), which only the cpu builds run "
-                         f"(ONNX Runtime's CPU provider); re-export with --recall 0 for {profile.name}")  # fmt: skip
     if manifest.opset > profile.max_opset:
         raise BuildError(f"{artifact}: graph opset {manifest.opset} is above {profile.name}'s {profile.max_opset}")
     out = Path(out) if out is not None else default_output(artifact, profile.name)
@@ -112,9 +130,23 @@ def build_artifact(artifact: str | Path, profile: DeviceProfile | None, out: str
             raise BuildError(o.refused(profile))  # type: ignore[attr-defined]
     request = BuildRequest(artifact, manifest, profile, attention, tuple(options), log)
     builder = choose_builder(request)
+    if manifest.lora is not None and builder.kind is not BackendKind.EXPORTED_GRAPH:
+        raise BuildError(f"{artifact} has switchable LoRA adapter inputs (export --lora-rank), which {builder.kind.value} "
+                         "builds do not take; build it for the cpu profile, or export with --lora to merge an adapter")  # fmt: skip
+    if adapters and manifest.lora is None:
+        raise BuildError(f"--adapter: {artifact} has no adapter inputs; export it with --lora-rank R")
+    names = [a.record.name for a in adapters]
+    if len(set(names)) != len(names):
+        raise BuildError(f"--adapter: the name {next(n for n in names if names.count(n) > 1)!r} is given twice")
     t0 = time.perf_counter()
     output = BuildOutput.prepare(artifact, manifest, out)
     spec = builder.build(request, output)
+    if manifest.lora is not None:
+        for a in adapters:
+            output.add(adapter_role(a.record.name), a.save(output.folder))
+            log(f"prepared adapter {a.record.name} ({a.record.format}, rank {a.record.rank}, scale {a.record.scale:g}, "
+                f"{', '.join(a.record.targets)})")  # fmt: skip
+        output.lora = dataclasses.replace(manifest.lora, adapters=tuple(a.record for a in adapters))
     built = output.finish(spec, profile.name)
     builder.after_save(request, output, built)
     output.update_quality(built, seconds=round(time.perf_counter() - t0, 1))

@@ -69,6 +69,7 @@ class BuildOutput:
         self.artifact, self.source, self.folder = artifact, source, folder
         self.files: dict[str, str] = {}
         self.quality: dict[str, Any] = {}  # the build's own figures: manifest quality.build
+        self.lora = source.lora  # the export's adapter inputs, with the adapters this build prepared (build.py)
 
     @classmethod
     def prepare(cls, artifact: Path, source: Manifest, out: Path) -> BuildOutput:
@@ -109,6 +110,7 @@ class BuildOutput:
             src,
             files={role: FileEntry.of(self.folder, name) for role, name in self.files.items()},
             build=spec,
+            lora=self.lora,
             format_version=FORMAT_VERSION,
             target={**(src.target or {}), "profile": profile_name, "built_from": str(self.artifact.resolve())},
             quality={**src.quality, "build": {"cabinlm_version": __version__,

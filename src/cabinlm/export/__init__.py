@@ -22,7 +22,7 @@ from cabinlm.contract.calibration import calibration_tokens as _calibration
 from cabinlm.export.decoder import DecoderWeights, build_decoder
 from cabinlm.export.graph import save_model
 from cabinlm.source.processor import image_preprocessing
-from cabinlm.export.lora import LoraRequest, MergedLora, check_adapter, merge_adapter, read_adapter
+from cabinlm.export.lora import LoraRequest, MergedLora, check_adapter, merge_adapter, read_adapter, switchable
 from cabinlm.export.models import LoadedModel, decoder_weights, load_model
 from cabinlm.export.options import OptionError  # noqa: F401 - re-exported with the rest of the options API
 from cabinlm.export.options import ExportOptions, ExportRequest, make_layout, options_for_profile
@@ -63,6 +63,7 @@ def export_loaded(
     if out.exists() and not out.is_dir():
         raise CabinlmError(f"{out}: exists and is not a folder; choose another -o")
     out.mkdir(parents=True, exist_ok=True)
+    switch = switchable(loaded.spec, opts.lora_rank, opts.lora_targets, vision=loaded.vlm)
     if opts.lora is not None:
         merge_lora(loaded, opts.lora, log)
     vision = None
@@ -121,7 +122,7 @@ def export_loaded(
         log(f"calibrated {layout.kv_dtype.value} key scales on {len(calib_ids)} tokens ({calib_source})")
     embed_dim = geometry.embed_dim if loaded.vlm else 0
     builder = build_decoder(loaded.spec, layout, weights, opset=opset, index_dtype=opts.index_dtype, embed_dim=embed_dim,
-                            mrope_section=mrope_section(loaded.model) if mrope else ())  # fmt: skip
+                            mrope_section=mrope_section(loaded.model) if mrope else (), lora=switch)  # fmt: skip
     log(f"built the decoder graph: {len(builder.nodes)} nodes, {layout.slots} cache slots")
     save_model(builder.model(), out / GRAPH_FILE, GRAPH_DATA_FILE)
     del builder
@@ -172,8 +173,12 @@ def export_loaded(
                             tuple(weights.local_inv_freq.tolist()) if weights.local_inv_freq is not None else (),
                             float(weights.local_rope_scaling)),  # fmt: skip
         kv_scales=kv_scales,
+        lora=switch,
         cabinlm_version=__version__,
     )
+    if switch is not None:
+        log(f"adapter inputs of rank {switch.rank} on {', '.join(switch.targets)} "
+            f"({switch.bytes_per_adapter(loaded.spec.num_layers, manifest.lora_shapes) / 2**20:.1f} MiB per adapter)")
     if calibration is not None:
         manifest.quality["calibration"] = calibration
     if weights.weight_source:
@@ -214,6 +219,8 @@ def export_model(
         check_attention_window(config, where, opts.sink + opts.pinned + image + opts.recall + opts.window + opts.chunk)
     if opts.lora is not None:  # the adapter against the model's config, before the weights load
         check_adapter(read_adapter(opts.lora.path), spec_for(source, log))
+    if opts.lora_rank:  # the adapter inputs against the model's family, before the weights load
+        switchable(spec_for(source, log), opts.lora_rank, opts.lora_targets, vision=image > 0)
     loaded = load_model(source, log)
     return export_loaded(loaded, out, opts, log)
 

@@ -41,6 +41,7 @@ from cabinlm.export import kvquant as kvq
 from cabinlm.export import wquant
 from cabinlm.export.wquant import QuantMatrix
 from cabinlm.export.graph import ELEM, GraphBuilder
+from cabinlm.contract.adapters import SwitchableLora, target_shapes
 from cabinlm.contract.manifest import CacheLayout, ModelSpec
 
 
@@ -92,12 +93,17 @@ def build_decoder(
     index_dtype: str = "int64",
     embed_dim: int = 0,
     mrope_section: tuple[int, ...] = (),
+    lora: SwitchableLora | None = None,
 ) -> GraphBuilder:
     """embed_dim > 0: a vision-language decoder, whose image tokens take rows of image_embeds.
     mrope_section (Qwen2-VL's multimodal RoPE): positions have three components (time, row, column)
-    and RoPE frequency pair j turns with the component of the section j falls in (below)."""
+    and RoPE frequency pair j turns with the component of the section j falls in (below).
+    lora: switchable adapter inputs (contract/adapters.py): each targeted projection's output gets
+    + (x A^T) B^T from the inputs lora_a.{l}.{t} (R, in) and lora_b.{l}.{t} (out, R)."""
     g = GraphBuilder("cabinlm_decoder", opset=opset)
-    io = mf.decoder_io(layout, spec.vocab_size, index_dtype, embed_dim, mrope=bool(mrope_section))
+    shapes = target_shapes(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size)
+    lora_io = lora.inputs(spec.num_layers, shapes) if lora is not None else ()
+    io = mf.decoder_io(layout, spec.vocab_size, index_dtype, embed_dim, mrope=bool(mrope_section), lora=lora_io)
     if mrope_section and (layout.local_layers or sum(mrope_section) != spec.head_dim // 2):
         raise ValueError(f"mrope_section {list(mrope_section)}: 3 sections adding up to head_dim / 2 = "
                          f"{spec.head_dim // 2}, without local layers")  # fmt: skip
@@ -242,6 +248,16 @@ def build_decoder(
         kinds[True] = attending(layout.local_slots, mf.LOCAL_ATTENTION_MASK, mf.LOCAL_CACHE_POSITION_IDS,
                                 mf.LOCAL_POSITION_IDS, local_freq, local_scaling, "local_")  # fmt: skip
 
+    def adapted(y: str, x: str, layer: int, target: str) -> str:
+        """y (T, out) + (x A^T) B^T, x (T, in) the projection's input, where the export takes adapter
+        inputs on this target: two small Gemms of rank R. A and B of zeros add exact zeros, so y
+        stays what it was bit for bit (contract/adapters.py)."""
+        if lora is None or target not in lora.targets:
+            return y
+        p = f"layers.{layer}/lora_{target}"
+        down = g.op("Gemm", x, mf.lora_a_name(layer, target), transB=1, name=f"{p}/a")  # (T, R)
+        return g.op("Add", y, g.op("Gemm", down, mf.lora_b_name(layer, target), transB=1, name=f"{p}/b"), name=p)
+
     x = embedding(mf.INPUT_IDS)  # (T, D)
     if w.embed_scale != 1.0:  # Gemma 3: rows times sqrt(D), rounded to float32 as the model does
         x = g.op("Mul", x, g.const(np.float32(w.embed_scale)), name="embed_scaled")
@@ -254,6 +270,7 @@ def build_decoder(
         if lw.qkv_bias is not None:
             qkv = g.op("Add", qkv, g.weight(mf.weight_name(i, "qkv_bias"), lw.qkv_bias), name=f"{p}/qkv_bias")
         q, k, v = g.split(qkv, [H * Dh, Hkv * Dh, Hkv * Dh], axis=1, name=f"{p}/split_qkv")
+        q, k, v = (adapted(y, h, i, t) for y, t in ((q, "q_proj"), (k, "k_proj"), (v, "v_proj")))
         q = g.op("Transpose", g.op("Reshape", q, g.ints([-1, H, Dh])), perm=[1, 0, 2], name=f"{p}/q")  # (H,T,Dh)
         k = g.op("Transpose", g.op("Reshape", k, g.ints([-1, Hkv, Dh])), perm=[1, 0, 2], name=f"{p}/k")
         v = g.op("Transpose", g.op("Reshape", v, g.ints([-1, Hkv, Dh])), perm=[1, 0, 2], name=f"{p}/v")
@@ -316,7 +333,7 @@ def build_decoder(
         ctx = g.op("Add", g.op("MatMul", p_cache, v_cache), g.op("MatMul", p_chunk, v), name=f"{p}/ctx")  # (Hkv,G*T,Dh)
         ctx = g.op("Reshape", ctx, g.ints([H, -1, Dh]), name=f"{p}/ctx_heads")
         ctx = g.op("Reshape", g.op("Transpose", ctx, perm=[1, 0, 2]), g.ints([-1, H * Dh]), name=f"{p}/ctx_flat")
-        o = linear(ctx, lw.o, mf.weight_name(i, "o"))
+        o = adapted(linear(ctx, lw.o, mf.weight_name(i, "o")), ctx, i, "o_proj")
         if lw.attn_out_norm is not None:
             o = rms_norm(o, lw.attn_out_norm, mf.weight_name(i, "attn_out_norm"))
         x = g.op("Add", x, o, name=f"{p}/attn_res")
@@ -328,8 +345,9 @@ def build_decoder(
             axis=1,
             name=f"{p}/split_gate_up",
         )
+        gate, up = adapted(gate, h, i, "gate_proj"), adapted(up, h, i, "up_proj")
         act = g.op("Mul", activation(gate, p), up, name=f"{p}/swiglu")
-        mlp = linear(act, lw.down, mf.weight_name(i, "down"))
+        mlp = adapted(linear(act, lw.down, mf.weight_name(i, "down")), act, i, "down_proj")
         if lw.mlp_out_norm is not None:
             mlp = rms_norm(mlp, lw.mlp_out_norm, mf.weight_name(i, "mlp_out_norm"))
         x = g.op("Add", x, mlp, name=f"{p}/mlp_res")

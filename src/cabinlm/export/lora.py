@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from cabinlm.contract.adapters import TARGETS, SwitchableLora
 from cabinlm.contract.errors import ModelError, OptionError
 from cabinlm.contract.manifest import ModelSpec, file_sha256
 
@@ -397,3 +398,33 @@ def merge_adapter(layers: Any, adapter: LoraAdapter, request: LoraRequest,
                       sha256=adapter.sha256, rank=adapter.rank, alpha=adapter.alpha, rslora=adapter.rslora,
                       targets=adapter.targets, modules=tuple(p.module for p in adapter.pairs),
                       base_model=adapter.base_model)  # fmt: skip
+
+
+def switchable(spec: ModelSpec, rank: int, targets: tuple[str, ...], vision: bool = False) -> SwitchableLora | None:
+    """The adapter inputs an export with --lora-rank `rank` (0: none) declares on `targets`, or an
+    OptionError for a model the graph cannot give them."""
+    if not rank:
+        return None
+    if spec.architecture in FUSED_FAMILIES:
+        raise OptionError(f"--lora-rank: {spec.architecture} holds q|k|v and gate|up fused, which takes no per-projection "
+                          "adapter inputs yet; merge the adapter with --lora instead")  # fmt: skip
+    if vision:
+        raise OptionError("--lora-rank: switchable adapters are for text models (a camera frame's chunk cannot be run "
+                          "again when a seat switches adapter); merge the adapter with --lora instead")  # fmt: skip
+    return SwitchableLora(rank, targets)
+
+
+def parse_targets(text: str) -> tuple[str, ...]:
+    """--lora-targets "q,k,v,o,gate,up,down" or "all" (a projection also by its full name, q_proj)."""
+    if text.strip() == "all":
+        return TARGETS
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    out = []
+    for n in names:
+        full = n if n.endswith("_proj") else f"{n}_proj"
+        if full not in TARGETS:
+            raise OptionError(f"--lora-targets {text}: {n!r} is not one of q, k, v, o, gate, up, down (or 'all')")
+        out.append(full)
+    if not out or len(set(out)) != len(out):
+        raise OptionError(f"--lora-targets {text}: name each of q, k, v, o, gate, up, down at most once (or 'all')")
+    return tuple(t for t in TARGETS if t in out)

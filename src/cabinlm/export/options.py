@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from cabinlm.contract.errors import LayoutError, OptionError
+from cabinlm.contract.adapters import TARGETS
 from cabinlm.export.lora import LoraRequest
 from cabinlm.contract.layout import MAX_DIM, CacheLayout
 from cabinlm.contract.manifest import ModelSpec
@@ -94,6 +95,16 @@ def _check(sink: int | None, pinned: int | None, window: int | None, chunk: int 
         )
 
 
+def _check_switchable(rank: int, targets: tuple[str, ...]) -> tuple[str, ...]:
+    """--lora-rank 0 (none) or 1..1024, --lora-targets some of the seven projections."""
+    if isinstance(rank, bool) or type(rank) is not int or not 0 <= rank <= 1024:
+        raise OptionError(f"--lora-rank must be a whole number in 1..1024 (0: no adapter inputs), got {rank!r}")
+    targets = tuple(targets)
+    if not targets or any(t not in TARGETS for t in targets) or len(set(targets)) != len(targets):
+        raise OptionError(f"--lora-targets {','.join(map(str, targets))}: some of {', '.join(TARGETS)}, each once")
+    return tuple(t for t in TARGETS if t in targets)
+
+
 def _check_lora(lora: LoraRequest | None) -> None:
     """A LoRA request names an existing folder or file (what it holds is read by export/lora.py)."""
     if lora is None:
@@ -132,9 +143,12 @@ class ExportOptions:
     frame: tuple[int, int] | None = None
     lora: LoraRequest | None = None  # a LoRA adapter merged into the float weights before they are quantized
     recall: int = 0  # R: slots of the recall region (docs/design.md, "The recall region"); 0: none
+    lora_rank: int = 0  # switchable adapters: the maximum rank of the graph's adapter inputs (0: none)
+    lora_targets: tuple[str, ...] = TARGETS  # the projections that take adapter inputs
 
     def __post_init__(self) -> None:
         _check_lora(self.lora)
+        object.__setattr__(self, "lora_targets", _check_switchable(self.lora_rank, self.lora_targets))
         if self.frame is not None:
             f = tuple(self.frame)
             if len(f) != 2 or not all(type(x) is int and 0 < x <= 8192 for x in f):
@@ -186,9 +200,12 @@ class ExportRequest:
     verify: bool = True
     lora: LoraRequest | None = None
     recall: int | None = None
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = TARGETS
 
     def __post_init__(self) -> None:
         _check_lora(self.lora)
+        object.__setattr__(self, "lora_targets", _check_switchable(self.lora_rank, self.lora_targets))
         object.__setattr__(self, "kv", None if self.kv is None else _member(KVDType, self.kv, "kv"))
         weights = None if self.weights is None else _member(WeightFormat, self.weights, "weights")
         object.__setattr__(self, "weights", weights)
@@ -217,6 +234,7 @@ class ExportRequest:
             sink=sink, pinned=pinned, window=window, chunk=chunk, kv=kv, weights=weights, head=self.head,
             verify=self.verify, calib=self.calib, max_ppl_increase=self.max_ppl_increase, force=self.force,
             index_dtype=index_dtype, profile=profile, plan=plan, lora=self.lora, recall=_or(self.recall, 0),
+            lora_rank=self.lora_rank, lora_targets=self.lora_targets,
         )  # fmt: skip
 
 
@@ -279,6 +297,11 @@ def options_for_profile(spec: ModelSpec, profile: DeviceProfile, request: Export
     from cabinlm.profiles import Engine
     from cabinlm.profiles.planner import PlanError, plan
 
+    if request.lora_rank and (profile.engine != Engine.ONNXRUNTIME or profile.execution_provider != "CPUExecutionProvider"
+                              or profile.static_shapes):  # fmt: skip
+        raise OptionError(f"--lora-rank: switchable adapters run on the cpu profile's engines; profile {profile.name} "
+                          f"({profile.engine.value}, {profile.execution_provider}) does not take adapter inputs: merge "
+                          "the adapter with --lora instead")  # fmt: skip
     check_profile_request(spec, profile, request, image_tokens)
     p = plan(spec, profile, kv=request.kv, sink=request.sink, chunk=request.chunk,
              pinned=_or(request.pinned, ExportOptions.pinned), window=request.window, vision_params=vision_params,

@@ -62,6 +62,7 @@ class RuntimeConfig:
     tools: tuple = ()  # runtime.tools.Tool: listed after the system prompt (`cabinlm chat --tools`)
     recall: bool = True  # fill the artifact's recall region (False, --no-recall: StreamingLLM exactly)
     recall_archive_mb: float = DEFAULT_ARCHIVE_MB  # each seat's archive of what left the window, at most
+    adapter: str | None = None  # every seat's switchable LoRA adapter, by the name its build gave it (None: the base model)
 
     def __post_init__(self) -> None:
         if not isinstance(self.artifact, (str, Path)):
@@ -81,6 +82,8 @@ class RuntimeConfig:
         if self.system is not None and not isinstance(self.system, str):
             raise OptionError(f"{self.system_option or 'the system prompt'} must be text, got {self.system!r}")
         check_archive_mb(self.recall_archive_mb)
+        if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
+            raise OptionError(f"--adapter must be an adapter's name, got {self.adapter!r}")
         for name in ("images", "verify", "recall"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -130,6 +133,19 @@ class Runtime:
         return self._dialogues
 
 
+def check_adapter(name: str | None, manifest: Manifest) -> None:
+    """--adapter NAME against the build's prepared adapters (OptionError: one line naming those there are)."""
+    if name is None:
+        return
+    if manifest.lora is None:
+        raise OptionError(f"--adapter {name}: this artifact takes no switchable adapters; export the model with "
+                          "--lora-rank R and build it with --adapter NAME=DIR")  # fmt: skip
+    if manifest.lora.adapter(name) is None:
+        raise OptionError(f"--adapter {name}: no adapter of that name in this build (it holds: "
+                          f"{', '.join(manifest.lora.names) or 'none'}); prepare it with `cabinlm build EXPORT "
+                          f"--adapter {name}=DIR`")  # fmt: skip
+
+
 def open_runtime(config: RuntimeConfig) -> Runtime:
     """Check what needs the manifest and the tokenizer (seats against memory, images, the system
     prompt), then load the model once and make config.seats decoders on it. Raises OptionError for
@@ -138,6 +154,7 @@ def open_runtime(config: RuntimeConfig) -> Runtime:
     manifest = load_manifest(folder)
     check_seats(config.seats, manifest)
     check_images(config.images, manifest)
+    check_adapter(config.adapter, manifest)
     tokenizer = Tokenizer(folder / manifest.files["tokenizer"].path)
     system, option = config.system, config.system_option
     if config.tools:
@@ -147,6 +164,8 @@ def open_runtime(config: RuntimeConfig) -> Runtime:
     dec, tokenizer = artifact.open_artifact(folder, threads=config.threads, verify=config.verify, manifest=manifest,
                                            tokenizer=tokenizer)  # fmt: skip
     decoders = [dec] + [dec.seat() for _ in range(config.seats - 1)]
+    for d in decoders:  # before any dialogue pins its system prompt
+        d.set_adapter(config.adapter)
     if config.speculative is None:
         drafts, why_not = drafting_by_default(dec.backend)
     else:

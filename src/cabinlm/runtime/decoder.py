@@ -9,6 +9,12 @@
 
 The Decoder never asks which backend it drives. Seats (several dialogues on one loaded model) share
 the backend's loaded graphs and weights; each has its own table and buffers.
+
+Switchable LoRA adapters (an export with --lora-rank, a build with --adapter): each seat has its own
+adapter or none (Decoder.adapter), the prepared arrays loaded once for all seats (runtime/adapters.py).
+Such a decoder keeps its history, the chunks it committed since its reset (ids and pin, in order):
+its cached K/V were computed with its adapter, so set_adapter re-runs that history with the new one,
+and the cache is then the one a fresh seat with that adapter fed the same chunks holds.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cabinlm.contract.errors import InputError
 from cabinlm.contract.manifest import Manifest, load_manifest
 from cabinlm.engines.backend import Backend
 from cabinlm.engines.registry import open_backend
@@ -47,6 +54,15 @@ class Decoder:
 
             # The camera-frame encoder: on the HTP where an HTP build compiled it, else on the CPU provider.
             self.vision = open_encoder(self.folder, self.manifest, threads)
+        self.adapters = None  # runtime.adapters.AdapterSet where the artifact takes adapter inputs
+        if self.manifest.lora is not None:
+            from cabinlm.runtime.adapters import AdapterSet
+
+            self.adapters = AdapterSet(self.folder, self.manifest)
+        self.adapter: str | None = None
+        # The committed chunks since the reset, (ids, pin), where adapters can switch; None: unknown
+        # (a cache restored from a session file), or the artifact has no adapter inputs.
+        self.history: list[tuple[np.ndarray, bool | str]] | None = [] if self.adapters is not None else None
 
     @property
     def device(self) -> str:
@@ -62,11 +78,46 @@ class Decoder:
         other.backend = self.backend.seat(other.cache)
         other.vision = self.vision
         other.together = self.together
+        other.adapters, other.adapter = self.adapters, None
+        other.history = [] if self.adapters is not None else None
         return other
 
     def reset(self) -> None:
         self.cache.reset()
         self.backend.reset()
+        if self.adapters is not None:
+            self.history = []
+
+    def set_adapter(self, name: str | None, replay: bool = True) -> None:
+        """This seat's adapter (a name the build prepared; None: the base model). The cached K/V came
+        from the previous adapter, so a change re-runs the seat's history with the new one, chunk for
+        chunk (replay), or resets the cache (replay=False: the caller feeds a history itself). An
+        unknown name, or an artifact without adapter inputs: InputError, nothing changed."""
+        if self.adapters is None:
+            if name is None:
+                return
+            raise InputError(f"adapter {name!r}: this artifact takes no switchable adapters; export the model with "
+                             "--lora-rank R and build it with --adapter NAME=DIR")  # fmt: skip
+        self.adapters.check(name)
+        if name == self.adapter:
+            return
+        steps = self.history
+        if replay and steps is None and self.cache.length:
+            raise InputError(f"adapter {name!r}: this seat's cache was restored from a session file, which does not "
+                             "keep the chunks a switch runs again; start a new dialogue to change its adapter")  # fmt: skip
+        self.backend.set_adapter(self.adapters.feeds(name))
+        self.adapter = name
+        self.reset()
+        for ids, pin in steps if replay and steps else ():
+            self._step(ids, pin, None, "last")
+
+    def resume_adapter(self, name: str | None) -> None:
+        """A session file's adapter: its inputs bound, the cache left as restored (it was computed
+        with that adapter), the history unknown."""
+        if self.adapters is None and name is None:
+            return
+        self.set_adapter(name, replay=False)
+        self.history = None
 
     def step(self, ids: np.ndarray, pin: bool | str = False, embeds: np.ndarray | None = None,
              logits: str = "all") -> np.ndarray:
@@ -92,7 +143,15 @@ class Decoder:
         with defer_sigint():
             self.backend.commit(plan, out)
             self.cache.advance(plan)
+            self._record(ids, pin)
         return out.logits
+
+    def _record(self, ids: np.ndarray, pin: bool | str) -> None:
+        if self.history is not None:
+            if pin == "image":  # a frame's embeddings are not kept: its history cannot be run again
+                self.history = None
+            else:
+                self.history.append((np.array(ids, dtype=np.int64), pin))
 
     def draft_room(self) -> int:
         """How many drafts one verify() may carry after the stream's last token (0 or less: none).
@@ -222,7 +281,8 @@ def seats_together(decoders: Sequence[Decoder], chunks: Sequence, pins: Sequence
         kept.append(plan if k == len(c) else d.plan_chunk(k, verify=True))  # a prefix of the chunk's plan
         got.append((out.logits if out.owned else out.logits.copy(), k))
     with defer_sigint():
-        for d, plan, out in zip(decoders, kept, outs):
+        for d, c, pin, plan, out, (_, k) in zip(decoders, chunks, pins, kept, outs, got):
             d.backend.commit(plan, out)
             d.cache.advance(plan)
+            d._record(c[:k], pin)
     return got

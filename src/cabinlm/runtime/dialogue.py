@@ -118,6 +118,17 @@ class Dialogue:
                 raise InputError(f"the system prompt is {why}")
             self.decoder.feed(ids, pin=True)
 
+    @property
+    def adapter(self) -> str | None:
+        """The seat's switchable LoRA adapter (None: the base model)."""
+        return self.decoder.adapter
+
+    def set_adapter(self, name: str | None) -> None:
+        """Answer with another adapter from now on. The cache is rebuilt from the seat's history with the
+        new adapter (its K/V came from the old one), so the next reply is the one a fresh seat with this
+        adapter, fed the same history, gives (Decoder.set_adapter)."""
+        self.decoder.set_adapter(name)
+
     def render_user(self, text: str, tool: bool = False) -> list[int]:
         return self.template.user(text, tool)
 

@@ -88,6 +88,10 @@ def _header(d: Dialogue, archive: bytes) -> bytes:
         "dialogue": d.state(),
         "archive_bytes": len(archive),
     }
+    if d.decoder.adapters is not None:  # the adapter the cache was computed with, resumed with it
+        name = d.decoder.adapter
+        record = None if name is None else d.decoder.manifest.lora.adapter(name)
+        header["adapter"] = None if record is None else {"name": name, "sha256": record.sha256, "scale": record.scale}
     raw = json.dumps(header).encode("utf-8")
     if len(raw) > HEADER_BYTES:
         raise SessionError(f"the session header needs {len(raw)} bytes, more than {HEADER_BYTES}; shorten the system prompt")
@@ -133,6 +137,21 @@ def _check_archive(archive) -> None:
             raise ValueError("an archived message's role is user or assistant, its text a string")
         if not all(type(t) is int and t >= 0 for t in [*m["ids"], m["turn"], m["start"]]):
             raise ValueError("an archived message's ids, turn and start are whole numbers")
+
+
+def _saved_adapter(saved, d: Dialogue, where: str, fix: str) -> str | None:
+    """The adapter a session was saved with, which this build must hold as it was (the same file and
+    scale): the cache holds K/V that adapter computed. A SessionError where it does not."""
+    lora = d.decoder.manifest.lora
+    if saved is None:
+        return None
+    if not isinstance(saved, dict) or not isinstance(saved.get("name"), str):
+        raise TypeError("adapter must be an object with a name")
+    held = None if lora is None else lora.adapter(saved["name"])
+    if held is None or held.sha256 != saved.get("sha256") or held.scale != saved.get("scale"):
+        raise SessionError(f"{where}this session was saved with adapter {saved['name']!r}, which this build does not hold "
+                           f"as it was (another file or scale); build with that adapter, or {fix}")  # fmt: skip
+    return saved["name"]
 
 
 _LOCKS: dict[Path, int] = {}  # session file -> the lock file descriptor this process holds
@@ -277,6 +296,7 @@ def load_session(path: str | Path, d: Dialogue) -> None:
         if archive_bytes:
             archive = json.loads(body[expected - _DIGEST :])
             _check_archive(archive)
+        adapter = _saved_adapter(header.get("adapter"), d, f"{path}: ", fix)
     except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise SessionError(f"{path}: unreadable session header ({str(e)[:200]}); {fix}") from e
     mine = _identity(d)
@@ -301,6 +321,7 @@ def load_session(path: str | Path, d: Dialogue) -> None:
     # Everything checked: restore in place (the buffers keep their addresses and bindings).
     dec = d.decoder
     with defer_sigint():
+        dec.resume_adapter(adapter)  # its inputs bound; the cache reset, then overwritten below
         for buf, saved in zip(_buffers(d)[1:], arrays[1:]):
             np.copyto(buf, saved)
         dec.cache.restore(state)

@@ -1,7 +1,7 @@
 """The HTTP app: OpenAI's chat-completions API over the ChatService.
 
     POST   /v1/chat/completions   a reply; "stream": true sends it as server-sent events
-    GET    /v1/models             the one model served (and /v1/models/{id})
+    GET    /v1/models             the model served, and BASE:NAME per switchable adapter (and /v1/models/{id})
     GET    /health                status, backend, seats taken and busy
     GET    /v1/seats[/{name}]     the seats (cabinlm's own): names, turns, cache occupancy, last turn
     DELETE /v1/seats/{name}       free a seat (its conversation and saved files are forgotten)
@@ -255,15 +255,16 @@ def create_app(service: ChatService, ui: bool = True) -> Starlette:
 
     @_errors
     async def models(request: Request) -> Response:
-        return JSONResponse(replies.models(model_id, service.started, service.device))
+        return JSONResponse(replies.models(service.served, service.started, service.device))
 
     @_errors
     async def model(request: Request) -> Response:
         name = request.path_params["model"]
-        if name != model_id:
-            raise RequestError(f"the model {name!r} is not served here; this server serves {model_id!r}", status=404,
+        if name not in service.served:
+            raise RequestError(f"the model {name!r} is not served here; this server serves "
+                               f"{', '.join(repr(m) for m in service.served)}", status=404, param="model",
                                code="model_not_found")  # fmt: skip
-        return JSONResponse(replies.model(model_id, service.started, service.device))
+        return JSONResponse(replies.model(name, service.started, service.device))
 
     @_errors
     async def health(request: Request) -> Response:

@@ -140,8 +140,10 @@ def final_chunk(cid: str, model: str, created: int, outcome: TurnOutcome, scores
     return chunk(cid, model, created, {}, _finish(outcome), scores=scores)
 
 
-def models(model_id: str, created: float, backend: str) -> dict[str, Any]:
-    return {"object": "list", "data": [model(model_id, created, backend)]}
+def models(model_ids, created: float, backend: str) -> dict[str, Any]:
+    """model_ids: the base model's id, then BASE:NAME for each switchable adapter (schema.served_models)."""
+    ids = [model_ids] if isinstance(model_ids, str) else list(model_ids)
+    return {"object": "list", "data": [model(m, created, backend) for m in ids]}
 
 
 def model(model_id: str, created: float, backend: str) -> dict[str, Any]:

@@ -107,6 +107,7 @@ class ChatRequest:
     grammar: GrammarSpec | None = None  # what the reply must follow (tool calls or response_format)
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # top_logprobs when logprobs is true (0: the chosen token's alone); None: false
+    adapter: str | None = None  # the switchable LoRA adapter `model` names (BASE:NAME); None: the base model
 
     @property
     def calls_tools(self) -> bool:
@@ -389,9 +390,15 @@ def _grammar(body: dict, tools: tuple[Tool, ...], choice: ToolChoice, parallel: 
     return spec
 
 
-def parse_chat_request(body: Any, model_id: str, style: CallStyle = HERMES) -> ChatRequest:
+def served_models(model_id: str, adapters: tuple[str, ...] = ()) -> dict[str, str | None]:
+    """The model ids a server answers to -> the adapter each selects: BASE (none), BASE:NAME per adapter."""
+    return {model_id: None, **{f"{model_id}:{name}": name for name in adapters}}
+
+
+def parse_chat_request(body: Any, model_id: str, style: CallStyle = HERMES, adapters: tuple[str, ...] = ()) -> ChatRequest:
     """A decoded JSON body -> ChatRequest, or RequestError (status 400, or 404 for another model).
-    style: how the served model writes tool calls (its manifest's chat.tool_call_style)."""
+    style: how the served model writes tool calls (its manifest's chat.tool_call_style). adapters: the
+    build's switchable LoRA adapters, which `model` selects as BASE:NAME (served_models)."""
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
     for key in body:
@@ -404,8 +411,10 @@ def parse_chat_request(body: Any, model_id: str, style: CallStyle = HERMES) -> C
     model = body.get("model")
     if not isinstance(model, str):
         raise _fail("model", f"model must be a string naming the served model ({model_id!r}), got {model!r}")
-    if model != model_id:
-        raise RequestError(f"the model {model!r} is not served here; this server serves {model_id!r} (GET /v1/models)",
+    served = served_models(model_id, adapters)
+    if model not in served:
+        names = ", ".join(repr(m) for m in served)
+        raise RequestError(f"the model {model!r} is not served here; this server serves {names} (GET /v1/models)",
                            status=404, param="model", code="model_not_found")  # fmt: skip
     conversation = _conversation(body.get("messages"), style)
     max_tokens = _int_field(body, "max_tokens", 1, MAX_TOKENS_LIMIT)
@@ -448,4 +457,4 @@ def parse_chat_request(body: Any, model_id: str, style: CallStyle = HERMES) -> C
         raise RequestError(str(e), param=e.param, code="invalid_value") from None
     return ChatRequest(conversation, seat, max_completion if max_tokens is None else max_tokens, temperature, top_p,
                        seed, bool(stream), include_usage, tools, choice, parallel is not False, grammar,
-                       _stop(body.get("stop")), _logprobs(body))  # fmt: skip
+                       _stop(body.get("stop")), _logprobs(body), served[model])  # fmt: skip

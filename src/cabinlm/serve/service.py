@@ -45,7 +45,7 @@ from cabinlm.runtime.tools import json_reply_grammar, tools_system
 from cabinlm.serve.admission import Admission, SharedTokenizer
 from cabinlm.serve.history import SeatRecord, TurnPlan, plan_turn
 from cabinlm.runtime.model_turns import ModelTurns, share_model
-from cabinlm.serve.schema import MAX_TOKENS_LIMIT, ChatRequest, RequestError, parse_chat_request
+from cabinlm.serve.schema import MAX_TOKENS_LIMIT, ChatRequest, RequestError, parse_chat_request, served_models
 from cabinlm.serve.seats import Seat, SeatManager
 from cabinlm.serve.store import SeatStore
 from cabinlm.serve.turns import Frames, HistoryStopped, Sampling, TurnOutcome, answer
@@ -152,6 +152,8 @@ class ChatService:
         self.model_id = model_id
         self.device = first.device
         self.manifest = first.manifest
+        self.adapters = first.manifest.lora.names if first.manifest.lora is not None else ()
+        self.served = served_models(model_id, self.adapters)  # model id -> adapter: BASE, BASE:NAME
         # One tokenizer for every seat and the admission thread, made safe across threads.
         shared = SharedTokenizer(dialogues[0].tok)
         for d in dialogues:
@@ -232,7 +234,7 @@ class ChatService:
         """A decoded JSON body, checked whole before it may take a seat or the model (in a thread of its
         own, never a seat's: tokenizing a long history must not hold anybody up). RequestError when the
         request is malformed or more than the model can take."""
-        request = parse_chat_request(body, self.model_id, self.style)
+        request = parse_chat_request(body, self.model_id, self.style, self.adapters)
         conv = request.conversation
         if not self.vision and (conv.prompt.image or any(u.image for u, _ in conv.exchanges)):
             raise RequestError("this model has no vision input; send text only, or serve a vision-language artifact",
@@ -240,7 +242,7 @@ class ChatService:
         seat = self.seats.seats.get(request.seat)  # read only: the event loop may change it, measure() copes
         record = seat.record if seat is not None else None  # a new seat feeds everything
         conv = self._conversation(request)
-        plan = plan_turn(record, conv)
+        plan = self._plan(seat, record, conv, request.adapter)
         fed = self.admission.measure(conv, plan, record)
         grammar = None
         if request.grammar is not None:  # compiled here, never in the seat's turn
@@ -250,6 +252,15 @@ class ChatService:
                 message, param = self._grammar_fault(request, e)
                 raise RequestError(message, param=param, code="unsupported_schema") from None
         return Admitted(request, record, plan, fed, grammar)
+
+    @staticmethod
+    def _plan(seat: Seat | None, record: SeatRecord | None, conv, adapter: str | None) -> TurnPlan:
+        """plan_turn, started over where the seat answers with another adapter than the request's model
+        names: its kept exchanges fed again with the new adapter."""
+        plan = plan_turn(record, conv)
+        if seat is not None and seat.dialogue.adapter != adapter and not plan.rebuild:
+            plan = dataclasses.replace(plan, rebuild=True)
+        return plan
 
     def _grammar_fault(self, request: ChatRequest, e: GrammarError) -> tuple[str, str | None]:
         """(message, param) of a grammar that did not compile: the tool whose parameters cannot be
@@ -311,7 +322,11 @@ class ChatService:
         seat, request = turn.seat, turn.request
         conv = self._conversation(request)
         try:
-            plan = plan_turn(seat.record, conv)
+            plan = self._plan(seat, seat.record, conv, request.adapter)
+            if plan.rebuild and seat.dialogue.adapter != request.adapter:
+                # The cache's K/V came from the other adapter: reset with this one; the plan feeds the
+                # history again (the seat's own exchanges exactly, as generated).
+                seat.dialogue.decoder.set_adapter(request.adapter, replay=False)
             if seat.record is not admitted.record:  # another request changed the seat since this one was measured
                 self.admission.measure(conv, plan, seat.record)
             frames = Frames.load(conv, plan)  # a bad image is refused before the seat changes

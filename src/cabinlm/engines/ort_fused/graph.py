@@ -75,6 +75,9 @@ def ineligible(manifest: Manifest) -> str | None:
     """Why this export cannot take the fused attention (None: it can)."""
     lay = manifest.cache
     vision = manifest.vision
+    if manifest.lora is not None:
+        return ("switchable LoRA adapter inputs (export --lora-rank): the fused decoder does not take them yet, the "
+                "exported graph does")  # fmt: skip
     if vision is not None and lay.kv_dtype != KVDType.FP32:
         return (f"a vision-language model with {lay.kv_dtype.value} KV: a new camera frame lowers the ranks of the window "
                 "tokens fed after the old one with no eviction, so their rotated keys must turn again, which would "

@@ -18,7 +18,7 @@ allocated once for single-token decode) and commit writes them into their slots.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +42,8 @@ class LoadedGraphs:
     decode: ort.InferenceSession  # one token (the same session unless static)
     static: bool
     weights: list[tuple[str, ort.OrtValue]]  # a static pair's shared weights, kept alive here
+    # The switchable LoRA inputs' zeros (no adapter: the base model), by input name, shared by every seat
+    lora_zeros: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 def load_graphs(folder: Path, manifest: Manifest, threads: int | None, extra: dict[str, str] | None,
@@ -65,10 +67,12 @@ def load_graphs(folder: Path, manifest: Manifest, threads: int | None, extra: di
                  built=manifest.build is not None)  # fmt: skip
         return s
 
+    zeros = {t.name: np.zeros(t.shape, dtype=np.float32) for t in manifest.io.inputs if t.name.startswith("lora_")}
     if static:
-        return LoadedGraphs(manifest, session("graph", manifest.cache.chunk), session("graph_decode", 1), True, weights)
+        return LoadedGraphs(manifest, session("graph", manifest.cache.chunk), session("graph_decode", 1), True, weights,
+                            zeros)  # fmt: skip
     s = session("graph", None)
-    return LoadedGraphs(manifest, s, s, False, weights)
+    return LoadedGraphs(manifest, s, s, False, weights, zeros)
 
 
 def allocate(layout, cache_dtype: str | None = None) -> dict[str, np.ndarray]:
@@ -130,6 +134,22 @@ class ExportedGraphBackend(Backend):
         self._decode = Binding(self.graphs.decode, cache, outs, tokens=1, rows=1)
         size = lay.chunk if self.graphs.static else None  # a static prefill graph returns a row per token
         self._prefill = Binding(self.graphs.prefill, cache, outs, tokens=size, rows=size)
+        if self.graphs.lora_zeros:
+            self.set_adapter(None)
+
+    def set_adapter(self, inputs: dict[str, np.ndarray] | None) -> None:
+        """The adapter inputs bound once in both bindings (OrtValues over the arrays: no copy); a run
+        then feeds them without a word. None: the shared zeros."""
+        zeros = self.graphs.lora_zeros
+        if not zeros:
+            super().set_adapter(inputs)
+        feeds = zeros if inputs is None else inputs
+        if set(feeds) != set(zeros):
+            raise ValueError("adapter inputs must be exactly the graph's lora_a / lora_b inputs")
+        self._adapter_values = [(name, ortvalue(feeds[name], "float")) for name in zeros]  # kept alive here
+        for b in (self._decode, self._prefill):
+            for name, ov in self._adapter_values:
+                b.binding.bind_ortvalue_input(name, ov)
 
     def _outputs(self, kv: np.dtype, kv_onnx: str) -> list[tuple[str, tuple, np.dtype, str]]:
         """(name, shape, numpy dtype, ONNX type) of the graph's outputs, in the order run() splits
