@@ -100,13 +100,13 @@ def test_no_adapter_is_the_base_export_bit_for_bit(arch, request, tmp_path, long
 
 @pytest.fixture(scope="module")
 def built(llama_switch):
-    """The switchable export built for the cpu profile with both adapters (the fused decoder does not
-    take adapter inputs: the build keeps the exported graph)."""
+    """The switchable export built for the cpu profile with both adapters (the fused decoder, which
+    takes the adapter inputs: tests/test_lora_fused.py holds it to the exported graph)."""
     out = llama_switch.root / "build"
     p = cabinlm("build", llama_switch.folder, "--profile", "cpu", "-o", out, "--adapter", f"a={llama_switch.a}",
                 "--adapter", f"b={llama_switch.b}:0.5")  # fmt: skip
     assert p.returncode == 0, p.stderr
-    assert "switchable LoRA adapter inputs" in p.stderr and "prepared adapter a" in p.stderr
+    assert "prepared adapter a" in p.stderr and "fused the decoder" in p.stderr
     return out
 
 
@@ -115,7 +115,7 @@ def test_the_build_lists_each_adapter_with_its_file_and_checksum(built, llama_sw
 
     m = load_manifest(built)
     verify_checksums(built, m)  # the adapters' files included
-    assert m.runtime_spec.backend.value == "onnxruntime-graph"
+    assert m.runtime_spec.backend.value == "onnxruntime-fused"
     assert (m.lora.rank, m.lora.targets, m.lora.names) == (8, TARGETS, ("a", "b"))
     b = m.lora.adapter("b")
     assert (b.rank, b.scale, b.targets, b.format) == (8, 0.5, ("down_proj", "q_proj", "v_proj"), "peft")

@@ -305,7 +305,7 @@ def qkv_name(layer: int) -> str:
 
 
 def fused_decoder_io(layout: CacheLayout, num_heads: int, vocab_size: int, present: bool = True,
-                     steps: bool = False, embed_dim: int = 0) -> DecoderIO:
+                     steps: bool = False, embed_dim: int = 0, lora: tuple[TensorSpec, ...] = ()) -> DecoderIO:
     """The graph contract of a fused-attention build (slots N, chunk C, F = slots in use, 1 + the
     highest one; rows 0..N-1 of the buffers are the slots, rows N..N+C-1 scratch):
 
@@ -351,7 +351,8 @@ def fused_decoder_io(layout: CacheLayout, num_heads: int, vocab_size: int, prese
       local_seqlens_k        int32  (1,)                           F_l + tokens - 1
       local_total_sequence_length int32 ()                         F_l + tokens
       local_row_slots        int64  (tokens,)  (steps=True) each row's ring slot, as row_slots
-    and, for a vision-language model (embed_dim > 0), decoder_io's image_embeds / image_mask.
+    and, for a vision-language model (embed_dim > 0), decoder_io's image_embeds / image_mask;
+    and, last, an export's switchable LoRA inputs (lora: lora_inputs(...)), as decoder_io takes them.
     """
     kv = layout.kv_dtype.onnx_name
     h, d = layout.kv_heads, layout.head_dim
@@ -400,6 +401,7 @@ def fused_decoder_io(layout: CacheLayout, num_heads: int, vocab_size: int, prese
     if embed_dim:
         inputs.append(TensorSpec(IMAGE_EMBEDS, "float", ("tokens", embed_dim)))
         inputs.append(TensorSpec(IMAGE_MASK, "bool", ("tokens", 1)))
+    inputs += lora
     return DecoderIO(tuple(inputs), tuple(outputs))
 
 
@@ -425,7 +427,8 @@ def seats_io(io: DecoderIO, seats: int, hidden_size: int, head: bool = False) ->
       seat_tokens     int64  (seats,)     how many of those rows each seat has (each >= 1)
       logit_rows      int64  (rows,)      rows of the stacked chunk that get logits
       X.seat{s}       every other input X of `io`, seat s's own (its cache, rotation rows, bias,
-                      lengths, row slots ...); its "tokens" dimension is seat s's own ("tokens.seat{s}")
+                      lengths, row slots, LoRA adapter inputs ...); its "tokens" dimension is seat s's own
+                      ("tokens.seat{s}")
     outputs
       hidden          float  (rows, hidden_size)  the final norm of those rows: the LM head's input
                                                   (head_io: one LM head graph for every batch size)

@@ -132,7 +132,7 @@ class Backend(abc.ABC):
         the caller) to this seat's every later run; None: the zeros of no adapter. The cache is not
         touched: what it holds was computed with the previous adapter (the Decoder rebuilds it)."""
         raise BackendError(f"{self.kind.value} builds do not take switchable LoRA adapters; run the export, or "
-                           "its cpu build, which keeps the exported graph")  # fmt: skip
+                           "its cpu build")  # fmt: skip
 
     def reset(self) -> None:
         """The table was reset: drop anything derived from the cached tokens."""

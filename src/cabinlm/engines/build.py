@@ -130,7 +130,7 @@ def build_artifact(artifact: str | Path, profile: DeviceProfile | None, out: str
             raise BuildError(o.refused(profile))  # type: ignore[attr-defined]
     request = BuildRequest(artifact, manifest, profile, attention, tuple(options), log)
     builder = choose_builder(request)
-    if manifest.lora is not None and builder.kind is not BackendKind.EXPORTED_GRAPH:
+    if manifest.lora is not None and builder.kind not in (BackendKind.EXPORTED_GRAPH, BackendKind.FUSED):
         raise BuildError(f"{artifact} has switchable LoRA adapter inputs (export --lora-rank), which {builder.kind.value} "
                          "builds do not take; build it for the cpu profile, or export with --lora to merge an adapter")  # fmt: skip
     if adapters and manifest.lora is None:

@@ -169,7 +169,7 @@ class FusedSettings:
         """The fused graph's contract: the cache written through present outputs where ONNX Runtime's
         GroupQueryAttention runs, in place by cabinlm's kernel otherwise (step_rows: a chunk's rows as steps)."""
         return fused_decoder_io(shape.layout, shape.num_heads, shape.vocab_size, self.attention_kernel == "onnxruntime",
-                                self.step_rows, shape.embed_dim)  # fmt: skip
+                                self.step_rows, shape.embed_dim, lora=shape.lora)  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -210,6 +210,24 @@ class FusedBackend(Backend):
             self._decode.binding.bind_ortvalue_input(name, ov)
         self._ahead_bound = None
         self._bind_ahead()
+        self.adapter_values: list = []
+        if self.graphs.lora_zeros:
+            self.set_adapter(None)
+
+    def set_adapter(self, inputs: dict[str, np.ndarray] | None) -> None:
+        """The adapter's inputs bound once in both bindings (OrtValues over the caller's arrays, which
+        every seat with that adapter shares: no copy), and in a batched run's binding at its next run
+        (seats.seat_binding); a step then feeds them without a word. None: the shared zeros."""
+        zeros = self.graphs.lora_zeros
+        if not zeros:
+            super().set_adapter(inputs)
+        feeds = zeros if inputs is None else inputs
+        if set(feeds) != set(zeros):
+            raise ValueError("adapter inputs must be exactly the graph's lora_a / lora_b inputs")
+        self.adapter_values = [(name, ortvalue(feeds[name], "float")) for name in zeros]  # a new list: seats.py rebinds
+        for binding in (self._decode.binding, self._prefill.binding):
+            for name, ov in self.adapter_values:
+                binding.bind_ortvalue_input(name, ov)
 
     def _bind_ahead(self) -> None:
         """The side inputs / output of the sink and pinned keys' next rotation (RotatedKeys.ahead),

@@ -59,6 +59,7 @@ from onnx import TensorProto, helper
 from cabinlm.contract import io_spec
 from cabinlm.contract import manifest as mf
 from cabinlm.contract.errors import BuildError
+from cabinlm.engines.ort_fused.adapter_graph import AdapterTerms
 from cabinlm.engines.ort_fused.block_layouts import (BLOCK, block_q4_layout, block_q8_layout, pack4, q4_1_as_int8,
                                                      q4_zero_points_as_minimums)
 from cabinlm.engines.ort_fused.node_builder import ExportedWeights, NodeBuilder
@@ -75,9 +76,6 @@ def ineligible(manifest: Manifest) -> str | None:
     """Why this export cannot take the fused attention (None: it can)."""
     lay = manifest.cache
     vision = manifest.vision
-    if manifest.lora is not None:
-        return ("switchable LoRA adapter inputs (export --lora-rank): the fused decoder does not take them yet, the "
-                "exported graph does")  # fmt: skip
     if vision is not None and lay.kv_dtype != KVDType.FP32:
         return (f"a vision-language model with {lay.kv_dtype.value} KV: a new camera frame lowers the ranks of the window "
                 "tokens fed after the old one with no eviction, so their rotated keys must turn again, which would "
@@ -346,6 +344,17 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
     single_op, seats_op = ((kernels.ATTENTION_OP, kernels.SEATS_ATTENTION_OP) if quantized_kv else
                            (kernels.FLOAT_ATTENTION_OP, kernels.FLOAT_SEATS_ATTENTION_OP))  # fmt: skip
     I = spec.intermediate_size
+    # switchable LoRA adapter inputs (export --lora-rank): their terms beside the projections (adapter_graph.py)
+    terms = AdapterTerms(b, manifest.lora, seats) if manifest.lora is not None else None
+    widths = {"qkv": (H * Dh, Hkv * Dh, Hkv * Dh), "o": (D,), "gate_up": (I, I), "down": (D,)}
+
+    def projection(x: str, i: int, matrix: str, out: str | None = None, bias: str | None = None) -> str:
+        """linear() of layer i's fused matrix, plus its adapter terms where the export takes them."""
+        name = mf.weight_name(i, matrix)
+        if terms is None or not terms.targets(matrix):
+            return linear(x, name, out=out, bias=bias)
+        return terms.add(linear(x, name, bias=bias), x, i, matrix, widths[matrix], out=out)
+
     residual = None
     seat_inputs = mf.fused_decoder_io(lay, H, spec.vocab_size, present=False, steps=True).inputs if seats else ()
     for i in range(lay.layers):
@@ -359,9 +368,9 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
                                      epsilon=eps, hint=f"{p}/input_norm")  # fmt: skip
         bias = float_weight(mf.weight_name(i, "qkv_bias")) if W.has(mf.weight_name(i, "qkv_bias")) else None
         if W.has(mf.weight_name(i, "q_norm.weight")):
-            qkv = qk_norm(linear(h, mf.weight_name(i, "qkv"), bias=bias), i)
+            qkv = qk_norm(projection(h, i, "qkv", bias=bias), i)
         else:
-            qkv = linear(h, mf.weight_name(i, "qkv"), out=mf.qkv_name(i), bias=bias)
+            qkv = projection(h, i, "qkv", out=mf.qkv_name(i), bias=bias)
         if i in lay.local_layers:  # the ring's own lengths, rotation and bias (module docstring)
             lengths = [mf.LOCAL_SEQLENS_K, mf.LOCAL_TOTAL_SEQUENCE_LENGTH, mf.LOCAL_ROPE_COS, mf.LOCAL_ROPE_SIN,
                        mf.POSITION_IDS, mf.LOCAL_ATTENTION_BIAS]  # fmt: skip
@@ -404,20 +413,22 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
             att, _, _ = b.op("GroupQueryAttention", *gqa_in, domain=MS, outputs=3, hint=f"{p}/attention", **attrs)
             b.nodes[-1].output[1] = mf.present_key_name(i)
             b.nodes[-1].output[2] = mf.present_value_name(i)
-        o = out_norm(linear(att, mf.weight_name(i, "o")), i, "attn_out_norm")
+        o = out_norm(projection(att, i, "o"), i, "attn_out_norm")
         h, _, _, residual = b.op("SkipSimplifiedLayerNormalization", o, residual, float_weight(mf.weight_name(i, "post_norm.weight")),
                                  outputs=4, domain=MS, epsilon=eps, hint=f"{p}/post_norm")  # fmt: skip
-        gate_up = linear(h, mf.weight_name(i, "gate_up"))
+        gate_up = projection(h, i, "gate_up")
         down = own_blocks(mf.weight_name(i, "down")) if own_ops_allowed else None
         if down is not None and down[0] == kernels.MATMUL_OP:  # silu(gate) * up inside the down projection's kernel
             x = b.op(kernels.SWIGLU_MATMUL_OP, gate_up, down[1], domain=kernels.DOMAIN, hint=f"{p}.down")
+            if terms is not None and terms.targets("down"):  # its adapter term over SiLU(gate) * up computed beside
+                x = terms.add(x, terms.swiglu_input(gate_up, I, i), i, "down", widths["down"])
         else:
             gate, up = b.op("Split", gate_up, b.const(np.array([I, I], np.int64)), outputs=2, axis=-1)
             if spec.activation == "gelu_tanh":  # FastGelu: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
                 act = b.op("Mul", b.op("FastGelu", gate, domain=MS), up, hint=f"{p}/geglu")
             else:
                 act = b.op("Mul", b.op("Mul", gate, b.op("Sigmoid", gate)), up, hint=f"{p}/swiglu")
-            x = linear(act, mf.weight_name(i, "down"))
+            x = projection(act, i, "down")
         x = out_norm(x, i, "mlp_out_norm")
     x = b.op("Squeeze", b.op("Add", x, residual), b.const(np.array([0], np.int64)))
     x = b.op("Gather", x, mf.LOGIT_ROWS, axis=0, hint="logit_rows")
@@ -438,7 +449,9 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
 
     if not own_kernel:  # the next step's sink / pinned keys on the side (own kernel: rotated inside it, per row)
         _rotation(b, lay, mf.REFRESH_SOURCE, mf.REFRESH_POSITION_IDS, mf.REFRESH_COS, mf.REFRESH_SIN, mf.REFRESH_KEYS)
-    io = mf.fused_decoder_io(lay, H, spec.vocab_size, present=not own_kernel, steps=own_kernel, embed_dim=embed_dim)
+    lora = manifest.lora.inputs(lay.layers, manifest.lora_shapes) if manifest.lora is not None else ()
+    io = mf.fused_decoder_io(lay, H, spec.vocab_size, present=not own_kernel, steps=own_kernel, embed_dim=embed_dim,
+                             lora=lora)  # fmt: skip
     if seats:
         io = io_spec.seats_io(io, seats, D, head=head is not None)
     elem = {"float": TensorProto.FLOAT, "int64": TensorProto.INT64, "int32": TensorProto.INT32,

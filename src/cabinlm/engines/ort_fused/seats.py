@@ -45,6 +45,9 @@ class BatchedSeat(Protocol):
     steps: bool  # its attention takes a chunk as one-token steps (row_slots)
     embed_dim: int  # image rows' width (0: a text model)
     cache_values: list[tuple[str, ort.OrtValue]]  # its cache buffers, by input name
+    # its LoRA adapter's inputs (an export with --lora-rank; [] without), by input name: a new list
+    # whenever the seat's adapter changes (FusedBackend.set_adapter), the arrays shared with other seats
+    adapter_values: list[tuple[str, ort.OrtValue]]
     all_image: np.ndarray  # (chunk, 1) bool, all true: a camera frame chunk's image mask
 
     @property
@@ -134,19 +137,26 @@ def idle_step(solo: BatchedSeat) -> tuple[BatchedSeat, StepPlan, np.ndarray]:
 
 def seat_binding(graphs: FusedGraphs, seats: Sequence[BatchedSeat]):
     """The batched graph's binding for these seats in this order, their caches bound once (as a
-    seat's own decode binding binds its cache at load): kept for the last few groups of seats."""
+    seat's own decode binding binds its cache at load), and each seat's adapter inputs bound again
+    only when its adapter changed (a new adapter_values list): kept for the last few groups of seats."""
     held = graphs.seat_bindings
     key = tuple(id(b) for b in seats)
     entry = held.get(key)
-    if entry is not None and all(a is b for a, b in zip(entry[0], seats)):
-        return entry[1]
-    binding = graphs.seats[len(seats)].io_binding()
+    if entry is None or not all(a is b for a, b in zip(entry[0], seats)):
+        binding = graphs.seats[len(seats)].io_binding()
+        for s, seat in enumerate(seats):
+            for name, ov in seat.cache_values:
+                binding.bind_ortvalue_input(io.seat_name(name, s), ov)
+        if len(held) >= 16:  # groups seen long ago (a serve's seats are few and fixed at start)
+            del held[next(iter(held))]
+        # the seats kept alive with the binding of their buffers, and the adapter inputs bound per seat
+        entry = held[key] = (tuple(seats), binding, [None] * len(seats))
+    _, binding, adapters = entry
     for s, seat in enumerate(seats):
-        for name, ov in seat.cache_values:
-            binding.bind_ortvalue_input(io.seat_name(name, s), ov)
-    if len(held) >= 16:  # groups seen long ago (a serve's seats are few and fixed at start)
-        del held[next(iter(held))]
-    held[key] = (tuple(seats), binding)  # the seats kept alive with the binding of their buffers
+        if adapters[s] is not seat.adapter_values:
+            for name, ov in seat.adapter_values:
+                binding.bind_ortvalue_input(io.seat_name(name, s), ov)
+            adapters[s] = seat.adapter_values  # kept alive while bound
     return binding
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 import onnxruntime as ort
 
 from cabinlm.contract import io_spec as io
@@ -37,6 +39,9 @@ class FusedGraphs:
     seat_bindings: dict[tuple, tuple] = field(default_factory=dict)
     idle: Backend | None = None  # the place no seat takes in a batched run (seats.idle_step: a FusedBackend)
     idle_table: SlotTable | None = None  # its table: always empty
+    # the switchable LoRA inputs' zeros (no adapter: the base model), by input name, read-only, bound by
+    # every seat without an adapter ({}: an export without --lora-rank)
+    lora_zeros: dict[str, np.ndarray] = field(default_factory=dict)
 
     def open_batched(self) -> None:
         """Open the batched graphs' sessions, once: when the loaded build gets its second seat (the
@@ -103,4 +108,9 @@ def load_fused(folder: Path, manifest: Manifest, threads: int | None, extra: dic
     rotate = None
     if "rotate_graph" in manifest.files:
         rotate = open_session(folder / manifest.files["rotate_graph"].path, session_options(spec, 1), spec)
-    return FusedGraphs(manifest, decoder, rotate, batches, opener=open_batched if batches else None, weights=weights)
+    zeros = {}
+    for t in manifest.lora.inputs(manifest.model.num_layers, manifest.lora_shapes) if manifest.lora else ():
+        zeros[t.name] = np.zeros(t.shape, np.float32)
+        zeros[t.name].flags.writeable = False
+    return FusedGraphs(manifest, decoder, rotate, batches, opener=open_batched if batches else None, weights=weights,
+                       lora_zeros=zeros)  # fmt: skip
