@@ -330,3 +330,29 @@ def test_serve_lists_an_adapter_per_model_and_refuses_an_unknown_one(built, tmp_
             replies.setdefault(model, []).append(out["choices"][0]["message"]["content"])
         assert replies["tiny:a"][0] == replies["tiny:a"][1] != replies["tiny"][0]
         assert s.seat("one")["turns"] >= 1
+
+
+# -- the plan: each adapter's bytes --------------------------------------------------------------------
+
+
+def test_the_plan_counts_each_adapter_once_and_the_zeros_of_none(built, llama_switch, tiny_llama_dir):
+    from cabinlm.contract.manifest import load_manifest
+    from cabinlm.profiles import load_profile
+    from cabinlm.profiles.planner import plan_for_manifest
+
+    m = load_manifest(built)
+    one = m.lora.bytes_per_adapter(m.model.num_layers, m.lora_shapes)
+    p = plan_for_manifest(m, load_profile("cpu"))
+    assert (p.lora_rank, p.adapter_bytes, [n for n, _ in p.adapters]) == (8, one, ["a", "b"])
+    assert p.adapter_activation_bytes > 0
+    out = cabinlm("plan", tiny_llama_dir, "--adapter", llama_switch.a, "--adapter", llama_switch.b, "--json")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["lora_rank"] == 8 and len(got["adapters"]) == 2  # the largest adapter's rank (b: 8)
+    base = json.loads(cabinlm("plan", tiny_llama_dir, "--json").stdout)
+    assert got["total_bytes"] - base["total_bytes"] == 3 * got["adapter_bytes"] + got["adapter_activation_bytes"]
+    text = cabinlm("plan", tiny_llama_dir, "--lora-rank", "8", "--adapter", llama_switch.a).stdout
+    assert "the zeros of no adapter" in text and "adapter a (its file" in text
+    assert_clean_error(cabinlm("plan", tiny_llama_dir, "--lora-rank", "2", "--adapter", llama_switch.b),
+                       "rank 8 is above --lora-rank 2")
+    assert_clean_error(cabinlm("plan", built, "--lora-rank", "8"), "adapter inputs are fixed")

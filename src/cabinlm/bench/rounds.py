@@ -34,10 +34,14 @@ class DialogueParams:
     seed: int = 0
     speculative: bool | None = None  # drafting: None as chat decides for the build
     time_limit_s: float = 1800
+    adapter: str | None = None  # a build's switchable LoRA adapter, by name (None: the base model)
 
     def params(self) -> dict[str, Any]:
-        return {"runner": "cabinlm", "seats": 1, "tokens": self.tokens, "max_new": self.max_new, "seed": self.seed,
-                "drafting": DRAFTING[self.speculative]}  # fmt: skip
+        out = {"runner": "cabinlm", "seats": 1, "tokens": self.tokens, "max_new": self.max_new, "seed": self.seed,
+               "drafting": DRAFTING[self.speculative]}  # fmt: skip
+        if self.adapter is not None:
+            out["adapter"] = self.adapter
+        return out
 
 
 def figures(trace: Trace) -> dict[str, Any]:
@@ -99,7 +103,8 @@ if __name__ == "__main__":  # one round in a process of its own (run_round): its
     folder, given = sys.argv[1], DialogueParams(**json.loads(sys.argv[2]))
     try:
         trace = run_cabinlm(folder, tokens=given.tokens, threads=given.threads, max_new=given.max_new, seed=given.seed,
-                            time_limit_s=given.time_limit_s, speculative=given.speculative)  # fmt: skip
+                            time_limit_s=given.time_limit_s, speculative=given.speculative,
+                            adapter=given.adapter)  # fmt: skip
     except CabinlmError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

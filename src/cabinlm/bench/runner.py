@@ -88,14 +88,15 @@ class CabinlmEngine(protocol.Engine):
         return chosen
 
 
-def open_bench_runtime(folder: Path, threads: int, *, system: str, speculative: bool | None) -> Runtime:
+def open_bench_runtime(folder: Path, threads: int, *, system: str, speculative: bool | None,
+                       adapter: str | None = None) -> Runtime:  # fmt: skip
     """The artifact opened for one bench engine, as chat opens it (runtime/assembly.py: the same
     checks, the system prompt against the pinned slots included), one seat, no checksums (the load
     is timed)."""
     from cabinlm.runtime.assembly import RuntimeConfig, open_runtime
 
     return open_runtime(RuntimeConfig(folder, threads=threads, system=system, system_option=None,
-                                      speculative=speculative, verify=False))  # fmt: skip
+                                      speculative=speculative, verify=False, adapter=adapter))  # fmt: skip
 
 
 def script_for(runtime: Runtime) -> protocol.Script:
@@ -119,13 +120,14 @@ def run_cabinlm(
     seed: int = 0,
     time_limit_s: float = 3600,
     speculative: bool | None = None,
+    adapter: str | None = None,
     log: Callable[[str], None] = lambda s: None,
     on_reply: Callable[[int, str], None] | None = None,
 ) -> Trace:
     """The scripted dialogue of `tokens` tokens through the runtime, in this process (speculative:
     drafting on or off; None: as chat decides, runtime/speculative.drafting_by_default)."""
     t = time.perf_counter()
-    runtime = open_bench_runtime(Path(folder), threads, system=SYSTEM, speculative=speculative)
+    runtime = open_bench_runtime(Path(folder), threads, system=SYSTEM, speculative=speculative, adapter=adapter)
     load_s = time.perf_counter() - t
     script = script_for(runtime)
     engine = CabinlmEngine(runtime, script.system, script.stop_ids)

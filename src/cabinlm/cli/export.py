@@ -160,17 +160,26 @@ def plan(
     pinned: Optional[int] = typer.Option(None, help="Pinned slots (system prompt). [default: 124]"),
     chunk: Optional[int] = typer.Option(None, help="Prefill chunk [default: the profile's]."),
     window: Optional[int] = typer.Option(None, help="Check this window instead of searching the largest."),
+    lora_rank: Optional[int] = typer.Option(
+        None, "--lora-rank", metavar="R", help="Plan switchable LoRA adapter inputs of rank R (as `cabinlm export "
+        "--lora-rank`) [default: the largest --adapter's rank]; an artifact's own are planned without it.",
+    ),
+    adapter: list[Path] = typer.Option(
+        [], "--adapter", metavar="FILE_OR_DIR", help="An adapter (a PEFT folder or a GGUF LoRA file) seats will use: "
+        "its cost in memory. Repeatable.",
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print the plan as one JSON object."),
 ) -> None:
     """Memory breakdown of MODEL on a device profile, and the largest window that fits its budget; of an
-    artifact, its own cache layout and, for a build, the weights as its kernels hold them."""
+    artifact, its own cache layout and, for a build, the weights as its kernels hold them (and its
+    switchable adapters)."""
     from cabinlm.export.options import ExportOptions, ExportRequest, check_profile_request
     from cabinlm.contract.manifest import MANIFEST_NAME
     from cabinlm.profiles.planner import format_plan, plan as make_plan
 
     if (Path(model).expanduser() / MANIFEST_NAME).is_file():
         p = artifact_plan(Path(model).expanduser(), profile, kv=kv, sink=sink, pinned=pinned, chunk=chunk,
-                          window=window)
+                          window=window, **{"lora-rank": lora_rank, "adapter": adapter or None})  # fmt: skip
     else:
         # the values alone first (as `cabinlm export` checks them), then against the model's config
         pinned = ExportOptions.pinned if pinned is None else pinned
@@ -178,14 +187,35 @@ def plan(
         spec, vision, image = model_facts(model)
         device = load_profile(profile or "cpu")
         check_profile_request(spec, device, request, image)
+        lora, sizes = planned_adapters(spec, lora_rank, adapter, vision > 0)
         p = make_plan(spec, device, kv=kv, sink=sink, chunk=chunk, pinned=pinned, window=window,
-                      vision_params=vision, image_tokens=image)  # fmt: skip
+                      vision_params=vision, image_tokens=image, lora=lora, adapters=sizes)  # fmt: skip
     if json_out:
         typer.echo(json.dumps(p.to_dict()))
     else:
         typer.echo(format_plan(p))
     if not p.fits:
         raise typer.Exit(1)
+
+
+def planned_adapters(spec, rank: int | None, paths: list[Path], vision: bool):
+    """`cabinlm plan`'s switchable adapter inputs (SwitchableLora, or None) and adapters ((name, file
+    bytes) each): each adapter read and checked against the model (one line for a bad one); the rank
+    --lora-rank's, else the largest adapter's, which must not be above --lora-rank."""
+    from cabinlm.contract.errors import OptionError
+    from cabinlm.contract.adapters import TARGETS
+    from cabinlm.export.lora import check_adapter, read_adapter, switchable
+
+    read = [check_adapter(read_adapter(p), spec) for p in paths]
+    if rank is not None and rank < 1:
+        raise OptionError(f"--lora-rank must be 1 or more, got {rank}")
+    top = max((a.rank for a in read), default=0)
+    if rank is not None and top > rank:
+        big = next(a for a in read if a.rank == top)
+        raise OptionError(f"--adapter {big.source}: rank {top} is above --lora-rank {rank}; raise --lora-rank or leave "
+                          "it out")  # fmt: skip
+    lora = switchable(spec, rank or top, TARGETS, vision)
+    return lora, tuple((Path(a.source).name, a.file.stat().st_size) for a in read)
 
 
 def artifact_plan(folder: Path, profile: str | None, **layout):
@@ -200,8 +230,8 @@ def artifact_plan(folder: Path, profile: str | None, **layout):
 
     given = [f"--{name}" for name, value in layout.items() if value is not None]
     if given:
-        raise OptionError(f"{' '.join(given)}: {folder} is an artifact, whose cache layout is fixed when it is "
-                          "exported; leave the option out, or plan the model it came from with it")  # fmt: skip
+        raise OptionError(f"{' '.join(given)}: {folder} is an artifact, whose cache layout and adapter inputs are "
+                          "fixed when it is exported; leave the option out, or plan the model it came from with it")  # fmt: skip
     m = load_manifest(folder)
     own = m.build.profile if m.build is not None and m.build.profile else (m.target or {}).get("profile")
     if profile is None and own and own not in list_profiles():

@@ -156,6 +156,10 @@ def bench(
         "repetition after the other, and report each figure's median and range and each repetition's own ratio to "
         "one seat (a machine's speed drifts over minutes; a ratio is taken within a repetition).",
     ),
+    adapter: Optional[str] = typer.Option(
+        None, "--adapter", metavar="NAME", help="A build with switchable LoRA adapters: the dialogue with adapter NAME "
+        "active (default: the base model). One seat; with --rounds or --alternate, every round's.",
+    ),
     speculative: Optional[bool] = typer.Option(
         None, "--speculative/--no-speculative",
         help="Draft reply tokens by prompt lookup and verify them in chunks, as `cabinlm chat` does (the same "
@@ -206,6 +210,7 @@ def bench(
     from cabinlm.bench.runner import model_for_baselines, report, run_cabinlm, summaries
     from cabinlm.bench.runner import plot as draw
     from cabinlm.contract.manifest import load_manifest
+    from cabinlm.runtime.assembly import check_adapter
     from cabinlm.runtime.limits import check_count, check_output_file, check_threads
 
     # Checked before any engine runs (each refusal one line, exit 2).
@@ -220,14 +225,17 @@ def bench(
     check_output_file("records", records)
     check_count("rounds", rounds, 1)
     given = DialogueParams(tokens=tokens, threads=threads, max_new=max_new, seed=seed, speculative=speculative,
-                           time_limit_s=time_limit)  # fmt: skip
+                           time_limit_s=time_limit, adapter=adapter)  # fmt: skip
+    if adapter is not None and (seats != 1 or baseline):
+        raise OptionError("--adapter runs one seat of cabinlm: no --seats or --baseline with it")
     if alternate is not None:
         for build in alternate:
-            load_manifest(build)  # a wrong path or a broken manifest fails here, before any run
+            check_adapter(adapter, load_manifest(build))  # a wrong path, a broken manifest or an unknown adapter fails here
         _alternate(list(alternate), given, rounds, records)
         return
     assert artifact is not None  # checked above
     m = load_manifest(artifact)  # a wrong path or a broken manifest fails here, before any run
+    check_adapter(adapter, m)
     if seats >= 2 and rounds > 1:  # --rounds and --repeat: the same repetition of the seats' runs
         if repeat not in (1, rounds):
             raise OptionError(f"--rounds {rounds} and --repeat {repeat} disagree; with --seats they are one option")
@@ -330,7 +338,7 @@ def bench(
         return
     start, load = utc_now(), load_average()
     trace = run_cabinlm(artifact, tokens=tokens, threads=threads, max_new=max_new, seed=seed,
-                        time_limit_s=time_limit, speculative=speculative, log=progress)  # fmt: skip
+                        time_limit_s=time_limit, speculative=speculative, adapter=adapter, log=progress)  # fmt: skip
     record_trace(rec, trace, given, artifact=artifact, utc_start=start, loadavg_start=load)
     others = []
     ctx = context or m.cache.slots

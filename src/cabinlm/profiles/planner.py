@@ -41,6 +41,11 @@ The runtime term (interpreter, numpy, ONNX Runtime, a session) and the tokenizer
 constants there, in place of the profile's runtime_overhead_bytes; other profiles keep precision x
 count and their runtime_overhead_bytes.
 
+Switchable LoRA adapters (an export with --lora-rank R; plan(lora=...)): each adapter a seat uses is
+held once in memory as its float32 inputs padded to rank R (SwitchableLora.bytes_per_adapter), and
+so are the zeros of no adapter; a chunk's activations grow by the adapter terms (adapter_activation_bytes).
+The plan counts the zeros and every listed adapter in the total, and says each adapter's cost.
+
 KV bytes come from CacheLayout (the one owner of cache geometry); nothing here re-derives them. The
 weights counted and the layouts ONNX Runtime CPU builds hold them in are profiles/weights.py's.
 """
@@ -51,6 +56,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from cabinlm.contract.adapters import SwitchableLora, adapter_role, target_shapes
 from cabinlm.contract.errors import LayoutError
 from cabinlm.contract.layout import CacheLayout
 from cabinlm.contract.manifest import ModelSpec
@@ -108,6 +114,18 @@ def activation_bytes(spec: ModelSpec, layout: CacheLayout) -> int:
     )
     new_kv = 2 * spec.num_layers * hkv * t * dh * layout.kv_dtype.itemsize
     return 4 * values + new_kv
+
+
+def adapter_activation_bytes(spec: ModelSpec, chunk: int, lora: SwitchableLora) -> int:
+    """A chunk's workspace for the adapter terms of one layer (float32; reused from layer to layer as
+    activation_bytes assumes): for every target t, its input's rows (T in_t), x A^T (T R) and the
+    term (T out_t) (engines/ort_fused/adapter_graph.py), none assumed shared."""
+    shapes = lora_shapes(spec)
+    return 4 * chunk * sum(shapes[t][1] + lora.rank + shapes[t][0] for t in lora.targets)
+
+
+def lora_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
+    return target_shapes(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size)
 
 
 # -- the plan ------------------------------------------------------------------------------------
@@ -169,6 +187,14 @@ class Plan:
     packed_bytes: int = 0
     together_head_bytes: int = 0
     recall: int = 0  # slots of the cache's recall region (docs/design.md, "The recall region")
+    # Switchable LoRA adapter inputs (0 / () without): their rank and targets, the bytes one adapter
+    # holds in memory (float32, padded to the rank: the zeros of no adapter hold as much), the
+    # adapter terms' share of activation_bytes, and each adapter planned, (name, its file's bytes).
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = ()
+    adapter_bytes: int = 0
+    adapter_activation_bytes: int = 0
+    adapters: tuple[tuple[str, int], ...] = ()
 
     @property
     def headroom_bytes(self) -> int:
@@ -220,6 +246,8 @@ def plan(
     packed: int = 0,
     seats_packed: dict[str, int] | None = None,
     recall: int = 0,
+    lora: SwitchableLora | None = None,
+    adapters: tuple[tuple[str, int], ...] = (),
 ) -> Plan:
     """The memory breakdown and the largest window that fits `profile`'s budget.
 
@@ -239,7 +267,9 @@ def plan(
     holds none: its facts say so; before a build, the copy is counted), or, where seats_packed is given
     (a build's FusedSettings.packed_bytes less its one-seat graph's, by graph role), what those sessions
     pack. packed: what the dialogue's session packs beside the mapped weights (a build's facts; 0 before
-    a build), counted in the total.
+    a build), counted in the total. lora: the export's switchable adapter inputs (--lora-rank), adapters:
+    the adapters planned with them, (name, file bytes) each: the zeros of no adapter and every adapter
+    held in memory (adapter_bytes each) and the adapter terms' activations, in the total.
     """
     kv = resolve_kv(profile, kv)
     sink = profile.default_sink if sink is None else sink
@@ -267,6 +297,10 @@ def plan(
     vision_dtype = WeightFormat.FP32 if fmt is WeightFormat.FP32 else WeightFormat.FP16
     vision = weight_bytes(vision_params, vision_dtype)
     fixed = weights + packed + vision + overhead + tokenizer
+    if adapters and lora is None:
+        raise PlanError("adapters are planned with the export's adapter inputs: give their rank (--lora-rank)")
+    one_adapter = lora.bytes_per_adapter(spec.num_layers, lora_shapes(spec)) if lora is not None else 0
+    fixed += one_adapter * (1 + len(adapters))  # the zeros of no adapter, and each adapter, held once
     batches = batched_seats(profile, kind, kv) if seat_batches is None else tuple(seat_batches)
     if seats_packed is not None:  # the build's own record of what its batched graphs' sessions pack
         head_copy, together = seats_packed.get("graph_head", 0), sum(seats_packed.values())
@@ -291,7 +325,8 @@ def plan(
             kv_total = uint8_cache_bytes(layout)
             if rotated_keys_possible(layout, vision=vision_params > 0):  # rotated keys: the sink / pinned fp16 copy
                 kv_total += key_source_bytes(layout)
-        act = int(activation_bytes(spec, layout) * act_factor)
+        lora_act = adapter_activation_bytes(spec, chunk, lora) if lora is not None else 0
+        act = int(activation_bytes(spec, layout) * act_factor) + lora_act
         batch = 0
         if batches:  # a decode step of the largest batch: its rows through the layers, each seat's own cache
             rows = dataclasses.replace(layout, chunk=max(batches))
@@ -312,7 +347,9 @@ def plan(
             htp_process_bytes=process, htp_process_limit_bytes=limit, build=kind or "",
             weights_layout=held.layout if kind else "", tokenizer_bytes=tokenizer,
             seat_batches=batches, together_bytes=together, batch_bytes=batch, packed_bytes=packed,
-            together_head_bytes=head_copy, recall=recall,
+            together_head_bytes=head_copy, recall=recall, lora_rank=lora.rank if lora else 0,
+            lora_targets=lora.targets if lora else (), adapter_bytes=one_adapter, adapter_activation_bytes=lora_act,
+            adapters=tuple(adapters),
             htp_step_bytes=guess.step_bytes if guess else 0,
             htp_tokens_per_s_estimate=round(guess.tokens_per_s, 1) if guess else 0.0,
             htp_estimate=guess.line() if guess else "",
@@ -389,6 +426,7 @@ def format_plan(p: Plan) -> str:
         ("runtime overhead" + (" (Python, numpy, ONNX Runtime and its session)" if p.build else ""),
          p.runtime_overhead_bytes),
         *([("tokenizer", p.tokenizer_bytes)] if p.build else []),
+        *_adapter_rows(p),
         ("total", p.total_bytes),
         (f"budget of {p.profile}", p.budget_bytes),
     ]
@@ -408,10 +446,23 @@ def format_plan(p: Plan) -> str:
                      "beside each seat's own KV and activations; `--seats` counts them against memory")  # fmt: skip
     if p.htp_estimate:
         lines.append(p.htp_estimate)
+    if p.lora_rank:
+        lines.append(f"each adapter: {p.adapter_bytes / MIB:.1f} MiB held once however many seats use it (float32, "
+                     f"padded to rank {p.lora_rank}), and its terms add {p.adapter_activation_bytes / MIB:.1f} MiB "
+                     "to a chunk's activations (counted above)")  # fmt: skip
     verdict = "fits" if p.fits else "does NOT fit"
     lines.append(f"{verdict}: window {p.window}, headroom {p.headroom_bytes / MIB:.1f} MiB")
     return "\n".join(lines)
 
+
+def _adapter_rows(p: Plan) -> list[tuple[str, int]]:
+    """The plan's rows of switchable adapters: the zeros of no adapter, then each adapter planned."""
+    if not p.lora_rank:
+        return []
+    targets = ",".join(t.removesuffix("_proj") for t in p.lora_targets)
+    rows = [(f"LoRA adapter inputs (rank {p.lora_rank}, {targets}): the zeros of no adapter", p.adapter_bytes)]
+    rows += [(f"adapter {name} (its file {size / MIB:.1f} MiB)", p.adapter_bytes) for name, size in p.adapters]
+    return rows
 
 
 def plan_for_manifest(manifest: Any, profile: DeviceProfile, *, tokenizer_bytes: int | None = None) -> Plan:
@@ -424,5 +475,8 @@ def plan_for_manifest(manifest: Any, profile: DeviceProfile, *, tokenizer_bytes:
     facts = build_facts(manifest)
     if facts["build"] is None:
         facts = {"weights": facts["weights"]}
+    lora = manifest.lora
+    adapters = tuple((a.name, manifest.files[adapter_role(a.name)].bytes or 0) for a in lora.adapters) if lora else ()
     return plan(manifest.model, profile, kv=lay.kv_dtype, sink=lay.sink, chunk=lay.chunk, pinned=lay.pinned,
-                window=lay.window, image_tokens=lay.image, recall=lay.recall, tokenizer_bytes=tokenizer_bytes, **facts)
+                window=lay.window, image_tokens=lay.image, recall=lay.recall, tokenizer_bytes=tokenizer_bytes,
+                lora=lora, adapters=adapters, **facts)  # fmt: skip
