@@ -42,6 +42,9 @@ and a query at its stream index sees each at the model's own distance, for ever;
 re-written. F_l = min(seen, R) slots are in use; a chunk lands in rows F_l.. (empty slots while the
 ring fills, scratch rows after) and the runtime moves it into ring slots seen mod R.
 
+An export with switchable LoRA adapter inputs (--lora-rank): each targeted projection's term beside
+its fused matrix, per seat in the batched graphs (adapter_graph.py); without them no adapter node.
+
 Eligible: a text model (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3), int8 or fp32 KV, dynamic shapes
 (the cpu profile); the text decoder of a LLaVA-style, Idefics3 / SmolVLM or Qwen2-VL / 2.5-VL model
 with fp32 KV (a frame's image_embeds replace the token rows, as exported; its keys are kept un-rotated
