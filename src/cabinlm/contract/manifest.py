@@ -15,13 +15,13 @@ graph's inputs and outputs; this module ties them to files, versions and checks.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from cabinlm.contract.errors import LayoutError, ManifestError
+from cabinlm.contract.files import FileEntry, FileRole, file_sha256  # noqa: F401 - re-exported
 from cabinlm.contract.io_spec import (  # noqa: F401 - re-exported: the manifest is where users look for the contract
     ATTENTION_BIAS,
     ATTENTION_MASK,
@@ -320,36 +320,6 @@ class KVScales:
         import numpy as np
 
         return np.asarray(getattr(self, name), dtype=np.float32)
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    path: str  # relative to the artifact folder, inside it
-    bytes: int
-    sha256: str
-
-    def __post_init__(self) -> None:
-        p = self.path
-        if not isinstance(p, str) or not p or p.startswith("/") or "\\" in p or ".." in p.split("/"):
-            raise ValueError(f"file path {p!r} must be relative and inside the artifact folder")
-        if type(self.bytes) is not int or not 0 <= self.bytes < 1 << 45:
-            raise ValueError(f"{p}: size {self.bytes!r} is not a byte count")
-        if not isinstance(self.sha256, str) or len(self.sha256) != 64:
-            raise ValueError(f"{p}: sha256 must be 64 hex digits")
-
-    @classmethod
-    def of(cls, folder: Path, relpath: str) -> FileEntry:
-        p = folder / relpath
-        return cls(relpath, p.stat().st_size, file_sha256(p))
-
-
-def file_sha256(path: Path | str) -> str:
-    """The sha256 of a file's bytes, read in 4 MiB blocks (OSError as open() raises it)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 @dataclass

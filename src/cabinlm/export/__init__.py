@@ -15,6 +15,7 @@ from typing import Callable
 
 import numpy as np
 
+from cabinlm.contract.files import FileRole
 from cabinlm import __version__
 from cabinlm.contract.errors import CabinlmError
 from cabinlm.export import kvquant
@@ -305,7 +306,7 @@ def quality_gate(
             cache=twin_layout,
             chat=manifest.chat,
             stop_ids=manifest.stop_ids,
-            files={r: FileEntry.of(Path(tmp), n) for r, n in (("graph", GRAPH_FILE), ("tokenizer", TOKENIZER_FILE))},
+            files={r: FileEntry.of(Path(tmp), n) for r, n in ((FileRole.GRAPH, GRAPH_FILE), (FileRole.TOKENIZER, TOKENIZER_FILE))},
             opset=twin_opset,
             weights=manifest.weights,
             rotary=manifest.rotary,

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from cabinlm.contract.files import FileRole
 from cabinlm.contract import io_spec as io
 from cabinlm.contract.engines import BackendKind
 from cabinlm.contract.manifest import Manifest
@@ -66,8 +67,8 @@ def load_graphs(folder: Path, manifest: Manifest, threads: int | None, extra: di
         return s
 
     if static:
-        return LoadedGraphs(manifest, session("graph", manifest.cache.chunk), session("graph_decode", 1), True, weights)
-    s = session("graph", None)
+        return LoadedGraphs(manifest, session(FileRole.GRAPH, manifest.cache.chunk), session(FileRole.GRAPH_DECODE, 1), True, weights)
+    s = session(FileRole.GRAPH, None)
     return LoadedGraphs(manifest, s, s, False, weights)
 
 

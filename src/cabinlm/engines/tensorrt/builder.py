@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, ClassVar
 
+from cabinlm.contract.files import FileRole
 from cabinlm.contract.buildspec import BuildSpec
 from cabinlm.engines.builder import Builder, BuildError, BuildRequest
 from cabinlm.engines.output import BuildOutput, check_output
@@ -56,7 +57,7 @@ class TensorRTBuilder(Builder):
 
     def build(self, request: BuildRequest, output: BuildOutput) -> BuildSpec:
         """The compatibility check, then the bundle (the engine follows in after_save where it can)."""
-        graph = request.artifact / request.manifest.files["graph"].path
+        graph = request.artifact / request.manifest.files[FileRole.GRAPH].path
         profile = request.profile
         violations = check_file(graph, profile)
         report = format_report(violations, profile)
