@@ -4,14 +4,15 @@
 
 EXPORT: a plain export (`cabinlm export ... -o EXPORT`). The script builds it for the cpu profile
 into a temporary folder, then opens the build and answers one user turn (16 tokens, greedy), and
-reports, for each walk, the cabinlm modules whose code ran (a profile hook on every call) and the
-packages they belong to. Fewer rooms for the same work means the layers do not reach across each
+reports, for each walk, the cabinlm modules whose functions ran (a profile hook on every call; a
+module only imported does not count) and the packages they belong to. Fewer rooms for the same work means the layers do not reach across each
 other; the lists say which.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 import tempfile
@@ -24,11 +25,12 @@ ROOT = Path(cabinlm.__file__).resolve().parent
 
 
 def modules_run(work: Callable[[], object]) -> list[str]:
-    """The cabinlm modules (dotted names) with code that ran during work()."""
+    """The cabinlm modules (dotted names) whose functions ran during work()."""
     seen: set[str] = set()
 
     def hook(frame, event, arg):
-        if event == "call":
+        # a function's frame (CO_OPTIMIZED): not a module's or a class's body run by an import
+        if event == "call" and frame.f_code.co_flags & inspect.CO_OPTIMIZED:
             path = Path(frame.f_code.co_filename)
             if path.is_relative_to(ROOT):
                 rel = path.relative_to(ROOT.parent).with_suffix("")

@@ -184,7 +184,7 @@ def artifact_plan(folder: Path, profile: str | None, **layout):
         raise OptionError(f"{' '.join(given)}: {folder} is an artifact, whose cache layout is fixed when it is "
                           "exported; leave the option out, or plan the model it came from with it")  # fmt: skip
     m = load_manifest(folder)
-    own = m.build.profile if m.build is not None and m.build.profile else (m.target or {}).get("profile")
+    own = m.build.profile if m.build is not None and m.build.profile else (m.target.profile if m.target is not None else None)
     if profile is None and own and own not in list_profiles():
         raise ProfileError(f"{folder} was made for profile {own!r}, which is not a built-in profile; pass the .toml "
                            "file it was made with as --profile")  # fmt: skip

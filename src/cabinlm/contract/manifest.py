@@ -322,6 +322,35 @@ class KVScales:
         return np.asarray(getattr(self, name), dtype=np.float32)
 
 
+@dataclass(frozen=True)
+class Target:
+    """What the artifact was made for: the device profile it was exported or built for, the memory
+    plan an export for that profile followed (profiles/planner.py's, as written), and for a build the
+    export folder it was built from."""
+
+    profile: str | None = None
+    plan: dict[str, Any] | None = None
+    built_from: str | None = None  # a build: the export folder, resolved when it was built
+
+    def __post_init__(self) -> None:
+        for name in ("profile", "built_from"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise TypeError(f"target.{name} must be text or null")
+        if self.plan is not None and not isinstance(self.plan, dict):
+            raise TypeError("target.plan must be an object or null")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Target | None:
+        if d is None:
+            return None
+        if not isinstance(d, dict) or not set(d) <= {"profile", "plan", "built_from"}:
+            raise TypeError("target must be an object with profile, plan, built_from")
+        return cls(**d)
+
+
 @dataclass
 class Manifest:
     model: ModelSpec
@@ -333,7 +362,7 @@ class Manifest:
     rope_inv_freq_source: str = "config"
     quality: dict[str, Any] = field(default_factory=dict)
     index_dtype: str = "int64"  # of input_ids / position_ids / cache_position_ids
-    target: dict[str, Any] | None = None  # {"profile": name, "plan": {...}} when exported for a profile
+    target: Target | None = None  # what it was exported or built for (None: a plain export for no profile)
     vision: VisionSpec | None = None  # vision-language models only
     weights: str = "fp32"  # fp32, int8 or int4 (blocks of 32; see export/wquant.py)
     rotary: RotaryTables | None = None
@@ -370,7 +399,7 @@ class Manifest:
             "rope_inv_freq_source": self.rope_inv_freq_source,
             "quality": self.quality,
             "index_dtype": self.index_dtype,
-            "target": self.target,
+            "target": self.target.to_dict() if self.target is not None else None,
             "vision": dataclasses.asdict(self.vision) if self.vision else None,
             "weights": self.weights,
             "rotary": dataclasses.asdict(self.rotary) if self.rotary else None,
@@ -410,7 +439,7 @@ class Manifest:
                 rope_inv_freq_source=str(d["rope_inv_freq_source"]),
                 quality=dict(d["quality"]),
                 index_dtype=str(d["index_dtype"]),
-                target=d["target"],
+                target=Target.from_dict(d["target"]),
                 vision=VisionSpec(**d["vision"]) if d["vision"] else None,
                 weights=str(d["weights"]),
                 rotary=RotaryTables(**d["rotary"]) if d["rotary"] is not None else None,

@@ -24,7 +24,7 @@ from cabinlm.contract.files import FileRole
 from cabinlm import __version__
 from cabinlm.contract.buildspec import BuildSpec
 from cabinlm.contract.errors import BuildError
-from cabinlm.contract.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest, ManifestError, load_manifest
+from cabinlm.contract.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest, ManifestError, Target, load_manifest
 
 LEGACY_BUILD_RECORD = "build.json"  # the untyped build record of cabinlm before manifest format 4 (removed on rebuild)
 
@@ -111,7 +111,7 @@ class BuildOutput:
             files={role: FileEntry.of(self.folder, name) for role, name in self.files.items()},
             build=spec,
             format_version=FORMAT_VERSION,
-            target={**(src.target or {}), "profile": profile_name, "built_from": str(self.artifact.resolve())},
+            target=Target(profile_name, src.target.plan if src.target is not None else None, str(self.artifact.resolve())),
             quality={**src.quality, "build": {"cabinlm_version": __version__,
                                               "source_graph_sha256": src.files[FileRole.GRAPH].sha256, **self.quality}},
         )  # fmt: skip

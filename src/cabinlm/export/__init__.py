@@ -29,7 +29,7 @@ from cabinlm.export.options import OptionError  # noqa: F401 - re-exported with 
 from cabinlm.export.options import ExportOptions, ExportRequest, make_layout, options_for_profile
 from cabinlm.export.vision import build_vision
 from cabinlm.export.template import PLAIN, resolve_chat_template
-from cabinlm.contract.manifest import MANIFEST_NAME, FileEntry, KVDType, KVScales, Manifest, RotaryTables, VisionSpec
+from cabinlm.contract.manifest import MANIFEST_NAME, FileEntry, KVDType, KVScales, Manifest, RotaryTables, Target, VisionSpec
 from cabinlm.source.config import check_attention_window
 
 GRAPH_FILE = "decoder.onnx"
@@ -167,7 +167,7 @@ def export_loaded(
         quality={"kv": KVDType(opts.kv).value},
         weights=weights.weight_format,
         index_dtype=opts.index_dtype,
-        target={"profile": opts.profile, "plan": opts.plan} if opts.profile else None,
+        target=Target(opts.profile, opts.plan) if opts.profile else None,
         vision=vision,
         rotary=RotaryTables(tuple(weights.inv_freq.tolist()), float(weights.rope_scaling),
                             tuple(weights.local_inv_freq.tolist()) if weights.local_inv_freq is not None else (),

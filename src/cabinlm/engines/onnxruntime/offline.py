@@ -150,7 +150,7 @@ def fix_tokens(model: onnx.ModelProto, tokens: int, layout: CacheLayout) -> None
 def log_weights(manifest: Manifest, output: BuildOutput, log: Callable[[str], None]) -> None:
     weights_bytes = output.path(OPT_DATA).stat().st_size
     output.quality["weights_bytes"] = weights_bytes
-    plan = (manifest.target or {}).get("plan") or {}
+    plan = (manifest.target.plan if manifest.target is not None else None) or {}
     if plan.get("weights_bytes"):
         # The plan sizes the weights at their nominal bits; the build holds them as its kernels want
         # them (float32 scales, a fused build's 8-bit Q4_1 blocks, the token table for the output).

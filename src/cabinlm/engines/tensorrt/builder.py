@@ -89,7 +89,8 @@ class TensorRTBuilder(Builder):
             raise BuildError(f"{artifact} is not a TensorRT build")
         if profile is not None and profile.name != spec.profile:
             raise BuildError(f"{artifact} is a TensorRT bundle for profile {spec.profile}, not {profile.name}; build the export "
-                             f"({(manifest.target or {}).get('built_from', 'its parent')}) with --profile {profile.name}")  # fmt: skip
+                             f"({manifest.target.built_from if manifest.target and manifest.target.built_from else 'its parent'}) "
+                             f"with --profile {profile.name}")  # fmt: skip
         folder = artifact
         if out is not None and out.resolve() != artifact.resolve():
             check_output(artifact, out)
