@@ -96,7 +96,7 @@ def export(
         f"exported {m.model.source} ({m.model.architecture}, {m.model.num_layers} layers) to {out}: "
         f"sink {lay.sink} + pinned {lay.pinned} + window {lay.window} slots, chunk {lay.chunk}, "
         f"{lay.kv_dtype.value} KV = {lay.cache_bytes / 2**20:.1f} MiB, {m.weights} weights"
-        + (f", LoRA {m.quality['lora']['source']} merged" if "lora" in m.quality else "")
+        + (f", LoRA {m.quality.lora['source']} merged" if m.quality.lora is not None else "")
     )
 
 

@@ -322,6 +322,39 @@ class KVScales:
         return np.asarray(getattr(self, name), dtype=np.float32)
 
 
+@dataclass
+class Quality:
+    """What the export measured and checked, and what a build measured: one section each. A
+    section's contents are its measuring code's report (a JSON object); the sections are fixed."""
+
+    kv: str | None = None  # the KV precision the export's quality gate measured
+    calibration: dict[str, Any] | None = None  # the KV scales' calibration: its text, tokens, ids_sha256
+    weights: dict[str, Any] | None = None  # the weights' format and source (imported GGUF blocks, the head)
+    lora: dict[str, Any] | None = None  # an adapter merged at export (export/lora.py)
+    gate: dict[str, Any] | None = None  # the quality gate: perplexity with the export's KV against fp32 KV
+    dense_check: dict[str, Any] | None = None  # --verify: the graph against transformers
+    build: dict[str, Any] | None = None  # a build's own figures (engines/output.py)
+
+    def __post_init__(self) -> None:
+        if self.kv is not None and not isinstance(self.kv, str):
+            raise TypeError("quality.kv must be text or null")
+        for f in dataclasses.fields(self):
+            if f.name != "kv" and getattr(self, f.name) is not None and not isinstance(getattr(self, f.name), dict):
+                raise TypeError(f"quality.{f.name} must be an object or null")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Quality:
+        if not isinstance(d, dict):
+            raise TypeError("quality must be an object")
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise TypeError(f"quality has no section {sorted(unknown)[0]!r}")
+        return cls(**d)
+
+
 @dataclass(frozen=True)
 class Target:
     """What the artifact was made for: the device profile it was exported or built for, the memory
@@ -360,7 +393,7 @@ class Manifest:
     files: dict[str, FileEntry]  # role -> file: "graph", "graph_data", "tokenizer"
     opset: int
     rope_inv_freq_source: str = "config"
-    quality: dict[str, Any] = field(default_factory=dict)
+    quality: Quality = field(default_factory=Quality)
     index_dtype: str = "int64"  # of input_ids / position_ids / cache_position_ids
     target: Target | None = None  # what it was exported or built for (None: a plain export for no profile)
     vision: VisionSpec | None = None  # vision-language models only
@@ -397,7 +430,7 @@ class Manifest:
             "files": {k: dataclasses.asdict(v) for k, v in self.files.items()},
             "opset": self.opset,
             "rope_inv_freq_source": self.rope_inv_freq_source,
-            "quality": self.quality,
+            "quality": self.quality.to_dict(),
             "index_dtype": self.index_dtype,
             "target": self.target.to_dict() if self.target is not None else None,
             "vision": dataclasses.asdict(self.vision) if self.vision else None,
@@ -437,7 +470,7 @@ class Manifest:
                 files={k: FileEntry(**v) for k, v in d["files"].items()},
                 opset=int(d["opset"]),
                 rope_inv_freq_source=str(d["rope_inv_freq_source"]),
-                quality=dict(d["quality"]),
+                quality=Quality.from_dict(d["quality"]),
                 index_dtype=str(d["index_dtype"]),
                 target=Target.from_dict(d["target"]),
                 vision=VisionSpec(**d["vision"]) if d["vision"] else None,

@@ -112,15 +112,15 @@ class BuildOutput:
             build=spec,
             format_version=FORMAT_VERSION,
             target=Target(profile_name, src.target.plan if src.target is not None else None, str(self.artifact.resolve())),
-            quality={**src.quality, "build": {"cabinlm_version": __version__,
-                                              "source_graph_sha256": src.files[FileRole.GRAPH].sha256, **self.quality}},
+            quality=dataclasses.replace(src.quality, build={"cabinlm_version": __version__,
+                                        "source_graph_sha256": src.files[FileRole.GRAPH].sha256, **self.quality}),
         )  # fmt: skip
         return save_validated(draft, self.folder)
 
     def update_quality(self, built: Manifest, **figures: Any) -> Manifest:
         """Add figures measured on the finished build (its own check) to its manifest."""
         self.quality.update(figures)
-        built.quality["build"] = {**built.quality.get("build", {}), **figures}
+        built.quality.build = {**(built.quality.build or {}), **figures}
         built.save(self.folder)
         return built
 

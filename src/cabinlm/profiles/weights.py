@@ -218,7 +218,7 @@ def build_facts(manifest: Any) -> dict[str, Any]:
     build = manifest.build
     kind = EXPORT if build is None else build.backend.value
     fmt = WeightFormat(manifest.weights)
-    quality = (manifest.quality or {}).get("weights") or {}
+    quality = manifest.quality.weights or {}
     # imported GGUF blocks: cabinlm's built-in GGUFs are Q4_1, whose blocks carry a float minimum
     block_minimums = bool(quality.get("imported")) and fmt.quantized
     fused = (build.to_dict().get("fused") or {}) if build is not None else {}

@@ -172,6 +172,7 @@ def engine_manifest(folder: Path, manifest: Manifest, settings: TensorRTSettings
 
     build = dataclasses.replace(manifest.runtime_spec, facts=settings, engine_version=settings.built_with)
     files = {**manifest.files, FileRole.ENGINE: FileEntry.of(folder, settings.engine_file)}
-    quality = {**manifest.quality, "build": {**manifest.quality.get("build", {}),
-               "tensorrt": f"engine built with TensorRT {settings.built_with}", "engine_seconds": round(seconds, 1)}}  # fmt: skip
+    quality = dataclasses.replace(manifest.quality, build={**(manifest.quality.build or {}),
+                                  "tensorrt": f"engine built with TensorRT {settings.built_with}",
+                                  "engine_seconds": round(seconds, 1)})  # fmt: skip
     return save_validated(dataclasses.replace(manifest, files=files, build=build, quality=quality), folder)
