@@ -124,7 +124,7 @@ def run_cabinlm(art: Path, ids: np.ndarray, threads: int) -> Row:
     # chunked_perplexity scores with runtime.perplexity.token_nll: the same float64 log-softmax as nll().
     res = chunked_perplexity(dec, ids)
     seconds = time.perf_counter() - t
-    w = m.quality.get("weights", {})
+    w = m.quality.weights or {}
     weights = m.weights
     if w:
         weights += f" ({w.get('imported', 0)} imported, {w.get('quantized', 0)} quantized; head {w.get('head', '?')})"

@@ -84,7 +84,7 @@ def build(art: str, profile: str, out: Path) -> dict:
         m = load_manifest(out)
         q = m.build.facts_as(QnnSettings)
         return {"wall_s": None, "compile_s": q.compile_seconds, "peak_rss_bytes": q.peak_host_bytes, "reused": True,
-                "binary_bytes": m.quality["build"]["binary_bytes"], "weights": q.weights, "weight_sharing": q.weight_sharing,
+                "binary_bytes": m.quality.build["binary_bytes"], "weights": q.weights, "weight_sharing": q.weight_sharing,
                 "qairt": q.qairt_version, "check": q.check}  # fmt: skip
     cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "cabinlm", "build", art, "--profile", profile, "-o", str(out)]
     t0 = time.perf_counter()
@@ -94,7 +94,7 @@ def build(art: str, profile: str, out: Path) -> dict:
         raise SystemExit(f"build failed: {p.stderr[-2000:]}")
     rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", p.stderr).group(1)) * 1024
     m = load_manifest(out)
-    return {"wall_s": round(wall, 1), "peak_rss_bytes": rss, "binary_bytes": m.quality["build"]["binary_bytes"],
+    return {"wall_s": round(wall, 1), "peak_rss_bytes": rss, "binary_bytes": m.quality.build["binary_bytes"],
             "weights": m.build.facts_as(QnnSettings).weights, "weight_sharing": m.build.facts_as(QnnSettings).weight_sharing,
             "qairt": m.build.facts_as(QnnSettings).qairt_version, "check": m.build.facts_as(QnnSettings).check}  # fmt: skip
 

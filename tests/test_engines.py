@@ -173,7 +173,7 @@ def test_the_default_build_goes_beside_the_export_and_its_manifest_validates(exp
     text = (out / "manifest.json").read_text()
     built = Manifest.from_dict(json.loads(text))
     assert built.build is not None and built.build.backend is BackendKind.EXPORTED_GRAPH
-    assert built.target["built_from"] == str(export.resolve()) and load_manifest(out).files.keys() >= {"graph", "tokenizer"}
+    assert built.target.built_from == str(export.resolve()) and load_manifest(out).files.keys() >= {"graph", "tokenizer"}
     again = build_artifact(export, load_profile("cpu"), out, attention="graph")  # an earlier build may be replaced
     assert again == out
 

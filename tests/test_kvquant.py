@@ -118,14 +118,14 @@ def test_the_quality_gate_refuses_and_leaves_no_manifest(tiny, tmp_path):
     assert not list((tmp_path / "a").glob(".fp32-twin-*"))  # the twin graph is cleaned up
     m = export_loaded(tiny, tmp_path / "b", ExportOptions(**{**opts.__dict__, "force": True}))
     gate = json.loads((tmp_path / "b" / "manifest.json").read_text())["quality"]["gate"]
-    assert gate["passed"] is False and gate["eviction"] is True and m.quality["gate"] == gate
+    assert gate["passed"] is False and gate["eviction"] is True and m.quality.gate == gate
 
 
 def test_a_calibration_file_is_used_and_checked(tiny, tmp_path, long_text):
     calib = tmp_path / "calib.txt"
     calib.write_text(long_text)
     m = export_loaded(tiny, tmp_path / "a", ExportOptions(sink=4, pinned=0, window=56, chunk=8, kv="int8", verify=False, calib=calib))
-    assert m.quality["calibration"]["source"] == str(calib)
+    assert m.quality.calibration["source"] == str(calib)
     scales = json.loads((tmp_path / "a" / "manifest.json").read_text())["kv_scales"]
     assert {k: np.asarray(v).shape for k, v in scales.items()} == {k: (2, 2, 16) for k in ("keys", "rotated_keys", "values")}
     calib.write_text("too short")

@@ -94,7 +94,7 @@ def test_both_chips_get_context_binaries_and_the_manifest_records_them(builds):
         assert q.qairt_version.startswith("2.") and spec.engine_version == q.qairt_version
         assert q.rewrites["rms_norms"] == 5 and q.rewrites["matmul_4bit"] == 8  # 2 layers x 4 + final norm
         assert q.check["same_top1"] and q.check["correlation"] > 0.999
-        sizes = m.quality["build"]["binary_bytes"]
+        sizes = m.quality.build["binary_bytes"]
         for role, entry in m.files.items():
             if role.startswith("context_binary"):
                 assert entry.bytes == (folder / entry.path).stat().st_size == sizes[entry.path] > 10_000

@@ -96,10 +96,10 @@ def test_the_a16_build_records_its_precision_scales_and_calibration(a16_build, i
     for role in ("graph", "graph_decode", "graph_simulator", "graph_decode_simulator"):  # all on the HTP
         ctx = onnx.load(str(a16_build / m.files[role].path), load_external_data=False)
         assert {n.op_type for n in ctx.graph.node} == {"EPContext"}
-    calib = m.quality["build"]["activation_calibration"]
+    calib = m.quality.build["activation_calibration"]
     ids, source = calibration_ids(int8_artifact, art, None)
     assert calib["tokens"] == len(ids) == 512 and calib["source"] == source
-    assert calib["ids_sha256"] == ids_sha256(ids) != art.quality["calibration"]["ids_sha256"]
+    assert calib["ids_sha256"] == ids_sha256(ids) != art.quality.calibration["ids_sha256"]
 
 
 def test_the_a16_graph_is_16_bit_with_the_uint8_cache_tied(a16_qdq):

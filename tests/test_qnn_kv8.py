@@ -94,7 +94,7 @@ def test_both_chips_compile_the_uint8_cache_and_the_manifest_records_its_scales(
         assert not any("value_scale" in n or "position_ids" in n for n in names)  # rotated: no ranks in
         assert names["rope_cos"].shape == names["rope_sin"].shape == ("tokens", 8)  # head_dim / 2
         assert [names[f"new_key_source.{i}"].dtype for i in range(2)] == ["float16"] * 2
-        assert m.quality["calibration"]["ids_sha256"] == art.quality["calibration"]["ids_sha256"]
+        assert m.quality.calibration["ids_sha256"] == art.quality.calibration["ids_sha256"]
 
 
 def test_the_scales_are_tied_in_the_graph(int8_artifact):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from cabinlm.contract.files import FileRole
 from cabinlm.bench.catalog import INSTALL, BaselineError, BaselineUnavailable
 from cabinlm.bench.peers import load_llama_model
 from cabinlm.bench.protocol import ContextFull
@@ -117,7 +118,7 @@ def run_llama_seats(artifact: Path, gguf: Path, seats: int, rounds: int, max_new
     from cabinlm.runtime.tokenizer import Tokenizer
 
     m = load_manifest(artifact)
-    tok = Tokenizer(Path(artifact) / m.files["tokenizer"].path)
+    tok = Tokenizer(Path(artifact) / m.files[FileRole.TOKENIZER].path)
     template = Template(tok, m.chat)
     stop = set(m.stop_ids)
     if replies is not None and len(replies) != (rounds + 1) * seats:

@@ -113,7 +113,7 @@ def export(
         f"sink {lay.sink} + pinned {lay.pinned}" + (f" + recall {lay.recall}" if lay.recall else "")
         + f" + window {lay.window} slots, chunk {lay.chunk}, "
         f"{lay.kv_dtype.value} KV = {lay.cache_bytes / 2**20:.1f} MiB, {m.weights} weights"
-        + (f", LoRA {m.quality['lora']['source']} merged" if "lora" in m.quality else "")
+        + (f", LoRA {m.quality.lora['source']} merged" if m.quality.lora is not None else "")
         + (f", adapter inputs of rank {m.lora.rank} ({','.join(t.removesuffix('_proj') for t in m.lora.targets)})"
            if m.lora else "")
     )
@@ -233,7 +233,7 @@ def artifact_plan(folder: Path, profile: str | None, **layout):
         raise OptionError(f"{' '.join(given)}: {folder} is an artifact, whose cache layout and adapter inputs are "
                           "fixed when it is exported; leave the option out, or plan the model it came from with it")  # fmt: skip
     m = load_manifest(folder)
-    own = m.build.profile if m.build is not None and m.build.profile else (m.target or {}).get("profile")
+    own = m.build.profile if m.build is not None and m.build.profile else (m.target.profile if m.target is not None else None)
     if profile is None and own and own not in list_profiles():
         raise ProfileError(f"{folder} was made for profile {own!r}, which is not a built-in profile; pass the .toml "
                            "file it was made with as --profile")  # fmt: skip

@@ -12,6 +12,7 @@ from typing import Optional
 
 import typer
 
+from cabinlm.contract.files import FileRole
 from cabinlm.cli.common import info
 from cabinlm.contract.errors import CabinlmError, OptionError
 
@@ -265,7 +266,7 @@ def bench(
 
         system = SYSTEM
         try:  # the scripted dialogue's system prompt, pinned where the cache's pinned slots hold it
-            check_system_prompt(SYSTEM, m, Tokenizer(Path(artifact) / m.files["tokenizer"].path), None)
+            check_system_prompt(SYSTEM, m, Tokenizer(Path(artifact) / m.files[FileRole.TOKENIZER].path), None)
         except OptionError:
             info(f"the bench's system prompt does not fit the {m.cache.sink + m.cache.pinned} pinned slots: none pinned")
             system = ""

@@ -15,7 +15,6 @@ graph's inputs and outputs; this module ties them to files, versions and checks.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 
 from cabinlm.contract.adapters import SwitchableLora, adapter_role, target_shapes
 from cabinlm.contract.errors import LayoutError, ManifestError
+from cabinlm.contract.files import FileEntry, FileRole, file_sha256  # noqa: F401 - re-exported
 from cabinlm.contract.io_spec import (  # noqa: F401 - re-exported: the manifest is where users look for the contract
     ATTENTION_BIAS,
     ATTENTION_MASK,
@@ -325,34 +325,66 @@ class KVScales:
         return np.asarray(getattr(self, name), dtype=np.float32)
 
 
-@dataclass(frozen=True)
-class FileEntry:
-    path: str  # relative to the artifact folder, inside it
-    bytes: int
-    sha256: str
+@dataclass
+class Quality:
+    """What the export measured and checked, and what a build measured: one section each. A
+    section's contents are its measuring code's report (a JSON object); the sections are fixed."""
+
+    kv: str | None = None  # the KV precision the export's quality gate measured
+    calibration: dict[str, Any] | None = None  # the KV scales' calibration: its text, tokens, ids_sha256
+    weights: dict[str, Any] | None = None  # the weights' format and source (imported GGUF blocks, the head)
+    lora: dict[str, Any] | None = None  # an adapter merged at export (export/lora.py)
+    gate: dict[str, Any] | None = None  # the quality gate: perplexity with the export's KV against fp32 KV
+    dense_check: dict[str, Any] | None = None  # --verify: the graph against transformers
+    build: dict[str, Any] | None = None  # a build's own figures (engines/output.py)
 
     def __post_init__(self) -> None:
-        p = self.path
-        if not isinstance(p, str) or not p or p.startswith("/") or "\\" in p or ".." in p.split("/"):
-            raise ValueError(f"file path {p!r} must be relative and inside the artifact folder")
-        if type(self.bytes) is not int or not 0 <= self.bytes < 1 << 45:
-            raise ValueError(f"{p}: size {self.bytes!r} is not a byte count")
-        if not isinstance(self.sha256, str) or len(self.sha256) != 64:
-            raise ValueError(f"{p}: sha256 must be 64 hex digits")
+        if self.kv is not None and not isinstance(self.kv, str):
+            raise TypeError("quality.kv must be text or null")
+        for f in dataclasses.fields(self):
+            if f.name != "kv" and getattr(self, f.name) is not None and not isinstance(getattr(self, f.name), dict):
+                raise TypeError(f"quality.{f.name} must be an object or null")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
     @classmethod
-    def of(cls, folder: Path, relpath: str) -> FileEntry:
-        p = folder / relpath
-        return cls(relpath, p.stat().st_size, file_sha256(p))
+    def from_dict(cls, d: Any) -> Quality:
+        if not isinstance(d, dict):
+            raise TypeError("quality must be an object")
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise TypeError(f"quality has no section {sorted(unknown)[0]!r}")
+        return cls(**d)
 
 
-def file_sha256(path: Path | str) -> str:
-    """The sha256 of a file's bytes, read in 4 MiB blocks (OSError as open() raises it)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+@dataclass(frozen=True)
+class Target:
+    """What the artifact was made for: the device profile it was exported or built for, the memory
+    plan an export for that profile followed (profiles/planner.py's, as written), and for a build the
+    export folder it was built from."""
+
+    profile: str | None = None
+    plan: dict[str, Any] | None = None
+    built_from: str | None = None  # a build: the export folder, resolved when it was built
+
+    def __post_init__(self) -> None:
+        for name in ("profile", "built_from"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise TypeError(f"target.{name} must be text or null")
+        if self.plan is not None and not isinstance(self.plan, dict):
+            raise TypeError("target.plan must be an object or null")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Target | None:
+        if d is None:
+            return None
+        if not isinstance(d, dict) or not set(d) <= {"profile", "plan", "built_from"}:
+            raise TypeError("target must be an object with profile, plan, built_from")
+        return cls(**d)
 
 
 @dataclass
@@ -364,9 +396,9 @@ class Manifest:
     files: dict[str, FileEntry]  # role -> file: "graph", "graph_data", "tokenizer"
     opset: int
     rope_inv_freq_source: str = "config"
-    quality: dict[str, Any] = field(default_factory=dict)
+    quality: Quality = field(default_factory=Quality)
     index_dtype: str = "int64"  # of input_ids / position_ids / cache_position_ids
-    target: dict[str, Any] | None = None  # {"profile": name, "plan": {...}} when exported for a profile
+    target: Target | None = None  # what it was exported or built for (None: a plain export for no profile)
     vision: VisionSpec | None = None  # vision-language models only
     weights: str = "fp32"  # fp32, int8 or int4 (blocks of 32; see export/wquant.py)
     rotary: RotaryTables | None = None
@@ -409,9 +441,9 @@ class Manifest:
             "files": {k: dataclasses.asdict(v) for k, v in self.files.items()},
             "opset": self.opset,
             "rope_inv_freq_source": self.rope_inv_freq_source,
-            "quality": self.quality,
+            "quality": self.quality.to_dict(),
             "index_dtype": self.index_dtype,
-            "target": self.target,
+            "target": self.target.to_dict() if self.target is not None else None,
             "vision": dataclasses.asdict(self.vision) if self.vision else None,
             "weights": self.weights,
             "rotary": dataclasses.asdict(self.rotary) if self.rotary else None,
@@ -450,9 +482,9 @@ class Manifest:
                 files={k: FileEntry(**v) for k, v in d["files"].items()},
                 opset=int(d["opset"]),
                 rope_inv_freq_source=str(d["rope_inv_freq_source"]),
-                quality=dict(d["quality"]),
+                quality=Quality.from_dict(d["quality"]),
                 index_dtype=str(d["index_dtype"]),
-                target=d["target"],
+                target=Target.from_dict(d["target"]),
                 vision=VisionSpec(**d["vision"]) if d["vision"] else None,
                 weights=str(d["weights"]),
                 rotary=RotaryTables(**d["rotary"]) if d["rotary"] is not None else None,

@@ -89,6 +89,6 @@ class Builder(abc.ABC):
     def finish(self, artifact: Path, manifest: Manifest, profile: DeviceProfile | None, out: Path | None,
                log: Callable[[str], None]) -> Path:
         """`cabinlm build` given a build of this engine: only an unfinished one (a TensorRT bundle) has more to do."""
-        built_from = (manifest.target or {}).get("built_from", "its parent")
+        built_from = manifest.target.built_from if manifest.target and manifest.target.built_from else "its parent"
         raise BuildError(f"{artifact} is already a build (for {manifest.runtime_spec.profile}); pass the folder "
                          f"`cabinlm export` wrote: {built_from}")

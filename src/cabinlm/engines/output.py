@@ -1,12 +1,12 @@
 """One way to write a build: the output folder checked and prepared, the export's files brought
 over, and the built manifest derived through the same validation every load applies.
 
-    output = BuildOutput.prepare(artifact, out)   refused in one line before anything is written when
-                                                  `out` is the input, inside it, holds it, or is a file
-    output.copy("tokenizer")                      an export file, copied as it is
-    output.add("graph", "decoder.opt.onnx")       a file the builder wrote into output.folder
-    built = output.finish(spec, profile)          manifest.json: the export's facts + files + "build",
-                                                  through Manifest.from_dict (never mutated after)
+    output = BuildOutput.prepare(artifact, out)     refused in one line before anything is written when
+                                                    `out` is the input, inside it, holds it, or is a file
+    output.copy(FileRole.TOKENIZER)                 an export file, copied as it is
+    output.add(FileRole.GRAPH, "decoder.opt.onnx")  a file the builder wrote into output.folder
+    built = output.finish(spec, profile)            manifest.json: the export's facts + files + "build",
+                                                    through Manifest.from_dict (never mutated after)
 
 Nothing in the input folder is modified, moved or deleted. In the output folder, the manifest of
 an earlier build is removed first, so a half-written build never looks finished.
@@ -20,10 +20,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from cabinlm.contract.files import FileRole
 from cabinlm import __version__
 from cabinlm.contract.buildspec import BuildSpec
 from cabinlm.contract.errors import BuildError
-from cabinlm.contract.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest, ManifestError, load_manifest
+from cabinlm.contract.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest, ManifestError, Target, load_manifest
 
 LEGACY_BUILD_RECORD = "build.json"  # the untyped build record of cabinlm before manifest format 4 (removed on rebuild)
 
@@ -112,16 +113,16 @@ class BuildOutput:
             build=spec,
             lora=self.lora,
             format_version=FORMAT_VERSION,
-            target={**(src.target or {}), "profile": profile_name, "built_from": str(self.artifact.resolve())},
-            quality={**src.quality, "build": {"cabinlm_version": __version__,
-                                              "source_graph_sha256": src.files["graph"].sha256, **self.quality}},
+            target=Target(profile_name, src.target.plan if src.target is not None else None, str(self.artifact.resolve())),
+            quality=dataclasses.replace(src.quality, build={"cabinlm_version": __version__,
+                                        "source_graph_sha256": src.files[FileRole.GRAPH].sha256, **self.quality}),
         )  # fmt: skip
         return save_validated(draft, self.folder)
 
     def update_quality(self, built: Manifest, **figures: Any) -> Manifest:
         """Add figures measured on the finished build (its own check) to its manifest."""
         self.quality.update(figures)
-        built.quality["build"] = {**built.quality.get("build", {}), **figures}
+        built.quality.build = {**(built.quality.build or {}), **figures}
         built.save(self.folder)
         return built
 

@@ -15,6 +15,7 @@ from typing import Callable
 
 import numpy as np
 
+from cabinlm.contract.files import FileRole
 from cabinlm import __version__
 from cabinlm.contract.errors import CabinlmError
 from cabinlm.export import kvquant
@@ -28,7 +29,8 @@ from cabinlm.export.options import OptionError  # noqa: F401 - re-exported with 
 from cabinlm.export.options import ExportOptions, ExportRequest, make_layout, options_for_profile
 from cabinlm.export.vision import build_vision
 from cabinlm.export.template import PLAIN, resolve_chat_template
-from cabinlm.contract.manifest import MANIFEST_NAME, FileEntry, KVDType, KVScales, Manifest, RotaryTables, VisionSpec
+from cabinlm.contract.manifest import (MANIFEST_NAME, FileEntry, KVDType, KVScales, Manifest, Quality, RotaryTables, Target,
+                                      VisionSpec)
 from cabinlm.source.config import check_attention_window
 
 GRAPH_FILE = "decoder.onnx"
@@ -164,10 +166,10 @@ def export_loaded(
         stop_ids=stop_ids(loaded, chat),
         files={role: FileEntry.of(out, name) for role, name in files.items()},
         opset=opset,
-        quality={"kv": KVDType(opts.kv).value},
+        quality=Quality(kv=KVDType(opts.kv).value),
         weights=weights.weight_format,
         index_dtype=opts.index_dtype,
-        target={"profile": opts.profile, "plan": opts.plan} if opts.profile else None,
+        target=Target(opts.profile, opts.plan) if opts.profile else None,
         vision=vision,
         rotary=RotaryTables(tuple(weights.inv_freq.tolist()), float(weights.rope_scaling),
                             tuple(weights.local_inv_freq.tolist()) if weights.local_inv_freq is not None else (),
@@ -180,14 +182,14 @@ def export_loaded(
         log(f"adapter inputs of rank {switch.rank} on {', '.join(switch.targets)} "
             f"({switch.bytes_per_adapter(loaded.spec.num_layers, manifest.lora_shapes) / 2**20:.1f} MiB per adapter)")
     if calibration is not None:
-        manifest.quality["calibration"] = calibration
+        manifest.quality.calibration = calibration
     if weights.weight_source:
-        manifest.quality["weights"] = {"format": weights.weight_format, **weights.weight_source}
+        manifest.quality.weights = {"format": weights.weight_format, **weights.weight_source}
     if loaded.lora is not None:
-        manifest.quality["lora"] = loaded.lora.to_dict()
+        manifest.quality.lora = loaded.lora.to_dict()
     if calibration is not None and opts.gate:
         gate = quality_gate(loaded, out, manifest, weights, heldout_ids, opts, log)
-        manifest.quality["gate"] = gate
+        manifest.quality.gate = gate
         if not gate["passed"] and not opts.force:
             raise QualityGateError(
                 f"{layout.kv_dtype.value} KV raises perplexity by {gate['ppl_increase_pct']:.2f}% over fp32 KV "
@@ -195,8 +197,8 @@ def export_loaded(
                 f"--max-ppl-increase {opts.max_ppl_increase}%; try another --calib text or --kv, or pass --force"
             )
     if opts.verify:
-        manifest.quality["dense_check"] = verify_against_transformers(loaded, out, manifest)
-        log(f"checked against transformers: max |logit diff| {manifest.quality['dense_check']['max_abs_logit_diff']:.2e}")
+        manifest.quality.dense_check = verify_against_transformers(loaded, out, manifest)
+        log(f"checked against transformers: max |logit diff| {manifest.quality.dense_check['max_abs_logit_diff']:.2e}")
     manifest.save(out)
     return manifest
 
@@ -312,7 +314,7 @@ def quality_gate(
             cache=twin_layout,
             chat=manifest.chat,
             stop_ids=manifest.stop_ids,
-            files={r: FileEntry.of(Path(tmp), n) for r, n in (("graph", GRAPH_FILE), ("tokenizer", TOKENIZER_FILE))},
+            files={r: FileEntry.of(Path(tmp), n) for r, n in ((FileRole.GRAPH, GRAPH_FILE), (FileRole.TOKENIZER, TOKENIZER_FILE))},
             opset=twin_opset,
             weights=manifest.weights,
             rotary=manifest.rotary,

@@ -147,7 +147,7 @@ class LoraAdapter:
 
 @dataclass(frozen=True)
 class MergedLora:
-    """What an export records of a merged adapter (the manifest's quality["lora"])."""
+    """What an export records of a merged adapter (the manifest's quality.lora)."""
 
     request: LoraRequest
     source: str

@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cabinlm.contract.adapters import SwitchableLora, adapter_role, target_shapes
+from cabinlm.contract.files import FileRole
 from cabinlm.contract.errors import LayoutError
 from cabinlm.contract.layout import CacheLayout
 from cabinlm.contract.manifest import ModelSpec
@@ -469,7 +470,7 @@ def plan_for_manifest(manifest: Any, profile: DeviceProfile, *, tokenizer_bytes:
     """The plan of an artifact as exported or built: its cache layout and its build facts (build_facts).
     The tokenizer's memory is estimated from its tokenizer.json (TOKENIZER_BYTES_PER_FILE_BYTE)."""
     lay = manifest.cache
-    tok = manifest.files.get("tokenizer")
+    tok = manifest.files.get(FileRole.TOKENIZER)
     if tokenizer_bytes is None and tok is not None and tok.bytes:
         tokenizer_bytes = tok.bytes * TOKENIZER_BYTES_PER_FILE_BYTE
     facts = build_facts(manifest)

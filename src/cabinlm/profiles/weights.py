@@ -15,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from cabinlm.contract.files import FileRole
 from cabinlm.contract.errors import CabinlmError
 from cabinlm.contract.manifest import ModelSpec
 from cabinlm.contract.precision import KVDType, WeightFormat
@@ -217,7 +218,7 @@ def build_facts(manifest: Any) -> dict[str, Any]:
     build = manifest.build
     kind = EXPORT if build is None else build.backend.value
     fmt = WeightFormat(manifest.weights)
-    quality = (manifest.quality or {}).get("weights") or {}
+    quality = manifest.quality.weights or {}
     # imported GGUF blocks: cabinlm's built-in GGUFs are Q4_1, whose blocks carry a float minimum
     block_minimums = bool(quality.get("imported")) and fmt.quantized
     fused = (build.to_dict().get("fused") or {}) if build is not None else {}
@@ -225,7 +226,7 @@ def build_facts(manifest: Any) -> dict[str, Any]:
         return {"weights": fmt, "build": None, "held": None}
     held = held_weights(fmt, kind, block_minimums=block_minimums, minimums=fused.get("minimums", "int8"),
                         matmul_kernel=fused.get("matmul_kernel", "onnxruntime"), head=quality.get("head", "int8"))
-    data = manifest.files.get("graph_data")
+    data = manifest.files.get(FileRole.GRAPH_DATA)
     if kind == FUSED and held.gather_copy and fmt.quantized and manifest.model.tie_embeddings and data is not None:
         # fused builds may gather the embedding from the head's blocks (no second copy): the weights
         # file's size (a manifest fact) says which, whichever of the two layouts it is nearer

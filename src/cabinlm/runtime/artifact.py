@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from cabinlm.contract.files import FileRole
 from cabinlm.contract.manifest import Manifest, load_manifest, verify_checksums
 from cabinlm.runtime.decoder import Decoder
 from cabinlm.runtime.tokenizer import Tokenizer
@@ -21,7 +22,7 @@ def open_artifact(folder: str | Path, threads: int | None = None, verify: bool =
     m = manifest if manifest is not None else load_manifest(folder)
     if verify:
         verify_checksums(folder, m)
-    tok = tokenizer if tokenizer is not None else Tokenizer(Path(folder) / m.files["tokenizer"].path)
+    tok = tokenizer if tokenizer is not None else Tokenizer(Path(folder) / m.files[FileRole.TOKENIZER].path)
     shown = shown_markers(m.chat)
     if shown:  # a call opener that is a control token shows in replies' text (runtime/tools.py)
         tok.show(shown)

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cabinlm.contract.files import FileRole
 from cabinlm.contract.errors import OptionError
 from cabinlm.contract.manifest import Manifest, load_manifest
 from cabinlm.runtime import artifact  # its open_artifact, looked up at call time (tests replace it)
@@ -155,7 +156,7 @@ def open_runtime(config: RuntimeConfig) -> Runtime:
     check_seats(config.seats, manifest)
     check_images(config.images, manifest)
     check_adapter(config.adapter, manifest)
-    tokenizer = Tokenizer(folder / manifest.files["tokenizer"].path)
+    tokenizer = Tokenizer(folder / manifest.files[FileRole.TOKENIZER].path)
     system, option = config.system, config.system_option
     if config.tools:
         system = tools_system(manifest.chat.default_system if system is None else system, config.tools, manifest.chat)

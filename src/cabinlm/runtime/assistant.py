@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from cabinlm.contract.files import FileRole
 from cabinlm.contract.errors import InputError
 from cabinlm.runtime.dialogue import Dialogue, TurnResult
 from cabinlm.runtime.grammar import Compiled, Grammars
@@ -36,7 +37,7 @@ def grammars_for(dialogue: Dialogue) -> Grammars:
     """llguidance's view of the dialogue's model (its tokenizer file, stop ids and vocabulary)."""
     dec = dialogue.decoder
     m = dec.manifest
-    return Grammars(dec.folder / m.files["tokenizer"].path, list(m.stop_ids), m.model.vocab_size)
+    return Grammars(dec.folder / m.files[FileRole.TOKENIZER].path, list(m.stop_ids), m.model.vocab_size)
 
 
 class ToolDialogue:

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cabinlm.contract.files import FileRole
 from cabinlm.contract.errors import CabinlmError
 from cabinlm.runtime.dialogue import Dialogue
 from cabinlm.runtime.interrupts import defer_sigint
@@ -60,8 +61,8 @@ class SessionError(CabinlmError):
 def _identity(d: Dialogue) -> dict:
     m = d.decoder.manifest
     return {
-        "model": m.files["graph_data"].sha256 if "graph_data" in m.files else m.files["graph"].sha256,
-        "graph": m.files["graph"].sha256,
+        "model": m.files[FileRole.GRAPH_DATA].sha256 if FileRole.GRAPH_DATA in m.files else m.files[FileRole.GRAPH].sha256,
+        "graph": m.files[FileRole.GRAPH].sha256,
         "cache": m.cache.to_dict(),
         "backend": m.runtime_spec.backend.value,
     }

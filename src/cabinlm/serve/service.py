@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from cabinlm.contract.files import FileRole
 from cabinlm.contract.errors import CabinlmError, InputError
 from cabinlm.runtime.assembly import RuntimeConfig, open_runtime
 from cabinlm.runtime.dialogue import Dialogue, LongMessages
@@ -182,7 +183,7 @@ class ChatService:
         with self._grammars_lock:
             if self._grammars is None:
                 first = self.dialogues[0].decoder
-                path = first.folder / self.manifest.files["tokenizer"].path
+                path = first.folder / self.manifest.files[FileRole.TOKENIZER].path
                 self._grammars = Grammars(path, list(self.manifest.stop_ids), self.manifest.model.vocab_size)
             return self._grammars
 

@@ -14,7 +14,25 @@ from cabinlm.contract.io_spec import DecoderIO, DecoderShape, fused_decoder_io
 from cabinlm.contract.engines.static import SharedWeights
 
 
-class AttentionKernel(str, enum.Enum):
+class _Named(str, enum.Enum):
+    """A choice that reads as its value (in messages, f-strings and the manifest's JSON)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class Kernel(_Named):
+    """Whose kernel a fused build's graph runs for a part (attention, block matmuls, LM head): what
+    the manifest records once AUTO has been decided."""
+
+    ONNXRUNTIME = "onnxruntime"  # ONNX Runtime's contrib operator (GroupQueryAttention, MatMulNBits)
+    CABINLM = "cabinlm"  # cabinlm's own, from the build's kernel library (ai.cabinlm)
+
+
+class AttentionKernel(_Named):
     """Fused cpu builds: which kernel computes the attention over the cache."""
 
     AUTO = "auto"  # cabinlm's for int8 KV where its library is built, ONNX Runtime's otherwise (fp32 KV too)
@@ -22,7 +40,7 @@ class AttentionKernel(str, enum.Enum):
     ONNXRUNTIME = "onnxruntime"  # com.microsoft::GroupQueryAttention
 
 
-class MatmulKernel(str, enum.Enum):
+class MatmulKernel(_Named):
     """Fused cpu builds: which kernel computes the layers' matmuls over GGUF Q4_1 blocks."""
 
     AUTO = "auto"  # cabinlm's wherever its library compiles (every CPU), ONNX Runtime's otherwise
@@ -30,7 +48,7 @@ class MatmulKernel(str, enum.Enum):
     ONNXRUNTIME = "onnxruntime"  # com.microsoft::MatMulNBits (the blocks as --minimums says)
 
 
-class Minimums(str, enum.Enum):
+class Minimums(_Named):
     """Fused cpu builds: how GGUF Q4_1 blocks (4-bit codes plus a float block minimum) run."""
 
     INT8 = "int8"  # 8-bit codes with an integer zero point, the minimum rounded to 1/34 of a step
@@ -97,14 +115,14 @@ class FusedSettings:
     KEY: ClassVar[str] = "fused"  # where a build's manifest holds these facts ("build.fused")
 
     accuracy_level: int = 4  # MatMulNBits activations: 4 = int8, 0 = float32
-    minimums: str = "int8"  # Minimums: how GGUF Q4_1 block minimums run
+    minimums: Minimums = Minimums.INT8  # how GGUF Q4_1 block minimums run
     # AttentionKernel: "onnxruntime" (GroupQueryAttention, writing the cache through its present
     # outputs) or "cabinlm" (kernels/int8_kv_attention.cc, int8 or fp32 KV: registered from the build's
     # kernel library at load, writing the cache in place). Builds before it: "onnxruntime".
-    attention_kernel: str = "onnxruntime"
+    attention_kernel: Kernel = Kernel.ONNXRUNTIME
     # MatmulKernel: "onnxruntime" (MatMulNBits for every quantized matrix) or "cabinlm"
     # (kernels/block_q4_matmul.cc for the Q4_1 matrices, from the same library). Builds before it: "onnxruntime".
-    matmul_kernel: str = "onnxruntime"
+    matmul_kernel: Kernel = Kernel.ONNXRUNTIME
     # cabinlm's attention kernel takes each row's slot and rotates the sink / pinned keys itself, per
     # row (io_spec.fused_decoder_io(steps=True)): a chunk's rows can be its one-token steps after the
     # window has turned over, so drafts are verified for the whole dialogue. Builds before it: False.
@@ -124,7 +142,7 @@ class FusedSettings:
     # head graph "graph_head", io_spec.head_io) or "cabinlm" (kernels/block_q8_matmul.cc, the head's
     # int8 blocks read in place by every graph: the batched graphs end in logits, no head graph).
     # Builds before it: "onnxruntime".
-    head_kernel: str = "onnxruntime"
+    head_kernel: Kernel = Kernel.ONNXRUNTIME
     # The weights each graph's session packs a copy of (ONNX Runtime's MatMulNBits, MatMul and Gemm
     # weights; cabinlm's kernels and gathers read theirs in place), in bytes, by the graph's role in the
     # manifest's files ("graph", "graph_seats{B}", "graph_head"): what the planner and the seat limit
@@ -141,12 +159,13 @@ class FusedSettings:
             raise ValueError(f"accuracy_level must be 0..4, got {self.accuracy_level!r}")
         if self.minimums not in ("int8", "exact"):
             raise ValueError(f"minimums must be int8 or exact, got {self.minimums!r}")
-        if self.attention_kernel not in ("onnxruntime", "cabinlm"):
-            raise ValueError(f"attention_kernel must be onnxruntime or cabinlm, got {self.attention_kernel!r}")
-        if self.matmul_kernel not in ("onnxruntime", "cabinlm"):
-            raise ValueError(f"matmul_kernel must be onnxruntime or cabinlm, got {self.matmul_kernel!r}")
-        if self.head_kernel not in ("onnxruntime", "cabinlm") or (self.head_kernel == "cabinlm" and self.matmul_kernel != "cabinlm"):
-            raise ValueError(f"head_kernel must be onnxruntime, or cabinlm with matmul_kernel cabinlm, got {self.head_kernel!r}")
+        object.__setattr__(self, "minimums", Minimums(self.minimums))
+        for name in ("attention_kernel", "matmul_kernel", "head_kernel"):
+            if getattr(self, name) not in ("onnxruntime", "cabinlm"):
+                raise ValueError(f"{name} must be onnxruntime or cabinlm, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, Kernel(getattr(self, name)))
+        if self.head_kernel == "cabinlm" and self.matmul_kernel != "cabinlm":
+            raise ValueError(f"head_kernel must be onnxruntime, or cabinlm with matmul_kernel cabinlm, got {self.head_kernel.value!r}")
         if not isinstance(self.step_rows, bool) or (self.step_rows and self.attention_kernel != "cabinlm"):
             raise ValueError(f"step_rows: true only with cabinlm's attention kernel, got {self.step_rows!r}")
         if self.kernels is not None and not self.own_kernels:
@@ -173,6 +192,8 @@ class FusedSettings:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        for name in ("minimums", "attention_kernel", "matmul_kernel", "head_kernel"):
+            d[name] = getattr(self, name).value
         d["kernels"] = self.kernels.to_dict() if self.kernels is not None else None
         d["seat_batches"] = list(self.seat_batches)
         d["shared_weights"] = self.shared_weights.to_dict() if self.shared_weights is not None else None

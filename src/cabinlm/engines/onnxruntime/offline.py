@@ -15,6 +15,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from cabinlm.contract.files import FileRole
 from cabinlm.contract import io_spec
 from cabinlm.contract.buildspec import OptimizationLevel, SessionSettings
 from cabinlm.contract.errors import BuildError
@@ -31,7 +32,7 @@ OPT_GRAPH, OPT_DATA = "decoder.opt.onnx", "decoder.opt.onnx.data"
 def read_graph(artifact: Path, manifest: Manifest) -> onnx.ModelProto:
     """The export's graph with its weights, or a BuildError naming the fix."""
     try:
-        return onnx.load(str(artifact / manifest.files["graph"].path))
+        return onnx.load(str(artifact / manifest.files[FileRole.GRAPH].path))
     except Exception as e:  # noqa: BLE001 - onnx raises its own validation errors for unreadable data
         raise BuildError(f"{artifact}: cannot read the graph and its weights ({str(e).splitlines()[0]}); re-export") from e
 
@@ -149,7 +150,7 @@ def fix_tokens(model: onnx.ModelProto, tokens: int, layout: CacheLayout) -> None
 def log_weights(manifest: Manifest, output: BuildOutput, log: Callable[[str], None]) -> None:
     weights_bytes = output.path(OPT_DATA).stat().st_size
     output.quality["weights_bytes"] = weights_bytes
-    plan = (manifest.target or {}).get("plan") or {}
+    plan = (manifest.target.plan if manifest.target is not None else None) or {}
     if plan.get("weights_bytes"):
         # The plan sizes the weights at their nominal bits; the build holds them as its kernels want
         # them (float32 scales, a fused build's 8-bit Q4_1 blocks, the token table for the output).

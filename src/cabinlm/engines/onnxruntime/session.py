@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from cabinlm.contract.files import FileRole
 from cabinlm.contract.buildspec import THREADS_PER_CORE, BuildSpec, OptimizationLevel
 from cabinlm.contract.io_spec import DecoderIO
 from cabinlm.engines.backend import BackendError
@@ -169,5 +170,5 @@ def vision_session(folder: Path, manifest, threads: int | None = None) -> ort.In
     """The artifact's vision graph (files "vision_graph") on ONNX Runtime's CPU provider, with the
     build's session settings: how every engine without a camera encoder of its own runs it."""
     options = session_options(manifest.runtime_spec, threads)
-    return ort.InferenceSession(str(folder / manifest.files["vision_graph"].path), options,
+    return ort.InferenceSession(str(folder / manifest.files[FileRole.VISION_GRAPH].path), options,
                                 providers=["CPUExecutionProvider"])  # fmt: skip

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 import onnx
 
+from cabinlm.contract.files import FileRole, seats_graph
 from cabinlm.contract import io_spec
 from cabinlm.contract.buildspec import BuildSpec, OptimizationLevel
 from cabinlm.engines.builder import Builder, BuildError, BuildRequest
@@ -208,11 +209,11 @@ def _seat_graphs(request: BuildRequest, output: BuildOutput, graph: onnx.ModelPr
 
     own_head = _head_op(solo) == Q8_MATMUL_OP
     if not own_head:  # MatMulNBits: packed once per session, so the batched graphs share one head graph
-        write(head_model(solo, manifest), HEAD_GRAPH, "graph_head")
+        write(head_model(solo, manifest), HEAD_GRAPH, FileRole.GRAPH_HEAD)
     for b in batches:
         opts = request.options_for(FusedBuildOptions)
         write(fused_graph.fused_model(graph, manifest, opts.accuracy_level, opts.minimums, kernel,
-                                      matmul, seats=b), seats_graph_file(b), f"graph_seats{b}")  # fmt: skip
+                                      matmul, seats=b), seats_graph_file(b), seats_graph(b))  # fmt: skip
     head = "each with the LM head" if own_head else "and their LM head"
     request.log(f"seats decode together: batched graphs for {', '.join(map(str, batches))} seats (one attention per "
                 f"seat over its own cache) {head}, every graph reading one map of the weights")  # fmt: skip
@@ -232,8 +233,8 @@ class FusedBuilder(Builder):
 
     def build(self, request: BuildRequest, output: BuildOutput) -> BuildSpec:
         manifest, opts, log = request.manifest, request.options_for(FusedBuildOptions), request.log
-        output.copy("tokenizer")
-        output.copy_if_present("vision_graph", "vision_data")  # the camera encoder runs as exported
+        output.copy(FileRole.TOKENIZER)
+        output.copy_if_present(FileRole.VISION_GRAPH, FileRole.VISION_DATA)  # the camera encoder runs as exported
         graph = read_graph(request.artifact, manifest)
         # block-quantized matrices (int4 / int8 blocks): what cabinlm's block matmuls run
         blocks = sum(1 for i in graph.graph.initializer if i.name.endswith(io_spec.QUANT_SUFFIXES[0]))
@@ -284,9 +285,9 @@ class FusedBuilder(Builder):
         output.path(fused_graph.ROTATE_GRAPH).unlink(missing_ok=True)  # an earlier build's, in the same folder
         if kernel != "cabinlm":  # GroupQueryAttention reads the sink / pinned keys from the cache: the runtime refreshes them
             onnx.save_model(fused_graph.rotation_model(manifest), str(output.path(fused_graph.ROTATE_GRAPH)))
-            output.add("rotate_graph", fused_graph.ROTATE_GRAPH)
+            output.add(FileRole.ROTATE_GRAPH, fused_graph.ROTATE_GRAPH)
         if library is not None:
-            output.add("kernel_library", library.file)  # listed with its sha256, as fused.kernels records it
+            output.add(FileRole.CUSTOM_OPS, library.file)  # listed with its sha256, as fused.kernels records it
         with registrable(output.path(library.file) if library else None, library) as registered:  # a cross build's: this machine's twin
             optimize_offline(model.SerializeToString(), output.folder, registered)
             batches, shared, packed = _seat_graphs(request, output, graph, model, kernel, matmul, registered)
@@ -296,8 +297,8 @@ class FusedBuilder(Builder):
                               attention_kernel=kernel, matmul_kernel=matmul, kernels=library,
                               step_rows=kernel == "cabinlm", seat_batches=batches, shared_weights=shared,
                               head_kernel=head_kernel, packed_bytes=packed)  # fmt: skip
-        output.add("graph", OPT_GRAPH)
-        output.add("graph_data", OPT_DATA)
+        output.add(FileRole.GRAPH, OPT_GRAPH)
+        output.add(FileRole.GRAPH_DATA, OPT_DATA)
         log(f"optimized the graph offline for {request.profile.execution_provider}")
         log_weights(manifest, output, log)
         return spec_for(self.kind, request, OptimizationLevel.BASIC, facts)

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from cabinlm.contract.files import FileRole, seats_graph
 from cabinlm.contract import io_spec as io
 from cabinlm.engines.backend import Backend, BackendError
 from cabinlm.engines.onnxruntime.session import check_io, mapped_weights, open_session, session_options
@@ -85,11 +86,11 @@ def load_fused(folder: Path, manifest: Manifest, threads: int | None, extra: dic
             so.add_session_config_entry("session.force_spinning_stop", "1")
         return so
 
-    decoder = open_session(folder / manifest.files["graph"].path, options(), spec)
+    decoder = open_session(folder / manifest.files[FileRole.GRAPH].path, options(), spec)
     check_io(decoder, manifest.io, folder, built=True)
     batches = tuple(facts.seat_batches) if facts is not None else ()
     own_head = facts is not None and facts.head_kernel == "cabinlm"  # the batched graphs end in logits: no head graph
-    for role in [f"graph_seats{b}" for b in batches] + (["graph_head"] if batches and not own_head else []):
+    for role in [seats_graph(b) for b in batches] + ([FileRole.GRAPH_HEAD] if batches and not own_head else []):
         if role not in manifest.files:
             raise BackendError(f"{folder}: the build has batched graphs but lists no {role}; run `cabinlm build` again")
 
@@ -97,17 +98,17 @@ def load_fused(folder: Path, manifest: Manifest, threads: int | None, extra: dic
         model = manifest.model
         seats = {}
         for b in batches:
-            seats[b] = open_session(folder / manifest.files[f"graph_seats{b}"].path, options(batched=True), spec)
+            seats[b] = open_session(folder / manifest.files[seats_graph(b)].path, options(batched=True), spec)
             check_io(seats[b], io.seats_io(manifest.io, b, model.hidden_size, head=own_head), folder, built=True)
         if own_head:
             return seats, None
-        head = open_session(folder / manifest.files["graph_head"].path, options(head=True), spec)
+        head = open_session(folder / manifest.files[FileRole.GRAPH_HEAD].path, options(head=True), spec)
         check_io(head, io.head_io(model.hidden_size, model.vocab_size), folder, built=True)
         return seats, head
 
     rotate = None
-    if "rotate_graph" in manifest.files:
-        rotate = open_session(folder / manifest.files["rotate_graph"].path, session_options(spec, 1), spec)
+    if FileRole.ROTATE_GRAPH in manifest.files:
+        rotate = open_session(folder / manifest.files[FileRole.ROTATE_GRAPH].path, session_options(spec, 1), spec)
     zeros = {}
     for t in manifest.lora.inputs(manifest.model.num_layers, manifest.lora_shapes) if manifest.lora else ():
         zeros[t.name] = np.zeros(t.shape, np.float32)

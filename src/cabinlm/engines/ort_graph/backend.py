@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from cabinlm.contract.files import FileRole
 from cabinlm.contract import io_spec as io
 from cabinlm.contract.engines import BackendKind
 from cabinlm.contract.manifest import Manifest
@@ -69,9 +70,9 @@ def load_graphs(folder: Path, manifest: Manifest, threads: int | None, extra: di
 
     zeros = {t.name: np.zeros(t.shape, dtype=np.float32) for t in manifest.io.inputs if t.name.startswith("lora_")}
     if static:
-        return LoadedGraphs(manifest, session("graph", manifest.cache.chunk), session("graph_decode", 1), True, weights,
+        return LoadedGraphs(manifest, session(FileRole.GRAPH, manifest.cache.chunk), session(FileRole.GRAPH_DECODE, 1), True, weights,
                             zeros)  # fmt: skip
-    s = session("graph", None)
+    s = session(FileRole.GRAPH, None)
     return LoadedGraphs(manifest, s, s, False, weights, zeros)
 
 

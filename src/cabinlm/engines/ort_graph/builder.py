@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
+from cabinlm.contract.files import FileRole
 from cabinlm.contract.buildspec import CPU_PROVIDER, BuildSpec, ExecutionProvider, OptimizationLevel
 from cabinlm.engines.builder import Builder, BuildRequest
 from cabinlm.engines.onnxruntime.offline import (OPT_DATA, OPT_GRAPH, cpu_session, fuse_rotary, log_weights, optimize_offline,
@@ -37,8 +38,8 @@ class GraphBuilder(Builder):
         return targets_cpu(profile, static=False)
 
     def build(self, request: BuildRequest, output: BuildOutput) -> BuildSpec:
-        output.copy("tokenizer")
-        output.copy_if_present("vision_graph", "vision_data")  # the camera encoder runs as exported
+        output.copy(FileRole.TOKENIZER)
+        output.copy_if_present(FileRole.VISION_GRAPH, FileRole.VISION_DATA)  # the camera encoder runs as exported
         graph = read_graph(request.artifact, request.manifest)
         vision = request.manifest.vision
         if vision is not None and vision.mrope:  # RotaryEmbedding takes one position per token, M-RoPE three
@@ -48,8 +49,8 @@ class GraphBuilder(Builder):
             request.log(f"fused the cached keys' rotary embedding into RotaryEmbedding in {n} layers")
         optimize_offline(graph.SerializeToString(), output.folder)
         del graph
-        output.add("graph", OPT_GRAPH)
-        output.add("graph_data", OPT_DATA)
+        output.add(FileRole.GRAPH, OPT_GRAPH)
+        output.add(FileRole.GRAPH_DATA, OPT_DATA)
         request.log(f"optimized the graph offline for {request.profile.execution_provider}")
         log_weights(request.manifest, output, request.log)
         # the heavy fusions are done; the host adds its own at load

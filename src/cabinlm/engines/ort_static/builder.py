@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import onnx
 
+from cabinlm.contract.files import FileRole
 from cabinlm.contract.buildspec import BuildSpec, OptimizationLevel
 from cabinlm.engines.builder import Builder, BuildError, BuildRequest
 from cabinlm.engines.onnxruntime.offline import fix_tokens
@@ -50,18 +51,18 @@ class StaticBuilder(Builder):
 
     def build(self, request: BuildRequest, output: BuildOutput) -> BuildSpec:
         manifest = request.manifest
-        output.copy("tokenizer")
-        output.copy_if_present("vision_graph", "vision_data")
-        src = onnx.load(str(request.artifact / manifest.files["graph"].path), load_external_data=False)
-        data_name = manifest.files["graph_data"].path
+        output.copy(FileRole.TOKENIZER)
+        output.copy_if_present(FileRole.VISION_GRAPH, FileRole.VISION_DATA)
+        src = onnx.load(str(request.artifact / manifest.files[FileRole.GRAPH].path), load_external_data=False)
+        data_name = manifest.files[FileRole.GRAPH_DATA].path
         for name, tokens in ((PREFILL_GRAPH, manifest.cache.chunk), (DECODE_GRAPH, 1)):
             m = onnx.ModelProto()
             m.CopyFrom(src)
             fix_tokens(m, tokens, manifest.cache)
             onnx.save_model(m, str(output.path(name)))  # initializers keep pointing at the shared data file
-        output.add("graph", PREFILL_GRAPH)
-        output.add("graph_decode", DECODE_GRAPH)
-        output.copy("graph_data")
+        output.add(FileRole.GRAPH, PREFILL_GRAPH)
+        output.add(FileRole.GRAPH_DECODE, DECODE_GRAPH)
+        output.copy(FileRole.GRAPH_DATA)
         request.log(f"wrote a static prefill graph (tokens = {manifest.cache.chunk}) and a decode graph (tokens = 1) sharing weights")
         return spec_for(self.kind, request, OptimizationLevel.ALL, weight_table(src, data_name))
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cabinlm.contract.files import FileRole
 from cabinlm.contract.engines import BackendKind
 from cabinlm.contract import io_spec as io
 from cabinlm.engines.backend import StepOutput
@@ -56,7 +57,7 @@ def load_qnn(folder: Path, manifest: Manifest, threads: int | None = None) -> Lo
     # load shared-weight contexts; on the car the shared pair loads into one context.
     twin = qnn.weight_sharing and simulated()
     sessions = []
-    for role, tokens in (("graph", manifest.cache.chunk), ("graph_decode", 1)):
+    for role, tokens in ((FileRole.GRAPH, manifest.cache.chunk), (FileRole.GRAPH_DECODE, 1)):
         role += SIMULATOR if twin else ""
         if role not in manifest.files:
             raise BackendError(f"{folder}: no {role!r} context model listed; run `cabinlm build` again")
@@ -148,11 +149,11 @@ def open_camera_encoder(folder: Path, manifest: Manifest, threads: int | None = 
     """An HTP build's camera encoder: the tower's context binary where the build compiled it (files
     "vision_context", engines/qnn_htp/vision_build.py; CPU fallback off: it runs on the HTP or not at
     all), else the vision graph on the CPU provider."""
-    if "vision_context" not in manifest.files:
+    if FileRole.VISION_CONTEXT not in manifest.files:
         from cabinlm.engines.onnxruntime.session import vision_session
 
         return vision_session(folder, manifest, threads), "cpu"
-    path = folder / manifest.files["vision_context"].path
+    path = folder / manifest.files[FileRole.VISION_CONTEXT].path
     return qnn_plugin.open_context_session(path, manifest.runtime_spec.provider, share=False), "qnn-htp"
 
 

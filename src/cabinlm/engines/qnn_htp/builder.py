@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 import onnx
 
+from cabinlm.contract.files import FileRole, context_binary
 from cabinlm.contract.buildspec import BuildSpec, OptimizationLevel, SessionSettings
 from cabinlm.engines.builder import Builder, BuildError, BuildRequest
 from cabinlm.engines.onnxruntime.offline import fix_tokens, read_graph
@@ -131,12 +132,12 @@ class QnnBuilder(Builder):
                 files.update(compile_pair(sources, out, (PREFILL_CTX, DECODE_CTX), profile, True, log))
             else:
                 files = compile_pair(sources, out, (PREFILL_CTX, DECODE_CTX), profile, False, log)
-            check = _check_decode(sources[1][0], out / files["graph_decode" + (SIMULATOR if share else "")], manifest, profile,
+            check = _check_decode(sources[1][0], out / files[FileRole.GRAPH_DECODE + (SIMULATOR if share else "")], manifest, profile,
                                   rotated=rotated_keys)  # fmt: skip
         compile_seconds = round(time.perf_counter() - t0, 1)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        binaries = [p for r, p in files.items() if r.startswith("context_binary")]
-        sdk = binary_of(out / files["graph"])[1]
+        binaries = [p for r, p in files.items() if r.startswith(context_binary(0))]
+        sdk = binary_of(out / files[FileRole.GRAPH])[1]
         a16 = options.activations == "a16"
         weights = (qdq.PER_CHANNEL or options.a16_weights) if a16 else "fp16" if not (rewrites["matmul_4bit"] or rewrites["matmul_8bit"]) else (
             "int4" if rewrites["matmul_4bit"] else "int8")  # fmt: skip
@@ -150,9 +151,9 @@ class QnnBuilder(Builder):
         )  # fmt: skip
         for role, name in files.items():
             output.add(role, name)
-        output.copy("tokenizer")
+        output.copy(FileRole.TOKENIZER)
         sizes = {b: (out / b).stat().st_size for b in binaries}
-        car = [files[r] for r in files if r.startswith("context_binary") and not r.endswith(SIMULATOR)]
+        car = [files[r] for r in files if r.startswith(context_binary(0)) and not r.endswith(SIMULATOR)]
         output.quality.update(seconds=compile_seconds, binary_bytes=sizes)
         log(f"context binaries for the car: {', '.join(f'{b} {sizes[b] / 1e6:.1f} MB' for b in car)}"
             + (" (prefill and decode share the weights)" if share else

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import onnx
 
+from cabinlm.contract.files import FileRole, context_binary
 from cabinlm.contract.buildspec import ExecutionProvider
 from cabinlm.contract.engines.qnn import QNN_PROVIDER, SIMULATOR
 from cabinlm.contract.errors import BuildError
@@ -105,13 +106,13 @@ def compile_pair(sources: list[tuple[Path, int]], out: Path, names: tuple[str, s
             f"{', weights shared' if share else ''} ...")  # fmt: skip
         compile_graph(src, out / name, profile, share=share, last=i == len(sources) - 1)
         log(f"  compiled in {time.perf_counter() - t:.1f} s")
-        files[("graph", "graph_decode")[i] + suffix] = name
+        files[(FileRole.GRAPH, FileRole.GRAPH_DECODE)[i] + suffix] = name
     for name in names:
         binary = binary_of(out / name)[0]
         if binary not in binaries:
             binaries.append(binary)
     for i, b in enumerate(binaries):
-        files[f"context_binary{'' if i == 0 else f'_{i}'}{suffix}"] = b
+        files[context_binary(i) + suffix] = b
     return files
 
 

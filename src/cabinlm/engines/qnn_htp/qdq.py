@@ -36,6 +36,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from cabinlm.contract.files import FileRole
 from cabinlm.contract.errors import BuildError
 from cabinlm.engines.qnn_htp.a16_feeds import calibration_feeds, stream_fidelity
 from cabinlm.engines.qnn_htp.a16_kv_io import float_kv_io, rewire, strip_kv_io
@@ -178,7 +179,7 @@ def _calibration_split(artifact: Path, manifest, text: Path | None) -> tuple[lis
 
     from cabinlm.contract.calibration import calibration_tokens
 
-    tok = Tokenizer.from_file(str(artifact / manifest.files["tokenizer"].path))
+    tok = Tokenizer.from_file(str(artifact / manifest.files[FileRole.TOKENIZER].path))
     loaded = SimpleNamespace(tokenizer=SimpleNamespace(backend_tokenizer=tok))
     return calibration_tokens(loaded, manifest.chat, text)
 

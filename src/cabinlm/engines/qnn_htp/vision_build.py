@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from cabinlm.contract.files import FileRole
 from cabinlm.contract.errors import BuildError
 from cabinlm.engines.output import BuildOutput
 from cabinlm.engines.qnn_htp import plugin as qnn_plugin
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from cabinlm.profiles import DeviceProfile
 
 VISION_CTX = "vision.ctx.onnx"
-VISION_CONTEXT, VISION_BINARY = "vision_context", "vision_context_binary"  # manifest file roles
+VISION_CONTEXT, VISION_BINARY = FileRole.VISION_CONTEXT, FileRole.VISION_CONTEXT_BINARY
 # The tower in fp16 against the CPU's fp32: the largest |difference| of the image embeddings over the
 # largest |embedding|. Measured on the tiny test towers: 0.1% to 0.4% (benchmarks/vlm_htp.py); a
 # tower that overflows fp16 is far off (near-random rows). Beyond this the tower stays on the CPU.
@@ -48,7 +49,7 @@ def place_vision(output: BuildOutput, profile: DeviceProfile, log: Callable[[str
     binary in output; where it cannot run there, copy vision.onnx for the CPU instead. Returns the
     record for build.qnn.vision (module docstring)."""
     source = output.source
-    src = output.artifact / source.files["vision_graph"].path
+    src = output.artifact / source.files[FileRole.VISION_GRAPH].path
     ctx = output.path(VISION_CTX)
     _remove(ctx)  # an earlier build's: the compiler does not write over a context model
     t = time.perf_counter()
@@ -64,7 +65,7 @@ def place_vision(output: BuildOutput, profile: DeviceProfile, log: Callable[[str
                   "a value overflows fp16)")  # fmt: skip
     if reason is not None:
         _remove(ctx)
-        output.copy_if_present("vision_graph", "vision_data")
+        output.copy_if_present(FileRole.VISION_GRAPH, FileRole.VISION_DATA)
         log(f"the vision tower stays on the CPU (ONNX Runtime): {reason}")
         return {"runs_on": "cpu", "reason": reason}
     binary = context_binary(ctx)

@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, ClassVar
 
+from cabinlm.contract.files import FileRole
 from cabinlm.contract.buildspec import BuildSpec
 from cabinlm.engines.builder import Builder, BuildError, BuildRequest
 from cabinlm.engines.output import BuildOutput, check_output
@@ -56,7 +57,7 @@ class TensorRTBuilder(Builder):
 
     def build(self, request: BuildRequest, output: BuildOutput) -> BuildSpec:
         """The compatibility check, then the bundle (the engine follows in after_save where it can)."""
-        graph = request.artifact / request.manifest.files["graph"].path
+        graph = request.artifact / request.manifest.files[FileRole.GRAPH].path
         profile = request.profile
         violations = check_file(graph, profile)
         report = format_report(violations, profile)
@@ -88,7 +89,8 @@ class TensorRTBuilder(Builder):
             raise BuildError(f"{artifact} is not a TensorRT build")
         if profile is not None and profile.name != spec.profile:
             raise BuildError(f"{artifact} is a TensorRT bundle for profile {spec.profile}, not {profile.name}; build the export "
-                             f"({(manifest.target or {}).get('built_from', 'its parent')}) with --profile {profile.name}")  # fmt: skip
+                             f"({manifest.target.built_from if manifest.target and manifest.target.built_from else 'its parent'}) "
+                             f"with --profile {profile.name}")  # fmt: skip
         folder = artifact
         if out is not None and out.resolve() != artifact.resolve():
             check_output(artifact, out)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import onnx
 
+from cabinlm.contract.files import FileRole
 from cabinlm.engines.builder import BuildError, BuildRequest
 from cabinlm.engines.onnxruntime.offline import read_graph
 from cabinlm.engines.output import BuildOutput
@@ -82,11 +83,11 @@ def write_bundle(request: BuildRequest, output: BuildOutput) -> BuildSpec:
     onnx.save_model(model, str(out / GRAPH), save_as_external_data=True, all_tensors_to_one_file=True, location=DATA,
                     size_threshold=1024)  # fmt: skip
     del model
-    output.add("graph", GRAPH)
-    output.add("graph_data", DATA)
+    output.add(FileRole.GRAPH, GRAPH)
+    output.add(FileRole.GRAPH_DATA, DATA)
     # as exported (the camera encoder runs on ONNX Runtime)
-    output.copy("tokenizer")
-    output.copy_if_present("vision_graph", "vision_data")
+    output.copy(FileRole.TOKENIZER)
+    output.copy_if_present(FileRole.VISION_GRAPH, FileRole.VISION_DATA)
     output.quality["tensorrt"] = "bundle: no engine built yet"
     spec = BuildSpec(backend=BackendKind.TENSORRT, profile=profile.name, engine="tensorrt",
                      engine_version=str(profile.engine_version), facts=settings)  # fmt: skip

@@ -21,6 +21,7 @@ from typing import Callable
 
 import numpy as np
 
+from cabinlm.contract.files import FileRole
 from cabinlm.contract.errors import CabinlmError
 from cabinlm.contract.engines.tensorrt import TensorRTSettings
 
@@ -141,7 +142,7 @@ def compare_logits(folder: Path) -> tuple[str, str, str]:
     manifest = load_manifest(folder)
     reference = load_manifest(folder)
     reference.build = None  # the same graph file, run as a plain export: ONNX Runtime, CPU provider
-    ids = np.asarray(Tokenizer(folder / manifest.files["tokenizer"].path).encode(CHECK_TEXT * 2, add_special_tokens=True)[:64])
+    ids = np.asarray(Tokenizer(folder / manifest.files[FileRole.TOKENIZER].path).encode(CHECK_TEXT * 2, add_special_tokens=True)[:64])
     half = len(ids) // 2
     got_dec, ref_dec = Decoder(folder, manifest), Decoder(folder, reference)
     got = [got_dec.feed(ids[:half], all_logits=True).copy()]

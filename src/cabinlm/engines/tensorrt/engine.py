@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Callable
 
 import onnx
 
+from cabinlm.contract.files import FileRole
 from cabinlm.contract.errors import BuildError
 from cabinlm.engines.tensorrt.api import api_era, network_flag_names, parse_installed_version, parser_error_line, profile_shapes
 from cabinlm.engines.tensorrt.compat import check_file, errors, format_report
@@ -102,7 +103,7 @@ def build_engine(folder: Path, manifest: Manifest, log: Callable[[str], None]) -
         raise TensorRTUnavailable(f"TensorRT {trt.__version__} is installed but no GPU answers: {e}") from e
     installed = parse_installed_version(trt.__version__)
     era = effective_era(s.api_era, installed)
-    graph = folder / manifest.files["graph"].path
+    graph = folder / manifest.files[FileRole.GRAPH].path
     if installed < tuple(int(x) if x != "x" else 0 for x in s.target_version.split(".")[:2]):
         # An older TensorRT than the bundle was checked for: check the graph against this one.
         bad = errors(check_file(graph, f"{installed[0]}.{installed[1]}"))
@@ -158,7 +159,7 @@ def build_engine(folder: Path, manifest: Manifest, log: Callable[[str], None]) -
         state=EngineState.ENGINE, target_version=s.target_version, api_era=era, strongly_typed=era is ApiEra.STRONGLY_TYPED,
         precision=precision, profiles=s.profiles, workspace_bytes=s.workspace_bytes, fp16_safe_norms=s.fp16_safe_norms,
         engine_file=s.engine_file, timing_cache=s.timing_cache, built_with=str(trt.__version__),
-        gpu=GpuInfo(gpu.name, gpu.compute_capability), graph_sha256=FileEntry.of(folder, manifest.files["graph"].path).sha256,
+        gpu=GpuInfo(gpu.name, gpu.compute_capability), graph_sha256=FileEntry.of(folder, manifest.files[FileRole.GRAPH].path).sha256,
     )  # fmt: skip
     return engine_manifest(folder, manifest, built, seconds)
 
@@ -170,7 +171,8 @@ def engine_manifest(folder: Path, manifest: Manifest, settings: TensorRTSettings
     from cabinlm.engines.output import save_validated
 
     build = dataclasses.replace(manifest.runtime_spec, facts=settings, engine_version=settings.built_with)
-    files = {**manifest.files, "engine": FileEntry.of(folder, settings.engine_file)}
-    quality = {**manifest.quality, "build": {**manifest.quality.get("build", {}),
-               "tensorrt": f"engine built with TensorRT {settings.built_with}", "engine_seconds": round(seconds, 1)}}  # fmt: skip
+    files = {**manifest.files, FileRole.ENGINE: FileEntry.of(folder, settings.engine_file)}
+    quality = dataclasses.replace(manifest.quality, build={**(manifest.quality.build or {}),
+                                  "tensorrt": f"engine built with TensorRT {settings.built_with}",
+                                  "engine_seconds": round(seconds, 1)})  # fmt: skip
     return save_validated(dataclasses.replace(manifest, files=files, build=build, quality=quality), folder)
