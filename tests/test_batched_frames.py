@@ -421,10 +421,9 @@ def test_a_frames_chunk_beside_a_text_chunk_in_one_run_of_the_batched_graph_is_e
     rows its own (image_embeds.seat{s}, image_mask.seat{s}, stacked as the rows are): one run of
     decoder.seats2.onnx with seat 0's first frame chunk and seat 1's text chunk gives each seat's solo
     logits of every row and leaves each cache as its solo step does, bit for bit. (Driven here as
-    seats.run_batch drives the graph, with seat 0's image rows put in.)"""
+    SeatBatches.run_batch drives the graph, with seat 0's image rows put in.)"""
     from cabinlm.contract import io_spec as io
     from cabinlm.engines.backend import StepOutput
-    from cabinlm.engines.ort_fused import seats as seat_runs
 
     _, loaded, _, built = vlm
     together, alone = seats(built, 2), seats(built, 2)
@@ -453,11 +452,11 @@ def test_a_frames_chunk_beside_a_text_chunk_in_one_run_of_the_batched_graph_is_e
         for name in io.SHARED_BY_SEATS:
             own.pop(name)
         feeds.update({io.seat_name(name, s): np.ascontiguousarray(value) for name, value in own.items()})
-    binding = seat_runs.seat_binding(graphs, backends)
+    group = graphs.batched.group(backends)
     for name, value in feeds.items():
-        binding.bind_cpu_input(name, value)
-    hidden, *qkv = seat_runs._run(graphs.seats[2], binding, int(ends[-1]), 2)
-    logits = graphs.head.run([io.LOGITS], {io.HIDDEN: hidden})[0]
+        group.binding.bind_cpu_input(name, value)
+    hidden, *qkv = graphs.batched._run(group, int(ends[-1]))
+    logits = graphs.batched.head.run([io.LOGITS], {io.HIDDEN: hidden})[0]
     want = [alone[0].step(ids[0], pin="image", embeds=rows), alone[1].step(ids[1])]
     for s, (b, d, plan) in enumerate(zip(backends, together, plans)):
         a, e = int(ends[s] - counts[s]), int(ends[s])

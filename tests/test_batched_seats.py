@@ -88,14 +88,14 @@ def test_the_build_records_its_batched_graphs_and_they_read_the_one_seat_graphs_
     assert len(graphs.weights) == len(facts.shared_weights.tensors)
     # a dialogue alone opens no batched session (ONNX Runtime packs the LM head again in the head
     # graph's); the loaded build's second seat opens them all
-    assert dec.backend.seat_batches == (2, 4) and not graphs.seats and graphs.head is None
+    assert dec.backend.seat_batches == (2, 4) and not graphs.batched.sessions and graphs.batched.head is None
     dec.seat()
-    assert sorted(graphs.seats) == [2, 4] and graphs.head is not None
+    assert sorted(graphs.batched.sessions) == [2, 4] and graphs.batched.head is not None
     # the batched graphs' threads stop spinning when a run returns, so the head and a prefill right
     # after a batched step have the cores; the head's never spin; the one-seat session keeps spinning
     entry = lambda sess, key: sess.get_session_options().get_session_config_entry(key)  # noqa: E731
-    assert all(entry(graphs.seats[b], "session.force_spinning_stop") == "1" for b in (2, 4))
-    assert entry(graphs.head, "session.intra_op.allow_spinning") == "0"
+    assert all(entry(graphs.batched.sessions[b], "session.force_spinning_stop") == "1" for b in (2, 4))
+    assert entry(graphs.batched.head, "session.intra_op.allow_spinning") == "0"
     with pytest.raises(RuntimeError, match="does not have configuration"):
         entry(graphs.decoder, "session.force_spinning_stop")
 
@@ -142,8 +142,8 @@ def test_seats_join_and_leave_between_steps(build):
             pairs[2].alone.reset()
             step_together([pairs[2]], [rng.integers(3, 300, 2)], [True])
     assert all(p.together.cache.evicted > 0 for p in pairs)
-    graphs = together[0].backend.graphs  # 3 seats ran in the graph for 4, the idle seat in the fourth place
-    assert graphs.idle is not None and graphs.idle_table.seen == 0 and graphs.idle.keys.ctypes.data not in {
+    batched = together[0].backend.graphs.batched  # 3 seats ran in the graph for 4, the idle seat in the fourth place
+    assert batched.idle is not None and batched.idle_table.seen == 0 and batched.idle.keys.ctypes.data not in {
         d.backend.keys.ctypes.data for d in together + alone}
 
 

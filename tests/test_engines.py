@@ -30,7 +30,7 @@ ENGINE_DIRS = sorted(p for p in (SRC / "engines").iterdir() if p.is_dir() and p.
 # The build side of an engine folder: what may import onnx and run compilers. Everything else in an
 # engine folder (backend.py and what it uses) is the runtime side, which a car carries.
 BUILD_SIDE = {"builder", "build", "output", "graph", "offline", "bundle", "engine", "compat", "doctor", "block_layouts", "head_graph", "node_builder",
-              "vision_build", "compile", "qdq", "a16_feeds", "a16_weights", "a16_kv_io", "rotated_graph",
+              "vision_build", "compile", "adapter_graph", "qdq", "a16_feeds", "a16_weights", "a16_kv_io", "rotated_graph",
               "gen_ort_api", "single_op"}  # fmt: skip
 
 

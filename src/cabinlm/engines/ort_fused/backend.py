@@ -41,7 +41,6 @@ from cabinlm.engines.onnxruntime.binding import Binding, ortvalue
 from cabinlm.engines.ort_fused.frames import FrameKeys
 from cabinlm.engines.onnxruntime.rotated import RingTables, RotatedKeys
 from cabinlm.engines.ort_fused.row_moves import move_rows
-from cabinlm.engines.ort_fused.seats import run_batched
 from cabinlm.engines.ort_fused.sessions import FusedGraphs, load_fused
 from cabinlm.contract.slots import SlotTable, StepPlan
 
@@ -116,7 +115,8 @@ class FusedBackend(Backend):
         return (self.local_keys[j], self.local_values[j]) if local else (self.keys[j], self.values[j])
 
     def seat(self, table: SlotTable) -> FusedBackend:
-        self.graphs.open_batched()  # two seats now: they may step together
+        if self.graphs.batched is not None:  # two seats now: they may step together
+            self.graphs.batched.open()
         return FusedBackend(self.graphs, table)
 
     def reset(self) -> None:
@@ -217,7 +217,7 @@ class FusedBackend(Backend):
     def set_adapter(self, inputs: dict[str, np.ndarray] | None) -> None:
         """The adapter's inputs bound once in both bindings (OrtValues over the caller's arrays, which
         every seat with that adapter shares: no copy), and in a batched run's binding at its next run
-        (seats.seat_binding); a step then feeds them without a word. None: the shared zeros."""
+        (seats.SeatBatches.group); a step then feeds them without a word. None: the shared zeros."""
         zeros = self.graphs.lora_zeros
         if not zeros:
             super().set_adapter(inputs)
@@ -383,13 +383,15 @@ class FusedBackend(Backend):
 
     @property
     def seat_batches(self) -> tuple[int, ...]:
-        return self.graphs.batches
+        return self.graphs.batched.sizes if self.graphs.batched is not None else ()
 
     def run_seats(self, seats: Sequence[Backend], plans: Sequence[StepPlan], ids: Sequence[np.ndarray],
                   all_logits: Sequence[bool] | None = None,
                   embeds: Sequence[np.ndarray | None] | None = None) -> list[StepOutput]:  # fmt: skip
         """Several seats of this loaded build in batched runs (engines/ort_fused/seats.py)."""
-        return run_batched(self, seats, plans, ids, all_logits, embeds)
+        if self.graphs.batched is None:
+            return super().run_seats(seats, plans, ids, all_logits, embeds)
+        return self.graphs.batched.run(self, seats, plans, ids, all_logits, embeds)
 
     def commit(self, plan: StepPlan, out: StepOutput) -> None:
         """Keep the sink / pinned tokens' un-rotated keys, then move the chunk's rows F.. into their

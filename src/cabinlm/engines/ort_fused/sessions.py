@@ -5,7 +5,6 @@ from one read-only map of the weights file where the build has batched graphs.""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,11 +13,11 @@ import onnxruntime as ort
 
 from cabinlm.contract.files import FileRole, seats_graph
 from cabinlm.contract import io_spec as io
-from cabinlm.engines.backend import Backend, BackendError
+from cabinlm.engines.backend import BackendError
+from cabinlm.engines.ort_fused.seats import SeatBatches
 from cabinlm.engines.onnxruntime.session import check_io, mapped_weights, open_session, session_options
 from cabinlm.contract.engines.fused import FusedSettings
 from cabinlm.contract.manifest import Manifest
-from cabinlm.contract.slots import SlotTable
 
 
 @dataclass
@@ -28,30 +27,13 @@ class FusedGraphs:
     manifest: Manifest
     decoder: ort.InferenceSession
     rotate: ort.InferenceSession | None  # the sink / pinned keys' refresh graph (numpy without it)
-    # seats decoding together: the batch sizes the build carries (FusedSettings.seat_batches), and
-    # once open (open_batched) the batched graph of each and their LM head (io_spec.head_io; None where
-    # the batched graphs hold the head themselves, FusedSettings.head_kernel "cabinlm")
-    batches: tuple[int, ...] = ()
-    seats: dict[int, ort.InferenceSession] = field(default_factory=dict)
-    head: ort.InferenceSession | None = None
-    opener: Callable[[], tuple[dict[int, ort.InferenceSession], ort.InferenceSession | None]] | None = None
     weights: list[tuple[str, ort.OrtValue]] = field(default_factory=list)  # every graph's weights, one map, kept alive here
-    # batched graphs' bindings with their seats' caches bound, by the seats (seats.seat_binding)
-    seat_bindings: dict[tuple, tuple] = field(default_factory=dict)
-    idle: Backend | None = None  # the place no seat takes in a batched run (seats.idle_step: a FusedBackend)
-    idle_table: SlotTable | None = None  # its table: always empty
+    # seats decoding together (FusedSettings.seat_batches): the batched graphs and what their runs keep
+    # (seats.SeatBatches); None for a build without them
+    batched: SeatBatches | None = None
     # the switchable LoRA inputs' zeros (no adapter: the base model), by input name, read-only, bound by
     # every seat without an adapter ({}: an export without --lora-rank)
     lora_zeros: dict[str, np.ndarray] = field(default_factory=dict)
-
-    def open_batched(self) -> None:
-        """Open the batched graphs' sessions, once: when the loaded build gets its second seat (the
-        first moment seats can step together). A dialogue alone (chat, bench, perplexity) never
-        holds them: ONNX Runtime packs a copy of every MatMulNBits matrix per session, the LM head's
-        alone vocab x hidden x ~1.35 bytes (226 MB for Gemma 3's 262k x 640)."""
-        if self.opener is not None:
-            self.seats, self.head = self.opener()
-            self.opener = None
 
 
 def load_fused(folder: Path, manifest: Manifest, threads: int | None, extra: dict[str, str] | None) -> FusedGraphs:
@@ -113,5 +95,5 @@ def load_fused(folder: Path, manifest: Manifest, threads: int | None, extra: dic
     for t in manifest.lora.inputs(manifest.model.num_layers, manifest.lora_shapes) if manifest.lora else ():
         zeros[t.name] = np.zeros(t.shape, np.float32)
         zeros[t.name].flags.writeable = False
-    return FusedGraphs(manifest, decoder, rotate, batches, opener=open_batched if batches else None, weights=weights,
+    return FusedGraphs(manifest, decoder, rotate, weights, SeatBatches(batches, open_batched) if batches else None,
                        lora_zeros=zeros)  # fmt: skip
