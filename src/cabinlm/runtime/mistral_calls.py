@@ -19,10 +19,9 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 from cabinlm.runtime.grammar import GrammarError, GrammarSpec
-from cabinlm.runtime.tools import JSON_STYLE, CallStyle, Tool, ToolChoice
+from cabinlm.runtime.tools import CallStyle, Tool, ToolChoice
 
 CALLS, TOOLS_OPEN, TOOLS_CLOSE = "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]"
 RESULTS_OPEN, RESULTS_CLOSE = "[TOOL_RESULTS]", "[/TOOL_RESULTS]"
@@ -49,12 +48,7 @@ class MistralStyle(CallStyle):
             return None
         if self.opener_id is None:
             raise GrammarError(f"the model's vocabulary has no {CALLS} token: re-export the model", "tools")
-        allowed = [t for t in tools if choice.name is None or t.name == choice.name]
-        schema: dict[str, Any] = {"x-guidance": JSON_STYLE}
-        if len(allowed) == 1:
-            schema.update(self.call_schema(allowed[0]))
-        else:
-            schema["anyOf"] = [self.call_schema(t) for t in allowed]
+        schema = self.calls_schema(tools, choice)
         more = ' (", " call)*' if parallel else ""
         lark = (f'start: <[{self.opener_id}]> " [" call{more} "]"\n'
                 f"call: %json {json.dumps(schema, ensure_ascii=False)}\n")  # fmt: skip

@@ -167,16 +167,22 @@ class CallStyle:
         return {"type": "object", "properties": {"name": {"const": tool.name}, self.args_key: tool.parameters},
                 "required": ["name", self.args_key], "additionalProperties": False}  # fmt: skip
 
-    def grammar(self, tools: Sequence[Tool], choice: ToolChoice, parallel: bool) -> GrammarSpec | None:
-        """The grammar of a reply under `choice` (None for "none": the reply is free)."""
-        if choice.mode == "none":
-            return None
+    def calls_schema(self, tools: Sequence[Tool], choice: ToolChoice) -> dict[str, Any]:
+        """One call's JSON Schema under `choice`: the named tool's, or any of the tools', written
+        compactly (JSON_STYLE)."""
         allowed = [t for t in tools if choice.name is None or t.name == choice.name]
         schema: dict[str, Any] = {"x-guidance": JSON_STYLE}
         if len(allowed) == 1:
             schema.update(self.call_schema(allowed[0]))
         else:
             schema["anyOf"] = [self.call_schema(t) for t in allowed]
+        return schema
+
+    def grammar(self, tools: Sequence[Tool], choice: ToolChoice, parallel: bool) -> GrammarSpec | None:
+        """The grammar of a reply under `choice` (None for "none": the reply is free)."""
+        if choice.mode == "none":
+            return None
+        schema = self.calls_schema(tools, choice)
         more = ' ("\\n" call)*' if parallel and self.parallel else ""
         parts = [json.dumps(self.open)] if self.open else []
         parts.append("body")
