@@ -272,6 +272,26 @@ def test_the_recall_command_refuses_bad_input_in_one_line(artifacts, tmp_path):
     short.write_text("a few words only")
     assert_clean_error(cabinlm("recall", artifacts["region"], "--filler", short, "--distances", "500"), "longer filler")
     assert_clean_error(cabinlm("recall", artifacts["region"], "--distances", "2000,x"), "--distances")
+    assert_clean_error(cabinlm("recall", artifacts["region"], "--records", tmp_path / "no" / "r.jsonl"), "--records")
+
+
+def test_the_default_filler_reaches_every_distance(artifacts, tmp_path):
+    """The shipped prose is cycled through, so the default distances (up to 32000 tokens) are reached;
+    a given --filler is not cycled and must hold the largest distance itself."""
+    from cabinlm.bench.recall import DEFAULT_DISTANCES, DEFAULT_FILLER, filler_messages, parse_distances
+    from cabinlm.contract.errors import InputError
+
+    _, tok = open_artifact(artifacts["region"], verify=False)
+    far = parse_distances(DEFAULT_DISTANCES)
+    assert DEFAULT_FILLER.is_file() and max(far) == 32000
+    pieces = filler_messages(tok, DEFAULT_FILLER, far, 128, cycle=True)
+    assert len(pieces) > 10
+    with pytest.raises(InputError, match="longer filler"):
+        filler_messages(tok, DEFAULT_FILLER, [10**6], 128)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    with pytest.raises(InputError, match="no text"):
+        filler_messages(tok, empty, [10], 128, cycle=True)
 
 
 def test_the_recall_command_runs_both_ways(artifacts, tmp_path):
@@ -282,8 +302,17 @@ def test_the_recall_command_runs_both_ways(artifacts, tmp_path):
                                  "choices": ["level three", "level one"], "answer": "level three"}) + "\n")  # fmt: skip
     filler = tmp_path / "filler.txt"
     filler.write_text(" ".join(FILLER) * 20)
-    out = cabinlm("recall", artifacts["region"], "--facts", facts, "--filler", filler, "--distances", "300", "--json")
+    records = tmp_path / "recall.jsonl"
+    out = cabinlm("recall", artifacts["region"], "--facts", facts, "--filler", filler, "--distances", "300", "--lead",
+                  "1", "--records", records, "--json")  # fmt: skip
     assert out.returncode == 0, out.stderr
     results = json.loads(out.stdout.strip().splitlines()[-1])["results"]
-    assert [(r["distance"], r["recall"], r["trials"]) for r in results] == [(300, True, 1), (300, False, 1)]
+    assert [(r["distance"], r["recall"], r["trials"], r["lead"]) for r in results] == [(300, True, 1, 1), (300, False, 1, 1)]
     assert results[0]["recall_ms_per_turn"] > 0 and results[1]["recall_ms_per_turn"] == 0
+    assert results[1]["held"] == 0  # without recall the region holds nothing
+    from cabinlm.bench.records import read
+
+    kept = read(records)
+    assert [(r.tool, r.params["distance"], r.params["recall"]) for r in kept] == [("cabinlm recall", 300, True),
+                                                                                ("cabinlm recall", 300, False)]  # fmt: skip
+    assert kept[0].figures["accuracy"] == results[0]["accuracy"]

@@ -146,6 +146,8 @@ def plan(
     pinned: Optional[int] = typer.Option(None, help="Pinned slots (system prompt). [default: 124]"),
     chunk: Optional[int] = typer.Option(None, help="Prefill chunk [default: the profile's]."),
     window: Optional[int] = typer.Option(None, help="Check this window instead of searching the largest."),
+    recall: Optional[int] = typer.Option(None, help="Recall-region slots R (a multiple of 16), counted as `cabinlm "
+                                         "export --recall R` lays them out. [default: 0]"),
     json_out: bool = typer.Option(False, "--json", help="Print the plan as one JSON object."),
 ) -> None:
     """Memory breakdown of MODEL on a device profile, and the largest window that fits its budget; of an
@@ -156,16 +158,16 @@ def plan(
 
     if (Path(model).expanduser() / MANIFEST_NAME).is_file():
         p = artifact_plan(Path(model).expanduser(), profile, kv=kv, sink=sink, pinned=pinned, chunk=chunk,
-                          window=window)
+                          window=window, recall=recall)  # fmt: skip
     else:
         # the values alone first (as `cabinlm export` checks them), then against the model's config
         pinned = ExportOptions.pinned if pinned is None else pinned
-        request = ExportRequest(sink=sink, pinned=pinned, window=window, chunk=chunk, kv=kv)
+        request = ExportRequest(sink=sink, pinned=pinned, window=window, chunk=chunk, kv=kv, recall=recall)
         spec, vision, image = model_facts(model)
         device = load_profile(profile or "cpu")
         check_profile_request(spec, device, request, image)
         p = make_plan(spec, device, kv=kv, sink=sink, chunk=chunk, pinned=pinned, window=window,
-                      vision_params=vision, image_tokens=image)  # fmt: skip
+                      vision_params=vision, image_tokens=image, recall=recall or 0)  # fmt: skip
     if json_out:
         typer.echo(json.dumps(p.to_dict()))
     else:
