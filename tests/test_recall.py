@@ -273,6 +273,7 @@ def test_the_recall_command_refuses_bad_input_in_one_line(artifacts, tmp_path):
     assert_clean_error(cabinlm("recall", artifacts["region"], "--filler", short, "--distances", "500"), "longer filler")
     assert_clean_error(cabinlm("recall", artifacts["region"], "--distances", "2000,x"), "--distances")
     assert_clean_error(cabinlm("recall", artifacts["region"], "--records", tmp_path / "no" / "r.jsonl"), "--records")
+    assert_clean_error(cabinlm("recall", artifacts["region"], "--lead", "-1"), "--lead")
 
 
 def test_the_default_filler_reaches_every_distance(artifacts, tmp_path):
@@ -316,3 +317,46 @@ def test_the_recall_command_runs_both_ways(artifacts, tmp_path):
     assert [(r.tool, r.params["distance"], r.params["recall"]) for r in kept] == [("cabinlm recall", 300, True),
                                                                                 ("cabinlm recall", 300, False)]  # fmt: skip
     assert kept[0].figures["accuracy"] == results[0]["accuracy"]
+
+
+def test_perplexity_refills_the_region_from_the_evicted_text(artifacts, tmp_path):
+    """A text stream (no turns): without a TextRecall the region stays empty and every NLL is the
+    artifact without a region's, bit for bit; with one, the region is refilled every N tokens with
+    whole pieces of the evicted text (stream order), and every NLL before the first refill is the
+    same. `cabinlm perplexity --no-recall` and the default both run; a bad --recall-every is one line."""
+    from cabinlm.runtime import stream_perplexity
+    from cabinlm.runtime.recall import PIECE_TOKENS, TextRecall
+    from test_cli import assert_clean_error, cabinlm
+
+    text = " ".join(SCRIPT * 8)
+    dec, tok = open_artifact(artifacts["region"], verify=False)
+    plain, _ = open_artifact(artifacts["none"], verify=False)
+    ids = tok.encode(text, add_special_tokens=True)[:900]
+    off = stream_perplexity(dec, ids)
+    assert np.array_equal(off.nll, stream_perplexity(plain, ids).nll) and off.refreshes == 0
+    chosen = []
+    recall = TextRecall(tok, dec.layout.recall, every=64)
+    keep = recall.choose
+    recall.choose = lambda evicted, recent: chosen.append((len(evicted), keep(evicted, recent))) or chosen[-1][1]
+    on = stream_perplexity(dec, ids, recall=recall)
+    assert on.refreshes > 3 and dec.cache.recall_fill > 0
+    first = 64 * next(k for k, (n, c) in enumerate(chosen, 1) if c)  # the step before which the first refill came
+    assert np.array_equal(on.nll[:first], off.nll[:first]) and not np.array_equal(on.nll, off.nll)
+    ids_arr = np.asarray(ids)
+    for n, region in chosen:
+        assert len(region) % PIECE_TOKENS == 0 and len(region) <= dec.layout.recall
+        for a in range(0, len(region), PIECE_TOKENS):  # each piece is a whole piece of the evicted text
+            piece = np.asarray(region[a : a + PIECE_TOKENS])
+            starts = [s for s in range(LAYOUT["sink"], LAYOUT["sink"] + n, PIECE_TOKENS)
+                      if np.array_equal(ids_arr[s : s + PIECE_TOKENS], piece)]  # fmt: skip
+            assert starts, (n, a)
+    body = tmp_path / "text.txt"
+    body.write_text(text)
+    for extra in ((), ("--no-recall",)):
+        out = cabinlm("perplexity", artifacts["region"], "--text", body, "--max-tokens", "600", "--json", *extra)
+        assert out.returncode == 0, out.stderr
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        assert (got["recall_refreshes"] > 0) == (not extra)
+    with pytest.raises(OptionError, match="--recall-every"):
+        TextRecall(tok, 192, every=0)
+    assert_clean_error(cabinlm("perplexity", artifacts["region"], "--text", body, "--recall-every", "0"), "recall-every")

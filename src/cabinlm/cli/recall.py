@@ -22,7 +22,7 @@ def recall(
         "[default: cabinlm's calibration prose, about 6,000 tokens, cycled through so that every distance is reached]"),
     distances: str = typer.Option("2000,8000,32000", help="How far back the statement is when the question comes, "
                                   "in tokens, comma-separated."),
-    lead: int = typer.Option(0, min=0, max=64, help="Filler turns before the statement: with 1 or more the statement "
+    lead: int = typer.Option(0, help="Filler turns before the statement: with 1 or more the statement "
                              "is not the opening request (which the region always keeps), so only retrieval brings it back."),
     no_recall: bool = typer.Option(False, "--no-recall", help="Only without the recall region (StreamingLLM)."),
     threads: Optional[int] = typer.Option(None, help="ONNX Runtime intra-op threads (default: all cores)."),
@@ -42,8 +42,9 @@ def recall(
     from cabinlm.bench.recall import DEFAULT_FACTS, DEFAULT_FILLER, filler_messages, parse_distances, read_facts, run
     from cabinlm.bench.records import Recorder
     from cabinlm.runtime.assembly import RuntimeConfig, open_runtime
-    from cabinlm.runtime.limits import check_output_file
+    from cabinlm.runtime.limits import check_count, check_output_file
 
+    check_count("lead", lead, 0, 64)
     points = parse_distances(distances)
     fact_list = read_facts(facts or DEFAULT_FACTS)
     check_output_file("records", records)
