@@ -103,6 +103,7 @@ def test_the_region_holds_the_opening_request_and_the_relevant_piece(artifacts):
     # a turn whose region would not change costs no prefill
     again = d.ask("where is my car parked?").recall
     assert again["refreshed"] is False and again["prefill_ms"] == 0.0 and again["tokens"] == last["tokens"]
+    assert last["retrieval_ms"] > 0 and again["retrieval_ms"] > 0  # the ranking runs every turn, refreshed or not
 
 
 def test_nothing_relevant_recalls_the_opening_request_only(artifacts):

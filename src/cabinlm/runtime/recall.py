@@ -126,8 +126,9 @@ class Choice:
     ids: tuple[int, ...]
     turns: tuple[int, ...]
 
-    def report(self, refreshed: bool, ms: float) -> dict:
-        return {"turns": list(self.turns), "tokens": len(self.ids), "refreshed": refreshed, "prefill_ms": round(ms, 2)}
+    def report(self, refreshed: bool, ms: float, retrieval_ms: float = 0.0) -> dict:
+        return {"turns": list(self.turns), "tokens": len(self.ids), "refreshed": refreshed, "prefill_ms": round(ms, 2),
+                "retrieval_ms": round(retrieval_ms, 2)}  # fmt: skip
 
 
 EMPTY = Choice((), ())
