@@ -1,7 +1,7 @@
 """`cabinlm serve` with the recall region active over hundreds of turns (docs/results.md#recall): the
 server's resident memory against the turn, two seats each with its own archive, over the OpenAI API.
 
-    python benchmarks/serve_recall_rss.py BUILD [--turns 200] [--max-tokens 24] [--archive-mb 0.25]
+    python benchmarks/serve_recall_rss.py BUILD [--turns 200] [--max-tokens 24] [--archive-mb 0.04]
                                           [--threads 1] [--records FILE]
 
 BUILD is a build of an artifact exported with --recall R. The script starts `cabinlm serve BUILD
@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("build")
     ap.add_argument("--turns", type=int, default=200, help="turns per seat")
     ap.add_argument("--max-tokens", type=int, default=24)
-    ap.add_argument("--archive-mb", type=float, default=0.25, help="each seat's archive bound (--recall-archive-mb)")
+    ap.add_argument("--archive-mb", type=float, default=0.04, help="each seat's archive bound (--recall-archive-mb)")
     ap.add_argument("--threads", type=int, default=1, help="the server's ONNX Runtime threads")
     ap.add_argument("--records", type=Path, default=None, help="append the run's record here")
     a = ap.parse_args()
