@@ -232,3 +232,6 @@ def test_plan_counts_the_region(tiny_llama_dir):
     assert region["window"] + 64 <= plain["window"]  # the model's positions hold the region too
     assert "+64+" in cabinlm("plan", tiny_llama_dir, "--recall", "64").stdout  # sink+pinned+recall+window slots
     assert_clean_error(cabinlm("plan", tiny_llama_dir, "--recall", "40"), "multiple of 16", "--recall 48")
+    # a region the model's 512 positions cannot hold beside a window: the largest that fits, a multiple of 16
+    assert_clean_error(cabinlm("plan", tiny_llama_dir, "--recall", "4000"), "give --recall 256 or less")
+    assert_clean_error(cabinlm("export", tiny_llama_dir, "-o", "never", "--recall", "4000"), "give --recall")
