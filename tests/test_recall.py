@@ -312,6 +312,7 @@ def test_the_recall_command_runs_both_ways(artifacts, tmp_path):
     assert [(r["distance"], r["recall"], r["trials"], r["lead"]) for r in results] == [(300, True, 1, 1), (300, False, 1, 1)]
     assert results[0]["recall_ms_per_turn"] > 0 and results[1]["recall_ms_per_turn"] == 0
     assert results[1]["held"] == 0  # without recall the region holds nothing
+    assert results[0]["retrieval_ms_per_turn"] > 0 and results[1]["retrieval_ms_per_turn"] == 0
     from cabinlm.bench.records import read
 
     kept = read(records)

@@ -27,7 +27,7 @@ def recall(
     no_recall: bool = typer.Option(False, "--no-recall", help="Only without the recall region (StreamingLLM)."),
     threads: Optional[int] = typer.Option(None, help="ONNX Runtime intra-op threads (default: all cores)."),
     json_out: bool = typer.Option(False, "--json", help="Print {\"results\": [{\"distance\", \"recall\", \"lead\", "
-                                  "\"accuracy\", \"held\", \"trials\", \"recall_ms_per_turn\"}, ...]}."),
+                                  "\"accuracy\", \"held\", \"trials\", \"recall_ms_per_turn\", \"retrieval_ms_per_turn\"}, ...]}."),
     records: Optional[Path] = typer.Option(
         None, "--records", metavar="FILE", help="Append one record per (distance, recall on / off) to FILE (JSON "
         "lines with provenance: benchmarks/README.md)."),
@@ -63,7 +63,8 @@ def recall(
         params = {"distance": r.distance, "recall": r.recall, "lead": r.lead, "facts": (facts or DEFAULT_FACTS).name,
                   "filler": (filler or DEFAULT_FILLER).name, "sink": lay.sink, "window": lay.window,
                   "region": lay.recall}  # fmt: skip
-        figures = {"accuracy": r.accuracy, "held": r.held, "trials": r.trials, "recall_ms_per_turn": r.recall_ms_per_turn}
+        figures = {"accuracy": r.accuracy, "held": r.held, "trials": r.trials, "recall_ms_per_turn": r.recall_ms_per_turn,
+                   "retrieval_ms_per_turn": r.retrieval_ms_per_turn}  # fmt: skip
         rec.add(params, figures, utc_start=clock["start"], loadavg_start=clock["load"], artifact=artifact,
                 threads=threads)  # fmt: skip
         clock.update(start=provenance.utc_now(), load=provenance.load_average())
@@ -75,7 +76,7 @@ def recall(
     if json_out:
         typer.echo(json.dumps({"results": [r.to_dict() for r in results]}))
         return
-    typer.echo("distance  recall  accuracy  held  trials  recall ms/turn")
+    typer.echo("distance  recall  accuracy  held  trials  recall ms/turn  retrieval ms/turn")
     for r in results:
         typer.echo(f"{r.distance:>8}  {'on' if r.recall else 'off':>6}  {r.accuracy:>8.2f}  {r.held:>4.2f}  {r.trials:>6}  "
-                   f"{r.recall_ms_per_turn:>14.1f}")
+                   f"{r.recall_ms_per_turn:>14.1f}  {r.retrieval_ms_per_turn:>17.1f}")
