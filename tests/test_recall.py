@@ -103,6 +103,7 @@ def test_the_region_holds_the_opening_request_and_the_relevant_piece(artifacts):
     # a turn whose region would not change costs no prefill
     again = d.ask("where is my car parked?").recall
     assert again["refreshed"] is False and again["prefill_ms"] == 0.0 and again["tokens"] == last["tokens"]
+    assert last["retrieval_ms"] > 0 and again["retrieval_ms"] > 0  # the ranking runs every turn, refreshed or not
 
 
 def test_nothing_relevant_recalls_the_opening_request_only(artifacts):
@@ -272,6 +273,27 @@ def test_the_recall_command_refuses_bad_input_in_one_line(artifacts, tmp_path):
     short.write_text("a few words only")
     assert_clean_error(cabinlm("recall", artifacts["region"], "--filler", short, "--distances", "500"), "longer filler")
     assert_clean_error(cabinlm("recall", artifacts["region"], "--distances", "2000,x"), "--distances")
+    assert_clean_error(cabinlm("recall", artifacts["region"], "--records", tmp_path / "no" / "r.jsonl"), "--records")
+    assert_clean_error(cabinlm("recall", artifacts["region"], "--lead", "-1"), "--lead")
+
+
+def test_the_default_filler_reaches_every_distance(artifacts, tmp_path):
+    """The shipped prose is cycled through, so the default distances (up to 32000 tokens) are reached;
+    a given --filler is not cycled and must hold the largest distance itself."""
+    from cabinlm.bench.recall import DEFAULT_DISTANCES, DEFAULT_FILLER, filler_messages, parse_distances
+    from cabinlm.contract.errors import InputError
+
+    _, tok = open_artifact(artifacts["region"], verify=False)
+    far = parse_distances(DEFAULT_DISTANCES)
+    assert DEFAULT_FILLER.is_file() and max(far) == 32000
+    pieces = filler_messages(tok, DEFAULT_FILLER, far, 128, cycle=True)
+    assert len(pieces) > 10
+    with pytest.raises(InputError, match="longer filler"):
+        filler_messages(tok, DEFAULT_FILLER, [10**6], 128)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    with pytest.raises(InputError, match="no text"):
+        filler_messages(tok, empty, [10], 128, cycle=True)
 
 
 def test_the_recall_command_runs_both_ways(artifacts, tmp_path):
@@ -282,8 +304,61 @@ def test_the_recall_command_runs_both_ways(artifacts, tmp_path):
                                  "choices": ["level three", "level one"], "answer": "level three"}) + "\n")  # fmt: skip
     filler = tmp_path / "filler.txt"
     filler.write_text(" ".join(FILLER) * 20)
-    out = cabinlm("recall", artifacts["region"], "--facts", facts, "--filler", filler, "--distances", "300", "--json")
+    records = tmp_path / "recall.jsonl"
+    out = cabinlm("recall", artifacts["region"], "--facts", facts, "--filler", filler, "--distances", "300", "--lead",
+                  "1", "--records", records, "--json")  # fmt: skip
     assert out.returncode == 0, out.stderr
     results = json.loads(out.stdout.strip().splitlines()[-1])["results"]
-    assert [(r["distance"], r["recall"], r["trials"]) for r in results] == [(300, True, 1), (300, False, 1)]
+    assert [(r["distance"], r["recall"], r["trials"], r["lead"]) for r in results] == [(300, True, 1, 1), (300, False, 1, 1)]
     assert results[0]["recall_ms_per_turn"] > 0 and results[1]["recall_ms_per_turn"] == 0
+    assert results[1]["held"] == 0  # without recall the region holds nothing
+    assert results[0]["retrieval_ms_per_turn"] > 0 and results[1]["retrieval_ms_per_turn"] == 0
+    from cabinlm.bench.records import read
+
+    kept = read(records)
+    assert [(r.tool, r.params["distance"], r.params["recall"]) for r in kept] == [("cabinlm recall", 300, True),
+                                                                                ("cabinlm recall", 300, False)]  # fmt: skip
+    assert kept[0].figures["accuracy"] == results[0]["accuracy"]
+
+
+def test_perplexity_refills_the_region_from_the_evicted_text(artifacts, tmp_path):
+    """A text stream (no turns): without a TextRecall the region stays empty and every NLL is the
+    artifact without a region's, bit for bit; with one, the region is refilled every N tokens with
+    whole pieces of the evicted text (stream order), and every NLL before the first refill is the
+    same. `cabinlm perplexity --no-recall` and the default both run; a bad --recall-every is one line."""
+    from cabinlm.runtime import stream_perplexity
+    from cabinlm.runtime.recall import PIECE_TOKENS, TextRecall
+    from test_cli import assert_clean_error, cabinlm
+
+    text = " ".join(SCRIPT * 8)
+    dec, tok = open_artifact(artifacts["region"], verify=False)
+    plain, _ = open_artifact(artifacts["none"], verify=False)
+    ids = tok.encode(text, add_special_tokens=True)[:900]
+    off = stream_perplexity(dec, ids)
+    assert np.array_equal(off.nll, stream_perplexity(plain, ids).nll) and off.refreshes == 0
+    chosen = []
+    recall = TextRecall(tok, dec.layout.recall, every=64)
+    keep = recall.choose
+    recall.choose = lambda evicted, recent: chosen.append((len(evicted), keep(evicted, recent))) or chosen[-1][1]
+    on = stream_perplexity(dec, ids, recall=recall)
+    assert on.refreshes > 3 and dec.cache.recall_fill > 0
+    first = 64 * next(k for k, (n, c) in enumerate(chosen, 1) if c)  # the step before which the first refill came
+    assert np.array_equal(on.nll[:first], off.nll[:first]) and not np.array_equal(on.nll, off.nll)
+    ids_arr = np.asarray(ids)
+    for n, region in chosen:
+        assert len(region) % PIECE_TOKENS == 0 and len(region) <= dec.layout.recall
+        for a in range(0, len(region), PIECE_TOKENS):  # each piece is a whole piece of the evicted text
+            piece = np.asarray(region[a : a + PIECE_TOKENS])
+            starts = [s for s in range(LAYOUT["sink"], LAYOUT["sink"] + n, PIECE_TOKENS)
+                      if np.array_equal(ids_arr[s : s + PIECE_TOKENS], piece)]  # fmt: skip
+            assert starts, (n, a)
+    body = tmp_path / "text.txt"
+    body.write_text(text)
+    for extra in ((), ("--no-recall",)):
+        out = cabinlm("perplexity", artifacts["region"], "--text", body, "--max-tokens", "600", "--json", *extra)
+        assert out.returncode == 0, out.stderr
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        assert (got["recall_refreshes"] > 0) == (not extra)
+    with pytest.raises(OptionError, match="--recall-every"):
+        TextRecall(tok, 192, every=0)
+    assert_clean_error(cabinlm("perplexity", artifacts["region"], "--text", body, "--recall-every", "0"), "recall-every")

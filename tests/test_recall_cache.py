@@ -217,3 +217,21 @@ def test_verified_rows_are_one_token_steps_with_a_region(artifacts, stream):
     for i in range(len(draft)):
         assert np.array_equal(rows[i], steps[i]), i
     assert np.array_equal(chunked.step(draft[:1]), one.step(draft[:1]))
+
+
+def test_plan_counts_the_region(tiny_llama_dir):
+    """`cabinlm plan --recall R` lays the region out as `cabinlm export --recall R` does: its slots in the
+    KV line and the JSON, the window searched with them taken; a bad R is one line, as export says it."""
+    import json
+
+    from test_cli import assert_clean_error, cabinlm
+
+    plain, region = (json.loads(cabinlm("plan", tiny_llama_dir, *extra, "--json").stdout)
+                     for extra in ((), ("--recall", "64")))  # fmt: skip
+    assert region["recall"] == 64 and plain["recall"] == 0
+    assert region["window"] + 64 <= plain["window"]  # the model's positions hold the region too
+    assert "+64+" in cabinlm("plan", tiny_llama_dir, "--recall", "64").stdout  # sink+pinned+recall+window slots
+    assert_clean_error(cabinlm("plan", tiny_llama_dir, "--recall", "40"), "multiple of 16", "--recall 48")
+    # a region the model's 512 positions cannot hold beside a window: the largest that fits, a multiple of 16
+    assert_clean_error(cabinlm("plan", tiny_llama_dir, "--recall", "4000"), "give --recall 256 or less")
+    assert_clean_error(cabinlm("export", tiny_llama_dir, "-o", "never", "--recall", "4000"), "give --recall")

@@ -813,3 +813,31 @@ def test_the_page_is_served_at_the_root_and_no_ui_turns_it_off(served, artifact,
     help_text = subprocess.run([sys.executable, "-m", "cabinlm", "serve", "--help"], capture_output=True, text=True,
                                timeout=120).stdout  # fmt: skip
     assert "--no-ui" in help_text
+
+
+def test_two_seats_keep_their_own_archives_and_report_the_recall(load, tiny_qwen2_dir, export_to, tmp_path):
+    """A recall region over the OpenAI API: two seats, their conversations interleaved, each with its own
+    archive; every reply and every usage.cabinlm.recall (the turns and tokens the region held) is what a
+    library Dialogue alone with that conversation gives, so neither seat recalls the other's past."""
+    region = export_to(load(str(tiny_qwen2_dir)), sink=4, pinned=28, window=40, chunk=8, kv="int8", recall=64)
+    talks = {"driver": [f"{t} {i}" for i in range(3) for t in DRIVER], "passenger": [f"{t} {i}" for i in range(3) for t in PASSENGER]}
+    alone = {seat: library(region) for seat in talks}
+    with Server(region, tmp_path / "server.log", "--seats", 2) as server:
+        client = server.client()
+        replies: dict[str, list[str]] = {seat: [] for seat in talks}
+        for i in range(len(DRIVER) * 3):
+            for seat, turns in talks.items():
+                text, usage = ask(client, turns[: i + 1], replies[seat], seat)
+                want = alone[seat].ask(turns[i])
+                got = cabin(usage)["recall"]
+                assert text == want.reply, (seat, i)
+                if want.recall is None:
+                    assert got is None
+                else:  # the region's content, not its timing
+                    assert (got["turns"], got["tokens"], got["refreshed"]) == (want.recall["turns"], want.recall["tokens"],
+                                                                             want.recall["refreshed"]), (seat, i)  # fmt: skip
+                replies[seat].append(text)
+        late = [cabin(ask(client, talks[s] + ["what did I say first"], replies[s], s)[1])["recall"] for s in talks]
+    assert all(r is not None and 1 in r["turns"] and r["tokens"] > 0 for r in late)  # the opening request, recalled
+    assert all(d.archive.kept for d in alone.values())
+    assert [m.text for m in alone["driver"].archive.kept] != [m.text for m in alone["passenger"].archive.kept]

@@ -37,7 +37,7 @@ Scalar = (str, int, float, bool, type(None))
 # key -> (JSON types a value may have, what it means). The order is the order records are written in.
 FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "schema": ((int,), "version of this record format (SCHEMA)"),
-    "tool": ((str,), 'what measured: "cabinlm bench", "cabinlm bench --seats", or a script, "benchmarks/recall.py"'),
+    "tool": ((str,), 'what measured: "cabinlm bench", "cabinlm bench --seats", `cabinlm recall`, or a script, "benchmarks/serve_load.py"'),
     "utc_start": ((str,), "when the run started, UTC, ISO 8601"),
     "utc_end": ((str,), "when it ended"),
     "round": ((int,), "the round within one invocation (0, 1, ...): compare pairs equal rounds"),
@@ -174,9 +174,9 @@ class Recorder:
     """Records of one invocation: the machine's facts read once, each build's once, and each run's
     time and load average around it.
 
-        rec = Recorder("benchmarks/recall.py")
-        with rec.run(params={"distance": 500}, artifact=folder, threads=2) as figures:
-            figures["recalled"] = 1.0     # the run fills in what it measured
+        rec = Recorder("benchmarks/serve_load.py")
+        with rec.run(params={"clients": 4}, artifact=folder, threads=2) as figures:
+            figures["errors"] = 0         # the run fills in what it measured
         rec.write(path)                   # JSON lines, appended
     """
 

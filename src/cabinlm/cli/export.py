@@ -168,6 +168,8 @@ def plan(
         [], "--adapter", metavar="FILE_OR_DIR", help="An adapter (a PEFT folder or a GGUF LoRA file) seats will use: "
         "its cost in memory. Repeatable.",
     ),
+    recall: Optional[int] = typer.Option(None, help="Recall-region slots R (a multiple of 16), counted as `cabinlm "
+                                         "export --recall R` lays them out. [default: 0]"),
     json_out: bool = typer.Option(False, "--json", help="Print the plan as one JSON object."),
 ) -> None:
     """Memory breakdown of MODEL on a device profile, and the largest window that fits its budget; of an
@@ -179,17 +181,17 @@ def plan(
 
     if (Path(model).expanduser() / MANIFEST_NAME).is_file():
         p = artifact_plan(Path(model).expanduser(), profile, kv=kv, sink=sink, pinned=pinned, chunk=chunk,
-                          window=window, **{"lora-rank": lora_rank, "adapter": adapter or None})  # fmt: skip
+                          window=window, recall=recall, **{"lora-rank": lora_rank, "adapter": adapter or None})  # fmt: skip
     else:
         # the values alone first (as `cabinlm export` checks them), then against the model's config
         pinned = ExportOptions.pinned if pinned is None else pinned
-        request = ExportRequest(sink=sink, pinned=pinned, window=window, chunk=chunk, kv=kv)
+        request = ExportRequest(sink=sink, pinned=pinned, window=window, chunk=chunk, kv=kv, recall=recall)
         spec, vision, image = model_facts(model)
         device = load_profile(profile or "cpu")
         check_profile_request(spec, device, request, image)
         lora, sizes = planned_adapters(spec, lora_rank, adapter, vision > 0)
         p = make_plan(spec, device, kv=kv, sink=sink, chunk=chunk, pinned=pinned, window=window,
-                      vision_params=vision, image_tokens=image, lora=lora, adapters=sizes)  # fmt: skip
+                      vision_params=vision, image_tokens=image, lora=lora, adapters=sizes, recall=recall or 0)  # fmt: skip
     if json_out:
         typer.echo(json.dumps(p.to_dict()))
     else:

@@ -23,7 +23,11 @@ def perplexity(
     max_tokens: Optional[int] = typer.Option(None, help="Use only the first N tokens."),
     nll_out: Optional[Path] = typer.Option(None, help="Save the NLL of tokens 2..N as a float64 .npy file."),
     threads: Optional[int] = typer.Option(None, help="ONNX Runtime intra-op threads."),
-    json_out: bool = typer.Option(False, "--json", help='Print {"tokens", "ppl", "nll_mean"} as JSON.'),
+    json_out: bool = typer.Option(False, "--json", help='Print {"tokens", "ppl", "nll_mean", "recall_refreshes"} as JSON.'),
+    recall_every: int = typer.Option(
+        256, help="An artifact with a recall region: refill it every N tokens with the pieces of "
+        "the evicted text that BM25 ranks highest against the window's latest 64 tokens."),
+    no_recall: bool = typer.Option(False, "--no-recall", help="Leave the recall region empty: StreamingLLM bit for bit."),
     image: Optional[Path] = typer.Option(
         None, "--image", help="Vision-language models: a camera frame fed before the text, as the model's processor "
         "expands one image (Qwen2-VL: <|vision_start|>, the image tokens, <|vision_end|>); the NLL is then the text's "
@@ -34,16 +38,20 @@ def perplexity(
         help="A build with switchable LoRA adapters: score with adapter NAME (default: the base model).",
     ),
 ) -> None:
-    """Perplexity of a text streamed through the graph one token per step (eviction active beyond the cache)."""
+    """Perplexity of a text streamed through the graph one token per step (eviction active beyond the cache).
+    An artifact with a recall region refills it every --recall-every tokens from the text that has left the
+    window (no turns, so no template pieces); --no-recall leaves it empty."""
     import numpy as np
 
     from cabinlm.contract.manifest import load_manifest
     from cabinlm.runtime import open_artifact, stream_perplexity
     from cabinlm.runtime.assembly import check_adapter
+    from cabinlm.runtime.recall import TextRecall
     from cabinlm.runtime.limits import check_count, check_output_file, check_threads
 
     # Checked before the model loads and the long run starts: a bad value is one line, exit 2.
     check_count("max-tokens", max_tokens, 2)
+    check_count("recall-every", recall_every, 1, 1 << 24)
     check_threads(threads)
     check_output_file("nll-out", nll_out)
     if not text.is_file():
@@ -60,6 +68,7 @@ def perplexity(
         if dec.vision is None:
             raise CabinlmError(f"--image {image}: {artifact} is a text model; export a vision-language model to score with a frame")
         frame = dec.vision.encode(image)  # an unreadable image or a decompression bomb: one line (InputError)
+    recall = None if no_recall or not dec.layout.recall else TextRecall(tok, dec.layout.recall, recall_every)
     ids = tok.encode(body, add_special_tokens=True)
     if max_tokens is not None:
         ids = ids[:max_tokens]
@@ -73,14 +82,16 @@ def perplexity(
     ) as bar:
         task = bar.add_task("tokens", total=len(ids) - 1)
         result = stream_perplexity(dec, ids, progress=lambda i: bar.update(task, completed=i) if i % 16 == 0 else None,
-                                   frame=frame)  # fmt: skip
+                                   frame=frame, recall=recall)  # fmt: skip
     if json_out:
         typer.echo(json.dumps({**result.to_dict(), "backend": dec.device}))
     else:
         lay = dec.layout
         typer.echo(
             f"perplexity {result.ppl:.4f} over {result.tokens} tokens (cache: sink {lay.sink} + pinned "
-            f"{lay.pinned} + window {lay.window}, {lay.kv_dtype.value} KV; {dec.cache.evicted} evicted)"
+            f"{lay.pinned}" + (f" + recall {lay.recall}" if lay.recall else "") + f" + window {lay.window}, "
+            f"{lay.kv_dtype.value} KV; {dec.cache.evicted} evicted"
+            + (f"; the recall region refilled {result.refreshes} times" if recall is not None else "") + ")"
         )
     if nll_out is not None:  # after the result is out: a disk that filled during the run loses only this file
         try:

@@ -247,7 +247,7 @@ def check_positions(spec: ModelSpec, *, sink: int, pinned: int, chunk: int, wind
     window None (a profile's planner searches it): a window of at least one chunk must fit.
     A refusal names the option to change and the value that would fit:
         the window alone is too large       -> --window (the largest that fits)
-        sink + pinned + image + chunk are   -> the largest of --sink, --pinned, --chunk
+        sink + pinned + image + chunk are   -> the largest of --sink, --pinned, --chunk, --recall
     """
     limit = spec.max_positions
     fixed = sink + pinned + image + recall + chunk  # every term but the window
@@ -265,13 +265,17 @@ def check_positions(spec: ModelSpec, *, sink: int, pinned: int, chunk: int, wind
     # Not even a window of one chunk fits: the largest of sink, pinned and chunk must shrink. With
     # the window as given if that is enough; else with a window of one chunk (then the chunk saves
     # two positions a token: it is the least window too); else all three must.
-    name, value = max((("sink", sink), ("pinned", pinned), ("chunk", chunk)), key=lambda nv: nv[1])
+    # The recall region competes as the others do; what it is cut to stays a multiple of 16.
+    name, value = max((("sink", sink), ("pinned", pinned), ("chunk", chunk), ("recall", recall)), key=lambda nv: nv[1])
     least = 1 if name == "chunk" else 0
     fits = [value - (fixed + w - limit) for w in ([window] if window is not None else [])]
     excess = fixed + least_window - limit
     fits.append(value - (-(-excess // 2) if name == "chunk" else excess))
+    if name == "recall":
+        fits = [v - v % 16 for v in fits]
     best = next((v for v in fits if v >= least), None)
-    fix = f"give --{name} {best} or less" if best is not None else "lower --sink, --pinned and --chunk"
+    options = "--sink, --pinned, --recall and --chunk" if recall else "--sink, --pinned and --chunk"
+    fix = f"give --{name} {best} or less" if best is not None else f"lower {options}"
     raise LayoutError(
         f"--{name} {value}: sink {sink} + pinned {pinned}{image_term} + chunk {chunk} leave no room for a window "
         f"of one chunk ({fixed + least_window} positions), but {model}; {fix}"

@@ -58,8 +58,8 @@ class TurnResult:
     backend: str  # what the decoder ran on (Decoder.device), e.g. "onnxruntime-cpu"
     drafted_tokens: int = 0  # speculative decoding: tokens drafted by prompt lookup in this reply
     accepted_tokens: int = 0  # and how many of them the model accepted
-    # what the recall region held for this turn: {"turns", "tokens", "refreshed", "prefill_ms"}; None
-    # without a recall region (or with recall switched off)
+    # what the recall region held for this turn: {"turns", "tokens", "refreshed", "prefill_ms",
+    # "retrieval_ms"}; None without a recall region (or with recall switched off)
     recall: dict | None = None
 
     def to_dict(self) -> dict:
@@ -165,9 +165,11 @@ class Dialogue:
         should hold changed; one prefill of at most R tokens that never touches the window's K/V."""
         if not self.recall:
             return None
+        t0 = time.perf_counter()
         choice = self.recaller.choose(self.archive, text)
+        chose = (time.perf_counter() - t0) * 1e3  # BM25 over the archive's pieces, on the host
         if choice.ids == self.region.ids:
-            return choice.report(False, 0.0)
+            return choice.report(False, 0.0, chose)
         t0 = time.perf_counter()
         dec = self.decoder
         dec.cache.begin_recall()
@@ -175,7 +177,7 @@ class Dialogue:
         if choice.ids:
             dec.feed(choice.ids, pin="recall")
         self.region = choice
-        return choice.report(True, (time.perf_counter() - t0) * 1e3)
+        return choice.report(True, (time.perf_counter() - t0) * 1e3, chose)
 
     def _archive_left(self) -> None:
         """Messages whose first token left the window join the archive."""

@@ -1,4 +1,10 @@
-"""Streaming perplexity: a text's tokens through the graph one per step, with eviction active."""
+"""Streaming perplexity: a text's tokens through the graph one per step, with eviction active.
+
+With a recall region (an artifact exported with --recall R) and a TextRecall, the region is refilled
+every `every` text tokens from the text that has left the window (runtime/recall.py, TextRecall): one
+prefill of at most R tokens that never touches the window's K/V (docs/design.md, "The recall region"),
+skipped when the chosen text is the region's already. Without one the region stays empty, which is
+StreamingLLM bit for bit."""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ from typing import Callable
 import numpy as np
 
 from cabinlm.runtime.decoder import Decoder
+from cabinlm.runtime.recall import TextRecall
 
 
 @dataclass
@@ -16,9 +23,10 @@ class PerplexityResult:
     ppl: float
     nll_mean: float
     nll: np.ndarray  # (tokens - 1,) float64: NLL of tokens 2..N given everything before (as cached)
+    refreshes: int = 0  # recall-region prefills (0 without a TextRecall)
 
     def to_dict(self) -> dict:
-        return {"tokens": self.tokens, "ppl": self.ppl, "nll_mean": self.nll_mean}
+        return {"tokens": self.tokens, "ppl": self.ppl, "nll_mean": self.nll_mean, "recall_refreshes": self.refreshes}
 
 
 def token_nll(logits: np.ndarray, target: int) -> float:
@@ -29,26 +37,42 @@ def token_nll(logits: np.ndarray, target: int) -> float:
 
 def stream_perplexity(
     decoder: Decoder, ids: list[int] | np.ndarray, progress: Callable[[int], None] | None = None,
-    frame: np.ndarray | None = None,
+    frame: np.ndarray | None = None, recall: TextRecall | None = None,
 ) -> PerplexityResult:
     """frame: a camera frame's image-token embeddings (image_tokens, embed_dim), fed first, as the
     model's processor expands one image placeholder (VisionSpec.image_prefix, the image tokens in the
     pinned image region, image_suffix); the NLL is then the text's tokens 2..N given the frame and
-    the text before each."""
+    the text before each. recall: the region refilled as the module docstring says (a layout with a
+    recall region; `refreshes` in the result counts the prefills)."""
     ids = np.asarray(ids, dtype=np.int64)
     if ids.size < 2:
         raise ValueError("perplexity needs at least 2 tokens")
     decoder.reset()
     if frame is not None:
         feed_frame(decoder, frame)
+    if recall is not None and not decoder.layout.recall:
+        raise ValueError("this artifact has no recall region (export it with --recall R)")
     nll = np.empty(ids.size - 1, dtype=np.float64)
+    region: tuple[int, ...] = ()
+    refreshes = 0
     for i in range(ids.size - 1):
+        if recall is not None and i and i % recall.every == 0:
+            c = decoder.cache  # the text fed so far: ids[:i], of which the sink and the window are cached
+            evicted = ids[c.sink_fill : i - c.window_fill]
+            if len(evicted):
+                chosen = recall.choose(evicted, ids[i - c.window_fill : i])
+                if chosen != region:
+                    c.begin_recall()
+                    region = ()
+                    if chosen:
+                        decoder.feed(np.asarray(chosen, dtype=np.int64), pin="recall")
+                    region, refreshes = chosen, refreshes + 1
         logits = decoder.step(ids[i : i + 1])[0]
         nll[i] = token_nll(logits, int(ids[i + 1]))
         if progress is not None:
             progress(i + 1)
     mean = float(nll.mean())
-    return PerplexityResult(tokens=int(ids.size), ppl=float(np.exp(mean)), nll_mean=mean, nll=nll)
+    return PerplexityResult(tokens=int(ids.size), ppl=float(np.exp(mean)), nll_mean=mean, nll=nll, refreshes=refreshes)
 
 
 def chunked_perplexity(decoder: Decoder, ids: list[int] | np.ndarray) -> PerplexityResult:

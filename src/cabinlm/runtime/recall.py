@@ -9,6 +9,8 @@
                opening request, then the best-scoring pieces in stream order, each rendered with the chat
                template's role pieces under a short header, up to R tokens. Nothing relevant: the
                opening request alone. Nothing archived yet: nothing (the region stays empty).
+    TextRecall a text stream's region (`cabinlm perplexity`: no turns, no template): pieces of the
+               evicted text ranked against the window's latest text, refilled every N tokens.
 
 The Dialogue (runtime/dialogue.py) refreshes the region with one prefill of at most R tokens when its
 content changes, and skips it when the chosen text is the region's already.
@@ -124,8 +126,9 @@ class Choice:
     ids: tuple[int, ...]
     turns: tuple[int, ...]
 
-    def report(self, refreshed: bool, ms: float) -> dict:
-        return {"turns": list(self.turns), "tokens": len(self.ids), "refreshed": refreshed, "prefill_ms": round(ms, 2)}
+    def report(self, refreshed: bool, ms: float, retrieval_ms: float = 0.0) -> dict:
+        return {"turns": list(self.turns), "tokens": len(self.ids), "refreshed": refreshed, "prefill_ms": round(ms, 2),
+                "retrieval_ms": round(retrieval_ms, 2)}  # fmt: skip
 
 
 EMPTY = Choice((), ())
@@ -223,3 +226,38 @@ def bm25_scores(documents: list[str], query: str) -> np.ndarray:
     index = bm25s.BM25()
     index.index(corpus, show_progress=False)
     return np.asarray(index.get_scores(terms), dtype=np.float64)
+
+
+class TextRecall:
+    """The region of a text stream with no turns (`cabinlm perplexity`): every `every` tokens, once text
+    has left the window, the evicted text cut into pieces of PIECE_TOKENS (from the sink's end, so the
+    pieces never move as more leaves), ranked with BM25 against the window's last QUERY_TOKENS, and the
+    best that fit R joined in stream order: no header, no template pieces (the stream has none).
+    Nothing relevant: the region is left empty. A piece's text is decoded once."""
+
+    QUERY_TOKENS = 64
+
+    def __init__(self, tokenizer: Tokenizer, capacity: int, every: int):
+        if every < 1:
+            raise OptionError(f"--recall-every must be at least 1 token, got {every}")
+        self.tok, self.capacity, self.every = tokenizer, capacity, every
+        self._texts: list[str] = []  # decoded pieces, in stream order
+
+    def choose(self, evicted: np.ndarray, recent: np.ndarray) -> tuple[int, ...]:
+        """The region's ids for the evicted text `evicted` (stream order) and the window's text `recent`."""
+        whole = len(evicted) // PIECE_TOKENS  # only whole pieces: a piece's text never changes once made
+        while len(self._texts) < whole:
+            a = len(self._texts) * PIECE_TOKENS
+            self._texts.append(self.tok.decode([int(t) for t in evicted[a : a + PIECE_TOKENS]]))
+        if not whole or self.capacity < PIECE_TOKENS:
+            return ()
+        scores = bm25_scores(self._texts, self.tok.decode([int(t) for t in recent[-self.QUERY_TOKENS :]]))
+        picked = []
+        for i in np.argsort(-scores, kind="stable")[: self.capacity // PIECE_TOKENS]:
+            if scores[i] <= 0:
+                break
+            picked.append(int(i))
+        out: list[int] = []
+        for i in sorted(picked):  # stream order
+            out += [int(t) for t in evicted[i * PIECE_TOKENS : (i + 1) * PIECE_TOKENS]]
+        return tuple(out)

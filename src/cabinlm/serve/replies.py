@@ -43,7 +43,8 @@ def usage(outcome: TurnOutcome, seat: str) -> dict[str, Any]:
             "decode_tok_s": r.decode_tok_s,
             "drafted_tokens": r.drafted_tokens,  # speculative decoding (prompt lookup): drafted, then accepted
             "accepted_tokens": r.accepted_tokens,
-            "recall": r.recall,  # the recall region this turn: {"turns", "tokens", "refreshed", "prefill_ms"}, or null
+            # the recall region this turn: {"turns", "tokens", "refreshed", "prefill_ms", "retrieval_ms"}, or null
+            "recall": r.recall,
             "saved": outcome.saved,
         },
     }
