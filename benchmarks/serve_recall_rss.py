@@ -21,31 +21,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 from cabinlm.bench.provenance import utc_now
+from served import server_rss_mb, serving
 from cabinlm.bench.records import Recorder
 from cabinlm.bench.script import user_turns
 
 SEATS = ("driver", "passenger")
 
 
-def server_rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/statm") as f:
-        return int(f.read().split()[1]) * 4096 / 2**20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post(port: int, body: dict) -> dict:
@@ -65,28 +52,9 @@ def main() -> None:
     ap.add_argument("--records", type=Path, default=None, help="append the run's record here")
     a = ap.parse_args()
 
-    port = free_port()
-    log = open(Path(tempfile.gettempdir()) / f"serve_recall_rss_{port}.log", "wb")  # the server's output, for a failure
-    cmd = [sys.executable, "-m", "cabinlm", "serve", a.build, "--host", "127.0.0.1", "--port", str(port), "--seats", "2",
-           "--threads", str(a.threads), "--model-name", "m", "--recall-archive-mb", str(a.archive_mb)]  # fmt: skip
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"the server did not start; see {log.name}")
-                time.sleep(0.2)
-        run(a, port, server.pid)
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+    options = ["--seats", "2", "--threads", str(a.threads), "--model-name", "m", "--recall-archive-mb", str(a.archive_mb)]
+    with serving(a.build, options, "serve_recall_rss") as (port, pid):
+        run(a, port, pid)
 
 
 def run(a, port: int, pid: int) -> None:

@@ -60,3 +60,12 @@ def ortvalue(array: np.ndarray, dtype: str) -> ort.OrtValue:
     if dtype == "float8e4m3fn":
         return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array, _FLOAT8E4M3FN)
     return ort.OrtValue.ortvalue_from_numpy(array)
+
+
+def adapter_inputs(zeros: dict[str, np.ndarray], inputs: dict[str, np.ndarray] | None) -> list[tuple[str, ort.OrtValue]]:
+    """A switchable adapter's graph inputs as OrtValues over the given arrays (no copy), named and
+    ordered as `zeros` (every lora input of the graph, all zeros: no adapter); None: the zeros."""
+    feeds = zeros if inputs is None else inputs
+    if set(feeds) != set(zeros):
+        raise ValueError("adapter inputs must be exactly the graph's lora_a / lora_b inputs")
+    return [(name, ortvalue(feeds[name], "float")) for name in zeros]

@@ -37,7 +37,7 @@ from cabinlm.contract.engines import BackendKind
 from cabinlm.contract.manifest import Manifest
 from cabinlm.engines.backend import Backend, BackendError, StepOutput
 from cabinlm.contract.engines.fused import FusedSettings
-from cabinlm.engines.onnxruntime.binding import Binding, ortvalue
+from cabinlm.engines.onnxruntime.binding import Binding, adapter_inputs, ortvalue
 from cabinlm.engines.ort_fused.frames import FrameKeys
 from cabinlm.engines.onnxruntime.rotated import RingTables, RotatedKeys
 from cabinlm.engines.ort_fused.row_moves import move_rows
@@ -221,10 +221,7 @@ class FusedBackend(Backend):
         zeros = self.graphs.lora_zeros
         if not zeros:
             super().set_adapter(inputs)
-        feeds = zeros if inputs is None else inputs
-        if set(feeds) != set(zeros):
-            raise ValueError("adapter inputs must be exactly the graph's lora_a / lora_b inputs")
-        self.adapter_values = [(name, ortvalue(feeds[name], "float")) for name in zeros]  # a new list: seats.py rebinds
+        self.adapter_values = adapter_inputs(zeros, inputs)  # a new list: seats.py rebinds
         for binding in (self._decode.binding, self._prefill.binding):
             for name, ov in self.adapter_values:
                 binding.bind_ortvalue_input(name, ov)

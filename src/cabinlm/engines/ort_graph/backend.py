@@ -29,7 +29,7 @@ from cabinlm.contract import io_spec as io
 from cabinlm.contract.engines import BackendKind
 from cabinlm.contract.manifest import Manifest
 from cabinlm.engines.backend import Backend, StepOutput, exported_graph_verifies_drafts
-from cabinlm.engines.onnxruntime.binding import Binding, ortvalue
+from cabinlm.engines.onnxruntime.binding import Binding, adapter_inputs, ortvalue
 from cabinlm.engines.onnxruntime.session import check_io, open_session, session_options
 from cabinlm.contract.slots import MASK_VALUE, SlotTable, StepPlan
 
@@ -144,10 +144,7 @@ class ExportedGraphBackend(Backend):
         zeros = self.graphs.lora_zeros
         if not zeros:
             super().set_adapter(inputs)
-        feeds = zeros if inputs is None else inputs
-        if set(feeds) != set(zeros):
-            raise ValueError("adapter inputs must be exactly the graph's lora_a / lora_b inputs")
-        self._adapter_values = [(name, ortvalue(feeds[name], "float")) for name in zeros]  # kept alive here
+        self._adapter_values = adapter_inputs(zeros, inputs)  # kept alive here
         for b in (self._decode, self._prefill):
             for name, ov in self._adapter_values:
                 b.binding.bind_ortvalue_input(name, ov)
