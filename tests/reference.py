@@ -12,7 +12,9 @@ sub-modules: nothing is shared with the ONNX graph builder or the numpy ring boo
     attends to the cached non-window tokens and causally to itself, never to the window;
   * a layer with its own sliding window of w tokens (Gemma 3's local layers, when `local` is set)
     attends instead to the stream's tokens within w of each query (itself included), at their ranks
-    among the last w - 1 tokens of the stream, whatever the other layers evicted or pinned.
+    among the last w - 1 tokens of the stream, whatever the other layers evicted or pinned; recalled
+    tokens are no part of that stream there: a recalled chunk attends in such a layer to the current
+    region's earlier tokens and causally to itself only, at their ranks inside the region.
 """
 
 from __future__ import annotations
@@ -40,9 +42,12 @@ class StreamingReference:
         self.inv_freq = [inv_freq(k) for k in kinds]
         # One entry per cached token, in stream order: (stream index, pinned, [per-layer (k, v)]).
         self.entries: list[tuple[int, bool, list[tuple[torch.Tensor, torch.Tensor]]]] = []
-        # The last w - 1 tokens of the stream, for the local layers: (stream index, [per-layer (k, v)]).
+        # The last w - 1 tokens of the stream, for the local layers: (index among the stream's tokens but
+        # the recalled ones, [per-layer (k, v)]); the current region's tokens there: [per-layer (k, v)].
         self.recent: list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]] = []
+        self.region: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         self.seen = 0
+        self.local_seen = 0  # the stream's tokens but the recalled ones
         self.recalled: set[int] = set()  # stream indices of the recalled tokens cached
         self.recall_mode = False  # a recall region was started: the window ranks after every other token
 
@@ -58,6 +63,7 @@ class StreamingReference:
         """The recalled tokens cached are dropped; feed(recall=True) then caches new ones."""
         self.entries = [e for e in self.entries if e[0] not in self.recalled]
         self.recalled = set()
+        self.region = []
         self.recall_mode = True
 
     @torch.no_grad()
@@ -87,10 +93,15 @@ class StreamingReference:
             v = v.view(n, self.Hkv, self.D).transpose(0, 1)
             for t in range(n):
                 new_kv[t].append((k[:, t], v[:, t]))
-            if self.local[li]:  # the last w - 1 stream tokens, each query seeing those within w of it
+            if self.local[li] and recall:  # the region's earlier tokens, at their ranks inside it
+                held = [e[li] for e in self.region]
+                r = len(held)
+                allowed = torch.cat([torch.ones(n, r, dtype=torch.bool), causal], dim=1)
+                kp, qp = torch.arange(r + n), torch.arange(r, r + n)
+            elif self.local[li]:  # the last w - 1 stream tokens, each query seeing those within w of it
                 held = [e[1][li] for e in self.recent]
                 r = len(held)
-                allowed = torch.tensor([[e[0] > self.seen + i - self.w for e in self.recent] for i in range(n)],
+                allowed = torch.tensor([[e[0] > self.local_seen + i - self.w for e in self.recent] for i in range(n)],
                                        dtype=torch.bool).reshape(n, r)  # fmt: skip
                 allowed = torch.cat([allowed, causal], dim=1)
                 kp, qp = torch.arange(r + n), torch.arange(r, r + n)
@@ -120,8 +131,11 @@ class StreamingReference:
             self.entries.append((idx, pin or recall or idx < self.sink, new_kv[t]))
             if recall:
                 self.recalled.add(idx)
-            self.recent.append((idx, new_kv[t]))
+                self.region.append(new_kv[t])
+            else:
+                self.recent.append((self.local_seen + t, new_kv[t]))
         self.seen += n
+        self.local_seen += 0 if recall else n
         self.recent = self.recent[-(self.w - 1) :] if self.w else []
         unpinned = [i for i, e in enumerate(self.entries) if not e[1]]
         drop = set(unpinned[: max(0, len(unpinned) - self.window)])

@@ -169,8 +169,9 @@ def test_the_layout_refuses_what_a_region_cannot_go_with():
     lay = CacheLayout(**base, recall=16)
     assert lay.slots == 2 + 4 + 16 + 8 and lay.recall_start == 6 and lay.window_start == 22
     assert CacheLayout(**base).recall == 0  # an older manifest's cache: no "recall" key
-    for bad, word in ((dict(image=4), "camera frame"), (dict(local_window=4, local_layers=(0,)), "sliding-window"),
-                      (dict(sink=0), "sink")):  # fmt: skip
+    local = CacheLayout(**base, recall=16, local_window=4, local_layers=(0,))  # the region beside the ring
+    assert local.local_slots == 4 + 16 and local.local_ring_bytes == (4 + 16) * local.layer_bytes_per_token
+    for bad, word in ((dict(image=4), "camera frame"), (dict(sink=0), "sink")):
         with pytest.raises(LayoutError, match=word):
             CacheLayout(**{**base, **bad, "recall": 16})
     with pytest.raises(LayoutError, match="recall"):

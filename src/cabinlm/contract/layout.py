@@ -38,14 +38,15 @@ class CacheLayout:
     `local_layers` is one whose model attends only within a sliding window of `local_window` = w
     tokens, itself included (Gemma 3's local layers). Such a layer caches no sinks, pinned spans or
     frame: it keeps a ring of w slots holding the stream's last w tokens, whatever region the global
-    layers put them in; a query sees those within w of itself (all but the oldest, for the next token):
+    layers put them in (the recalled ones excepted: those go to R slots of its own after the ring); a
+    query sees those within w of itself (all but the oldest, for the next token):
     exactly what the model lets it see (w, not w - 1: a chunk of up to w tokens then fits the ring).
     Its positions are its own ranks in stream order (the ring holds a contiguous run of
     the stream, so rank differences are the model's position differences). The other layers
     ("global") use the slot map above. Buffers are per kind of layer:
 
         global  (layers - len(local_layers), kv_heads, slots, head_dim)
-        local   (len(local_layers), kv_heads, local_slots, head_dim)
+        local   (len(local_layers), kv_heads, local_slots = w + R, head_dim)
     """
 
     sink: int
@@ -107,9 +108,9 @@ class CacheLayout:
                               f"layers' rings hold; lower --chunk to at most {w}")  # fmt: skip
 
     def _check_recall(self) -> None:
-        """The recall region's tokens never pass through a local layer's ring (a ring holds the stream's
-        last w tokens, and the region is not part of that run) and rank before the window, where a camera
-        frame fed between window tokens would rank after some of them: both combinations are refused."""
+        """The recall region ranks before the window, where a camera frame fed between window tokens
+        would rank after some of them: that combination is refused. (Its tokens never pass through a
+        local layer's ring: a local layer keeps them in R slots of its own, local_slots.)"""
         if not self.recall:
             return
         if self.recall % RECALL_MULTIPLE:
@@ -117,9 +118,6 @@ class CacheLayout:
             # slots runs in the order an artifact without a region runs it (--no-recall bit for bit)
             raise LayoutError(f"--recall {self.recall} must be a multiple of {RECALL_MULTIPLE}; give --recall "
                               f"{-(-self.recall // RECALL_MULTIPLE) * RECALL_MULTIPLE}")  # fmt: skip
-        if self.local_layers:
-            raise LayoutError("--recall: a model with sliding-window (local) layers takes no recall region yet; "
-                              "export it with --recall 0")  # fmt: skip
         if self.image:
             raise LayoutError("--recall: a vision-language model's camera frame and a recall region do not go "
                               "together yet; export it with --recall 0")  # fmt: skip
@@ -135,8 +133,8 @@ class CacheLayout:
 
     @property
     def local_slots(self) -> int:
-        """Slots of a local layer's ring: w (0 without local layers)."""
-        return self.local_window
+        """Slots of a local layer: its ring of w, then the recall region's R (0 without local layers)."""
+        return self.local_window + self.recall if self.local_layers else 0
 
     def buffer_index(self, layer: int) -> tuple[bool, int]:
         """(is local, index in its kind's buffer) of a layer."""
@@ -188,7 +186,7 @@ class CacheLayout:
 
     @property
     def local_ring_bytes(self) -> int:
-        """The local layers' rings (0 without local layers): a constant, whatever the window."""
+        """The local layers' rings and regions (0 without local layers): a constant, whatever the window."""
         return len(self.local_layers) * self.local_slots * self.layer_bytes_per_token
 
     @property
@@ -203,7 +201,7 @@ class CacheLayout:
 
     @property
     def local_buffer_shape(self) -> tuple[int, int, int, int]:
-        """The local layers' rings: (local layers, kv_heads, local_slots, head_dim)."""
+        """The local layers' rings and regions: (local layers, kv_heads, local_slots, head_dim)."""
         return (len(self.local_layers), self.kv_heads, self.local_slots, self.head_dim)
 
     @property

@@ -18,11 +18,15 @@ Invariants (tested property-wise in tests/test_cache.py):
     non-window tokens;
   * the counters below are a function of slot_token and the stream so far: restore() checks them.
 
-Local layers (CacheLayout.local_layers) keep a ring of R = w slots that every token of the
-stream passes through, pinned or not: stream token t sits in ring slot t mod R until token t + R
-overwrites it. The ring is therefore a function of `seen` alone and needs no state of its own
-(StepPlan derives its slots, ranks and mask): it holds tokens seen - min(seen, R) .. seen - 1, and
-chunk token i (stream index seen + i) may see those after seen + i - w, as the model's window says.
+Local layers (CacheLayout.local_layers) keep a ring of w slots that every token of the stream but
+the recalled ones passes through, pinned or not: with `local_seen` such tokens counted so far, the
+t-th sits in ring slot t mod w until the (t + w)-th overwrites it. The ring is therefore a function of
+`local_seen` alone and needs no state of its own (StepPlan derives its slots, ranks and mask): it
+holds local indices local_seen - min(local_seen, w) .. local_seen - 1, and chunk token i (local index
+local_seen + i) may see those after local_seen + i - w, as the model's window says. A layout with a
+recall region gives each local layer R more slots after the ring, w .. w + R - 1, where the region's
+tokens go (docs/design.md, "The recall region"): a recalled chunk sees the region's earlier tokens and
+itself only, a stream chunk the ring only, so a refresh moves no ring slot.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ class StepPlan:
         # first token when it starts a frame (multimodal RoPE's grid offsets count from there)
         self.frame_start = seen_frame_start(table, pin)
         self.local_window = table.layout.local_window  # w (0: no local layers)
+        self.local_seen = table.local_seen  # the chunk's first local index (stream tokens but recalled ones)
         self.sink = table.layout.sink
         # True: the rows are one-token steps (a verified draft): row i computes what the step after the
         # chunk's first i tokens would, the window's oldest tokens those steps overwrite included (the
@@ -193,29 +198,53 @@ class StepPlan:
         drop = np.concatenate([np.zeros((1, len(slots)), np.int64), np.cumsum(older, axis=0)[:-1]])
         return ranks[None, :] - drop
 
-    # -- the local layers' ring (module docstring) -------------------------------------------------
+    # -- the local layers' ring and region (module docstring) ---------------------------------------
 
     @property
     def _ring(self) -> int:
         return self.local_window
 
+    @property
+    def _recalled(self) -> bool:
+        """A recalled chunk: in a local layer its tokens go to the region's slots, never the ring."""
+        return self.pin == "recall"
+
     @functools.cached_property
     def local_slots(self) -> np.ndarray:
-        """(tokens,) int64: each chunk token's slot in the local rings."""
-        return (self.seen + np.arange(self.tokens, dtype=np.int64)) % self._ring
+        """(tokens,) int64: each chunk token's slot in the local layers' buffers (ring or region)."""
+        i = np.arange(self.tokens, dtype=np.int64)
+        if self._recalled:
+            return self._ring + self.recall_fill + i
+        return (self.local_seen + i) % self._ring
 
     @functools.cached_property
     def local_ring_token(self) -> np.ndarray:
-        """(R,) int64: the stream index each ring slot holds before this chunk (-1: empty)."""
-        R = self._ring
+        """(w,) int64: the local index each ring slot holds before this chunk (-1: empty)."""
+        R, seen = self._ring, self.local_seen
         slot = np.arange(R, dtype=np.int64)
-        newest = self.seen - 1 - ((self.seen - 1 - slot) % R)  # the largest t < seen with t = slot (mod R)
+        newest = seen - 1 - ((seen - 1 - slot) % R)  # the largest t < local_seen with t = slot (mod w)
         return np.where(newest >= 0, newest, -1)
 
     @property
     def local_cached(self) -> int:
-        """Tokens the rings hold before this chunk (the chunk's first local rank)."""
-        return min(self.seen, self._ring)
+        """The chunk's first local rank: the tokens the ring holds before a stream chunk, the tokens the
+        region holds before a recalled one."""
+        return self.recall_fill if self._recalled else min(self.local_seen, self._ring)
+
+    @property
+    def local_extent(self) -> int:
+        """1 + the highest local slot in use before this chunk, a recalled chunk's first slot at least
+        (every slot from here on is empty): the ring's fill while no region is held, w + its fill then."""
+        if self._recalled or self.recall_fill:
+            return self._ring + self.recall_fill
+        return min(self.local_seen, self._ring)
+
+    @property
+    def local_index(self) -> int:
+        """The chunk's first token's index in its own run: its local index (the stream but recalled
+        tokens) for a stream chunk, its place in the region for a recalled one. Rank differences inside
+        either run are these differences (engines that rotate a local key once rotate it here)."""
+        return self.recall_fill if self._recalled else self.local_seen
 
     @functools.cached_property
     def local_position_ids(self) -> np.ndarray:
@@ -223,20 +252,27 @@ class StepPlan:
 
     @functools.cached_property
     def local_cache_position_ids(self) -> np.ndarray:
-        """(R,) int64: each ring slot's rank (its tokens are consecutive in the stream; 0 when empty)."""
+        """(w + R,) int64: each ring slot's rank (its tokens are consecutive in the stream), then each
+        region slot's rank inside the region (0 when empty)."""
         t = self.local_ring_token
-        return np.where(t >= 0, t - (self.seen - self.local_cached), 0)
+        ring = np.where(t >= 0, t - (self.local_seen - min(self.local_seen, self._ring)), 0)
+        region = np.arange(self.layout.recall, dtype=np.int64)
+        return np.concatenate([ring, np.where(region < self.recall_fill, region, 0)])
 
     @functools.cached_property
     def local_attention_mask(self) -> np.ndarray:
-        """(tokens, R + tokens) float32: ring slots within each token's window of w (itself included),
-        then the chunk causally (a chunk of at most w tokens is always inside the window)."""
-        n, R = self.tokens, self._ring
-        t = self.local_ring_token
-        first = self.seen + np.arange(n)[:, None] - self.local_window + 1  # oldest stream index token i sees
-        mask = np.empty((n, R + n), dtype=np.float32)
-        mask[:, :R] = np.where((t[None, :] >= 0) & (t[None, :] >= first), np.float32(0), MASK_VALUE)
-        mask[:, R:] = np.where(np.tri(n, dtype=bool), np.float32(0), MASK_VALUE)
+        """(tokens, w + R + tokens) float32: a stream chunk sees the ring slots within each token's window
+        of w (itself included), a recalled chunk the region's earlier tokens; then the chunk causally (a
+        chunk of at most w tokens is always inside the window)."""
+        n, R, Rr = self.tokens, self._ring, self.layout.recall
+        mask = np.full((n, R + Rr + n), MASK_VALUE, dtype=np.float32)
+        if self._recalled:
+            mask[:, R : R + self.recall_fill] = 0
+        else:
+            t = self.local_ring_token
+            first = self.local_seen + np.arange(n)[:, None] - self.local_window + 1  # oldest local index token i sees
+            mask[:, :R] = np.where((t[None, :] >= 0) & (t[None, :] >= first), np.float32(0), MASK_VALUE)
+        mask[:, R + Rr :] = np.where(np.tri(n, dtype=bool), np.float32(0), MASK_VALUE)
         return mask
 
     @functools.cached_property
@@ -266,13 +302,17 @@ class SlotState:
     ring_next: int
     recall_fill: int = 0  # 0 in a session file written before the recall region existed
     recalls: int = 0
+    local_seen: int = -1  # -1: a session file written before it existed (counters() says seen - recall_fill then)
 
     COUNTERS = ("seen", "evicted", "sink_fill", "pinned_fill", "image_fill", "frames", "window_fill", "ring_next",
-                "recall_fill", "recalls")
-    OPTIONAL = ("recall_fill", "recalls")  # counters an older session file may lack
+                "recall_fill", "recalls", "local_seen")
+    OPTIONAL = ("recall_fill", "recalls", "local_seen")  # counters an older session file may lack
 
     def counters(self) -> dict[str, int]:
-        return {k: int(getattr(self, k)) for k in self.COUNTERS}
+        c = {k: int(getattr(self, k)) for k in self.COUNTERS}
+        if c["local_seen"] == -1:  # no local layer took a region before the count existed: every token but the region's
+            c["local_seen"] = c["seen"] - c["recall_fill"]
+        return c
 
 
 class SlotTable:
@@ -297,6 +337,7 @@ class SlotTable:
         self.ring_next = 0  # index inside the window ring of the next slot to write (= the oldest)
         self.recall_fill = 0  # tokens in the recall region
         self.recalls = 0  # recall regions started (each replaces the previous one)
+        self.local_seen = 0  # tokens fed but recalled ones: the local layers' rings count these (module docstring)
         # Multimodal RoPE: the stream index of the current frame's first token (-1: none yet), and
         # whether begin_frame() was called with no frame token fed since. Not part of SlotState:
         # restore() derives it (a frame's tokens are the last ones of the stream's frame-sized run
@@ -436,6 +477,8 @@ class SlotTable:
         n = len(plan.slots)
         self.slot_token[plan.slots] = np.arange(self.seen, self.seen + n)
         self.seen += n
+        if plan.pin != "recall":
+            self.local_seen += n
         sink_take = min(n, lay.sink - self.sink_fill)
         self.sink_fill += sink_take
         rest = n - sink_take
@@ -511,3 +554,10 @@ def check_state(state: SlotState, layout: CacheLayout) -> None:
         raise StateError(f"ring_next = {c['ring_next']} is not the window's oldest slot")
     if c["seen"] < len(valid) + c["evicted"]:
         raise StateError(f"{len(valid)} tokens cached and {c['evicted']} evicted, but only {c['seen']} seen")
+    recalled = c["seen"] - c["local_seen"]  # tokens fed into recall regions so far
+    if recalled < c["recall_fill"] or (c["recalls"] == 0 and recalled):
+        raise StateError(f"local_seen = {c['local_seen']} of {c['seen']} seen leaves {recalled} recalled tokens, "
+                         f"but {c['recalls']} regions began and the current one holds {c['recall_fill']}")  # fmt: skip
+    if c["local_seen"] < len(valid) - c["recall_fill"] + c["evicted"]:
+        raise StateError(f"{len(valid) - c['recall_fill']} stream tokens cached and {c['evicted']} evicted, but only "
+                         f"{c['local_seen']} passed the local rings")  # fmt: skip

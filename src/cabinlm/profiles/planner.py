@@ -415,7 +415,8 @@ def format_plan(p: Plan) -> str:
     else:
         first = (f"weights ({p.parameters / 1e6:.1f}M params at {p.weight_dtype})", p.weights_bytes)
     slots = "+".join(str(n) for n in (p.sink, p.pinned, p.image_tokens or None, p.recall or None, p.window) if n is not None)
-    rings = f"; {p.local_layers} local layers on rings of {p.local_window}" if p.local_layers else ""
+    region = f" + {p.recall} recalled" if p.recall else ""  # a local layer keeps the region in slots of its own
+    rings = f"; {p.local_layers} local layers on rings of {p.local_window}{region}" if p.local_layers else ""
     kv_row = f"KV cache ({slots} slots at {p.kv}, {p.kv_bytes_per_token} B/token{rings})"
     rows = [
         first,

@@ -311,7 +311,8 @@ def load_session(path: str | Path, d: Dialogue) -> None:
         arrays.append(np.frombuffer(body, dtype=buf.dtype, count=buf.size, offset=offset).reshape(buf.shape))
         offset += buf.nbytes
     try:
-        if not isinstance(cache_state, dict) or set(cache_state) != set(SlotState.COUNTERS):
+        required = set(SlotState.COUNTERS) - set(SlotState.OPTIONAL)  # an older file lacks the newer ones
+        if not isinstance(cache_state, dict) or not required <= set(cache_state) <= set(SlotState.COUNTERS):
             raise StateError(f"cache counters {sorted(cache_state) if isinstance(cache_state, dict) else cache_state!r}")
         if not all(type(v) is int for v in cache_state.values()):
             raise StateError("cache counters must be integers")

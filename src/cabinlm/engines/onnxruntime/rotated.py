@@ -304,8 +304,9 @@ def _state(plan: StepPlan) -> tuple:
 
 class RingTables:
     """The local layers' rotation (engines/ort_fused/graph.py, "Local layers"): a chunk's tokens are
-    rotated at their stream indices with the local RoPE table, computed in float64 (positions grow
-    without bound), into rows 0..n-1 of the (R + C, head_dim / 2) cos / sin inputs."""
+    rotated at their local indices (StepPlan.local_index: a recalled chunk's at its places in the
+    region) with the local RoPE table, computed in float64 (positions grow without bound), into rows
+    0..n-1 of the (w + R + C, head_dim / 2) cos / sin inputs."""
 
     AHEAD = 256
 
@@ -322,7 +323,7 @@ class RingTables:
         return cos.astype(np.float32), sin.astype(np.float32)
 
     def fill(self, plan: StepPlan) -> None:
-        n, start = plan.tokens, plan.seen
+        n, start = plan.tokens, plan.local_index
         if n == 1:  # decode: cut from a table of the next AHEAD positions (one copy per step)
             run = self._run
             if run is None or not run[0] <= start < run[0] + len(run[1]):

@@ -10,9 +10,10 @@ Buffers (allocated once per dialogue):
     key_source    (layers, kv_heads, sink + pinned + image + recall, head_dim)  float32: the sink / pinned
                   (camera-frame, recall) tokens' keys, un-rotated, from which their rotated rows are
                   re-written as evictions and the recall region's length move them (rotated.py)
-    local_keys, local_values  (local layers, kv_heads, R + chunk, head_dim)  the local layers' rings
-                  (CacheLayout.local_layers; `layers` above are then the global ones): rows 0..R-1
-                  the ring, keys rotated at their stream index, never re-written
+    local_keys, local_values  (local layers, kv_heads, w + R + chunk, head_dim)  the local layers' rings
+                  (CacheLayout.local_layers; `layers` above are then the global ones): rows 0..w-1
+                  the ring, keys rotated at their local index, never re-written; rows w..w+R-1 the
+                  recall region's (R = 0 without one), rotated at their places in the region
 
 Int8 KV has static per-channel scales (the manifest's kv_scales), held by the graph: no scale buffers.
 
@@ -189,8 +190,8 @@ class FusedBackend(Backend):
         if lay.local_layers:  # the rings' lengths and rotation, written in place too; their bias is all zeros
             self._local_seqlens1 = np.zeros(1, dtype=np.int32)
             self._local_total1 = np.zeros((), dtype=np.int32)
-            self._local_zero_bias = np.zeros((1, 1, 1, lay.local_slots + 1), dtype=np.float32)
-            self._local_full_bias = np.zeros((1, 1, 1, lay.local_slots + 1), dtype=np.float32)
+            self._local_zero_bias = np.zeros((1, 1, 1, lay.local_window + 1), dtype=np.float32)  # the ring, no region
+            self._local_full_bias = np.zeros((1, 1, 1, lay.local_window + 1), dtype=np.float32)
             self._local_masked = 0  # the ring slot the full-ring bias masks now
             self._local_held: int | None = None
             fixed.update({io.LOCAL_SEQLENS_K: self._local_seqlens1, io.LOCAL_TOTAL_SEQUENCE_LENGTH: self._local_total1,
@@ -299,7 +300,7 @@ class FusedBackend(Backend):
             raise ValueError("this build's attention cannot run a chunk as one-token steps")
         if self.ring is not None:
             self.ring.fill(plan)
-            Fl, R = plan.local_cached, self.layout.local_slots
+            Fl, R = plan.local_extent, self.layout.local_slots
             lmask = plan.local_attention_mask
             lbias = lmask if Fl == R else np.concatenate([lmask[:, :Fl], lmask[:, R:]], axis=1)
             inputs.update({io.LOCAL_ROPE_COS: self.ring.cos, io.LOCAL_ROPE_SIN: self.ring.sin,
@@ -339,21 +340,25 @@ class FusedBackend(Backend):
             bias[io.ATTENTION_BIAS] = self._bias_bound = one
         if self.ring is not None:
             # One token sees every ring token while the ring fills (they are the stream's first), and all
-            # but the oldest once it is full (the one w tokens back, in slot seen mod R): that bias is
-            # bound once and its one masked slot moved in place.
+            # but the oldest once it is full (the one w tokens back, in slot local_seen mod w): that bias is
+            # bound once and its one masked slot moved in place. A recall region held: the mask's row.
             self.ring.fill(plan)
-            Fl, R = plan.local_cached, self.layout.local_slots
+            Fl, R = plan.local_extent, self.layout.local_window
             self._local_seqlens1[0] = Fl
             self._local_total1[()] = Fl + 1
             if self.local_steps:
                 self._local_slots1[0] = Fl
-            if Fl < R:
+            if plan.recall_fill:  # the region held masked too: the mask's row, its slots below F_l and itself
+                lmask = plan.local_attention_mask
+                bias[io.LOCAL_ATTENTION_BIAS] = np.concatenate([lmask[:, :Fl], lmask[:, -1:]], axis=1)[None, None]
+                Fl = -1  # no bias bound in place now
+            elif Fl < R:
                 if Fl != self._local_held:
                     bias[io.LOCAL_ATTENTION_BIAS] = self._local_zero_bias[..., : Fl + 1]
             else:
                 full = self._local_full_bias
                 full[0, 0, 0, self._local_masked] = 0.0
-                self._local_masked = plan.seen % R
+                self._local_masked = plan.local_seen % R
                 full[0, 0, 0, self._local_masked] = io.MASK_VALUE
                 if Fl != self._local_held:
                     bias[io.LOCAL_ATTENTION_BIAS] = full
@@ -401,8 +406,8 @@ class FusedBackend(Backend):
         self.rotated.keep_sources(plan, [qkv[i] for i in lay.global_layers] if lay.local_layers else qkv, self._heads)
         if self._kernel_source is not None and plan.slots.min() < lay.image_start:  # sink / pinned sources changed
             self._sync_kernel_source()
-        if self.local_keys is not None:  # the ring's rows F_l.. into slots seen mod R
-            move_rows(self.local_keys, self.local_values, plan.local_cached, plan.local_slots)
+        if self.local_keys is not None:  # the ring's rows F_l.. into slots local_seen mod w (a region's stay)
+            move_rows(self.local_keys, self.local_values, plan.local_extent, plan.local_slots)
         move_rows(self.keys, self.values, start, plan.slots)
 
 

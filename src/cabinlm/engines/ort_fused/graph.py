@@ -40,7 +40,10 @@ scratch rows), with inputs of their own. Every stream token passes through a rin
 consecutive in the stream: they are rotated once, at their stream index, with the local RoPE table,
 and a query at its stream index sees each at the model's own distance, for ever; nothing is
 re-written. F_l = min(seen, R) slots are in use; a chunk lands in rows F_l.. (empty slots while the
-ring fills, scratch rows after) and the runtime moves it into ring slots seen mod R.
+ring fills, scratch rows after) and the runtime moves it into ring slots seen mod R. With a recall
+region (docs/design.md, "The recall region") the region's slots follow the ring's, "seen" counts the
+stream's tokens but the recalled ones, F_l = w + the region's fill while it holds text (each side
+masking the other in the bias), and the region's keys are rotated at their places in it.
 
 An export with switchable LoRA adapter inputs (--lora-rank): each targeted projection's term beside
 its fused matrix, per seat in the batched graphs (adapter_graph.py); without them no adapter node.
