@@ -256,14 +256,17 @@ def test_plan_counts_the_local_layers_region(tmp_path_factory):
     assert f"rings of {W} + 32 recalled" in cabinlm(*args, "--recall", "32").stdout
 
 
-def test_a_resumed_session_with_a_region_continues_exactly(gemma, export_to, tmp_path):
-    """A session file carries the local count (the rings' slots follow it): a dialogue whose regions were
-    refreshed, saved and resumed, replies as the one never interrupted, its buffers equal."""
+@pytest.mark.parametrize("backend", ["onnxruntime-graph", "onnxruntime-fused"])
+def test_a_resumed_session_with_a_region_continues_exactly(backend, gemma, export_to, tmp_path):
+    """A session file carries the local count (the rings' slots follow it): a dialogue whose region was
+    filled, saved and resumed, replies as the one never interrupted, its buffers equal."""
     from test_local_layers import TURNS, dialogue
 
     from cabinlm.runtime.persist import load_session, save_session
 
-    art = export_to(gemma, kv="fp32", sink=4, pinned=60, window=96, chunk=8, recall=128)
+    art = export_to(gemma, kv="int8", sink=4, pinned=60, window=96, chunk=8, recall=128)
+    if backend == "onnxruntime-fused":
+        art = build_artifact(art, load_profile("cpu"), tmp_path / "fused", attention="fused")
     turns = TURNS * 2
     whole = dialogue(art)
     expected = [whole.ask(t).reply for t in turns]
