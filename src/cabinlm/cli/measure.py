@@ -170,7 +170,8 @@ def bench(
     ),
     adapter: Optional[str] = typer.Option(
         None, "--adapter", metavar="NAME", help="A build with switchable LoRA adapters: the dialogue with adapter NAME "
-        "active (default: the base model). One seat; with --rounds or --alternate, every round's.",
+        "active (default: the base model); with --rounds or --alternate, every round's. With --seats N: NAME for "
+        "every seat, or N names comma-separated, seat i taking the i-th (A1,A2,A3,A4).",
     ),
     speculative: Optional[bool] = typer.Option(
         None, "--speculative/--no-speculative",
@@ -238,8 +239,10 @@ def bench(
     check_count("rounds", rounds, 1)
     given = DialogueParams(tokens=tokens, threads=threads, max_new=max_new, seed=seed, speculative=speculative,
                            time_limit_s=time_limit, adapter=adapter)  # fmt: skip
-    if adapter is not None and (seats != 1 or baseline):
-        raise OptionError("--adapter runs one seat of cabinlm: no --seats or --baseline with it")
+    if adapter is not None and baseline:
+        raise OptionError("--adapter: the baselines run the base model; no --baseline with it")
+    if adapter is not None and seats == 1 and "," in adapter:
+        raise OptionError(f"--adapter {adapter}: one seat takes one adapter; a name per seat goes with --seats N")
     if alternate is not None:
         for build in alternate:
             check_adapter(adapter, load_manifest(build))  # a wrong path, a broken manifest or an unknown adapter fails here
@@ -247,7 +250,8 @@ def bench(
         return
     assert artifact is not None  # checked above
     m = load_manifest(artifact)  # a wrong path or a broken manifest fails here, before any run
-    check_adapter(adapter, m)
+    if seats == 1:
+        check_adapter(adapter, m)
     if seats >= 2 and rounds > 1:  # --rounds and --repeat: the same repetition of the seats' runs
         if repeat not in (1, rounds):
             raise OptionError(f"--rounds {rounds} and --repeat {repeat} disagree; with --seats they are one option")
@@ -261,11 +265,12 @@ def bench(
         raise OptionError("--repeat goes with --seats 2 or more (it repeats the seats' runs)")
     rec = Recorder("cabinlm bench --seats" if seats != 1 else "cabinlm bench")
     if seats != 1:
-        from cabinlm.bench.seats import MODES, SCALING_MODES, scaling_counts, report as seats_report
+        from cabinlm.bench.seats import MODES, SCALING_MODES, scaling_counts, seat_adapters, report as seats_report
         from cabinlm.bench.seats_child import run_in_child
         from cabinlm.runtime.limits import check_seat_count
 
         check_seat_count(seats)
+        names = seat_adapters(adapter, seats, m)
         if any(b.value != "llama.cpp" for b in baseline) or plot is not None or trace_out is not None:
             raise OptionError("--seats takes --baseline llama.cpp only, and no --plot or --trace yet")
         peer = bool(baseline)
@@ -283,15 +288,19 @@ def bench(
             system = ""
         turns = max(1, math.ceil(tokens / max_new))
         info(f"cabinlm: {seats} seats at once through {artifact}, {turns} rounds of one turn each (replies up to {max_new} "
-             f"tokens), {threads} threads; decoded together, in turns, then as streams (each seat at its own pace)")  # fmt: skip
+             f"tokens), {threads} threads; decoded together, in turns, then as streams (each seat at its own pace)"
+             + (f"; seat adapters {', '.join(names)}" if names else ""))  # fmt: skip
 
         def seats_run(n: int, mode: str, r: int, **kw: object) -> dict:
             """One mode's run in its own process, recorded (round R of --repeat)."""
             start, load = utc_now(), load_average()
             done = run_in_child(artifact, n, turns, max_new, threads, seed, mode, time_limit, system,
-                                speculative=speculative, **kw)  # type: ignore[arg-type]  # fmt: skip
+                                speculative=speculative, adapters=names[:n], **kw)  # type: ignore[arg-type]  # fmt: skip
             params = {"runner": "llama.cpp" if mode == "llama.cpp" else "cabinlm", "seats": n, "mode": mode,
                       "turns": turns, "max_new": max_new, "seed": seed, "drafting": given.params()["drafting"]}  # fmt: skip
+            if names:  # seat i's adapter, in the record (a record's params are words and numbers) and the report
+                done["adapters"] = list(names[:n])
+                params["adapters"] = ",".join(names[:n])
             rec.add(params, done, utc_start=start, loadavg_start=load, artifact=artifact, threads=threads, round=r,
                     engine="llama.cpp" if mode == "llama.cpp" else None)  # fmt: skip
             return done
