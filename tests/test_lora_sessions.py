@@ -307,3 +307,36 @@ def test_a_history_that_does_not_fit_the_cache_is_refused(built, tmp_path):  # n
     with pytest.raises(SessionError, match="token id outside"):
         load_session(tmp_path / "s", fresh)
     assert fresh.decoder.cache.length == 0
+    (tmp_path / "s").write_bytes(original)
+
+    def first_step_pinned(tail: bytes, h: dict) -> bytes:  # a layout without pinned slots
+        at = h["archive_bytes"]
+        return tail[:at] + np.int32(Kind.PINNED).tobytes() + tail[at + 4 :]
+
+    rewrite(tmp_path / "s", lambda h: h, first_step_pinned)
+    with pytest.raises(SessionError, match=r"step 0 \(pinned, \d+ tokens\) cannot follow"):
+        load_session(tmp_path / "s", fresh)
+    assert fresh.decoder.cache.length == 0
+
+
+def test_a_cache_put_back_behind_the_decoders_back_has_no_history(built, tmp_path):  # noqa: F811
+    """A caller that restores an earlier cache state itself (as bench/recall.py scores its choices)
+    leaves steps in the history the cache no longer holds: the history is then unknown, a switch is
+    refused and a save keeps none, so the file still resumes."""
+    d = seat(built, "a")
+    d.ask("remember this")
+    dec = d.decoder
+    state, saved = dec.cache.state(), [b.copy() for b in dec.backend.buffers().values()]
+    dec.feed(np.array([5, 6, 7]))
+    for buf, keep in zip(dec.backend.buffers().values(), saved):
+        np.copyto(buf, keep)
+    dec.cache.restore(state)
+    dec.backend.restored()
+    assert dec.history is not None and dec.known_history() is None
+    with pytest.raises(InputError, match="history is unknown"):
+        d.set_adapter("b")
+    save_session(tmp_path / "s", d)
+    assert (tmp_path / "s").stat().st_size == session_size(d)
+    resumed = seat(built)
+    load_session(tmp_path / "s", resumed)
+    assert resumed.adapter == "a" and resumed.decoder.history is None

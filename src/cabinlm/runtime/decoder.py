@@ -90,6 +90,12 @@ class Decoder:
         if self.adapters is not None:
             self.history = History()
 
+    def known_history(self) -> History | None:
+        """The history, where it is this cache's: None where it is unknown, or where the cache was put
+        back to an earlier state behind the decoder's back (its tokens are then not the stream's)."""
+        h = self.history
+        return h if h is not None and h.tokens == self.cache.seen and h.recalls == self.cache.recalls else None
+
     def begin_recall(self) -> None:
         """New recalled text replaces the recall region's whole (SlotTable.begin_recall); its chunks
         follow with pin="recall"."""
@@ -110,11 +116,12 @@ class Decoder:
         self.adapters.check(name)
         if name == self.adapter:
             return
-        steps = self.history
+        steps = self.known_history()
         if replay and steps is None and self.cache.length:
-            raise InputError(f"adapter {name!r}: this seat's history is unknown (a camera frame was fed, or its cache "
-                             "came from a session file that does not keep it), so its cache cannot be rebuilt with "
-                             "another adapter; start a new dialogue to change its adapter")  # fmt: skip
+            raise InputError(f"adapter {name!r}: this seat's history is unknown (a camera frame was fed, its cache was "
+                             "put back to an earlier state, or came from a session file that does not keep it), so its "
+                             "cache cannot be rebuilt with another adapter; start a new dialogue to change its "
+                             "adapter")  # fmt: skip
         self.backend.set_adapter(self.adapters.feeds(name))
         self.adapter = name
         self.reset()

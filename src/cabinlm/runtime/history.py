@@ -30,6 +30,10 @@ from enum import IntEnum
 
 import numpy as np
 
+from cabinlm.contract.errors import InputError
+from cabinlm.contract.layout import CacheLayout
+from cabinlm.contract.slots import SlotState, SlotTable
+
 PINS = {False: 0, True: 1, "recall": 2}
 
 
@@ -129,6 +133,25 @@ class History:
         h._runs, h._ids = runs.copy(), ids.copy()
         h.entries, h.tokens = len(runs), len(ids)
         return h
+
+
+def check_replay(history: History, layout: CacheLayout, state: SlotState) -> None:
+    """The slot table's bookkeeping of the history's steps, from a reset table (no graph runs): every
+    step must be one the table can plan, and the table must end as `state` (a session file's), so
+    that running the history again (a switch) cannot fail halfway and rebuilds this cache's slots.
+    HistoryError otherwise."""
+    table = SlotTable(layout)
+    for i, (kind, ids) in enumerate(history):
+        try:
+            if kind is Kind.BEGIN_RECALL:
+                table.begin_recall()
+            else:
+                table.advance(table.plan(len(ids), kind.pin))
+        except (InputError, ValueError) as e:
+            raise HistoryError(f"step {i} ({kind.name.lower()}, {len(ids)} tokens) cannot follow the ones before it "
+                               f"({e})") from e  # fmt: skip
+    if not np.array_equal(table.slot_token, state.slot_token) or table.state().counters() != state.counters():
+        raise HistoryError("its steps do not lead to the saved slot table")
 
 
 def byte_count(entries: int, tokens: int) -> int:

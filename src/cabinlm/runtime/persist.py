@@ -50,7 +50,7 @@ import numpy as np
 from cabinlm.contract.files import FileRole
 from cabinlm.contract.errors import CabinlmError
 from cabinlm.runtime.dialogue import Dialogue
-from cabinlm.runtime.history import History, HistoryError, byte_count
+from cabinlm.runtime.history import History, HistoryError, byte_count, check_replay
 from cabinlm.runtime.interrupts import defer_sigint
 from cabinlm.contract.slots import SlotState, StateError, check_state
 
@@ -92,7 +92,7 @@ def _archive(d: Dialogue) -> bytes:
 
 def _history(d: Dialogue) -> list[np.ndarray]:
     """What the file holds after the archive: the history's arrays (none where it is unknown)."""
-    h = d.decoder.history
+    h = d.decoder.known_history()
     return [] if h is None else list(h.arrays())
 
 
@@ -108,7 +108,7 @@ def _header(d: Dialogue, archive: bytes) -> bytes:
         name = d.decoder.adapter
         record = None if name is None else d.decoder.manifest.lora.adapter(name)
         header["adapter"] = None if record is None else {"name": name, "sha256": record.sha256, "scale": record.scale}
-        h = d.decoder.history
+        h = d.decoder.known_history()
         header["history"] = None if h is None else {"entries": h.entries, "tokens": h.tokens}
     raw = json.dumps(header).encode("utf-8")
     if len(raw) > HEADER_BYTES:
@@ -160,7 +160,8 @@ def _check_archive(archive) -> None:
 def _saved_history(saved, body: bytes, at: int, d: Dialogue, state: SlotState) -> History | None:
     """The history kept at `at` (the header's history: null or its entries and tokens, the bytes
     already counted), checked as History.from_arrays checks it and against the saved cache: its
-    tokens are the stream's (seen), its recall starts the table's (recalls)."""
+    tokens are the stream's (seen), its recall starts the table's (recalls), and its steps planned
+    on a reset slot table end in the saved one (history.check_replay)."""
     if saved is None:
         return None
     entries, tokens = saved["entries"], saved["tokens"]
@@ -171,6 +172,7 @@ def _saved_history(saved, body: bytes, at: int, d: Dialogue, state: SlotState) -
     if h.tokens != state.seen or h.recalls != state.recalls:
         raise HistoryError(f"the history holds {h.tokens} tokens and {h.recalls} recall regions, the cache "
                            f"{state.seen} and {state.recalls}")  # fmt: skip
+    check_replay(h, d.decoder.layout, state)
     return h
 
 
