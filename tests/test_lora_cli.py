@@ -31,16 +31,21 @@ def test_a_gguf_lora_built_in_gives_the_logits_of_the_peft_adapter_it_was_writte
     peft = make_peft_adapter(model_dir, tmp_path / "peft", r=4, alpha=8, seed=31)
     gguf = write_gguf_lora(peft, tmp_path / "adapter.gguf", arch, (4, 2), alpha=8)
     out = tmp_path / "build"
-    p = cabinlm("build", folder, "--profile", "cpu", "-o", out, "--adapter", f"p={peft}", "--adapter", f"g={gguf}")
+    p = cabinlm("build", folder, "--profile", "cpu", "-o", out, "--adapter", f"p={peft}", "--adapter", f"g={gguf}",
+                "--adapter", f"p2={peft}:0.5", "--adapter", f"g2={gguf}:0.5")  # fmt: skip
     assert p.returncode == 0, p.stderr
     assert "prepared adapter g (gguf, rank 4" in p.stderr
     m = load_manifest(out)
     g = m.lora.adapter("g")
     assert (g.format, g.rank, g.scale) == ("gguf", 4, 1.0) and g.source == str(gguf)
-    with np.load(out / "adapters" / "p.npz") as a, np.load(out / "adapters" / "g.npz") as b:
-        assert sorted(a.files) == sorted(b.files)
-        for name in a.files:
-            np.testing.assert_array_equal(b[name], a[name], err_msg=name)
+    for peft_name, gguf_name in (("p", "g"), ("p2", "g2")):  # SCALE on top of the file's own alpha / r too
+        with np.load(out / "adapters" / f"{peft_name}.npz") as a, np.load(out / "adapters" / f"{gguf_name}.npz") as b:
+            assert sorted(a.files) == sorted(b.files)
+            for name in a.files:
+                np.testing.assert_array_equal(b[name], a[name], err_msg=name)
+    with np.load(out / "adapters" / "g.npz") as one, np.load(out / "adapters" / "g2.npz") as half:
+        b_name = next(n for n in one.files if n.startswith("lora_b.") and one[n].any())
+        np.testing.assert_allclose(half[b_name], one[b_name] * 0.5, rtol=1e-6)
     ids = np.asarray(tokens(loaded, long_text, 100))
     got = {}
     for name in ("p", "g", None):
