@@ -131,9 +131,8 @@ def run_seats(artifact: Path, seats: int, rounds: int, max_new: int, threads: in
               adapters: Sequence[str | None] = ()) -> SeatsRun:  # fmt: skip
     """`rounds` rounds of every seat's turn on a freshly opened runtime with `seats` seats, each
     with `system` pinned ("": none); speculative: the seats draft by prompt lookup (None: as chat
-    does on this build, runtime.speculative.drafting_by_default); adapters: seat i's switchable LoRA
-    adapter adapters[i] (the seats past the list, and None: the base model), its arrays loaded before
-    the first memory sample."""
+    does on this build, runtime.speculative.drafting_by_default); adapters: seat i's LoRA adapter
+    adapters[i] (None, or past the list: the base model), loaded before the first memory sample."""
     from cabinlm.runtime import RuntimeConfig, Sampler, open_runtime
     from cabinlm.runtime.reply import advance, advance_seats
 
@@ -142,8 +141,8 @@ def run_seats(artifact: Path, seats: int, rounds: int, max_new: int, threads: in
     rt = open_runtime(RuntimeConfig(Path(artifact), seats=seats, threads=threads, system=system, speculative=speculative,
                                     max_new_tokens=max_new))  # fmt: skip
     dialogues = rt.dialogues()  # each pins the system prompt
-    for d, name in zip(dialogues, adapters):
-        d.set_adapter(name)  # the pinned system prompt run again with the seat's adapter
+    for d, name in zip(dialogues, adapters):  # the pinned system prompt run again with the seat's adapter
+        d.set_adapter(name)
     greedy = Sampler()
     stop = set(rt.manifest.stop_ids)
     scripts = [user_turns(seed + i) for i in range(seats)]
@@ -301,8 +300,7 @@ def report(runs: list[dict]) -> list[str]:
     lines = []
     for d in runs:
         seats = f"{d['seats']} seat{'' if d['seats'] == 1 else 's'}"
-        if d.get("adapters"):  # --adapter: seat i's adapter
-            seats += f" (adapters {', '.join(d['adapters'])})"
+        seats += f" (adapters {', '.join(d['adapters'])})" if d.get("adapters") else ""  # --adapter: seat i's
         lines.append(f"{d['mode']:>8}: {seats}, {d['rounds']} rounds, {d['decoded_tokens']} tokens decoded: "
                      f"{d['aggregate_decode_tok_s']} tok/s in all, per seat {d['per_seat_decode_tok_s']}; time to first "
                      f"token median {d['ttft_ms_median']} ms, max {d['ttft_ms_max']} ms; RSS {d['rss_start_mb']} -> "
