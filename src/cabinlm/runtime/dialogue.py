@@ -172,7 +172,7 @@ class Dialogue:
             return choice.report(False, 0.0, chose)
         t0 = time.perf_counter()
         dec = self.decoder
-        dec.cache.begin_recall()
+        dec.begin_recall()
         self.region = EMPTY  # the region is empty from here until the feed below completes
         if choice.ids:
             dec.feed(choice.ids, pin="recall")
