@@ -201,7 +201,7 @@ class FusedBackend(Backend):
         if self.steps:  # the row's slot (F: one token is its own step) and the sink / pinned keys' tables
             self._slots1 = np.zeros(1, dtype=np.int64)
             fixed[io.ROW_SLOTS] = self._slots1
-            P = lay.sink + lay.pinned + lay.recall  # the rows the kernel rotates (a recall region's after the pinned)
+            P = lay.window_start  # the rows the kernel rotates (with recalled text: every slot before the window)
             self._source_cos1 = np.zeros((1, P, lay.head_dim // 2), np.float32)
             self._source_sin1 = np.zeros_like(self._source_cos1)
             self._source_rows: int | None = None  # K bound now
@@ -251,7 +251,7 @@ class FusedBackend(Backend):
             self.rotated.refresh(plan)
         self.rotated.chunk_tables(plan)
         F = plan.extent
-        if plan.tokens == 1 and embeds is None and plan.pin != "recall":  # a recall chunk masks the window
+        if plan.tokens == 1 and embeds is None and plan.sees_window:  # a recall chunk masks the window
             return self._run_one(ids, plan, F)
         inputs = self.chunk_inputs(plan, ids, all_logits)
         if embeds is not None:
@@ -276,7 +276,7 @@ class FusedBackend(Backend):
         hands the graph (a vision-language decoder's: no image rows; run() puts a frame's in)."""
         self._frame_keys(plan)
         n, N, F = plan.tokens, self.layout.slots, plan.extent
-        if n == 1 and plan.pin != "recall":  # a seat's one-token step in a batched run: the bias a one-token step keeps
+        if n == 1 and plan.sees_window:  # a seat's one-token step in a batched run: the bias a one-token step keeps
             bias = self._one_token_bias(plan)
         else:
             mask = plan.attention_mask
