@@ -10,8 +10,17 @@ up and down), hundreds of evictions between, decode after each refill.
               them (engines/onnxruntime/rotated.RotatedKeys, shared with the fused cpu build)
 
 Tolerances are test_qnn's (fp16 against the CPU running the same export) and test_qnn_kv8's (the uint8 cache against
-the CPU's float32-KV export, and loosely against the CPU's int8 export); the int8 build whose window keys ignore the
-region (O = E) fails them.
+the CPU's float32-KV export, and loosely against the CPU's int8 export). Measured over this stream (170 feeds), as
+(worst, median) of a feed's max |logit error| / max |logit|, and top-1 agreement:
+
+    HTP fp16 KV                     vs the CPU, the same export            0.043 / 0.010 / 98%
+    HTP uint8 cache, rotated keys   vs the CPU float32-KV export           0.080 / 0.026 / 97%
+                                    vs the CPU int8 export                 0.44  / 0.071 / 88%
+    the same, window keys at O = E  vs the CPU float32-KV export           1.57  / 0.039 / 81%   (the test's teeth)
+    HTP fp16 KV, the region's chunks seeing the window, vs the CPU         1.58  / 0.19  / 73%   (measured once)
+    (the CPU int8 export vs its float32-KV twin: 0.41 / 0.064 / 90%)
+
+Time on 2 cores: the two builds about 20 s, each stream in the simulator 13 to 17 s.
 """
 
 from __future__ import annotations
@@ -57,9 +66,7 @@ def recall_builds(recall_exports, tmp_path_factory):
 
 
 def streamed(folder, ids, **kw) -> list[np.ndarray]:
-    dec = Decoder(folder, **kw)
-    got = run_stream(dec, ids)
-    return got
+    return run_stream(Decoder(folder, **kw), ids)
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +75,7 @@ def cpu_logits(recall_exports):
     return ids, {kv: streamed(art, ids, session_config=EXACT) for kv, art in recall_exports.items()}
 
 
+@pytest.mark.slow
 def test_the_fp16_build_follows_the_cpu_with_a_recall_region(recall_builds, cpu_logits):
     ids, cpu = cpu_logits
     m = load_manifest(recall_builds["fp16"])
@@ -76,6 +84,7 @@ def test_the_fp16_build_follows_the_cpu_with_a_recall_region(recall_builds, cpu_
     assert close(got, cpu["fp16"]), agreement(got, cpu["fp16"])
 
 
+@pytest.mark.slow
 def test_the_uint8_cache_with_rotated_keys_follows_the_cpu_with_a_recall_region(recall_builds, cpu_logits, monkeypatch):
     """The region's keys re-rotated from their fp16 copy at rank + O, the window's written at rank + O: as close
     to the float32-KV export as test_qnn_kv8's stream without a region; with O = E (the region's length left out
