@@ -1,4 +1,4 @@
-"""A camera frame together with a recall region (docs/design.md, "The recall region"), on Qwen2-VL's tiny model.
+"""A camera frame together with a recall region (docs/design.md, "The recall region"), on tiny Qwen2-VL and Idefics3.
 
 In a layout with a region the cache ranks as the layout lies: sink | pinned | frame | recalled text | window. The
 frame's chunks and the region's see the sink, the pinned spans, the frame and their own earlier tokens, never the
@@ -6,8 +6,10 @@ window; a new frame empties the region (its tokens saw the old frame), and the D
 then feeds the user's text; multimodal RoPE applies its rule over those ranks (text after the frame continues from
 the frame's largest position + 1). Checked against RecallFrameReference (below: test_qwen2_vl's plain PyTorch
 reference of the M-RoPE rank rule, with the region's rules written out) on the exported graph and on the fused cpu
-build (GroupQueryAttention, keys rotated once at positions + O, O = E - r - I + (I - max(rows, cols))), the slot
-table's positions against the rule over the rank order, and a Dialogue turn with a new frame and recalled text.
+build (GroupQueryAttention, keys rotated once at positions + O, O = E - r - I + (I - max(rows, cols))), the same
+with ranks on Idefics3's exported graph and fused build on cabinlm's kernel (O = E - r - I; the frame's keys among
+the rows it rotates from key_source), the slot table's positions against the rule over the rank order, and a
+Dialogue turn with a new frame and recalled text.
 """
 
 from __future__ import annotations
@@ -23,19 +25,21 @@ from cabinlm.runtime import Decoder
 
 from test_qwen2_vl import PICTURE, MRopeStreamingReference, rule_positions
 from vlm_checks import TEXT, picture
+from vlm_reference import FrameStreamingReference
 
 LAYOUT = dict(sink=4, pinned=32, recall=64, window=64, chunk=8)  # the tiny tokenizer: about a token a letter
 
 
-class RecallFrameReference(MRopeStreamingReference):
-    """The cache semantics with a frame and a recall region, from docs/design.md alone: every cached token keeps
-    the K/V it was given when fed; the cached tokens rank pinned first (sink, pinned spans, frame, recalled text, in
-    stream order), then the window's, in stream order; a frame's or the region's chunk sees the pinned ones only,
-    a window chunk every cached token; positions are the M-RoPE rule over the tokens seen then the chunk, in rank
-    order; a new frame drops the old frame's tokens and the recalled ones, begin_recall the recalled ones."""
+class RecallReference:
+    """The cache semantics with a frame and a recall region, from docs/design.md alone, over vlm_reference.py's
+    reference of frames (its positions and rotation: ranks, or test_qwen2_vl's M-RoPE rule): every cached token
+    keeps the K/V it was given when fed; the cached tokens rank pinned first (sink, pinned spans, frame, recalled
+    text, in stream order), then the window's, in stream order; a frame's or the region's chunk sees the pinned
+    ones only, a window chunk every cached token; positions are the rule over the tokens seen then the chunk, in
+    rank order; a new frame drops the old frame's tokens and the recalled ones, begin_recall the recalled ones."""
 
-    def __init__(self, model, sink: int, window: int, grid: tuple[int, int]):
-        super().__init__(model, sink, window, grid)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.recalled: set[int] = set()
 
     def begin_frame(self) -> None:
@@ -85,6 +89,14 @@ class RecallFrameReference(MRopeStreamingReference):
         return logits
 
 
+class RecallFrameReference(RecallReference, MRopeStreamingReference):
+    """Qwen2-VL: multimodal RoPE's rule over the ranks."""
+
+
+class RecallRankReference(RecallReference, FrameStreamingReference):
+    """Idefics3 (a Llama decoder): positions are ranks."""
+
+
 @pytest.fixture(scope="module")
 def qwen_recall(load, tiny_qwen2_vl_dir, export_to, tmp_path_factory):
     """(loaded model, the export with a frame and a region, its fused cpu build)."""
@@ -103,12 +115,18 @@ STREAM = [("pin", 10), ("text", 20), ("frame", 1), ("recall", 10), ("text", 45),
           ("text", 30), ("recall", 5), ("text", 20), ("frame", 3), ("text", 12)]  # fmt: skip
 
 
-def recall_stream_against_reference(loaded, dec: Decoder) -> float:
-    """STREAM through `dec` and RecallFrameReference, the worst logit difference over every fed token."""
+def recall_stream_against_reference(loaded, dec: Decoder, size: tuple[int, int] = PICTURE) -> float:
+    """STREAM through `dec` and the reference (Qwen2-VL's, or with ranks for a Llama decoder), the worst logit
+    difference over every fed token. size: the test frames' (width, height)."""
     v = dec.manifest.vision
     lay = dec.layout
-    ref = RecallFrameReference(loaded.model, lay.sink, lay.window, v.grid)
-    embed = loaded.model.model.language_model.embed_tokens
+    if v.mrope:
+        ref = RecallFrameReference(loaded.model, lay.sink, lay.window, v.grid)
+        embed = loaded.model.model.language_model.embed_tokens
+    else:
+        lm = loaded.model.model.text_model
+        ref = RecallRankReference(loaded.model, lm, lay.sink, lay.window, lm.rotary_emb.inv_freq)
+        embed = lm.embed_tokens
     text = loaded.tokenizer.backend_tokenizer.encode(TEXT * 3, add_special_tokens=False).ids
     worst, at = 0.0, 0
 
@@ -118,7 +136,7 @@ def recall_stream_against_reference(loaded, dec: Decoder) -> float:
 
     for what, n in STREAM:
         if what == "frame":
-            frame = dec.vision.encode(picture(*PICTURE, seed=n))
+            frame = dec.vision.encode(picture(*size, seed=n))
             dec.cache.begin_frame()
             ref.begin_frame()
             both(dec.feed([v.image_token_id] * v.image_tokens, pin="image", all_logits=True, embeds=frame),
@@ -151,6 +169,37 @@ def test_a_frame_and_a_region_follow_the_reference(qwen_recall, engine):
     assert (dec.backend.kind == BackendKind.FUSED) == (engine == "fused")
     worst = recall_stream_against_reference(loaded, dec)
     assert worst < 1e-4, (engine, worst)  # measured 4.6e-6 and 4.4e-6 (logits up to ~5)
+
+
+@pytest.fixture(scope="module")
+def idefics3_recall(load, export_to, tmp_path_factory):
+    """A tiny Idefics3 (ranks of one component) with a frame and a region, and its fused cpu build on cabinlm's
+    attention kernel (FloatKVAttention: the sink / pinned / frame / recall keys rotated per row from key_source)."""
+    from cabinlm.engines.build import build_artifact
+    from cabinlm.engines.ort_fused.kernels import compiler
+    from cabinlm.profiles import load_profile
+    from test_idefics3 import make_tiny_idefics3
+
+    if compiler.unavailable() is not None:
+        pytest.skip(f"cabinlm's attention kernel cannot be compiled here: {compiler.unavailable()}")
+    loaded = load(str(make_tiny_idefics3(tmp_path_factory.mktemp("tiny-idefics3-recall"), "idefics3", seed=1)))
+    art = export_to(loaded, **LAYOUT)
+    built = build_artifact(art, load_profile("cpu"), tmp_path_factory.mktemp("idefics3-recall") / "fused",
+                           attention_kernel="cabinlm")  # fmt: skip
+    return loaded, art, built
+
+
+@pytest.mark.parametrize("engine", ["graph", "fused"])
+def test_a_frame_and_a_region_with_ranks_follow_the_reference(idefics3_recall, engine):
+    """The same on a decoder whose positions are ranks, its fused build on cabinlm's kernel (O = E - r - I): measured
+    8e-6 on both; with the frame left out of O (O = E - r) the fused build is 5.3 away."""
+    from test_idefics3 import PICTURE as IDEFICS3_PICTURE
+
+    loaded, art, built = idefics3_recall
+    dec = Decoder(art if engine == "graph" else built)
+    assert (dec.backend.kind == BackendKind.FUSED) == (engine == "fused")
+    worst = recall_stream_against_reference(loaded, dec, IDEFICS3_PICTURE)
+    assert worst < 1e-4, (engine, worst)
 
 
 def test_the_reference_tells_a_frame_that_sees_the_window(qwen_recall, monkeypatch):

@@ -132,7 +132,8 @@ class FusedBackend(Backend):
 
     def _sync_kernel_source(self) -> None:
         """The kernel's copy of the sink / pinned keys' sources, where it is not key_source itself (a
-        vision-language decoder on cabinlm's kernel: key_source also holds the image rows)."""
+        vision-language decoder on cabinlm's kernel: key_source also holds the image rows; with a recall
+        region the kernel reads them all, the frame's rows among the rows it rotates)."""
         if self._kernel_source is not None:
             P = self.layout.sink + self.layout.pinned
             self._kernel_source.reshape(self.key_source.shape[:2] + (P, -1))[...] = self.key_source[:, :, :P]
@@ -153,7 +154,7 @@ class FusedBackend(Backend):
         self._kernel_source = None
         if self.steps:  # the sink / pinned keys' un-rotated copy, read by the kernel in place
             L, H, P, D = self.key_source.shape
-            if lay.image:  # the image rows after them are re-written in the cache (FrameKeys.refresh_image):
+            if lay.image and not lay.recall:  # the image rows after them are re-written in the cache (FrameKeys.refresh_image):
                 P = lay.sink + lay.pinned  # the kernel's (1, L * H, sink + pinned, D) kept apart, synced at commit
                 self._kernel_source = np.zeros((1, L * H, P, D), np.float32)
             source = self._kernel_source if self._kernel_source is not None else self.key_source.reshape(1, L * H, P, D)
