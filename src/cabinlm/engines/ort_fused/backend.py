@@ -154,8 +154,10 @@ class FusedBackend(Backend):
         self._kernel_source = None
         if self.steps:  # the sink / pinned keys' un-rotated copy, read by the kernel in place
             L, H, P, D = self.key_source.shape
-            if lay.image and not lay.recall:  # the image rows after them are re-written in the cache (FrameKeys.refresh_image):
-                P = lay.sink + lay.pinned  # the kernel's (1, L * H, sink + pinned, D) kept apart, synced at commit
+            # the image rows after them are re-written in the cache (FrameKeys.refresh_image): the kernel's
+            # (1, L * H, sink + pinned, D) kept apart, synced at commit; with a recall region it reads them all
+            if lay.image and not lay.recall:
+                P = lay.sink + lay.pinned
                 self._kernel_source = np.zeros((1, L * H, P, D), np.float32)
             source = self._kernel_source if self._kernel_source is not None else self.key_source.reshape(1, L * H, P, D)
             cache.append((io.KEY_SOURCE, ortvalue(source, "")))

@@ -5,9 +5,8 @@ already in the cache, which for int8 KV would rotate quantized keys.
 The cache holds keys rotated at their positions + E (engines/onnxruntime/rotated.py). The frame's own keys are
 re-written from their un-rotated copy before each step, as the pinned ones are (RotatedKeys.refresh).
 What moves the window keys is a new frame (SlotTable.begin_frame): it takes the old frame's tokens in
-the image region out of the cache with no eviction, so E stays while (in a layout without a recall
-region; with one the frame ranks before the window, and O = E - r - I takes its length as the
-region's: RotatedKeys.offset, no window key moves)
+the image region out of the cache with no eviction, so E stays while, in a layout without a recall
+region,
 
   * ranks of one component (LLaVA-style, Idefics3): every window token fed after the old frame drops
     I ranks (I: the old frame's tokens in the image region); the tokens before it keep theirs;
@@ -15,6 +14,10 @@ region's: RotatedKeys.offset, no window key moves)
     what both frames' grids make of them (the old frame's I tokens and its I - max(rows, cols) offset
     leave). Each window slot's positions + E as its key was rotated (`baked`) are compared with the
     rule's, and the keys that moved are turned by the difference, pair j by its component's.
+
+In a layout with a recall region the frame ranks before the window, and O = E - r - I counts its
+tokens as it counts the region's (RotatedKeys.offset, which under multimodal RoPE also gives back the
+grid's offset): no window key moves, and `follow` turns none.
 
 `frame` (frames started, the newest stream index and the count of the image region's tokens, as the
 last commit left them) and `baked` are buffers a session file carries with the cache.
