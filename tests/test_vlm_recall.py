@@ -5,8 +5,8 @@ frame's chunks and the region's see the sink, the pinned spans, the frame and th
 window; a new frame empties the region (its tokens saw the old frame), and the Dialogue refills it after the frame,
 then feeds the user's text; multimodal RoPE applies its rule over those ranks (text after the frame continues from
 the frame's largest position + 1). Checked against RecallFrameReference (below: test_qwen2_vl's plain PyTorch
-reference of the M-RoPE rank rule, with the region's rules written out) on the exported graph and on the fused cpu
-build (GroupQueryAttention, keys rotated once at positions + O, O = E - r - I + (I - max(rows, cols))), the same
+reference of the M-RoPE rank rule, with the region's rules written out) on the exported graph, the static pair and
+the fused cpu build (GroupQueryAttention, keys rotated once at positions + O, O = E - r - I + (I - max(rows, cols))), the same
 with ranks on Idefics3's exported graph and fused build on cabinlm's kernel (O = E - r - I; the frame's keys among
 the rows it rotates from key_source), the slot table's positions against the rule over the rank order, and a
 Dialogue turn with a new frame and recalled text.
@@ -109,6 +109,17 @@ def qwen_recall(load, tiny_qwen2_vl_dir, export_to, tmp_path_factory):
     return loaded, art, built
 
 
+@pytest.fixture(scope="module")
+def qwen_static(qwen_recall, tmp_path_factory):
+    """The static prefill / decode pair of the same export (a short chunk padded to the graph's size)."""
+    from cabinlm.engines.build import build_artifact
+    from cabinlm.profiles import load_profile
+    from test_backends import static_profile
+
+    tmp = tmp_path_factory.mktemp("vlm-recall-static")
+    return build_artifact(qwen_recall[1], load_profile(static_profile(tmp)), tmp / "static")
+
+
 # (what, tokens or picture seed): "pin" the system prompt, "text" window text (in stretches of one-token steps and
 # chunks), "frame" a new frame (begin_frame), "recall" a new region (begin_recall), its text fed in chunks
 STREAM = [("pin", 10), ("text", 20), ("frame", 1), ("recall", 10), ("text", 45), ("frame", 2), ("recall", 16),
@@ -161,12 +172,13 @@ def recall_stream_against_reference(loaded, dec: Decoder, size: tuple[int, int] 
     return worst
 
 
-@pytest.mark.parametrize("engine", ["graph", "fused"])
-def test_a_frame_and_a_region_follow_the_reference(qwen_recall, engine):
+@pytest.mark.parametrize("engine", ["graph", "static", "fused"])
+def test_a_frame_and_a_region_follow_the_reference(qwen_recall, engine, request):
     loaded, art, built = qwen_recall
-    dec = Decoder(art if engine == "graph" else built)
+    dec = Decoder({"graph": art, "fused": built}.get(engine) or request.getfixturevalue("qwen_static"))
     assert dec.layout.recall == LAYOUT["recall"] and dec.layout.image == 12
     assert (dec.backend.kind == BackendKind.FUSED) == (engine == "fused")
+    assert dec.backend.graphs.static == (engine == "static") or engine == "fused"
     worst = recall_stream_against_reference(loaded, dec)
     assert worst < 1e-4, (engine, worst)  # measured 4.6e-6 and 4.4e-6 (logits up to ~5)
 
