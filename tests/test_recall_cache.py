@@ -256,3 +256,28 @@ def test_the_tensorrt_backend_runs_the_region_as_onnxruntime_runs_the_same_graph
     assert dec.device == "tensorrt-cuda" and dec.layout.recall == LAYOUT["recall"]
     got, want = run_stream(dec, ids), run_stream(Decoder(out, onnxruntime_manifest(out)), ids)
     assert max(float(np.abs(g - w).max()) for g, w in zip(got, want)) < 1e-4
+
+
+def test_a_span_pinned_after_window_tokens_is_refused_where_keys_are_rotated(artifacts, stream):
+    """With a region the window ranks after every pinned token, so a span pinned after window tokens raises the
+    window's ranks: the exported graph follows the reference there (it rotates every key at its rank each step),
+    a build that rotates window keys once is refused in one line, its cache untouched (O counts the frame and the
+    region, not late pins: followed, its logits would be 3.3 away)."""
+    loaded, ids, _ = stream
+    ref = StreamingReference(loaded.model, sink=LAYOUT["sink"], window=LAYOUT["window"])
+    feeds = [(ids[:6], True), (ids[6:10], False), (ids[10:26], "recall"), (ids[26:28], True), (ids[28:30], False)]
+    decs = [Decoder(artifacts("graph")), Decoder(artifacts("fused fp32"))]
+    for chunk, pin in feeds:
+        if pin == "recall":
+            ref.begin_recall()
+            for d in decs:
+                d.cache.begin_recall()
+        want = ref.feed(chunk.tolist(), pin=pin is True, recall=pin == "recall").numpy()
+        assert np.abs(decs[0].feed(chunk, pin=pin, all_logits=True) - want).max() < 2e-3
+        if pin is True and decs[1].cache.window_fill:
+            seen = decs[1].cache.seen
+            with pytest.raises(InputError, match="pinned after window tokens .* pin spans before any window token") as e:
+                decs[1].feed(chunk, pin=True)
+            assert "\n" not in str(e.value) and decs[1].cache.seen == seen
+        else:
+            decs[1].feed(chunk, pin=pin)

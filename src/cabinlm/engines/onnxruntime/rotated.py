@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from cabinlm.contract.errors import InputError
 from cabinlm.contract.layout import CacheLayout
 
 if TYPE_CHECKING:  # the runtime's bookkeeping: annotations only
@@ -167,6 +168,12 @@ class RotatedKeys:
         """The chunk's virtual positions L + i + E into rows 0..n-1 of the cos / sin inputs (the rows
         the graph's position_ids name). Rows as steps: each row's rank and E at its step, the same sums."""
         n = len(plan.slots)
+        if plan.pin is True and self.layout.recall and plan.cached > plan.sink_fill + plan.pinned_fill + plan.before_window:
+            # the window ranks after every pinned token there: a span pinned now would raise the ranks of the
+            # window keys already rotated, which O (counting the frame and the region, not late pins) leaves
+            raise InputError("a span pinned after window tokens moves the window's ranks in a layout with a recall "
+                             "region, which this build's rotated keys do not follow; pin spans before any window "
+                             "token (the system prompt)")  # fmt: skip
         if self.mrope is not None:  # three components per token (GroupQueryAttention builds: no steps)
             cos, sin = self._tables(self.mrope_positions(plan)[0] + self.offset(plan))
         elif n == 1:
