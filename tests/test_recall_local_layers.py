@@ -283,3 +283,11 @@ def test_a_resumed_session_with_a_region_continues_exactly(backend, gemma, expor
     for name, buf in first.decoder.backend.buffers().items():
         assert np.array_equal(resumed.decoder.backend.buffers()[name], buf), name
     assert [resumed.ask(t).reply for t in turns[5:]] == expected[5:]
+
+
+@pytest.mark.parametrize("profile", ["sa8295p", "orin-x"])
+def test_the_htp_and_tensorrt_builds_refuse_a_region_beside_the_rings_in_one_line(profile, gemma, export_to, tmp_path):
+    from test_cli import assert_clean_error, cabinlm
+
+    art = export_to(gemma, kv="int8" if profile == "sa8295p" else "fp16", **LAYOUT)
+    assert_clean_error(cabinlm("build", art, "--profile", profile, "-o", tmp_path / "out"), "local", "--recall 0")

@@ -31,8 +31,9 @@ class CacheLayout:
 
     A chunk of up to C tokens attends to every cached token and to itself causally, then joins the
     cache. Positions are ranks in stream order, so the largest position ever used is S + P + I + R + W + C - 1.
-    The recall region (docs/design.md, "The recall region") ranks after the sink and pinned spans and
-    before the window; its chunk attends to everything but the window.
+    The recall region (docs/design.md, "The recall region") ranks after the sink, the pinned spans and
+    the frame, and before the window; its chunk attends to everything but the window (and so, in a
+    layout with a region, does a frame's, which then ranks before the window too).
 
     Per-layer geometry (docs/design.md, "Layers with their own sliding window"). A layer listed in
     `local_layers` is one whose model attends only within a sliding window of `local_window` = w
@@ -108,9 +109,9 @@ class CacheLayout:
                               f"layers' rings hold; lower --chunk to at most {w}")  # fmt: skip
 
     def _check_recall(self) -> None:
-        """The recall region ranks before the window, where a camera frame fed between window tokens
-        would rank after some of them: that combination is refused. (Its tokens never pass through a
-        local layer's ring: a local layer keeps them in R slots of its own, local_slots.)"""
+        """The recall region ranks before the window, after a camera frame (contract/slots.py). Its tokens
+        never pass through a local layer's ring: a local layer keeps them in R slots of its own after
+        the ring (local_slots)."""
         if not self.recall:
             return
         if self.recall % RECALL_MULTIPLE:
@@ -118,9 +119,6 @@ class CacheLayout:
             # slots runs in the order an artifact without a region runs it (--no-recall bit for bit)
             raise LayoutError(f"--recall {self.recall} must be a multiple of {RECALL_MULTIPLE}; give --recall "
                               f"{-(-self.recall // RECALL_MULTIPLE) * RECALL_MULTIPLE}")  # fmt: skip
-        if self.image:
-            raise LayoutError("--recall: a vision-language model's camera frame and a recall region do not go "
-                              "together yet; export it with --recall 0")  # fmt: skip
         if self.sink < 1:
             raise LayoutError("--recall needs at least one sink token (--sink 1 or more): the region is fed "
                               "after the sink is full")  # fmt: skip
