@@ -105,7 +105,8 @@ class Decoder:
         if replay and steps is None and self.cache.length:
             raise InputError(f"adapter {name!r}: this seat's cache was restored from a session file, which does not "
                              "keep the chunks a switch runs again; start a new dialogue to change its adapter")  # fmt: skip
-        self.backend.set_adapter(self.adapters.feeds(name))
+        # None: the backend's own zeros, or a graph without adapter nodes (the fused build's plain twin)
+        self.backend.set_adapter(None if name is None else self.adapters.feeds(name))
         self.adapter = name
         self.reset()
         for ids, pin in steps if replay and steps else ():

@@ -47,4 +47,17 @@ inline F exp_nonpositive_lanes(F x) {
 inline vf16 exp_nonpositive(vf16 x) { return exp_nonpositive_lanes<vf16, vi16>(x); }
 inline vf8 exp_nonpositive(vf8 x) { return exp_nonpositive_lanes<vf8, vi8>(x); }
 
+// silu(gate) * up for one row of gate | up (2 K floats, K a multiple of 16), 16 lanes at a time:
+// sigmoid from exp of -|g| only (no overflow), exp_nonpositive's polynomial. The one sequence both
+// the down projection's kernel (BlockQ4SwiGLUMatMul) and its adapter term (LoraSwiGLUTerms) compute.
+inline void swiglu_row(const float* gu, int64_t K, float* out) {
+  for (int64_t k = 0; k < K; k += 16) {
+    const vf16 g = load(gu + k), u = load(gu + K + k);
+    const vi16 positive = g >= splat(0.0f);
+    const vf16 e = exp_nonpositive(positive ? -g : g);
+    const vf16 sigmoid = (positive ? splat(1.0f) : e) / (splat(1.0f) + e);
+    store(out + k, g * sigmoid * u);
+  }
+}
+
 }  // namespace cabinlm_vec

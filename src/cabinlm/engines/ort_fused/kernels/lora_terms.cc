@@ -1,0 +1,240 @@
+// Switchable LoRA adapters' terms beside a fused projection: ai.cabinlm::LoraTerms, one node per
+// fused matrix (q|k|v, o, gate|up, down) of a layer in place of two Gemms per targeted projection and
+// seat, and the Split / Concat / Add around them (engines/ort_fused/adapter_graph.py).
+//
+//   inputs  0 y            float (..., N)    the fused matrix's output, x W^T (bias included)
+//           1 x            float (..., K)    its input
+//           2 columns      int64 (P,)        the first column in y of each targeted projection p
+//           3 seat_tokens  int64 (S,)        each seat's row count, the rows stacked seat after seat;
+//                                            (0,): every row is one seat's (S = 1, the one-seat graph)
+//           4 ..           variadic, float   for seat s, for projection p: A (R, K), B (n_p, R)
+//                                            (B already holds the adapter's scaling: the build folds it in)
+//   output  0              float (..., N)    y, plus (x A^T) B^T of seat s's own A and B in columns
+//                                            columns[p] .. columns[p] + n_p - 1 of each of seat s's rows
+//
+// ai.cabinlm::LoraSwiGLUTerms takes gate | up (..., 2 K) as x and computes the term over
+// silu(gate) * up (vector_math.h's swiglu_row, the sequence BlockQ4SwiGLUMatMul runs inside): the
+// down projection's term where the build computes its input inside the down projection's kernel.
+//
+// How it computes, per row: u = x A^T (R dot products of length K), then t = u B^T (n_p dot products
+// of length R), each dot product by one fixed sequence (16 lanes of products added in order, then
+// the lanes by a fixed tree, then the tail), and y + t where t is not 0. Where t is 0 the column
+// keeps y itself: a seat without an adapter (A and B all zeros: u and t exactly 0) gets y bit for
+// bit, -0.0 included, so its logits are the graph's without adapter nodes (graph.fused_model with
+// adapters=False, which a build carries beside this one for seats without an adapter).
+//
+// Invariant the runtime relies on: a row's result is a function of that row and its seat's A and B
+// alone, by the same code whatever the other rows: a seat's rows in a batched graph are the ones it
+// gets alone, and row i of a chunk is its one-token step, bit for bit.
+//
+// Two parallel_for's: the first computes u for every (seat, projection, 4 rows of A), the second t
+// for every (seat, projection, 128 columns), each unit reading its slice of the factors once for all
+// of its seat's rows. Portable C++ (vector_math.h's GCC / Clang vectors): AVX-512, AVX2 or NEON as
+// the library's -march gives them, the same sequence on each.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "ort_api.h"
+#include "vector_math.h"
+
+namespace {
+
+using namespace cabinlm_ort;
+using namespace cabinlm_vec;
+
+constexpr int64_t kRowsPerUnit = 4;      // rows of A per unit of the first pass
+constexpr int64_t kColumnsPerUnit = 128;  // columns (rows of B) per unit of the second pass
+
+// The 16 lanes' sum by a fixed tree: halves, then quarters, then pairs.
+inline float lanes_sum(vf16 v) {
+  vf8 lo, hi;
+  std::memcpy(&lo, &v, sizeof lo);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+  const vf8 h = lo + hi;
+  vf4 a, b;
+  std::memcpy(&a, &h, sizeof a);
+  std::memcpy(&b, reinterpret_cast<const char*>(&h) + sizeof a, sizeof b);
+  const vf4 q = a + b;
+  return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+// a . b over n floats: 16 lanes of products added in order, their sum (lanes_sum), then the tail.
+inline float dot(const float* a, const float* b, int64_t n) {
+  vf16 acc = splat(0.0f);
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) acc += load(a + k) * load(b + k);
+  float s = lanes_sum(acc);
+  for (; k < n; ++k) s += a[k] * b[k];
+  return s;
+}
+
+struct Part {  // one seat's factors for one targeted projection
+  const float* a = nullptr;  // (R, K)
+  const float* b = nullptr;  // (n, R)
+  int64_t column = 0, n = 0;
+};
+
+struct Problem {
+  const float* x = nullptr;  // (M, K) the rows' inputs (LoraSwiGLUTerms: silu(gate) * up)
+  const float* y = nullptr;  // (M, N)
+  float* out = nullptr;      // (M, N)
+  float* u = nullptr;        // (M, P, R) x A^T
+  int64_t K = 0, N = 0, R = 0, P = 0;
+  std::vector<int64_t> first, rows;  // seat s's rows: first[s] .. first[s] + rows[s] - 1
+  std::vector<Part> parts;            // seat s, projection p: parts[s P + p]
+  std::vector<int64_t> units_a, units_b;  // unit -> (seat s P + p) * chunks + chunk, per pass
+  int64_t chunks_a = 0, chunks_b = 0;
+};
+
+void first_pass(void* data, size_t unit) {  // u of one (seat, projection, rows of A) for the seat's rows
+  const Problem& p = *static_cast<const Problem*>(data);
+  const int64_t at = p.units_a[unit], sp = at / p.chunks_a, s = sp / p.P, part = sp % p.P;
+  const int64_t r0 = (at % p.chunks_a) * kRowsPerUnit, r1 = std::min(r0 + kRowsPerUnit, p.R);
+  const float* a = p.parts[sp].a;
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t m = p.first[s]; m < p.first[s] + p.rows[s]; ++m)
+      p.u[(m * p.P + part) * p.R + r] = dot(p.x + m * p.K, a + r * p.K, p.K);
+}
+
+void second_pass(void* data, size_t unit) {  // t of one (seat, projection, columns) for the seat's rows
+  const Problem& p = *static_cast<const Problem*>(data);
+  const int64_t at = p.units_b[unit], sp = at / p.chunks_b, s = sp / p.P, part = sp % p.P;
+  const Part& f = p.parts[sp];
+  const int64_t n0 = (at % p.chunks_b) * kColumnsPerUnit, n1 = std::min(n0 + kColumnsPerUnit, f.n);
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = p.first[s]; m < p.first[s] + p.rows[s]; ++m) {
+      const float t = dot(p.u + (m * p.P + part) * p.R, f.b + n * p.R, p.R);
+      const int64_t c = m * p.N + f.column + n;
+      p.out[c] = t != 0.0f ? p.y[c] + t : p.y[c];
+    }
+}
+
+OrtStatus* compute(OrtKernelContext* ctx, bool swiglu) {
+  const std::string where = swiglu ? "LoraSwiGLUTerms: " : "LoraTerms: ";
+  size_t count = 0;
+  CABIN_TRY(input_count(ctx, &count));
+  const OrtValue *yv = nullptr, *xv = nullptr, *cv = nullptr, *sv = nullptr;
+  thread_local std::vector<int64_t> dy, dx, dc, ds, da, db;
+  CABIN_TRY(input(ctx, 0, &yv));
+  CABIN_TRY(input(ctx, 1, &xv));
+  CABIN_TRY(input(ctx, 2, &cv));
+  CABIN_TRY(input(ctx, 3, &sv));
+  CABIN_TRY(dims_of(yv, &dy));
+  CABIN_TRY(dims_of(xv, &dx));
+  CABIN_TRY(dims_of(cv, &dc));
+  CABIN_TRY(dims_of(sv, &ds));
+  const int64_t width = swiglu ? 2 : 1;
+  int64_t M = 1;
+  bool ok = !dy.empty() && dx.size() == dy.size() && dc.size() == 1 && dc[0] >= 1 && ds.size() == 1 &&
+            dx.back() % width == 0 && (!swiglu || (dx.back() / width) % 16 == 0);
+  for (size_t i = 0; ok && i + 1 < dy.size(); ++i) {
+    ok = dx[i] == dy[i];
+    M *= dy[i];
+  }
+  if (!ok)
+    return error(kInvalidArgument, where + "y " + shape_str(dy) + ", x " + shape_str(dx) + ", columns " + shape_str(dc) +
+                                       " and seat_tokens " + shape_str(ds) + " are not (..., N), (..., " +
+                                       (swiglu ? "2 K), K a multiple of 16" : "K)") + ", (P,) and (S,)");
+  Problem p;
+  p.K = dx.back() / width;
+  p.N = dy.back();
+  p.P = dc[0];
+  const int64_t S = std::max<int64_t>(ds[0], 1);
+  if (count != 4 + static_cast<size_t>(2 * S * p.P))
+    return error(kInvalidArgument, where + "takes y, x, columns, seat_tokens and an A and a B per seat and projection (" +
+                                       std::to_string(4 + 2 * S * p.P) + " inputs), got " + std::to_string(count));
+  const int64_t *columns = nullptr, *counts = nullptr;
+  CABIN_TRY(data_of(cv, &columns));
+  CABIN_TRY(data_of(sv, &counts));
+  p.first.assign(S, 0);
+  p.rows.assign(S, M);
+  int64_t total = 0;
+  for (int64_t s = 0; ds[0] > 0 && s < S; ++s) {
+    if (counts[s] < 0) return error(kInvalidArgument, where + "seat_tokens holds a negative row count");
+    p.first[s] = total;
+    p.rows[s] = counts[s];
+    total += counts[s];
+  }
+  if (ds[0] > 0 && total != M)
+    return error(kInvalidArgument, where + "seat_tokens adds up to " + std::to_string(total) + " rows, y has " + std::to_string(M));
+  p.parts.resize(static_cast<size_t>(S * p.P));
+  for (int64_t i = 0; i < S * p.P; ++i) {
+    const OrtValue *av = nullptr, *bv = nullptr;
+    CABIN_TRY(input(ctx, 4 + 2 * i, &av));
+    CABIN_TRY(input(ctx, 5 + 2 * i, &bv));
+    CABIN_TRY(dims_of(av, &da));
+    CABIN_TRY(dims_of(bv, &db));
+    if (i == 0 && da.size() == 2) p.R = da[0];
+    Part& f = p.parts[i];
+    f.column = columns[i % p.P];
+    f.n = db.size() == 2 ? db[0] : -1;
+    if (da.size() != 2 || da[0] != p.R || da[1] != p.K || db.size() != 2 || db[1] != p.R || f.column < 0 ||
+        f.column + f.n > p.N)
+      return error(kInvalidArgument, where + "seat " + std::to_string(i / p.P) + ", projection " + std::to_string(i % p.P) +
+                                         ": A " + shape_str(da) + " and B " + shape_str(db) + " at column " +
+                                         std::to_string(f.column) + " are not (R, " + std::to_string(p.K) +
+                                         ") and (n, R) within y's " + std::to_string(p.N) + " columns");
+    CABIN_TRY(data_of(av, &f.a));
+    CABIN_TRY(data_of(bv, &f.b));
+  }
+  CABIN_TRY(data_of(yv, &p.y));
+  CABIN_TRY(data_of(xv, &p.x));
+  OrtValue* ov = nullptr;
+  CABIN_TRY(output(ctx, 0, dy, &ov));
+  CABIN_TRY(data_of(ov, &p.out));
+  if (M == 0) return nullptr;
+  std::memcpy(p.out, p.y, static_cast<size_t>(M * p.N) * sizeof(float));  // columns no projection adapts
+  if (p.R == 0) return nullptr;
+
+  thread_local std::vector<float> act, u;
+  if (swiglu) {
+    act.resize(static_cast<size_t>(M * p.K));
+    for (int64_t m = 0; m < M; ++m) swiglu_row(p.x + m * 2 * p.K, p.K, act.data() + m * p.K);
+    p.x = act.data();
+  }
+  u.resize(static_cast<size_t>(M * p.P * p.R));
+  p.u = u.data();
+  p.chunks_a = (p.R + kRowsPerUnit - 1) / kRowsPerUnit;
+  int64_t widest = 0;
+  for (const Part& f : p.parts) widest = std::max(widest, f.n);
+  p.chunks_b = std::max<int64_t>((widest + kColumnsPerUnit - 1) / kColumnsPerUnit, 1);
+  for (int64_t sp = 0; sp < S * p.P; ++sp) {
+    if (p.rows[sp / p.P] == 0) continue;  // a seat without rows in this run
+    for (int64_t c = 0; c < p.chunks_a; ++c) p.units_a.push_back(sp * p.chunks_a + c);
+    for (int64_t c = 0; c * kColumnsPerUnit < p.parts[sp].n; ++c) p.units_b.push_back(sp * p.chunks_b + c);
+  }
+  CABIN_TRY(parallel_for(ctx, first_pass, p.units_a.size(), &p));
+  return parallel_for(ctx, second_pass, p.units_b.size(), &p);
+}
+
+struct LoraTerms {
+  static constexpr const char* kName = "LoraTerms";
+  static constexpr ElementType kInputTypes[5] = {kFloat, kFloat, kInt64, kInt64, kAnyType};
+  static constexpr bool kVariadicTail = true;
+  static OrtStatus* compute(OrtKernelContext* ctx) { return ::compute(ctx, false); }
+};
+
+struct LoraSwiGLUTerms {
+  static constexpr const char* kName = "LoraSwiGLUTerms";
+  static constexpr ElementType kInputTypes[5] = {kFloat, kFloat, kInt64, kInt64, kAnyType};
+  static constexpr bool kVariadicTail = true;
+  static OrtStatus* compute(OrtKernelContext* ctx) { return ::compute(ctx, true); }
+};
+
+}  // namespace
+
+namespace cabinlm_ort {
+const CustomOp* lora_terms_op() {
+  static const CustomOp op = make_op<LoraTerms>();
+  return &op;
+}
+
+const CustomOp* lora_swiglu_terms_op() {
+  static const CustomOp op = make_op<LoraSwiGLUTerms>();
+  return &op;
+}
+}  // namespace cabinlm_ort
