@@ -18,8 +18,8 @@ from onnx import TensorProto, helper
 from cabinlm.engines.ort_fused import kernels, single_op
 from cabinlm.engines.ort_fused.kernels.compiler import compile_library
 
-K, R = 64, 8
-WIDTHS = (48, 16, 16)  # a q|k|v matrix's projections
+K, R = 72, 20  # both with a tail past their 16-float pieces
+WIDTHS = (40, 16, 24)  # a q|k|v matrix's projections (columns in groups of 16, and a tail)
 
 
 @pytest.fixture(scope="module", params=["native", "x86-64-v3"])
@@ -56,8 +56,8 @@ def run(sess, y, x, columns, seat_tokens, factors) -> np.ndarray:
     return sess.run(None, feeds)[0][0]
 
 
-def adapter(rng, widths, scale=0.3):
-    return [(rng.standard_normal((R, K)).astype(np.float32) * scale, rng.standard_normal((w, R)).astype(np.float32) * scale)
+def adapter(rng, widths, scale=0.3, k=K):
+    return [(rng.standard_normal((R, k)).astype(np.float32) * scale, rng.standard_normal((w, R)).astype(np.float32) * scale)
             for w in widths]  # fmt: skip
 
 
@@ -114,11 +114,11 @@ def test_zero_factors_leave_y_bit_for_bit_negative_zeros_included(library):
 
 def test_lora_swiglu_terms_take_silu_of_gate_times_up(library):
     rng = np.random.default_rng(4)
-    n, D = 3, 32
+    n, D, I = 3, 32, 64  # noqa: E741
     y = rng.standard_normal((n, D)).astype(np.float32)
-    gate_up = (rng.standard_normal((n, 2 * K)) * 3).astype(np.float32)
-    g, u = gate_up[:, :K].astype(np.float64), gate_up[:, K:].astype(np.float64)
-    pairs = adapter(rng, (D,))
+    gate_up = (rng.standard_normal((n, 2 * I)) * 3).astype(np.float32)
+    g, u = gate_up[:, :I].astype(np.float64), gate_up[:, I:].astype(np.float64)
+    pairs = adapter(rng, (D,), k=I)
     got = run(session(library, 1, 0, swiglu=True), y, gate_up, [0], [], [pairs])
     np.testing.assert_allclose(got, reference(y, (g / (1 + np.exp(-g)) * u), [0], pairs), rtol=1e-4, atol=1e-4)
 
@@ -133,7 +133,7 @@ def test_x86_64_v3_and_this_cpus_library_agree_bit_for_bit(tmp_path):
     got = []
     for march in ("native", "x86-64-v3"):
         (tmp_path / march).mkdir()
-        got.append(run(session(compile_library(tmp_path / march, march).path, 3, 2), y, x, [0, 48, 64], counts, seats))
+        got.append(run(session(compile_library(tmp_path / march, march).path, 3, 2), y, x, [0, WIDTHS[0], WIDTHS[0] + WIDTHS[1]], counts, seats))
     np.testing.assert_array_equal(got[0], got[1])
 
 
@@ -143,5 +143,5 @@ def test_a_malformed_node_is_refused_in_one_line(library):
     pairs = adapter(rng, (64,))
     with pytest.raises(Exception, match="LoraTerms: seat_tokens adds up to 3 rows, y has 2"):
         run(session(library, 1, 2), y, x, [0], [2, 1], [pairs, pairs])
-    with pytest.raises(Exception, match=r"LoraTerms: seat 0, projection 0: A \(8, 64\) and B \(64, 8\) at column 8"):
+    with pytest.raises(Exception, match=r"LoraTerms: seat 0, projection 0: A \(20, 72\) and B \(64, 20\) at column 8"):
         run(session(library, 1, 0), y, x, [8], [], [pairs])

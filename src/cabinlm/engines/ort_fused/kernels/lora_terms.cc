@@ -18,7 +18,8 @@
 //
 // How it computes, per row: u = x A^T (R dot products of length K), then t = u B^T (n_p dot products
 // of length R), each dot product by one fixed sequence (16 lanes of products added in order, then
-// the lanes by a fixed tree, then the tail), and y + t where t is not 0. Where t is 0 the column
+// the lanes by a fixed tree, then the tail; 4 rows of A or 16 columns of B at a time, each with that
+// sequence), and y + t where t is not 0. Where t is 0 the column
 // keeps y itself: a seat without an adapter (A and B all zeros: u and t exactly 0) gets y bit for
 // bit, -0.0 included, so its logits are the graph's without adapter nodes (graph.fused_model with
 // adapters=False, which a build carries beside this one for seats without an adapter).
@@ -27,12 +28,15 @@
 // alone, by the same code whatever the other rows: a seat's rows in a batched graph are the ones it
 // gets alone, and row i of a chunk is its one-token step, bit for bit.
 //
-// Two parallel_for's: the first computes u for every (seat, projection, 4 rows of A), the second t
-// for every (seat, projection, 128 columns), each unit reading its slice of the factors once for all
-// of its seat's rows. Portable C++ (vector_math.h's GCC / Clang vectors): AVX-512, AVX2 or NEON as
+// Two passes: the first computes u for every (seat, projection, 4 rows of A), the second t for every
+// (seat, projection, 128 columns), each unit reading its slice of the factors once for all of its
+// seat's rows; a node of fewer than 2^20 multiply-adds (a decode step's) runs them on the calling
+// thread, a larger one (a prompt's chunk, several seats) as two parallel_for's. Units never share
+// an output, and a row's arithmetic is the same either way. Portable C++ (vector_math.h's GCC / Clang vectors): AVX-512, AVX2 or NEON as
 // the library's -march gives them, the same sequence on each.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -47,29 +51,61 @@ using namespace cabinlm_ort;
 using namespace cabinlm_vec;
 
 constexpr int64_t kRowsPerUnit = 4;      // rows of A per unit of the first pass
-constexpr int64_t kColumnsPerUnit = 128;  // columns (rows of B) per unit of the second pass
+constexpr int64_t kColumnsPerUnit = 128;  // columns (rows of B) per unit of the second pass (a multiple of 16)
+constexpr int64_t kParallelMacs = int64_t{1} << 20;  // multiply-adds below which a node runs on one thread
 
-// The 16 lanes' sum by a fixed tree: halves, then quarters, then pairs.
+// The 16 lanes' sum by reduce16's tree (lanes m and m + 8, then m and m + 4, m and m + 2, m and m + 1).
 inline float lanes_sum(vf16 v) {
-  vf8 lo, hi;
-  std::memcpy(&lo, &v, sizeof lo);
-  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
-  const vf8 h = lo + hi;
-  vf4 a, b;
-  std::memcpy(&a, &h, sizeof a);
-  std::memcpy(&b, reinterpret_cast<const char*>(&h) + sizeof a, sizeof b);
-  const vf4 q = a + b;
-  return (q[0] + q[2]) + (q[1] + q[3]);
+  const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-// a . b over n floats: 16 lanes of products added in order, their sum (lanes_sum), then the tail.
+// a . b over n floats: 16 lanes of products added in order over a's 16-float pieces, the lanes'
+// sum (lanes_sum), then the tail's products one by one (std::fma: one rounding each on every CPU,
+// where a * b + s would be contracted or not as the compiler sees fit). Every dot product here is this sequence,
+// whether computed alone or G at a time (dots).
 inline float dot(const float* a, const float* b, int64_t n) {
   vf16 acc = splat(0.0f);
   int64_t k = 0;
   for (; k + 16 <= n; k += 16) acc += load(a + k) * load(b + k);
   float s = lanes_sum(acc);
-  for (; k < n; ++k) s += a[k] * b[k];
+  for (; k < n; ++k) s = std::fma(a[k], b[k], s);
   return s;
+}
+
+// x . w[g * stride] for g < 4: dot()'s sequence for each, their chains interleaved.
+inline void dots4(const float* x, const float* w, int64_t stride, int64_t n, float* out) {
+  vf16 acc[4] = {splat(0.0f), splat(0.0f), splat(0.0f), splat(0.0f)};
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) {
+    const vf16 xv = load(x + k);
+    for (int g = 0; g < 4; ++g) acc[g] += xv * load(w + g * stride + k);
+  }
+  for (int g = 0; g < 4; ++g) {
+    float s = lanes_sum(acc[g]);
+    for (int64_t j = k; j < n; ++j) s = std::fma(x[j], w[g * stride + j], s);
+    out[g] = s;
+  }
+}
+
+// u . b[c * R] for the 16 columns c of a group: dot()'s sequence for each (the 16 lane sums by
+// reduce16, the same tree as lanes_sum), 16 at a time.
+inline vf16 dots16(const float* u, const float* b, int64_t R) {
+  vf16 acc[16];
+  for (int c = 0; c < 16; ++c) acc[c] = splat(0.0f);
+  int64_t r = 0;
+  for (; r + 16 <= R; r += 16) {
+    const vf16 uv = load(u + r);
+    for (int c = 0; c < 16; ++c) acc[kBitReversed[c]] += uv * load(b + c * R + r);
+  }
+  const vf16 sums = reduce16(acc);
+  float t[16];
+  for (int c = 0; c < 16; ++c) {
+    t[c] = sums[c];
+    for (int64_t j = r; j < R; ++j) t[c] = std::fma(u[j], b[c * R + j], t[c]);
+  }
+  return load(t);
 }
 
 struct Part {  // one seat's factors for one targeted projection
@@ -95,9 +131,12 @@ void first_pass(void* data, size_t unit) {  // u of one (seat, projection, rows 
   const int64_t at = p.units_a[unit], sp = at / p.chunks_a, s = sp / p.P, part = sp % p.P;
   const int64_t r0 = (at % p.chunks_a) * kRowsPerUnit, r1 = std::min(r0 + kRowsPerUnit, p.R);
   const float* a = p.parts[sp].a;
-  for (int64_t r = r0; r < r1; ++r)
-    for (int64_t m = p.first[s]; m < p.first[s] + p.rows[s]; ++m)
-      p.u[(m * p.P + part) * p.R + r] = dot(p.x + m * p.K, a + r * p.K, p.K);
+  for (int64_t m = p.first[s]; m < p.first[s] + p.rows[s]; ++m) {
+    float* u = p.u + (m * p.P + part) * p.R;
+    int64_t r = r0;
+    for (; r + 4 <= r1; r += 4) dots4(p.x + m * p.K, a + r * p.K, p.K, p.K, u + r);
+    for (; r < r1; ++r) u[r] = dot(p.x + m * p.K, a + r * p.K, p.K);
+  }
 }
 
 void second_pass(void* data, size_t unit) {  // t of one (seat, projection, columns) for the seat's rows
@@ -105,12 +144,20 @@ void second_pass(void* data, size_t unit) {  // t of one (seat, projection, colu
   const int64_t at = p.units_b[unit], sp = at / p.chunks_b, s = sp / p.P, part = sp % p.P;
   const Part& f = p.parts[sp];
   const int64_t n0 = (at % p.chunks_b) * kColumnsPerUnit, n1 = std::min(n0 + kColumnsPerUnit, f.n);
-  for (int64_t n = n0; n < n1; ++n)
-    for (int64_t m = p.first[s]; m < p.first[s] + p.rows[s]; ++m) {
-      const float t = dot(p.u + (m * p.P + part) * p.R, f.b + n * p.R, p.R);
-      const int64_t c = m * p.N + f.column + n;
-      p.out[c] = t != 0.0f ? p.y[c] + t : p.y[c];
+  for (int64_t m = p.first[s]; m < p.first[s] + p.rows[s]; ++m) {
+    const float* u = p.u + (m * p.P + part) * p.R;
+    const float* y = p.y + m * p.N + f.column;
+    float* out = p.out + m * p.N + f.column;
+    int64_t n = n0;
+    for (; n + 16 <= n1; n += 16) {  // groups of 16 from the projection's first column (kColumnsPerUnit is 16 of them)
+      const vf16 t = dots16(u, f.b + n * p.R, p.R);
+      for (int c = 0; c < 16; ++c) out[n + c] = t[c] != 0.0f ? y[n + c] + t[c] : y[n + c];
     }
+    for (; n < n1; ++n) {
+      const float t = dot(u, f.b + n * p.R, p.R);
+      out[n] = t != 0.0f ? y[n] + t : y[n];
+    }
+  }
 }
 
 OrtStatus* compute(OrtKernelContext* ctx, bool swiglu) {
@@ -206,6 +253,15 @@ OrtStatus* compute(OrtKernelContext* ctx, bool swiglu) {
     if (p.rows[sp / p.P] == 0) continue;  // a seat without rows in this run
     for (int64_t c = 0; c < p.chunks_a; ++c) p.units_a.push_back(sp * p.chunks_a + c);
     for (int64_t c = 0; c * kColumnsPerUnit < p.parts[sp].n; ++c) p.units_b.push_back(sp * p.chunks_b + c);
+  }
+  // A decode step's few rows: on this thread (two parallel_for's per node would cost more than they
+  // spare, and far more on a loaded machine, where each waits for the pool's threads to be scheduled)
+  int64_t macs = 0;
+  for (int64_t sp = 0; sp < S * p.P; ++sp) macs += p.rows[sp / p.P] * p.R * (p.K + p.parts[sp].n);
+  if (macs < kParallelMacs) {
+    for (size_t i = 0; i < p.units_a.size(); ++i) first_pass(&p, i);
+    for (size_t i = 0; i < p.units_b.size(); ++i) second_pass(&p, i);
+    return nullptr;
   }
   CABIN_TRY(parallel_for(ctx, first_pass, p.units_a.size(), &p));
   return parallel_for(ctx, second_pass, p.units_b.size(), &p);
