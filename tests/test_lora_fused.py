@@ -121,7 +121,7 @@ def test_no_adapter_is_the_fused_build_of_the_export_without_adapter_inputs_bit_
             assert not lora_ops(switch, twin) and not [i for i in g.graph.input if "lora" in i.name]
         assert [p.name for p in switch.glob("*.data")] == ["decoder.opt.onnx.data"]  # one weights file for every graph
         fresh = Decoder(switch).backend
-        assert fresh._decode.session is fresh.graphs.plain  # no adapter: the twin
+        assert fresh._decode.session is fresh.graphs.plain and fresh.graphs.decoder is None  # no adapter: the twin alone
     else:  # fp32 weights on MatMul, which packs its weights per session: no twin, the adapter graph fed zeros
         assert not facts.plain_graphs and "graph_plain" not in load_manifest(switch).files and kernels.LORA_OP in ops
     ids = np.random.default_rng(5).integers(3, 300, 60)

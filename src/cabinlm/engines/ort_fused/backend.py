@@ -167,8 +167,8 @@ class FusedBackend(Backend):
         f32 = np.dtype(np.float32)
         outs = [(io.LOGITS, ("rows", V), f32, "float")]
         outs += [(io.qkv_name(i), (1, "tokens", width), f32, "float") for i in range(lay.layers)]
-        # a seat without an adapter runs the plain twin where the build has one (sessions.FusedGraphs.plain)
-        session = self.graphs.plain if self.plain and self.graphs.plain is not None else self.graphs.decoder
+        # a seat without an adapter runs the plain twin where the build has one (sessions.FusedGraphs.graph)
+        session = self.graphs.graph(self.plain)
         # Bound with the aliases, before the outputs ORT allocates per run (which come back in binding
         # order); re-binding it later keeps its place.
         if not self.steps:
@@ -215,7 +215,7 @@ class FusedBackend(Backend):
             self._decode.binding.bind_ortvalue_input(name, ov)
         self._ahead_bound = None
         self._bind_ahead()
-        if session is self.graphs.decoder:
+        if session is not self.graphs.plain:
             self._bind_adapter()
 
     def set_adapter(self, inputs: dict[str, np.ndarray] | None) -> None:
