@@ -28,11 +28,11 @@
 // alone, by the same code whatever the other rows: a seat's rows in a batched graph are the ones it
 // gets alone, and row i of a chunk is its one-token step, bit for bit.
 //
-// Two passes: the first computes u for every (seat, projection, 4 rows of A), the second t for every
-// (seat, projection, 128 columns), each unit reading its slice of the factors once for all of its
-// seat's rows; a node of fewer than 2^20 multiply-adds (a decode step's) runs them on the calling
-// thread, a larger one (a prompt's chunk, several seats) as two parallel_for's. Units never share
-// an output, and a row's arithmetic is the same either way. Portable C++ (vector_math.h's GCC / Clang vectors): AVX-512, AVX2 or NEON as
+// One parallel_for per node, a unit per (seat, projection, 256 columns): it computes u for each of
+// its seat's rows itself (R x K multiply-adds, A read again from cache by a projection's other
+// units) and then its columns' terms, so that a node needs no second pass and no unit waits for
+// another; a decode step's q|k|v node is 5 units at SmolLM2's sizes, its gate|up node 12. Units
+// never share an output, and a row's arithmetic is the same in any unit. Portable C++ (vector_math.h's GCC / Clang vectors): AVX-512, AVX2 or NEON as
 // the library's -march gives them, the same sequence on each.
 
 #include <algorithm>
@@ -50,9 +50,9 @@ namespace {
 using namespace cabinlm_ort;
 using namespace cabinlm_vec;
 
-constexpr int64_t kRowsPerUnit = 4;      // rows of A per unit of the first pass
-constexpr int64_t kColumnsPerUnit = 128;  // columns (rows of B) per unit of the second pass (a multiple of 16)
-constexpr int64_t kParallelMacs = int64_t{1} << 20;  // multiply-adds below which a node runs on one thread
+// Columns (rows of B) per unit (a multiple of 16): a unit reads R x 256 floats of B (16 KB at rank
+// 16) and all of A, so that A's reads, repeated by every unit of its projection, stay a fraction.
+constexpr int64_t kColumnsPerUnit = 256;
 
 // The 16 lanes' sum by reduce16's tree (lanes m and m + 8, then m and m + 4, m and m + 2, m and m + 1).
 inline float lanes_sum(vf16 v) {
@@ -114,46 +114,44 @@ struct Part {  // one seat's factors for one targeted projection
   int64_t column = 0, n = 0;
 };
 
+struct Unit {  // columns n0 .. n1 - 1 of part `part` (seat s P + p) for the seat's rows
+  int64_t part = 0, n0 = 0, n1 = 0;
+};
+
 struct Problem {
   const float* x = nullptr;  // (M, K) the rows' inputs (LoraSwiGLUTerms: silu(gate) * up)
   const float* y = nullptr;  // (M, N)
   float* out = nullptr;      // (M, N)
-  float* u = nullptr;        // (M, P, R) x A^T
   int64_t K = 0, N = 0, R = 0, P = 0;
-  std::vector<int64_t> first, rows;  // seat s's rows: first[s] .. first[s] + rows[s] - 1
-  std::vector<Part> parts;            // seat s, projection p: parts[s P + p]
-  std::vector<int64_t> units_a, units_b;  // unit -> (seat s P + p) * chunks + chunk, per pass
-  int64_t chunks_a = 0, chunks_b = 0;
+  const int64_t* first = nullptr;  // seat s's rows: first[s] .. first[s] + rows[s] - 1
+  const int64_t* rows = nullptr;
+  const Part* parts = nullptr;  // seat s, projection p: parts[s P + p]
+  const Unit* units = nullptr;
 };
 
-void first_pass(void* data, size_t unit) {  // u of one (seat, projection, rows of A) for the seat's rows
+// One unit: for each of its seat's rows, u = x A^T (its own copy: units of a part share no buffer),
+// then the unit's columns of t = u B^T into y's.
+void unit_terms(void* data, size_t i) {
   const Problem& p = *static_cast<const Problem*>(data);
-  const int64_t at = p.units_a[unit], sp = at / p.chunks_a, s = sp / p.P, part = sp % p.P;
-  const int64_t r0 = (at % p.chunks_a) * kRowsPerUnit, r1 = std::min(r0 + kRowsPerUnit, p.R);
-  const float* a = p.parts[sp].a;
+  const Unit& w = p.units[i];
+  const Part& f = p.parts[w.part];
+  const int64_t s = w.part / p.P;
+  thread_local std::vector<float> uv;
+  uv.resize(static_cast<size_t>(p.R));
+  float* u = uv.data();
   for (int64_t m = p.first[s]; m < p.first[s] + p.rows[s]; ++m) {
-    float* u = p.u + (m * p.P + part) * p.R;
-    int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) dots4(p.x + m * p.K, a + r * p.K, p.K, p.K, u + r);
-    for (; r < r1; ++r) u[r] = dot(p.x + m * p.K, a + r * p.K, p.K);
-  }
-}
-
-void second_pass(void* data, size_t unit) {  // t of one (seat, projection, columns) for the seat's rows
-  const Problem& p = *static_cast<const Problem*>(data);
-  const int64_t at = p.units_b[unit], sp = at / p.chunks_b, s = sp / p.P, part = sp % p.P;
-  const Part& f = p.parts[sp];
-  const int64_t n0 = (at % p.chunks_b) * kColumnsPerUnit, n1 = std::min(n0 + kColumnsPerUnit, f.n);
-  for (int64_t m = p.first[s]; m < p.first[s] + p.rows[s]; ++m) {
-    const float* u = p.u + (m * p.P + part) * p.R;
+    const float* x = p.x + m * p.K;
+    int64_t r = 0;
+    for (; r + 4 <= p.R; r += 4) dots4(x, f.a + r * p.K, p.K, p.K, u + r);
+    for (; r < p.R; ++r) u[r] = dot(x, f.a + r * p.K, p.K);
     const float* y = p.y + m * p.N + f.column;
     float* out = p.out + m * p.N + f.column;
-    int64_t n = n0;
-    for (; n + 16 <= n1; n += 16) {  // groups of 16 from the projection's first column (kColumnsPerUnit is 16 of them)
+    int64_t n = w.n0;
+    for (; n + 16 <= w.n1; n += 16) {  // groups of 16 from the projection's first column (a unit's n0 is one's start)
       const vf16 t = dots16(u, f.b + n * p.R, p.R);
       for (int c = 0; c < 16; ++c) out[n + c] = t[c] != 0.0f ? y[n + c] + t[c] : y[n + c];
     }
-    for (; n < n1; ++n) {
+    for (; n < w.n1; ++n) {
       const float t = dot(u, f.b + n * p.R, p.R);
       out[n] = t != 0.0f ? y[n] + t : y[n];
     }
@@ -161,11 +159,14 @@ void second_pass(void* data, size_t unit) {  // t of one (seat, projection, colu
 }
 
 OrtStatus* compute(OrtKernelContext* ctx, bool swiglu) {
-  const std::string where = swiglu ? "LoraSwiGLUTerms: " : "LoraTerms: ";
+  const char* const where = swiglu ? "LoraSwiGLUTerms: " : "LoraTerms: ";
   size_t count = 0;
   CABIN_TRY(input_count(ctx, &count));
   const OrtValue *yv = nullptr, *xv = nullptr, *cv = nullptr, *sv = nullptr;
-  thread_local std::vector<int64_t> dy, dx, dc, ds, da, db;
+  thread_local std::vector<int64_t> dy, dx, dc, ds, da, db, first, rows;
+  thread_local std::vector<Part> parts;
+  thread_local std::vector<Unit> units;
+  thread_local std::vector<float> act;
   CABIN_TRY(input(ctx, 0, &yv));
   CABIN_TRY(input(ctx, 1, &xv));
   CABIN_TRY(input(ctx, 2, &cv));
@@ -183,8 +184,8 @@ OrtStatus* compute(OrtKernelContext* ctx, bool swiglu) {
     M *= dy[i];
   }
   if (!ok)
-    return error(kInvalidArgument, where + "y " + shape_str(dy) + ", x " + shape_str(dx) + ", columns " + shape_str(dc) +
-                                       " and seat_tokens " + shape_str(ds) + " are not (..., N), (..., " +
+    return error(kInvalidArgument, std::string(where) + "y " + shape_str(dy) + ", x " + shape_str(dx) + ", columns " +
+                                       shape_str(dc) + " and seat_tokens " + shape_str(ds) + " are not (..., N), (..., " +
                                        (swiglu ? "2 K), K a multiple of 16" : "K)") + ", (P,) and (S,)");
   Problem p;
   p.K = dx.back() / width;
@@ -192,23 +193,24 @@ OrtStatus* compute(OrtKernelContext* ctx, bool swiglu) {
   p.P = dc[0];
   const int64_t S = std::max<int64_t>(ds[0], 1);
   if (count != 4 + static_cast<size_t>(2 * S * p.P))
-    return error(kInvalidArgument, where + "takes y, x, columns, seat_tokens and an A and a B per seat and projection (" +
-                                       std::to_string(4 + 2 * S * p.P) + " inputs), got " + std::to_string(count));
+    return error(kInvalidArgument, std::string(where) + "takes y, x, columns, seat_tokens and an A and a B per seat and "
+                                       "projection (" + std::to_string(4 + 2 * S * p.P) + " inputs), got " + std::to_string(count));
   const int64_t *columns = nullptr, *counts = nullptr;
   CABIN_TRY(data_of(cv, &columns));
   CABIN_TRY(data_of(sv, &counts));
-  p.first.assign(S, 0);
-  p.rows.assign(S, M);
+  first.assign(S, 0);
+  rows.assign(S, M);
   int64_t total = 0;
   for (int64_t s = 0; ds[0] > 0 && s < S; ++s) {
-    if (counts[s] < 0) return error(kInvalidArgument, where + "seat_tokens holds a negative row count");
-    p.first[s] = total;
-    p.rows[s] = counts[s];
+    if (counts[s] < 0) return error(kInvalidArgument, std::string(where) + "seat_tokens holds a negative row count");
+    first[s] = total;
+    rows[s] = counts[s];
     total += counts[s];
   }
   if (ds[0] > 0 && total != M)
-    return error(kInvalidArgument, where + "seat_tokens adds up to " + std::to_string(total) + " rows, y has " + std::to_string(M));
-  p.parts.resize(static_cast<size_t>(S * p.P));
+    return error(kInvalidArgument, std::string(where) + "seat_tokens adds up to " + std::to_string(total) + " rows, y has " +
+                                       std::to_string(M));
+  parts.resize(static_cast<size_t>(S * p.P));
   for (int64_t i = 0; i < S * p.P; ++i) {
     const OrtValue *av = nullptr, *bv = nullptr;
     CABIN_TRY(input(ctx, 4 + 2 * i, &av));
@@ -216,14 +218,14 @@ OrtStatus* compute(OrtKernelContext* ctx, bool swiglu) {
     CABIN_TRY(dims_of(av, &da));
     CABIN_TRY(dims_of(bv, &db));
     if (i == 0 && da.size() == 2) p.R = da[0];
-    Part& f = p.parts[i];
+    Part& f = parts[i];
     f.column = columns[i % p.P];
     f.n = db.size() == 2 ? db[0] : -1;
     if (da.size() != 2 || da[0] != p.R || da[1] != p.K || db.size() != 2 || db[1] != p.R || f.column < 0 ||
         f.column + f.n > p.N)
-      return error(kInvalidArgument, where + "seat " + std::to_string(i / p.P) + ", projection " + std::to_string(i % p.P) +
-                                         ": A " + shape_str(da) + " and B " + shape_str(db) + " at column " +
-                                         std::to_string(f.column) + " are not (R, " + std::to_string(p.K) +
+      return error(kInvalidArgument, std::string(where) + "seat " + std::to_string(i / p.P) + ", projection " +
+                                         std::to_string(i % p.P) + ": A " + shape_str(da) + " and B " + shape_str(db) +
+                                         " at column " + std::to_string(f.column) + " are not (R, " + std::to_string(p.K) +
                                          ") and (n, R) within y's " + std::to_string(p.N) + " columns");
     CABIN_TRY(data_of(av, &f.a));
     CABIN_TRY(data_of(bv, &f.b));
@@ -237,34 +239,25 @@ OrtStatus* compute(OrtKernelContext* ctx, bool swiglu) {
   std::memcpy(p.out, p.y, static_cast<size_t>(M * p.N) * sizeof(float));  // columns no projection adapts
   if (p.R == 0) return nullptr;
 
-  thread_local std::vector<float> act, u;
   if (swiglu) {
     act.resize(static_cast<size_t>(M * p.K));
     for (int64_t m = 0; m < M; ++m) swiglu_row(p.x + m * 2 * p.K, p.K, act.data() + m * p.K);
     p.x = act.data();
   }
-  u.resize(static_cast<size_t>(M * p.P * p.R));
-  p.u = u.data();
-  p.chunks_a = (p.R + kRowsPerUnit - 1) / kRowsPerUnit;
-  int64_t widest = 0;
-  for (const Part& f : p.parts) widest = std::max(widest, f.n);
-  p.chunks_b = std::max<int64_t>((widest + kColumnsPerUnit - 1) / kColumnsPerUnit, 1);
+  units.clear();
   for (int64_t sp = 0; sp < S * p.P; ++sp) {
-    if (p.rows[sp / p.P] == 0) continue;  // a seat without rows in this run
-    for (int64_t c = 0; c < p.chunks_a; ++c) p.units_a.push_back(sp * p.chunks_a + c);
-    for (int64_t c = 0; c * kColumnsPerUnit < p.parts[sp].n; ++c) p.units_b.push_back(sp * p.chunks_b + c);
+    if (rows[sp / p.P] == 0) continue;  // a seat without rows in this run
+    for (int64_t n0 = 0; n0 < parts[sp].n; n0 += kColumnsPerUnit) units.push_back({sp, n0, std::min(n0 + kColumnsPerUnit, parts[sp].n)});
   }
-  // A decode step's few rows: on this thread (two parallel_for's per node would cost more than they
-  // spare, and far more on a loaded machine, where each waits for the pool's threads to be scheduled)
-  int64_t macs = 0;
-  for (int64_t sp = 0; sp < S * p.P; ++sp) macs += p.rows[sp / p.P] * p.R * (p.K + p.parts[sp].n);
-  if (macs < kParallelMacs) {
-    for (size_t i = 0; i < p.units_a.size(); ++i) first_pass(&p, i);
-    for (size_t i = 0; i < p.units_b.size(); ++i) second_pass(&p, i);
+  p.first = first.data();
+  p.rows = rows.data();
+  p.parts = parts.data();
+  p.units = units.data();
+  if (units.size() == 1) {
+    unit_terms(&p, 0);
     return nullptr;
   }
-  CABIN_TRY(parallel_for(ctx, first_pass, p.units_a.size(), &p));
-  return parallel_for(ctx, second_pass, p.units_b.size(), &p);
+  return parallel_for(ctx, unit_terms, units.size(), &p);
 }
 
 struct LoraTerms {
