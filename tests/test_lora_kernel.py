@@ -56,8 +56,8 @@ def run(sess, y, x, columns, seat_tokens, factors) -> np.ndarray:
     return sess.run(None, feeds)[0][0]
 
 
-def adapter(rng, widths, scale=0.3, k=K):
-    return [(rng.standard_normal((R, k)).astype(np.float32) * scale, rng.standard_normal((w, R)).astype(np.float32) * scale)
+def adapter(rng, widths, scale=0.3, k=K, r=R):
+    return [(rng.standard_normal((r, k)).astype(np.float32) * scale, rng.standard_normal((w, r)).astype(np.float32) * scale)
             for w in widths]  # fmt: skip
 
 
@@ -68,12 +68,13 @@ def reference(y, x, columns, pairs) -> np.ndarray:
     return out
 
 
-def test_lora_terms_adds_each_targeted_projections_term_in_its_columns(library):
+@pytest.mark.parametrize("rank", [R, 16, 32])  # 16, 32: the kernel's paths for ranks known when compiled
+def test_lora_terms_adds_each_targeted_projections_term_in_its_columns(library, rank):
     rng = np.random.default_rng(1)
     n, N = 5, sum(WIDTHS)
     y, x = rng.standard_normal((n, N)).astype(np.float32), rng.standard_normal((n, K)).astype(np.float32)
     columns = [0, WIDTHS[0] + WIDTHS[1]]  # q and v targeted, k not
-    pairs = adapter(rng, (WIDTHS[0], WIDTHS[2]))
+    pairs = adapter(rng, (WIDTHS[0], WIDTHS[2]), r=rank)
     got = run(session(library, 2, 0), y, x, columns, [], [pairs])
     want = reference(y, x, columns, pairs)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -81,15 +82,16 @@ def test_lora_terms_adds_each_targeted_projections_term_in_its_columns(library):
     assert np.abs(got - y).max() > 0.1
 
 
-def test_each_seats_rows_are_what_they_are_alone_and_a_chunks_rows_its_one_row_runs(library):
+@pytest.mark.parametrize("rank", [R, 16])
+def test_each_seats_rows_are_what_they_are_alone_and_a_chunks_rows_its_one_row_runs(library, rank):
     """Three seats (rows 2, 1, 3; the last with zero factors) in one node against each alone, bit for
     bit; a seat's chunk against its rows one at a time, bit for bit."""
     rng = np.random.default_rng(2)
     counts, N = (2, 1, 3), sum(WIDTHS)
     y, x = rng.standard_normal((6, N)).astype(np.float32), rng.standard_normal((6, K)).astype(np.float32)
     columns = [0, WIDTHS[0], WIDTHS[0] + WIDTHS[1]]
-    seats = [adapter(rng, WIDTHS), adapter(rng, WIDTHS, scale=2.0), [(np.zeros((R, K), np.float32), np.zeros((w, R), np.float32))
-                                                                     for w in WIDTHS]]  # fmt: skip
+    seats = [adapter(rng, WIDTHS, r=rank), adapter(rng, WIDTHS, scale=2.0, r=rank),
+             [(np.zeros((rank, K), np.float32), np.zeros((w, rank), np.float32)) for w in WIDTHS]]
     together = run(session(library, 3, 3), y, x, columns, counts, seats)
     alone = session(library, 3, 0)
     start = 0
@@ -129,12 +131,14 @@ def test_x86_64_v3_and_this_cpus_library_agree_bit_for_bit(tmp_path):
     rng = np.random.default_rng(5)
     counts, N = (3, 2), sum(WIDTHS)
     y, x = rng.standard_normal((5, N)).astype(np.float32), rng.standard_normal((5, K)).astype(np.float32)
-    seats = [adapter(rng, WIDTHS), adapter(rng, WIDTHS)]
-    got = []
+    libraries = []
     for march in ("native", "x86-64-v3"):
         (tmp_path / march).mkdir()
-        got.append(run(session(compile_library(tmp_path / march, march).path, 3, 2), y, x, [0, WIDTHS[0], WIDTHS[0] + WIDTHS[1]], counts, seats))
-    np.testing.assert_array_equal(got[0], got[1])
+        libraries.append(compile_library(tmp_path / march, march).path)
+    for rank in (R, 16):  # the generic rank's path and rank 16's
+        seats = [adapter(rng, WIDTHS, r=rank), adapter(rng, WIDTHS, r=rank)]
+        got = [run(session(lib, 3, 2), y, x, [0, WIDTHS[0], WIDTHS[0] + WIDTHS[1]], counts, seats) for lib in libraries]
+        np.testing.assert_array_equal(got[0], got[1])
 
 
 def test_a_malformed_node_is_refused_in_one_line(library):

@@ -30,7 +30,7 @@ class FusedGraphs:
 
     manifest: Manifest
     # the decoder graph (with adapter inputs, in an export with --lora-rank); None until a seat first
-    # takes an adapter where the build has the plain twin (adapter_graph() opens it)
+    # takes an adapter where the build has the plain twin (graph() opens it)
     decoder: ort.InferenceSession | None
     rotate: ort.InferenceSession | None  # the sink / pinned keys' refresh graph (numpy without it)
     weights: list[tuple[str, ort.OrtValue]] = field(default_factory=list)  # every graph's weights, one map, kept alive here

@@ -52,7 +52,13 @@ using namespace cabinlm_vec;
 
 // Columns (rows of B) per unit (a multiple of 16): a unit reads R x 256 floats of B (16 KB at rank
 // 16) and all of A, so that A's reads, repeated by every unit of its projection, stay a fraction.
-constexpr int64_t kColumnsPerUnit = 256;
+constexpr int64_t kColumnsPerUnit = 768;
+// The factors are asked for ahead of their use (hints only: no arithmetic changes, and a hint past an
+// array's end never faults): each row of A 128 floats further on, B two groups of 16 rows further on.
+// A decode step reads every factor once from memory, in runs of a few KB that the core's own
+// prefetchers would otherwise learn anew each time.
+constexpr int64_t kAheadFloats = 128;
+constexpr int64_t kAheadGroups = 2;
 
 // The 16 lanes' sum by reduce16's tree (lanes m and m + 8, then m and m + 4, m and m + 2, m and m + 1).
 inline float lanes_sum(vf16 v) {
@@ -80,7 +86,10 @@ inline void dots4(const float* x, const float* w, int64_t stride, int64_t n, flo
   int64_t k = 0;
   for (; k + 16 <= n; k += 16) {
     const vf16 xv = load(x + k);
-    for (int g = 0; g < 4; ++g) acc[g] += xv * load(w + g * stride + k);
+    for (int g = 0; g < 4; ++g) {
+      __builtin_prefetch(w + g * stride + k + kAheadFloats, 0, 3);
+      acc[g] += xv * load(w + g * stride + k);
+    }
   }
   for (int g = 0; g < 4; ++g) {
     float s = lanes_sum(acc[g]);
@@ -90,22 +99,43 @@ inline void dots4(const float* x, const float* w, int64_t stride, int64_t n, flo
 }
 
 // u . b[c * R] for the 16 columns c of a group: dot()'s sequence for each (the 16 lane sums by
-// reduce16, the same tree as lanes_sum), 16 at a time.
+// reduce16, the same tree as lanes_sum), 16 at a time. kR: R where it is known when compiled (16,
+// 32, 64: the group's rows at fixed offsets), else 0; the sequence is the same either way.
+template <int64_t kR>
 inline vf16 dots16(const float* u, const float* b, int64_t R) {
+  if constexpr (kR > 0) R = kR;
   vf16 acc[16];
   for (int c = 0; c < 16; ++c) acc[c] = splat(0.0f);
+  for (int64_t at = 0; at < 16 * R; at += 16) __builtin_prefetch(b + kAheadGroups * 16 * R + at, 0, 3);  // later groups' rows
   int64_t r = 0;
   for (; r + 16 <= R; r += 16) {
     const vf16 uv = load(u + r);
     for (int c = 0; c < 16; ++c) acc[kBitReversed[c]] += uv * load(b + c * R + r);
   }
   const vf16 sums = reduce16(acc);
+  if (r == R) return sums;
   float t[16];
   for (int c = 0; c < 16; ++c) {
     t[c] = sums[c];
     for (int64_t j = r; j < R; ++j) t[c] = std::fma(u[j], b[c * R + j], t[c]);
   }
   return load(t);
+}
+
+// Columns n0 .. n1 - 1 of y + u B^T for one row: groups of 16 from the projection's first column
+// (dots16), then the rest one by one (dot), each column y itself where its term is 0.
+template <int64_t kR>
+inline void column_terms(const float* u, const float* b, int64_t R, int64_t n0, int64_t n1, const float* y, float* out) {
+  int64_t n = n0;
+  for (; n + 16 <= n1; n += 16) {
+    const vf16 t = dots16<kR>(u, b + n * R, R), yv = load(y + n);
+    const vi16 nonzero = t != splat(0.0f);
+    store(out + n, nonzero ? yv + t : yv);
+  }
+  for (; n < n1; ++n) {
+    const float t = dot(u, b + n * R, R);
+    out[n] = t != 0.0f ? y[n] + t : y[n];
+  }
 }
 
 struct Part {  // one seat's factors for one targeted projection
@@ -139,6 +169,8 @@ void unit_terms(void* data, size_t i) {
   thread_local std::vector<float> uv;
   uv.resize(static_cast<size_t>(p.R));
   float* u = uv.data();
+  for (int64_t g = 0; g < kAheadGroups; ++g)  // the unit's first groups of B, while u is computed
+    for (int64_t at = 0; at < 16 * p.R; at += 16) __builtin_prefetch(f.b + (w.n0 + 16 * g) * p.R + at, 0, 3);
   for (int64_t m = p.first[s]; m < p.first[s] + p.rows[s]; ++m) {
     const float* x = p.x + m * p.K;
     int64_t r = 0;
@@ -146,14 +178,11 @@ void unit_terms(void* data, size_t i) {
     for (; r < p.R; ++r) u[r] = dot(x, f.a + r * p.K, p.K);
     const float* y = p.y + m * p.N + f.column;
     float* out = p.out + m * p.N + f.column;
-    int64_t n = w.n0;
-    for (; n + 16 <= w.n1; n += 16) {  // groups of 16 from the projection's first column (a unit's n0 is one's start)
-      const vf16 t = dots16(u, f.b + n * p.R, p.R);
-      for (int c = 0; c < 16; ++c) out[n + c] = t[c] != 0.0f ? y[n + c] + t[c] : y[n + c];
-    }
-    for (; n < w.n1; ++n) {
-      const float t = dot(u, f.b + n * p.R, p.R);
-      out[n] = t != 0.0f ? y[n] + t : y[n];
+    switch (p.R) {  // the usual ranks' rows of B at offsets known when compiled
+      case 16: column_terms<16>(u, f.b, p.R, w.n0, w.n1, y, out); break;
+      case 32: column_terms<32>(u, f.b, p.R, w.n0, w.n1, y, out); break;
+      case 64: column_terms<64>(u, f.b, p.R, w.n0, w.n1, y, out); break;
+      default: column_terms<0>(u, f.b, p.R, w.n0, w.n1, y, out);
     }
   }
 }
