@@ -19,21 +19,22 @@
 // How it computes, per row: u = x A^T (R dot products of length K), then t = u B^T (n_p dot products
 // of length R), each dot product by one fixed sequence (16 lanes of products added in order, then
 // the lanes by a fixed tree, then the tail; 4 rows of A or 16 columns of B at a time, each with that
-// sequence), and y + t where t is not 0. Where t is 0 the column
-// keeps y itself: a seat without an adapter (A and B all zeros: u and t exactly 0) gets y bit for
-// bit, -0.0 included, so its logits are the graph's without adapter nodes (graph.fused_model with
-// adapters=False, which a build carries beside this one for seats without an adapter).
+// sequence), and y + t where t is not 0. Where t is 0 the column keeps y itself: a seat without an
+// adapter (A and B all zeros: u and t exactly 0) gets y bit for bit, -0.0 included, so its logits
+// are the graph's without adapter nodes (graph.fused_model with adapters=False, which a build
+// carries beside this one for seats without an adapter).
 //
 // Invariant the runtime relies on: a row's result is a function of that row and its seat's A and B
 // alone, by the same code whatever the other rows: a seat's rows in a batched graph are the ones it
 // gets alone, and row i of a chunk is its one-token step, bit for bit.
 //
-// One parallel_for per node, a unit per (seat, projection, 256 columns): it computes u for each of
-// its seat's rows itself (R x K multiply-adds, A read again from cache by a projection's other
-// units) and then its columns' terms, so that a node needs no second pass and no unit waits for
-// another; a decode step's q|k|v node is 5 units at SmolLM2's sizes, its gate|up node 12. Units
-// never share an output, and a row's arithmetic is the same in any unit. Portable C++ (vector_math.h's GCC / Clang vectors): AVX-512, AVX2 or NEON as
-// the library's -march gives them, the same sequence on each.
+// One parallel_for per node (a node of one unit runs on the calling thread), a unit per (seat,
+// projection, 768 columns): it computes u for each of its seat's rows itself (R x K multiply-adds,
+// A read again from cache by a projection's other units) and then its columns' terms, so that a
+// node needs no second pass and no unit waits for another; at SmolLM2's sizes a decode step's q|k|v
+// node is 3 units, its gate|up node 4, its o and down nodes 1. Units never share an output, and a
+// row's arithmetic is the same in any unit. Portable C++ (vector_math.h's GCC / Clang vectors):
+// AVX-512, AVX2 or NEON as the library's -march gives them, the same sequence on each.
 
 #include <algorithm>
 #include <cmath>
@@ -50,8 +51,9 @@ namespace {
 using namespace cabinlm_ort;
 using namespace cabinlm_vec;
 
-// Columns (rows of B) per unit (a multiple of 16): a unit reads R x 256 floats of B (16 KB at rank
-// 16) and all of A, so that A's reads, repeated by every unit of its projection, stay a fraction.
+// Columns (rows of B) per unit (a multiple of 16): a unit reads R x 768 floats of B (48 KB at rank
+// 16) and all of A, so that A's reads and x A^T, repeated by every unit of its projection, stay a
+// fraction (measured at SmolLM2's sizes, one thread: 256 columns a unit cost about a quarter more).
 constexpr int64_t kColumnsPerUnit = 768;
 // The factors are asked for ahead of their use (hints only: no arithmetic changes, and a hint past an
 // array's end never faults): each row of A 128 floats further on, B two groups of 16 rows further on.
@@ -69,8 +71,8 @@ inline float lanes_sum(vf16 v) {
 
 // a . b over n floats: 16 lanes of products added in order over a's 16-float pieces, the lanes'
 // sum (lanes_sum), then the tail's products one by one (std::fma: one rounding each on every CPU,
-// where a * b + s would be contracted or not as the compiler sees fit). Every dot product here is this sequence,
-// whether computed alone or G at a time (dots).
+// where a * b + s would be contracted or not as the compiler sees fit). Every dot product here is
+// this sequence, whether computed alone or several at a time (dots4, dots16).
 inline float dot(const float* a, const float* b, int64_t n) {
   vf16 acc = splat(0.0f);
   int64_t k = 0;
