@@ -1,5 +1,8 @@
 """Child process for the fault-injection test: runs turns with a session file, and can die
-(os._exit, like a power cut) at the k-th operating-system call made while saving."""
+(os._exit, like a power cut) at the k-th operating-system call made while saving.
+
+An optional fifth argument (JSON) names switchable LoRA adapters: {"adapter": A} for a dialogue that
+starts here, {"switch": B} to change the adapter of a dialogue resumed from the file."""
 
 from __future__ import annotations
 
@@ -33,10 +36,15 @@ class DyingOS:
 
 def main() -> None:
     artifact, session, kill_at, turns = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
+    adapters = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
     dec, tok = open_artifact(artifact, verify=False)
     d = Dialogue(dec, tok, max_new_tokens=6)
     if os.path.exists(session):
         persist.load_session(session, d)
+        if "switch" in adapters:
+            d.set_adapter(adapters["switch"])
+    elif "adapter" in adapters:
+        d.set_adapter(adapters["adapter"])
     start = d.turns
     if kill_at > 0:
         persist.os = DyingOS(kill_at)

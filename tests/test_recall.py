@@ -18,7 +18,7 @@ from cabinlm.contract.errors import OptionError
 from cabinlm.profiles import load_profile
 from cabinlm.runtime import Dialogue, open_artifact
 from cabinlm.runtime.decoder import Decoder
-from cabinlm.runtime.recall import Archive, Message, Recaller, bm25_scores, check_archive_mb
+from cabinlm.runtime.recall import PIECE_TOKENS, Archive, Message, Recaller, bm25_scores, check_archive_mb, words
 from reference import StreamingReference
 
 LAYOUT = dict(sink=4, pinned=28, window=128, chunk=8, kv="fp32")  # the tiny tokenizer: about a token a letter
@@ -67,9 +67,35 @@ SCRIPT = [FACTS[0]] + FILLER + ["where is my car parked?"]
 
 
 def test_bm25_ranks_the_statement_a_question_asks_about():
-    scores = bm25_scores(FACTS + FILLER, "where did I park the car?")
+    docs = [words(t) for t in FACTS + FILLER]
+    scores = bm25_scores(docs, words("where did I park the car?"))
     assert int(np.argmax(scores)) == 0 and scores[0] > 0 and (scores[3:] == 0).all()
-    assert (bm25_scores(FACTS, "hello") == 0).all() and (bm25_scores(["the a"], "the") == 0).all()
+    assert (bm25_scores(docs[: len(FACTS)], words("hello")) == 0).all()
+    assert (bm25_scores([words("the a")], words("the")) == 0).all()  # stopwords only: no terms
+
+
+def test_a_pieces_terms_are_made_once_and_let_go_when_it_leaves_the_archive(artifacts):
+    """The Recaller decodes each archived piece once: a second turn decodes no archived piece again,
+    and a piece dropped from the archive is no longer held."""
+    d = dialogue(artifacts["region"])
+    rec, tok = d.recaller, d.tok
+    archive = Archive(limit_bytes=1 << 20)
+    for turn, text in enumerate(FACTS + FILLER, start=1):
+        archive.add(Message("user", tok.encode_text(text), turn, turn))
+    archive.left_window(10**6, tok)
+    decoded = []
+    real = tok.decode
+    tok.decode = lambda ids: decoded.append(tuple(ids)) or real(ids)
+    try:
+        first = rec.choose(archive, "where is my car parked?")
+        made = len(decoded)
+        assert made == sum(-(-len(m.ids) // PIECE_TOKENS) for m in archive.kept if m.turn > 1)
+        assert rec.choose(archive, "where is my car parked?") == first and len(decoded) == made
+        archive.kept = [m for m in archive.kept if m.turn != 2]
+        rec.choose(archive, "where is my car parked?")
+        assert len(decoded) == made and not any(key[0] == 2 for key in rec._terms)
+    finally:
+        tok.decode = real
 
 
 def test_the_archive_is_bounded_and_keeps_the_opening_exchange(artifacts):

@@ -8,7 +8,9 @@ single-token decode after each refresh (bound once in the fused backend).
 Engines: the exported graph on ONNX Runtime (pure bookkeeping: slots.py), the static pair, the fused
 cpu build over fp32 KV (GroupQueryAttention: the region's keys refreshed with the pinned ones) and
 over int8 KV (cabinlm's kernel: the region's keys rotated from their float copies per row, chunks
-run as one-token steps when drafts are verified).
+run as one-token steps when drafts are verified); the TensorRT backend's host side on a fake engine.
+The HTP builds in Qualcomm's simulator: tests/test_qnn_recall.py; a camera frame with a region:
+tests/test_vlm_recall.py.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from cabinlm.profiles import load_profile
 from cabinlm.runtime import Decoder
 from reference import StreamingReference
 from test_backends import TOLERANCE, static_profile
+from test_tensorrt_backend import fake_tensorrt  # noqa: F401 (a fixture)
 
 # TOLERANCE: tests/test_backends.py's (fp32 rounding; int8 KV's rounding, measured there). On this stream
 # the fused int8 build's logits are 0.84 (every feed) and 0.22 (mean) from the reference; the window keys
@@ -169,8 +172,8 @@ def test_the_layout_refuses_what_a_region_cannot_go_with():
     lay = CacheLayout(**base, recall=16)
     assert lay.slots == 2 + 4 + 16 + 8 and lay.recall_start == 6 and lay.window_start == 22
     assert CacheLayout(**base).recall == 0  # an older manifest's cache: no "recall" key
-    for bad, word in ((dict(image=4), "camera frame"), (dict(local_window=4, local_layers=(0,)), "sliding-window"),
-                      (dict(sink=0), "sink")):  # fmt: skip
+    assert CacheLayout(**base, image=4, recall=16).window_start == 2 + 4 + 4 + 16  # a frame goes with a region
+    for bad, word in ((dict(local_window=4, local_layers=(0,)), "sliding-window"), (dict(sink=0), "sink")):
         with pytest.raises(LayoutError, match=word):
             CacheLayout(**{**base, **bad, "recall": 16})
     with pytest.raises(LayoutError, match="recall"):
@@ -235,3 +238,46 @@ def test_plan_counts_the_region(tiny_llama_dir):
     # a region the model's 512 positions cannot hold beside a window: the largest that fits, a multiple of 16
     assert_clean_error(cabinlm("plan", tiny_llama_dir, "--recall", "4000"), "give --recall 256 or less")
     assert_clean_error(cabinlm("export", tiny_llama_dir, "-o", "never", "--recall", "4000"), "give --recall")
+
+
+def test_the_tensorrt_backend_runs_the_region_as_onnxruntime_runs_the_same_graph(stream, export_to, tmp_path,
+                                                                                 fake_tensorrt):
+    """A TensorRT build takes the exported graph (un-rotated keys, the slot table's ranks and mask as inputs), so
+    the region is the bookkeeping alone there too. On the CPU, against a fake engine that runs the bundle's graph
+    (tests/test_tensorrt_backend.py: what it can and cannot show), the TensorRT backend's host side gives, over
+    the stream above, the logits ONNX Runtime gives on the same graph (whose export the tests above hold to the
+    reference); TensorRT's own kernels need a GPU."""
+    from test_tensorrt_backend import fake_engine_build, onnxruntime_manifest
+
+    loaded, ids, _ = stream
+    art = export_to(loaded, kv="fp16", index_dtype="int32", **LAYOUT)
+    out = fake_engine_build(art, tmp_path / "orin-x")
+    dec = Decoder(out)
+    assert dec.device == "tensorrt-cuda" and dec.layout.recall == LAYOUT["recall"]
+    got, want = run_stream(dec, ids), run_stream(Decoder(out, onnxruntime_manifest(out)), ids)
+    assert max(float(np.abs(g - w).max()) for g, w in zip(got, want)) < 1e-4
+
+
+def test_a_span_pinned_after_window_tokens_is_refused_where_keys_are_rotated(artifacts, stream):
+    """With a region the window ranks after every pinned token, so a span pinned after window tokens raises the
+    window's ranks: the exported graph follows the reference there (it rotates every key at its rank each step),
+    a build that rotates window keys once is refused in one line, its cache untouched (O counts the frame and the
+    region, not late pins: followed, its logits would be 3.3 away)."""
+    loaded, ids, _ = stream
+    ref = StreamingReference(loaded.model, sink=LAYOUT["sink"], window=LAYOUT["window"])
+    feeds = [(ids[:6], True), (ids[6:10], False), (ids[10:26], "recall"), (ids[26:28], True), (ids[28:30], False)]
+    decs = [Decoder(artifacts("graph")), Decoder(artifacts("fused fp32"))]
+    for chunk, pin in feeds:
+        if pin == "recall":
+            ref.begin_recall()
+            for d in decs:
+                d.cache.begin_recall()
+        want = ref.feed(chunk.tolist(), pin=pin is True, recall=pin == "recall").numpy()
+        assert np.abs(decs[0].feed(chunk, pin=pin, all_logits=True) - want).max() < 2e-3
+        if pin is True and decs[1].cache.window_fill:
+            seen = decs[1].cache.seen
+            with pytest.raises(InputError, match="pinned after window tokens .* pin spans before any window token") as e:
+                decs[1].feed(chunk, pin=True)
+            assert "\n" not in str(e.value) and decs[1].cache.seen == seen
+        else:
+            decs[1].feed(chunk, pin=pin)

@@ -31,7 +31,7 @@ from cabinlm.runtime.persist import save_session  # noqa: E402
 from cabinlm.serve.history import Exchange, SeatRecord, plan_turn  # noqa: E402
 from cabinlm.runtime.model_turns import ModelTurns  # noqa: E402
 from cabinlm.serve.store import SeatStore  # noqa: E402
-from cabinlm.serve.schema import Conversation, Message  # noqa: E402
+from cabinlm.serve.conversation import Conversation, Message  # noqa: E402
 
 MODEL = "tiny-qwen2"  # --model-name of every tiny server
 DRIVER = ["check the route", "and the weather", "how far is it", "play some music"]

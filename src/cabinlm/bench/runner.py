@@ -136,6 +136,8 @@ def run_cabinlm(
     trace.load_s = round(load_s, 3)
     trace.evicted_tokens = int(engine.dec.cache.evicted)
     trace.config.update(threads=threads, loadavg_1m=round(os.getloadavg()[0], 2))
+    if adapter is not None:
+        trace.config["adapter"] = adapter
     if engine.drafting.drafts:
         (db, ab), (da, aa) = engine.drafts[False], engine.drafts[True]
         trace.config.update(drafted=engine.drafting.drafted, accepted=engine.drafting.accepted,
@@ -169,9 +171,11 @@ def model_for_baselines(folder: Path) -> str:
 def report(summary: dict) -> list[str]:
     """Human-readable lines for one summary."""
     s = summary
+    c = s.get("config") or {}
     fmt = lambda v, unit="": "n/a" if v is None else f"{v}{unit}"  # noqa: E731
+    engine = f"{s['engine']} (adapter {c['adapter']})" if c.get("adapter") else s["engine"]
     lines = [
-        f"{s['engine']}: {s['tokens']} tokens in {s['turns']} turns ({s['decoded_tokens']} decoded), stopped: {s['stopped']}",
+        f"{engine}: {s['tokens']} tokens in {s['turns']} turns ({s['decoded_tokens']} decoded), stopped: {s['stopped']}",
         f"  decode {fmt(s['decode_tok_s_overall'])} tok/s overall, {fmt(s['decode_tok_s_last_1k_overall'])} over the last "
         f"1k decoded ({fmt(s['decode_tok_s'])} median per token)   prefill {fmt(s['prefill_tok_s'])} tok/s",
         f"  per-token latency p50 {fmt(s['latency_ms_p50'], ' ms')}  p99 {fmt(s['latency_ms_p99'], ' ms')}  "
@@ -179,7 +183,6 @@ def report(summary: dict) -> list[str]:
         f"  memory {fmt(s['rss_mb_start'], ' MiB')} -> {fmt(s['rss_mb_end'], ' MiB')}  "
         f"slope {fmt(s['rss_mb_slope_per_1k'], ' MiB / 1k tokens')}   evicted {s['evicted_tokens']} tokens",
     ]
-    c = s.get("config") or {}
     if "drafted_after_turnover" in c:
         rate = lambda a, d: f"{a}/{d}" + (f" ({a / d:.0%})" if d else "")  # noqa: E731
         lines.append(f"  drafts accepted: {rate(c['accepted_before_turnover'], c['drafted_before_turnover'])} while the "

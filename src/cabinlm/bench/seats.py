@@ -40,6 +40,7 @@ runs of one repetition, never across. Only numpy, onnxruntime and tokenizers."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -108,11 +109,30 @@ class SeatsRun:
         }
 
 
+def seat_adapters(text: str | None, seats: int, manifest) -> tuple[str, ...]:
+    """--adapter with --seats N: one NAME for every seat, or N names comma-separated (seat i takes the
+    i-th; --scaling's smaller counts the first ones), each one the build holds. OptionError otherwise."""
+    from cabinlm.contract.errors import OptionError
+    from cabinlm.runtime.assembly import check_adapter
+
+    if text is None:
+        return ()
+    names = tuple(text.split(","))
+    if len(names) not in (1, seats):
+        raise OptionError(f"--adapter {text}: {len(names)} names for {seats} seats; give one name for every seat, or "
+                          f"one per seat ({seats}, comma-separated)")  # fmt: skip
+    for name in names:
+        check_adapter(name, manifest)
+    return names * seats if len(names) == 1 else names
+
+
 def run_seats(artifact: Path, seats: int, rounds: int, max_new: int, threads: int | None, seed: int,
-              mode: str, system: str = SYSTEM, speculative: bool | None = None) -> SeatsRun:  # fmt: skip
+              mode: str, system: str = SYSTEM, speculative: bool | None = None,
+              adapters: Sequence[str | None] = ()) -> SeatsRun:  # fmt: skip
     """`rounds` rounds of every seat's turn on a freshly opened runtime with `seats` seats, each
     with `system` pinned ("": none); speculative: the seats draft by prompt lookup (None: as chat
-    does on this build, runtime.speculative.drafting_by_default)."""
+    does on this build, runtime.speculative.drafting_by_default); adapters: seat i's LoRA adapter
+    adapters[i] (None, or past the list: the base model), loaded before the first memory sample."""
     from cabinlm.runtime import RuntimeConfig, Sampler, open_runtime
     from cabinlm.runtime.reply import advance, advance_seats
 
@@ -121,6 +141,8 @@ def run_seats(artifact: Path, seats: int, rounds: int, max_new: int, threads: in
     rt = open_runtime(RuntimeConfig(Path(artifact), seats=seats, threads=threads, system=system, speculative=speculative,
                                     max_new_tokens=max_new))  # fmt: skip
     dialogues = rt.dialogues()  # each pins the system prompt
+    for d, name in zip(dialogues, adapters):  # the pinned system prompt run again with the seat's adapter
+        d.set_adapter(name)
     greedy = Sampler()
     stop = set(rt.manifest.stop_ids)
     scripts = [user_turns(seed + i) for i in range(seats)]
@@ -278,6 +300,7 @@ def report(runs: list[dict]) -> list[str]:
     lines = []
     for d in runs:
         seats = f"{d['seats']} seat{'' if d['seats'] == 1 else 's'}"
+        seats += f" (adapters {', '.join(d['adapters'])})" if d.get("adapters") else ""  # --adapter: seat i's
         lines.append(f"{d['mode']:>8}: {seats}, {d['rounds']} rounds, {d['decoded_tokens']} tokens decoded: "
                      f"{d['aggregate_decode_tok_s']} tok/s in all, per seat {d['per_seat_decode_tok_s']}; time to first "
                      f"token median {d['ttft_ms_median']} ms, max {d['ttft_ms_max']} ms; RSS {d['rss_start_mb']} -> "

@@ -5,7 +5,8 @@
     cli/doctor.py   doctor                    a new NVIDIA board: TensorRT, CUDA, GPU, bundle, engine vs CPU
     cli/chat.py     chat                      the dialogue loop (ChatLoop)
     cli/serve.py    serve                     the assistant as a local HTTP service (cabinlm.serve)
-    cli/measure.py  perplexity, bench, fetch  measuring an artifact, getting a model
+    cli/measure.py  perplexity, fetch         measuring an artifact, getting a model
+    cli/bench.py    bench                     a scripted dialogue timed, its records compared
     cli/common.py   messages, profiles by name, precision choices
 """
 
@@ -15,7 +16,7 @@ import sys
 
 import typer
 
-from cabinlm.cli import build, chat, doctor, export, measure, recall, serve
+from cabinlm.cli import bench, build, chat, doctor, export, measure, recall, serve
 from cabinlm.cli.common import err
 from cabinlm.contract.errors import CabinlmError
 
@@ -32,7 +33,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 for command in (export.export, export.profiles, export.plan, build.build, doctor.doctor, chat.chat, serve.serve,
-                measure.perplexity, measure.bench, measure.fetch, recall.recall):  # fmt: skip
+                measure.perplexity, bench.bench, measure.fetch, recall.recall):  # fmt: skip
     app.command()(command)
 
 

@@ -336,8 +336,9 @@ def fused_decoder_io(layout: CacheLayout, num_heads: int, vocab_size: int, prese
     int8 KV: static per-channel scales (keys per rotation pair), held by the graph.
     steps=True (cabinlm's attention kernel, kernels/int8_kv_attention.cc: a chunk's rows can be its
     one-token steps, after the window has turned over too), instead of the refresh_* side inputs:
-      key_source             float  (1, layers * kv_heads, sink + pinned + recall, head_dim)  the sink /
-                                                             pinned (and recall) keys, un-rotated (the runtime's copy)
+      key_source             float  (1, layers * kv_heads, sink + pinned [+ image + recall], head_dim)  the
+                                                             sink / pinned keys, un-rotated (the runtime's copy); with
+                                                             a recall region every slot's before the window
       source_cos, source_sin float  (versions, K, head_dim / 2)  their rotation at rank + E, for the
                                                              first K = sink + pinned fill rows: one
                                                              version for every row, or one per row
@@ -369,7 +370,9 @@ def fused_decoder_io(layout: CacheLayout, num_heads: int, vocab_size: int, prese
         TensorSpec(LOGIT_ROWS, "int64", ("rows",)),
     ]
     if steps:
-        inputs += [TensorSpec(KEY_SOURCE, "float", (1, refreshed, layout.sink + layout.pinned + layout.recall, d)),
+        # every slot before the window with a recall region (a frame's rows then among them), else sink + pinned
+        source_rows = layout.window_start if layout.recall else layout.sink + layout.pinned
+        inputs += [TensorSpec(KEY_SOURCE, "float", (1, refreshed, source_rows, d)),
                    TensorSpec(SOURCE_COS, "float", ("versions", "pinned_rows", d // 2)),
                    TensorSpec(SOURCE_SIN, "float", ("versions", "pinned_rows", d // 2)),
                    TensorSpec(ROW_SLOTS, "int64", ("tokens",))]  # fmt: skip

@@ -31,8 +31,9 @@ class CacheLayout:
 
     A chunk of up to C tokens attends to every cached token and to itself causally, then joins the
     cache. Positions are ranks in stream order, so the largest position ever used is S + P + I + R + W + C - 1.
-    The recall region (docs/design.md, "The recall region") ranks after the sink and pinned spans and
-    before the window; its chunk attends to everything but the window.
+    The recall region (docs/design.md, "The recall region") ranks after the sink, the pinned spans and
+    the frame, and before the window; its chunk attends to everything but the window (and so, in a
+    layout with a region, does a frame's, which then ranks before the window too).
 
     Per-layer geometry (docs/design.md, "Layers with their own sliding window"). A layer listed in
     `local_layers` is one whose model attends only within a sliding window of `local_window` = w
@@ -108,8 +109,8 @@ class CacheLayout:
 
     def _check_recall(self) -> None:
         """The recall region's tokens never pass through a local layer's ring (a ring holds the stream's
-        last w tokens, and the region is not part of that run) and rank before the window, where a camera
-        frame fed between window tokens would rank after some of them: both combinations are refused."""
+        last w tokens, and the region is not part of that run): that combination is refused. A camera
+        frame goes with a region: both rank before the window, the frame first (contract/slots.py)."""
         if not self.recall:
             return
         if self.recall % RECALL_MULTIPLE:
@@ -120,9 +121,6 @@ class CacheLayout:
         if self.local_layers:
             raise LayoutError("--recall: a model with sliding-window (local) layers takes no recall region yet; "
                               "export it with --recall 0")  # fmt: skip
-        if self.image:
-            raise LayoutError("--recall: a vision-language model's camera frame and a recall region do not go "
-                              "together yet; export it with --recall 0")  # fmt: skip
         if self.sink < 1:
             raise LayoutError("--recall needs at least one sink token (--sink 1 or more): the region is fed "
                               "after the sink is full")  # fmt: skip

@@ -11,11 +11,13 @@ Invariants (tested property-wise in tests/test_cache.py):
   * the image region holds the current camera frame's tokens (begin_frame empties it);
   * the recall region holds the text recalled before the current user turn (begin_recall empties it);
     its chunks attend to every cached token but the window's (docs/design.md, "The recall region");
+    in a layout with a region a camera frame's chunks do too, and a new frame (begin_frame) empties
+    the region as well: the region's tokens saw the frame, so it is refilled after each new one;
   * the window ring holds exactly the most recent min(W, unpinned seen) unpinned tokens;
   * positions are ranks in stream order: cached tokens 0..L-1, the chunk L..L+c-1; in a layout with
     a recall region (layout.recall > 0) the window's tokens rank after every other cached token (its
-    rule 3: the window's ranks follow the region's length), a recall chunk after the other
-    non-window tokens;
+    rule 3: the window's ranks follow the region's length), a recall or frame chunk after the other
+    non-window tokens (the layout order: sink | pinned | image | recall | window);
   * the counters below are a function of slot_token and the stream so far: restore() checks them.
 
 Local layers (CacheLayout.local_layers) keep a ring of R = w slots that every token of the
@@ -84,11 +86,25 @@ class StepPlan:
         return len(self.slots)
 
     @property
+    def sees_window(self) -> bool:
+        """Whether the chunk attends to the window: not a recall chunk, nor, in a layout with a recall
+        region, a camera frame's (both rank before the window, so neither sees it)."""
+        return not (self.pin == "recall" or (self.pin == "image" and self.layout.recall))
+
+    @property
+    def before_window(self) -> int:
+        """What ranks before the window besides the sink and pinned tokens: r, the recall region's
+        tokens, and in a layout with a region the frame's too (it ranks before the window there; in
+        stream order, as a window token, without one)."""
+        return self.recall_fill + (self.image_fill if self.layout.recall else 0)
+
+    @property
     def offset(self) -> int:
         """O = E - r: what a cache of keys rotated once at write time adds to a rank (engines/ort_fused/
         rotated.py). A window token's rank falls by one at each eviction and rises by one for each token
-        the recall region gains, so its rank is always v - O, v its rank + O when it was written."""
-        return self.evicted - self.recall_fill
+        the recall region gains, so its rank is always v - O, v its rank + O when it was written. In a
+        layout with a region the frame's tokens count with r (before_window)."""
+        return self.evicted - self.before_window
 
     @functools.cached_property
     def cache_position_ids(self) -> np.ndarray:
@@ -116,6 +132,8 @@ class StepPlan:
         A text token at rank r has r + d in all three components, where d is what the frames before it
         took off: a frame of I tokens in a (rows, cols) grid spans max(rows, cols) positions, not I.
         Frame token k, the frame starting at rank f: (f + d, f + d + k // cols, f + d + k % cols).
+        In a layout with a recall region the ranks put the frame and the region before the window
+        (cache_position_ids), and a frame's or region's chunk before the window it does not see.
         While the stream fits the cache this is the model's own rule (get_rope_index); after evictions
         it is the same rule over the ranks, for all three components.
 
@@ -125,7 +143,11 @@ class StepPlan:
         st = self.slot_token
         valid = st >= 0
         stream = np.concatenate([st[valid], self.seen + np.arange(self.tokens, dtype=np.int64)])
-        order = np.argsort(stream, kind="stable")
+        rank = np.concatenate([self.cache_position_ids[valid], self.position_ids])
+        if not self.sees_window:  # the chunk ranks before the window (which it does not see)
+            in_window = np.flatnonzero(valid) >= self.layout.window_start
+            rank[: len(in_window)][in_window] += self.tokens
+        order = np.argsort(rank, kind="stable")
         ranked = stream[order]  # every token in rank order: the cache's, then the chunk's
         pos = np.repeat(np.arange(len(ranked), dtype=np.int64)[None, :], 3, axis=0)
         f0 = self.frame_start
@@ -178,7 +200,7 @@ class StepPlan:
     @property
     def row_offset(self) -> np.ndarray:
         """(tokens,) int64: each row's offset O (see offset) at its own step."""
-        return self.row_evicted - self.recall_fill
+        return self.row_evicted - self.before_window
 
     @functools.cached_property
     def row_pinned_ranks(self) -> np.ndarray:
@@ -245,8 +267,8 @@ class StepPlan:
         n, N = len(self.slots), len(self.slot_token)
         mask = np.empty((n, N + n), dtype=np.float32)
         mask[:, :N] = np.where(self.slot_token >= 0, np.float32(0), MASK_VALUE)
-        if self.pin == "recall":  # the region never sees the window (docs/design.md, "The recall region", rule 2)
-            mask[:, self.layout.window_start : N] = MASK_VALUE
+        if not self.sees_window:  # the region (and a frame before it) never sees the window (docs/design.md,
+            mask[:, self.layout.window_start : N] = MASK_VALUE  # "The recall region", rule 2)
         mask[:, N:] = np.where(np.tri(n, dtype=bool), np.float32(0), MASK_VALUE)
         return mask
 
@@ -332,10 +354,12 @@ class SlotTable:
 
     def begin_frame(self) -> None:
         """A new camera frame replaces the current one: its slots are emptied (masked) and the new
-        frame's tokens, fed with pin="image", are written into them."""
+        frame's tokens, fed with pin="image", are written into them. In a layout with a recall region
+        the region is emptied too: its tokens saw the old frame, and rank after the new one once
+        refilled (begin_recall), so that the region depends only on what ranks before it."""
         lay = self.layout
-        self.slot_token[lay.image_start : lay.recall_start] = -1
-        self.image_fill = 0
+        self.slot_token[lay.image_start : lay.window_start] = -1  # the frame's slots, and the region's (if any)
+        self.image_fill = self.recall_fill = 0
         self.frames += 1
         self.frame_start, self.frame_open = -1, True
 
@@ -413,6 +437,10 @@ class SlotTable:
                 )
             start = lay.image_start + self.image_fill
             slots[sink_take:] = np.arange(start, start + rest)
+            if lay.recall:  # the frame ranks before the window, which it does not see (StepPlan.sees_window)
+                first = self.length - self.window_fill
+                position_ids = np.arange(first, first + n, dtype=np.int64)
+                return StepPlan(position_ids, slots, 0, pin, self.slot_token.copy(), self, self.length, steps)
         elif pin:
             if rest > self.pinned_free:
                 raise InputError(

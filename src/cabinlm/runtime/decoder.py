@@ -12,9 +12,10 @@ the backend's loaded graphs and weights; each has its own table and buffers.
 
 Switchable LoRA adapters (an export with --lora-rank, a build with --adapter): each seat has its own
 adapter or none (Decoder.adapter), the prepared arrays loaded once for all seats (runtime/adapters.py).
-Such a decoder keeps its history, the chunks it committed since its reset (ids and pin, in order):
-its cached K/V were computed with its adapter, so set_adapter re-runs that history with the new one,
-and the cache is then the one a fresh seat with that adapter fed the same chunks holds.
+Such a decoder keeps its history (runtime/history.py), the steps it committed since its reset, in
+order: its cached K/V were computed with its adapter, so set_adapter re-runs that history with the new
+one, and the cache is then the one a fresh seat with that adapter fed the same steps holds. A session
+file keeps the history (runtime/persist.py), so a resumed seat can switch too.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from cabinlm.contract.errors import InputError
 from cabinlm.contract.manifest import Manifest, load_manifest
 from cabinlm.engines.backend import Backend
 from cabinlm.engines.registry import open_backend
+from cabinlm.runtime.history import History, Kind
 from cabinlm.runtime.interrupts import defer_sigint
 from cabinlm.contract.slots import SlotTable, StepPlan
 
@@ -60,9 +62,9 @@ class Decoder:
 
             self.adapters = AdapterSet(self.folder, self.manifest)
         self.adapter: str | None = None
-        # The committed chunks since the reset, (ids, pin), where adapters can switch; None: unknown
-        # (a cache restored from a session file), or the artifact has no adapter inputs.
-        self.history: list[tuple[np.ndarray, bool | str]] | None = [] if self.adapters is not None else None
+        # The steps committed since the reset, where adapters can switch; None: unknown (a camera frame
+        # fed, a cache restored from a session file without one), or the artifact has no adapter inputs.
+        self.history: History | None = History() if self.adapters is not None else None
 
     @property
     def device(self) -> str:
@@ -79,14 +81,27 @@ class Decoder:
         other.vision = self.vision
         other.together = self.together
         other.adapters, other.adapter = self.adapters, None
-        other.history = [] if self.adapters is not None else None
+        other.history = History() if self.adapters is not None else None
         return other
 
     def reset(self) -> None:
         self.cache.reset()
         self.backend.reset()
         if self.adapters is not None:
-            self.history = []
+            self.history = History()
+
+    def known_history(self) -> History | None:
+        """The history, where it is this cache's: None where it is unknown, or where the cache was put
+        back to an earlier state behind the decoder's back (its tokens are then not the stream's)."""
+        h = self.history
+        return h if h is not None and h.tokens == self.cache.seen and h.recalls == self.cache.recalls else None
+
+    def begin_recall(self) -> None:
+        """New recalled text replaces the recall region's whole (SlotTable.begin_recall); its chunks
+        follow with pin="recall"."""
+        self.cache.begin_recall()
+        if self.history is not None:
+            self.history.begin_recall()
 
     def set_adapter(self, name: str | None, replay: bool = True) -> None:
         """This seat's adapter (a name the build prepared; None: the base model). The cached K/V came
@@ -101,24 +116,36 @@ class Decoder:
         self.adapters.check(name)
         if name == self.adapter:
             return
-        steps = self.history
+        steps = self.known_history()
         if replay and steps is None and self.cache.length:
-            raise InputError(f"adapter {name!r}: this seat's cache was restored from a session file, which does not "
-                             "keep the chunks a switch runs again; start a new dialogue to change its adapter")  # fmt: skip
+            raise InputError(f"adapter {name!r}: this seat's history is unknown (a camera frame was fed, its cache was "
+                             "put back to an earlier state, or came from a session file that does not keep it), so its "
+                             "cache cannot be rebuilt with another adapter; start a new dialogue to change its "
+                             "adapter")  # fmt: skip
         # None: the backend's own zeros, or a graph without adapter nodes (the fused build's plain twin)
         self.backend.set_adapter(None if name is None else self.adapters.feeds(name))
         self.adapter = name
         self.reset()
-        for ids, pin in steps if replay and steps else ():
-            self._step(ids, pin, None, "last")
+        if replay and steps is not None:
+            self._replay(steps)
 
-    def resume_adapter(self, name: str | None) -> None:
+    def _replay(self, steps: History) -> None:
+        """Run a history again on this (reset) seat, every step planned as it was."""
+        for kind, ids in steps:
+            if kind is Kind.BEGIN_RECALL:
+                self.begin_recall()
+            elif kind is Kind.VERIFIED:
+                self._verify(ids, lambda logits, n=len(ids): n)
+            else:
+                self._step(ids, kind.pin, None, "last")
+
+    def resume_adapter(self, name: str | None, history: History | None = None) -> None:
         """A session file's adapter: its inputs bound, the cache left as restored (it was computed
-        with that adapter), the history unknown."""
+        with that adapter), and the history the file kept (None: unknown)."""
         if self.adapters is None and name is None:
             return
         self.set_adapter(name, replay=False)
-        self.history = None
+        self.history = history
 
     def step(self, ids: np.ndarray, pin: bool | str = False, embeds: np.ndarray | None = None,
              logits: str = "all") -> np.ndarray:
@@ -147,12 +174,12 @@ class Decoder:
             self._record(ids, pin)
         return out.logits
 
-    def _record(self, ids: np.ndarray, pin: bool | str) -> None:
+    def _record(self, ids: np.ndarray, pin: bool | str, verified: bool = False) -> None:
         if self.history is not None:
             if pin == "image":  # a frame's embeddings are not kept: its history cannot be run again
                 self.history = None
             else:
-                self.history.append((np.array(ids, dtype=np.int64), pin))
+                self.history.add(ids, pin, verified)
 
     def draft_room(self) -> int:
         """How many drafts one verify() may carry after the stream's last token (0 or less: none).
@@ -282,8 +309,8 @@ def seats_together(decoders: Sequence[Decoder], chunks: Sequence, pins: Sequence
         kept.append(plan if k == len(c) else d.plan_chunk(k, verify=True))  # a prefix of the chunk's plan
         got.append((out.logits if out.owned else out.logits.copy(), k))
     with defer_sigint():
-        for d, c, pin, plan, out, (_, k) in zip(decoders, chunks, pins, kept, outs, got):
+        for d, c, pin, plan, out, (_, k), accept in zip(decoders, chunks, pins, kept, outs, got, checks):
             d.backend.commit(plan, out)
             d.cache.advance(plan)
-            d._record(c[:k], pin)
+            d._record(c[:k], pin, accept is not None)
     return got

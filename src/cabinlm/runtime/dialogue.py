@@ -172,12 +172,40 @@ class Dialogue:
             return choice.report(False, 0.0, chose)
         t0 = time.perf_counter()
         dec = self.decoder
-        dec.cache.begin_recall()
+        dec.begin_recall()
         self.region = EMPTY  # the region is empty from here until the feed below completes
         if choice.ids:
             dec.feed(choice.ids, pin="recall")
         self.region = choice
         return choice.report(True, (time.perf_counter() - t0) * 1e3, chose)
+
+    def _archive_user(self, text: str) -> None:
+        """The user's message joins the archive, from the stream index its first token is fed at."""
+        if self.recall:
+            self.archive.add(Message("user", self.tok.encode_text(text), self.turns, self.decoder.cache.seen))
+
+    def _feed_frame(self, text: str, head: list[int], embeds: np.ndarray, tail: list[int]) -> dict | None:
+        """A user turn's new camera frame, and its head (the template's user head, the image's prefix
+        tokens), before the tail the caller feeds (Ctrl-C held by the caller). Without a recall region in
+        the layout: head, frame, in stream order. With one the frame ranks before the window and a new
+        frame empties the region (contract/slots.py): the frame, then the region refilled for `text`,
+        then the head, so the turn's tokens are fed in the order of their ranks (docs/design.md, "The
+        recall region"); a frame that comes before the sink is full keeps the head first.
+        Returns the region's report (_refresh_region), None without one."""
+        dec = self.decoder
+        first = bool(dec.layout.recall) and dec.cache.sink_fill == dec.layout.sink
+        if head and not first:
+            dec.feed(head)
+        dec.cache.begin_frame()
+        if dec.layout.recall:
+            self.region = EMPTY  # begin_frame emptied it
+        image_ids = np.full(len(embeds), dec.manifest.vision.image_token_id, dtype=np.int64)
+        dec.feed(image_ids, pin="image", embeds=embeds)
+        recalled = self._refresh_region(text)
+        self._archive_user(text)
+        if head and first:
+            dec.feed(head)
+        return recalled
 
     def _archive_left(self) -> None:
         """Messages whose first token left the window join the archive."""
@@ -266,20 +294,14 @@ class Dialogue:
             # The prompt joins the cache whole: its chunks run with Ctrl-C held (an interrupt then ends
             # the turn before any reply token), so the cache never holds half a turn.
             with defer_sigint():
-                if not tool and frame is None:
-                    recalled = self._refresh_region(text)
-                if self.recall:
-                    self.archive.add(Message("user", self.tok.encode_text(text), self.turns, dec.cache.seen))
                 if frame is None:
+                    if not tool:
+                        recalled = self._refresh_region(text)
+                    self._archive_user(text)
                     logits = dec.feed(prompt)
                 else:
-                    head, embeds, tail = frame
-                    if head:
-                        dec.feed(head)
-                    dec.cache.begin_frame()
-                    image_ids = np.full(len(embeds), dec.manifest.vision.image_token_id, dtype=np.int64)
-                    dec.feed(image_ids, pin="image", embeds=embeds)
-                    logits = dec.feed(tail)
+                    recalled = self._feed_frame(text, *frame)
+                    logits = dec.feed(frame[2])
                 prefilled = True
                 self.prompt_logits = logits
                 self._pending = []

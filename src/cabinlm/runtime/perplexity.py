@@ -62,7 +62,7 @@ def stream_perplexity(
             if len(evicted):
                 chosen = recall.choose(evicted, ids[i - c.window_fill : i])
                 if chosen != region:
-                    c.begin_recall()
+                    decoder.begin_recall()
                     region = ()
                     if chosen:
                         decoder.feed(np.asarray(chosen, dtype=np.int64), pin="recall")

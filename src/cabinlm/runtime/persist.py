@@ -12,9 +12,16 @@ Layout (little-endian; the size is fixed for a given build, so a short file is a
                           un-rotated sink keys, as that backend holds them), in that order
     ...     A             the recall archive (runtime/recall.py): JSON, A = the header's archive_bytes
                           (0 without a recall region; absent from a version 2 file)
+    ...     8 * E         the seat's history (runtime/history.py, an artifact with switchable adapters):
+                          (E, 2) int32, each step's kind and token count, E = the header's
+                          history.entries (absent when the header's history is null, and from version 2
+                          and 3 files)
+    ...     4 * T         its token ids, int32, T = history.tokens
     end-32  32            sha256 of everything before it
 
-The size is fixed for a given build and archive size (the header says the latter).
+The size is fixed for a given build, archive and history (the header says the latter two). The
+history is what a switch of the seat's adapter runs again after a resume: it grows with the stream
+(about 12 bytes per token), the cache does not.
 
 Guarantees: a save writes a temporary file next to the target (a fresh random name, created
 exclusively and never through a symbolic link), fsyncs it, renames it over the target (atomic on
@@ -43,12 +50,14 @@ import numpy as np
 from cabinlm.contract.files import FileRole
 from cabinlm.contract.errors import CabinlmError
 from cabinlm.runtime.dialogue import Dialogue
+from cabinlm.runtime.history import History, HistoryError, byte_count, check_replay
 from cabinlm.runtime.interrupts import defer_sigint
 from cabinlm.contract.slots import SlotState, StateError, check_state
 
 MAGIC = b"CABINSES"
-FORMAT = 3  # 2: the image region's state, the backend in the identity; 3: the recall archive after the buffers
-READS = (2, 3)  # a version 2 file is a session without an archive
+FORMAT = 4  # 2: the image region's state, the backend in the identity; 3: the recall archive after the buffers;
+#            4: the seat's history after the archive
+READS = (2, 3, 4)  # a version 2 file is a session without an archive, 2 and 3 without a history
 HEADER_BYTES = 65536
 _PREFIX = struct.Struct("<8sII")
 _DIGEST = 32
@@ -81,6 +90,12 @@ def _archive(d: Dialogue) -> bytes:
     return json.dumps(d.archive_state()).encode("utf-8") if d.recall else b""
 
 
+def _history(d: Dialogue) -> list[np.ndarray]:
+    """What the file holds after the archive: the history's arrays (none where it is unknown)."""
+    h = d.decoder.known_history()
+    return [] if h is None else list(h.arrays())
+
+
 def _header(d: Dialogue, archive: bytes) -> bytes:
     header = {
         "format": FORMAT,
@@ -93,6 +108,8 @@ def _header(d: Dialogue, archive: bytes) -> bytes:
         name = d.decoder.adapter
         record = None if name is None else d.decoder.manifest.lora.adapter(name)
         header["adapter"] = None if record is None else {"name": name, "sha256": record.sha256, "scale": record.scale}
+        h = d.decoder.known_history()
+        header["history"] = None if h is None else {"entries": h.entries, "tokens": h.tokens}
     raw = json.dumps(header).encode("utf-8")
     if len(raw) > HEADER_BYTES:
         raise SessionError(f"the session header needs {len(raw)} bytes, more than {HEADER_BYTES}; shorten the system prompt")
@@ -138,6 +155,36 @@ def _check_archive(archive) -> None:
             raise ValueError("an archived message's role is user or assistant, its text a string")
         if not all(type(t) is int and t >= 0 for t in [*m["ids"], m["turn"], m["start"]]):
             raise ValueError("an archived message's ids, turn and start are whole numbers")
+
+
+def _saved_history(saved, body: bytes, at: int, d: Dialogue, state: SlotState) -> History | None:
+    """The history kept at `at` (the header's history: null or its entries and tokens, the bytes
+    already counted), checked as History.from_arrays checks it and against the saved cache: its
+    tokens are the stream's (seen), its recall starts the table's (recalls), and its steps planned
+    on a reset slot table end in the saved one (history.check_replay)."""
+    if saved is None:
+        return None
+    entries, tokens = saved["entries"], saved["tokens"]
+    runs = np.frombuffer(body, dtype="<i4", count=2 * entries, offset=at)
+    ids = np.frombuffer(body, dtype="<i4", count=tokens, offset=at + 8 * entries)
+    m = d.decoder.manifest
+    h = History.from_arrays(runs, ids, m.model.vocab_size, d.decoder.layout.chunk)
+    if h.tokens != state.seen or h.recalls != state.recalls:
+        raise HistoryError(f"the history holds {h.tokens} tokens and {h.recalls} recall regions, the cache "
+                           f"{state.seen} and {state.recalls}")  # fmt: skip
+    check_replay(h, d.decoder.layout, state)
+    return h
+
+
+def _history_bytes(saved) -> int:
+    """The bytes the header's history says follow the archive (raises TypeError / ValueError)."""
+    if saved is None:
+        return 0
+    if not isinstance(saved, dict) or set(saved) != {"entries", "tokens"}:
+        raise ValueError("the history needs exactly entries, tokens")
+    if not all(type(v) is int and 0 <= v < 2**40 for v in saved.values()):
+        raise ValueError("the history's entries and tokens must be whole numbers")
+    return byte_count(saved["entries"], saved["tokens"])
 
 
 def _saved_adapter(saved, d: Dialogue, where: str, fix: str) -> str | None:
@@ -217,7 +264,7 @@ def save_session(path: str | Path, d: Dialogue) -> None:
             raise SessionError(f"{path}: cannot write the session ({e.strerror}); the previous one is kept") from e
         try:
             try:
-                for part in (_PREFIX.pack(MAGIC, FORMAT, HEADER_BYTES), header, *_buffers(d), archive):
+                for part in (_PREFIX.pack(MAGIC, FORMAT, HEADER_BYTES), header, *_buffers(d), archive, *_history(d)):
                     part = np.ascontiguousarray(part) if isinstance(part, np.ndarray) else part
                     h.update(part)
                     _write_all(fd, part)
@@ -287,15 +334,19 @@ def load_session(path: str | Path, d: Dialogue) -> None:
             raise TypeError("the header is not an object")
         identity, cache_state, dialogue_state = header["identity"], header["cache"], header["dialogue"]
         archive_bytes = header.get("archive_bytes", 0) if version >= 3 else 0
+        saved_history = header.get("history") if version >= 4 else None
         if not isinstance(identity, dict):
             raise TypeError("identity is not an object")
-        if type(archive_bytes) is not int or len(data) != expected + archive_bytes:
-            raise ValueError(f"{len(data)} bytes, a session of this build with its archive has {expected} + "
-                             f"{archive_bytes!r} (truncated, or from another build)")  # fmt: skip
+        if type(archive_bytes) is not int or archive_bytes < 0:
+            raise ValueError(f"archive_bytes = {archive_bytes!r}")
+        history_bytes = _history_bytes(saved_history)
+        if len(data) != expected + archive_bytes + history_bytes:
+            raise ValueError(f"{len(data)} bytes, a session of this build with its archive and history has "
+                             f"{expected} + {archive_bytes} + {history_bytes} (truncated, or from another build)")  # fmt: skip
         _check_dialogue_state(dialogue_state, d.decoder.manifest.model.vocab_size)
         archive = None
         if archive_bytes:
-            archive = json.loads(body[expected - _DIGEST :])
+            archive = json.loads(body[expected - _DIGEST : expected - _DIGEST + archive_bytes])
             _check_archive(archive)
         adapter = _saved_adapter(header.get("adapter"), d, f"{path}: ", fix)
     except (ValueError, KeyError, TypeError, RecursionError) as e:
@@ -319,10 +370,14 @@ def load_session(path: str | Path, d: Dialogue) -> None:
         check_state(state, d.decoder.layout)
     except StateError as e:
         raise SessionError(f"{path}: the saved cache does not fit this build's layout ({e}); {fix}") from e
+    try:
+        history = _saved_history(saved_history, body, expected - _DIGEST + archive_bytes, d, state)
+    except HistoryError as e:
+        raise SessionError(f"{path}: the saved history does not fit the saved cache ({e}); {fix}") from e
     # Everything checked: restore in place (the buffers keep their addresses and bindings).
     dec = d.decoder
     with defer_sigint():
-        dec.resume_adapter(adapter)  # its inputs bound; the cache reset, then overwritten below
+        dec.resume_adapter(adapter, history)  # its inputs bound; the cache reset, then overwritten below
         for buf, saved in zip(_buffers(d)[1:], arrays[1:]):
             np.copyto(buf, saved)
         dec.cache.restore(state)

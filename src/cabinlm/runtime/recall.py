@@ -117,6 +117,7 @@ class Piece:
     ids: tuple[int, ...]
     turn: int
     order: int  # position in stream order over every piece
+    key: tuple[int, int, str, int] = (0, 0, "", 0)  # (its message's turn, start, role; its offset): what makes its terms
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,9 @@ class Recaller:
                        if chat.system_prefix else tokenizer.encode_text(HEADER + "\n"))  # fmt: skip
         self.roles = {"user": (enc(chat.user_prefix), enc(chat.user_suffix)),
                       "assistant": (enc(chat.assistant_prefix), enc(chat.assistant_suffix))}  # fmt: skip
+        # each archived piece's BM25 terms, by Piece.key: an archived message never changes, so its
+        # pieces' text is decoded and cut into words once (kept while the piece is in the archive)
+        self._terms: dict[tuple[int, int, str, int], list[str]] = {}
 
     def render(self, role: str, ids) -> list[int]:
         head, tail = self.roles[role]
@@ -154,8 +158,15 @@ class Recaller:
         out: list[Piece] = []
         for m in archive.kept:
             for a in range(0, max(len(m.ids), 1), PIECE_TOKENS):
-                out.append(Piece(m.role, tuple(m.ids[a : a + PIECE_TOKENS]), m.turn, len(out)))
+                out.append(Piece(m.role, tuple(m.ids[a : a + PIECE_TOKENS]), m.turn, len(out), (m.turn, m.start, m.role, a)))
         return out
+
+    def terms(self, pieces: list[Piece]) -> list[list[str]]:
+        """Each piece's BM25 terms, made once per piece; those of pieces no longer archived are let go."""
+        known = self._terms
+        fresh = {p.key: known.get(p.key) or words(self.tok.decode(list(p.ids))) for p in pieces}
+        self._terms = fresh
+        return [fresh[p.key] for p in pieces]
 
     def choose(self, archive: Archive, query: str) -> Choice:
         """The region's text for a user turn whose message is `query` (module docstring)."""
@@ -179,7 +190,7 @@ class Recaller:
             skip = {p.order for p in pieces if p.turn == 1 and p.role == "user"}
         ranked = [p for p in pieces if p.order not in skip]
         if ranked and room > 0:
-            scores = bm25_scores([self.tok.decode(list(p.ids)) for p in ranked], query)
+            scores = bm25_scores(self.terms(ranked), words(query))
             for i in np.argsort(-scores, kind="stable"):
                 if scores[i] <= 0:
                     break
@@ -214,15 +225,15 @@ def words(text: str) -> list[str]:
     return out
 
 
-def bm25_scores(documents: list[str], query: str) -> np.ndarray:
-    """(documents,) float: BM25 scores of each document against `query` (bm25s over words());
-    0 for a document that shares no term with it."""
+def bm25_scores(documents: list[list[str]], query: list[str]) -> np.ndarray:
+    """(documents,) float: BM25 scores (bm25s) of each document against `query`, both as their terms
+    (words()); 0 for a document that shares no term with it."""
     import bm25s
 
-    terms = words(query)
+    terms = query
     if not documents or not terms:
         return np.zeros(len(documents))
-    corpus = [words(d) or ["_"] for d in documents]  # "_": no document is empty (bm25s needs a vocabulary)
+    corpus = [d or ["_"] for d in documents]  # "_": no document is empty (bm25s needs a vocabulary)
     index = bm25s.BM25()
     index.index(corpus, show_progress=False)
     return np.asarray(index.get_scores(terms), dtype=np.float64)
@@ -233,7 +244,7 @@ class TextRecall:
     has left the window, the evicted text cut into pieces of PIECE_TOKENS (from the sink's end, so the
     pieces never move as more leaves), ranked with BM25 against the window's last QUERY_TOKENS, and the
     best that fit R joined in stream order: no header, no template pieces (the stream has none).
-    Nothing relevant: the region is left empty. A piece's text is decoded once."""
+    Nothing relevant: the region is left empty. A piece's terms are made once."""
 
     QUERY_TOKENS = 64
 
@@ -241,17 +252,17 @@ class TextRecall:
         if every < 1:
             raise OptionError(f"--recall-every must be at least 1 token, got {every}")
         self.tok, self.capacity, self.every = tokenizer, capacity, every
-        self._texts: list[str] = []  # decoded pieces, in stream order
+        self._terms: list[list[str]] = []  # each whole piece's BM25 terms, in stream order (made once)
 
     def choose(self, evicted: np.ndarray, recent: np.ndarray) -> tuple[int, ...]:
         """The region's ids for the evicted text `evicted` (stream order) and the window's text `recent`."""
         whole = len(evicted) // PIECE_TOKENS  # only whole pieces: a piece's text never changes once made
-        while len(self._texts) < whole:
-            a = len(self._texts) * PIECE_TOKENS
-            self._texts.append(self.tok.decode([int(t) for t in evicted[a : a + PIECE_TOKENS]]))
+        while len(self._terms) < whole:
+            a = len(self._terms) * PIECE_TOKENS
+            self._terms.append(words(self.tok.decode([int(t) for t in evicted[a : a + PIECE_TOKENS]])))
         if not whole or self.capacity < PIECE_TOKENS:
             return ()
-        scores = bm25_scores(self._texts, self.tok.decode([int(t) for t in recent[-self.QUERY_TOKENS :]]))
+        scores = bm25_scores(self._terms, words(self.tok.decode([int(t) for t in recent[-self.QUERY_TOKENS :]])))
         picked = []
         for i in np.argsort(-scores, kind="stable")[: self.capacity // PIECE_TOKENS]:
             if scores[i] <= 0:

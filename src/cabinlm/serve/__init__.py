@@ -1,6 +1,8 @@
 """`cabinlm serve`: the assistant as a local service, OpenAI's chat-completions API over seats.
 
     schema.py     a request, checked once: JSON -> ChatRequest, or a RequestError (OpenAI's error object)
+    conversation.py  its messages: the OpenAI messages list -> a Conversation (system, exchanges, prompt)
+    request_error.py a refused request (RequestError: status, type, code, param) and the shared field checks
     admission.py  what a request would feed, measured before it may claim a seat or take the model
     history.py    what a seat holds (SeatRecord) and what a request's history asks of it (TurnPlan)
     images.py     image_url parts: data URLs and local files -> images for Dialogue.ask

@@ -27,7 +27,8 @@ from cabinlm.runtime.dialogue import LongMessages
 from cabinlm.runtime.template import Template, system_overflow
 from cabinlm.runtime.tokenizer import Tokenizer
 from cabinlm.serve.history import SeatRecord, TurnPlan
-from cabinlm.serve.schema import Conversation, RequestError
+from cabinlm.serve.conversation import Conversation
+from cabinlm.serve.request_error import RequestError
 
 PROMPT_WINDOWS = 4  # the default request limit, in windows
 

@@ -52,7 +52,7 @@ from starlette.staticfiles import StaticFiles
 
 from cabinlm.contract.errors import CabinlmError
 from cabinlm.serve import metrics, replies
-from cabinlm.serve.schema import RequestError, encodable
+from cabinlm.serve.request_error import RequestError, encodable
 from cabinlm.serve.service import STOPPING, ChatService, Turn
 
 log = logging.getLogger("cabinlm.serve")

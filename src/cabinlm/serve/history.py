@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from cabinlm.serve.schema import Conversation, Message
+from cabinlm.serve.conversation import Conversation, Message
 
 
 def image_key(url: str | None) -> str | None:

@@ -18,7 +18,7 @@ from urllib.parse import unquote, urlparse
 
 from cabinlm.contract.errors import InputError
 from cabinlm.runtime.vision import load_image
-from cabinlm.serve.schema import RequestError
+from cabinlm.serve.request_error import RequestError
 
 MAX_IMAGE_BYTES = 32 * 1024 * 1024
 

@@ -20,7 +20,7 @@ from typing import Any
 from cabinlm.contract.errors import CabinlmError
 from cabinlm.runtime.dialogue import Dialogue
 from cabinlm.serve.history import SeatRecord
-from cabinlm.serve.schema import RequestError
+from cabinlm.serve.request_error import RequestError
 from cabinlm.serve.store import SeatStore
 
 

@@ -30,7 +30,7 @@ from cabinlm.runtime.tools import HERMES, CallStream, CallStyle, ToolCall, new_c
 from cabinlm.serve.history import Exchange, SeatRecord, TurnPlan, image_key
 from cabinlm.serve.images import open_image
 from cabinlm.runtime.model_turns import ModelTurns
-from cabinlm.serve.schema import Conversation
+from cabinlm.serve.conversation import Conversation
 
 
 class HistoryStopped(Exception):

@@ -68,9 +68,10 @@ def builds_rotated_keys(manifest) -> bool:
 
 
 def key_source_bytes(layout) -> int:
-    """The fp16 un-rotated copy of the sink and pinned keys a rotated-key uint8 cache keeps beside
-    it (engines/qnn_htp/backend.py): (layers, kv_heads, sink + pinned, head_dim) x 2 bytes."""
-    return layout.layers * layout.kv_heads * (layout.sink + layout.pinned) * layout.head_dim * 2
+    """The fp16 un-rotated copy of the sink, pinned and recall keys a rotated-key uint8 cache keeps
+    beside it (engines/qnn_htp/backend.py): (layers, kv_heads, sink + pinned + recall, head_dim) x 2 bytes
+    (every slot before the window: a rotated-key layout has no image region)."""
+    return layout.layers * layout.kv_heads * layout.window_start * layout.head_dim * 2
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,8 @@ The recall region (docs/design.md, "The recall region") is kept as the pinned sp
 un-rotated copies sit in key_source after the pinned ones, and they are re-written at rank + O. Its
 length moves the window's ranks as evictions do, the other way: O = E - r (StepPlan.offset; r the
 region's tokens) takes E's place everywhere above, so a window key written at rank + O keeps rank v - O.
+In a layout with a region a camera frame ranks before the window too and counts with r (its positions
+under multimodal RoPE: RotatedKeys.offset), so a new frame moves no window key either.
 The rotation tables are computed here in float64 for the chunk's rows only, so positions may grow
 without bound (hours of dialogue) with no loss of precision in the graph.
 """
@@ -35,6 +37,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from cabinlm.contract.errors import InputError
 from cabinlm.contract.layout import CacheLayout
 
 if TYPE_CHECKING:  # the runtime's bookkeeping: annotations only
@@ -132,6 +135,18 @@ class RotatedKeys:
     def _tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return rotation_tables(positions, self.inv_freq, self.rope_scale, self.owner)
 
+    def offset(self, plan: StepPlan) -> int:
+        """O for this cache: StepPlan.offset, where under multimodal RoPE in a layout with a recall region
+        a whole frame (before the window there) also lowers the window's positions below their ranks by
+        d = I - max(rows, cols) (StepPlan.mrope_positions): O then takes d back, so a window key written
+        at its positions + O keeps them, whatever frame and region come and go. A frame still being fed
+        takes nothing off: the window, which its chunks do not see, is then never read."""
+        if self.mrope is None or not self.layout.recall or plan.frame_start < 0:
+            return plan.offset
+        tokens, (rows, cols) = self.mrope[0], self.mrope[1]
+        whole = plan.seen >= plan.frame_start + tokens
+        return plan.offset + (tokens - max(rows, cols) if whole else 0)
+
     def mrope_positions(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
         """plan.mrope_positions (the chunk's (3, tokens), the slots' (3, slots)), once per plan."""
         if self._positions_of is None or self._positions_of[0] is not plan:
@@ -153,8 +168,14 @@ class RotatedKeys:
         """The chunk's virtual positions L + i + E into rows 0..n-1 of the cos / sin inputs (the rows
         the graph's position_ids name). Rows as steps: each row's rank and E at its step, the same sums."""
         n = len(plan.slots)
+        if plan.pin is True and self.layout.recall and plan.cached > plan.sink_fill + plan.pinned_fill + plan.before_window:
+            # the window ranks after every pinned token there: a span pinned now would raise the ranks of the
+            # window keys already rotated, which O (counting the frame and the region, not late pins) leaves
+            raise InputError("a span pinned after window tokens moves the window's ranks in a layout with a recall "
+                             "region, which this build's rotated keys do not follow; pin spans before any window "
+                             "token (the system prompt)")  # fmt: skip
         if self.mrope is not None:  # three components per token (GroupQueryAttention builds: no steps)
-            cos, sin = self._tables(self.mrope_positions(plan)[0] + plan.offset)
+            cos, sin = self._tables(self.mrope_positions(plan)[0] + self.offset(plan))
         elif n == 1:
             cos, sin = self._run(0, int(plan.position_ids[0]) + plan.offset, 1)
         else:
@@ -236,7 +257,7 @@ class RotatedKeys:
         """Before a step: write the sink and pinned keys rotated at rank + E (only when E or the set
         of pinned tokens changed since the last refresh)."""
         c, lay = plan, self.layout  # the table's counters as the plan carries them
-        state = _state(plan)
+        state = _state(plan, self.offset(plan))
         if state == self._refreshed:
             return
         if state == self._ahead:  # the last decode step rotated them already
@@ -252,7 +273,7 @@ class RotatedKeys:
             return
         if self._slots is None or not np.array_equal(self._slots, slots):
             self._prepare(slots)
-        cos, sin = self._tables(self._ranks(plan, slots) + c.offset)  # (rows, D/2)
+        cos, sin = self._tables(self._ranks(plan, slots) + self.offset(plan))  # (rows, D/2)
         cos, sin = cos.astype(np.float32), sin.astype(np.float32)
         if self.session is not None:
             (rotated,) = self.session.run(None, {"source": self._scaled, "position_ids": self._positions, "cos": cos, "sin": sin})
@@ -280,23 +301,24 @@ class RotatedKeys:
         c, lay = plan, self.layout
         self._pending = None
         if (plan.pin or not plan.evicts or c.sink_fill < lay.sink or not self._oldest or self._slots is None
-                or self._refreshed != _state(plan)):  # fmt: skip
+                or self._refreshed != _state(plan, self.offset(plan))):  # fmt: skip
             return
         rows = len(self._slots)
         cos, sin = self._run(1, c.offset + plan.evicts, rows)
         self._ahead_cos[:rows] = cos
         self._ahead_sin[:rows] = sin
-        self._pending = (c.offset + plan.evicts, *_state(plan)[1:])
+        self._pending = (c.offset + plan.evicts, *_state(plan, c.offset)[1:])
 
     def ahead_done(self) -> None:
         """The graph run that carried the side tables finished: its keys stand for that state."""
         self._ahead, self._pending = self._pending, None
 
 
-def _state(plan: StepPlan) -> tuple:
-    """What the sink / pinned / camera-frame / recall keys' rotation depends on: O, the fills (and, once a
-    frame was started, the image fill and the frame; once a recall region was, its fill and its count)."""
-    text = (plan.offset, plan.sink_fill, plan.pinned_fill)
+def _state(plan: StepPlan, offset: int) -> tuple:
+    """What the sink / pinned / camera-frame / recall keys' rotation depends on: O (RotatedKeys.offset), the
+    fills (and, once a frame was started, the image fill and the frame; once a recall region was, its fill
+    and its count)."""
+    text = (offset, plan.sink_fill, plan.pinned_fill)
     if plan.recalls:
         text = (*text, plan.recall_fill, plan.recalls)
     return (*text, plan.image_fill, plan.frames) if plan.frames else text

@@ -136,7 +136,8 @@ class FusedBackend(Backend):
 
     def _sync_kernel_source(self) -> None:
         """The kernel's copy of the sink / pinned keys' sources, where it is not key_source itself (a
-        vision-language decoder on cabinlm's kernel: key_source also holds the image rows)."""
+        vision-language decoder on cabinlm's kernel: key_source also holds the image rows; with a recall
+        region the kernel reads them all, the frame's rows among the rows it rotates)."""
         if self._kernel_source is not None:
             P = self.layout.sink + self.layout.pinned
             self._kernel_source.reshape(self.key_source.shape[:2] + (P, -1))[...] = self.key_source[:, :, :P]
@@ -157,8 +158,10 @@ class FusedBackend(Backend):
         self._kernel_source = None
         if self.steps:  # the sink / pinned keys' un-rotated copy, read by the kernel in place
             L, H, P, D = self.key_source.shape
-            if lay.image:  # the image rows after them are re-written in the cache (FrameKeys.refresh_image):
-                P = lay.sink + lay.pinned  # the kernel's (1, L * H, sink + pinned, D) kept apart, synced at commit
+            # the image rows after them are re-written in the cache (FrameKeys.refresh_image): the kernel's
+            # (1, L * H, sink + pinned, D) kept apart, synced at commit; with a recall region it reads them all
+            if lay.image and not lay.recall:
+                P = lay.sink + lay.pinned
                 self._kernel_source = np.zeros((1, L * H, P, D), np.float32)
             source = self._kernel_source if self._kernel_source is not None else self.key_source.reshape(1, L * H, P, D)
             cache.append((io.KEY_SOURCE, ortvalue(source, "")))
@@ -206,7 +209,7 @@ class FusedBackend(Backend):
         if self.steps:  # the row's slot (F: one token is its own step) and the sink / pinned keys' tables
             self._slots1 = np.zeros(1, dtype=np.int64)
             fixed[io.ROW_SLOTS] = self._slots1
-            P = lay.sink + lay.pinned + lay.recall  # the rows the kernel rotates (a recall region's after the pinned)
+            P = lay.window_start  # the rows the kernel rotates (with recalled text: every slot before the window)
             self._source_cos1 = np.zeros((1, P, lay.head_dim // 2), np.float32)
             self._source_sin1 = np.zeros_like(self._source_cos1)
             self._source_rows: int | None = None  # K bound now
@@ -267,7 +270,7 @@ class FusedBackend(Backend):
             self.rotated.refresh(plan)
         self.rotated.chunk_tables(plan)
         F = plan.extent
-        if plan.tokens == 1 and embeds is None and plan.pin != "recall":  # a recall chunk masks the window
+        if plan.tokens == 1 and embeds is None and plan.sees_window:  # a recall chunk masks the window
             return self._run_one(ids, plan, F)
         inputs = self.chunk_inputs(plan, ids, all_logits)
         if embeds is not None:
@@ -292,7 +295,7 @@ class FusedBackend(Backend):
         hands the graph (a vision-language decoder's: no image rows; run() puts a frame's in)."""
         self._frame_keys(plan)
         n, N, F = plan.tokens, self.layout.slots, plan.extent
-        if n == 1 and plan.pin != "recall":  # a seat's one-token step in a batched run: the bias a one-token step keeps
+        if n == 1 and plan.sees_window:  # a seat's one-token step in a batched run: the bias a one-token step keeps
             bias = self._one_token_bias(plan)
         else:
             mask = plan.attention_mask

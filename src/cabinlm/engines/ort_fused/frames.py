@@ -5,7 +5,8 @@ already in the cache, which for int8 KV would rotate quantized keys.
 The cache holds keys rotated at their positions + E (engines/onnxruntime/rotated.py). The frame's own keys are
 re-written from their un-rotated copy before each step, as the pinned ones are (RotatedKeys.refresh).
 What moves the window keys is a new frame (SlotTable.begin_frame): it takes the old frame's tokens in
-the image region out of the cache with no eviction, so E stays while
+the image region out of the cache with no eviction, so E stays while, in a layout without a recall
+region,
 
   * ranks of one component (LLaVA-style, Idefics3): every window token fed after the old frame drops
     I ranks (I: the old frame's tokens in the image region); the tokens before it keep theirs;
@@ -13,6 +14,10 @@ the image region out of the cache with no eviction, so E stays while
     what both frames' grids make of them (the old frame's I tokens and its I - max(rows, cols) offset
     leave). Each window slot's positions + E as its key was rotated (`baked`) are compared with the
     rule's, and the keys that moved are turned by the difference, pair j by its component's.
+
+In a layout with a recall region the frame ranks before the window, and O = E - r - I counts its
+tokens as it counts the region's (RotatedKeys.offset, which under multimodal RoPE also gives back the
+grid's offset): no window key moves, and `follow` turns none.
 
 `frame` (frames started, the newest stream index and the count of the image region's tokens, as the
 last commit left them) and `baked` are buffers a session file carries with the cache.
@@ -81,9 +86,9 @@ class FrameKeys:
             return
         slots = lay.image_start + np.arange(plan.image_fill, dtype=np.int64)
         if rot.mrope is not None:
-            at = rot.mrope_positions(plan)[1][:, slots] + plan.evicted  # (3, n)
+            at = rot.mrope_positions(plan)[1][:, slots] + rot.offset(plan)  # (3, n)
         else:
-            at = plan.cache_position_ids[slots] + plan.evicted  # (n,)
+            at = plan.cache_position_ids[slots] + rot.offset(plan)  # (n,)
         key = np.concatenate([slots, at.reshape(-1)])
         if self._image_at is not None and np.array_equal(self._image_at, key):
             return
@@ -101,6 +106,9 @@ class FrameKeys:
         if frames < 0 or frames == plan.frames:
             return
         lay = self.layout
+        if lay.recall:  # the frame ranks before the window there, and O counts it (RotatedKeys.offset): no turn
+            self.frame[:] = (plan.frames, -1, 0)
+            return
         window = lay.window_start + np.flatnonzero(plan.slot_token[lay.window_start : lay.slots] >= 0)
         half = lay.head_dim // 2
         if self.baked is None:  # ranks: the tokens after the old frame, back by its count

@@ -244,7 +244,7 @@ class SeatBatches:
             for name, value in own.items():
                 inputs[names[name]] = value
             kept.update(names[n] for n in KEPT_BY_SEAT if n in own)
-            if plan.tokens == 1 and plan.pin != "recall":  # FusedBackend._one_token_bias: the same array while the slots in use stay
+            if plan.tokens == 1 and plan.sees_window:  # FusedBackend._one_token_bias: the same array while the slots in use stay
                 kept.add(names[io.ATTENTION_BIAS])
         _bind_inputs(g, inputs, kept)
         rows = int(ends[-1])

@@ -75,10 +75,20 @@ def calibration_feeds(model: onnx.ModelProto, artifact: Path, manifest, ids: lis
     lay = manifest.cache
     # a pinned head first (a system prompt: the sink and pinned slots full), so an un-rotated graph's
     # positions reach their largest rank (sink + pinned + window + chunk) and a rotated one's sink /
-    # pinned keys are re-rotated as the window evicts; then prefill chunks, then decode steps
+    # pinned keys are re-rotated as the window evicts; then prefill chunks, then decode steps. With a
+    # recall region (docs/design.md, "The recall region"): once the window is full (or halfway through
+    # the prefill text), the region refilled with the next R tokens, so the ranges see its chunks (the
+    # window masked) and every step after it the region's keys and the window's ranks moved by it
     pinned, split = lay.sink + lay.pinned, len(ids) - DECODE_CALIB_TOKENS
+    region_at = min(pinned + lay.window, (pinned + split) // 2) if lay.recall else split
     start = 0
     while start < split:
+        if start >= region_at:
+            end = min(start + lay.recall, split)
+            dec.cache.begin_recall()
+            dec.feed(np.asarray(ids[start:end]), pin="recall")
+            start, region_at = end, split
+            continue
         end = min(start + lay.chunk, pinned if start < pinned else split)
         dec.step(np.asarray(ids[start:end]), pin=start < pinned)
         start = end

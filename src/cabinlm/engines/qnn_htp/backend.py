@@ -12,10 +12,13 @@ A uint8 cache with rotated keys (build.qnn.rotated_keys; engines/qnn_htp/rotated
 key rotated once, at its virtual position, as the fused cpu build does, with that build's bookkeeping
 (engines/onnxruntime/rotated.RotatedKeys): before each run the chunk's rotation rows at L + i + E
 (rope_cos / rope_sin), and after a step that evicted the sink / pinned keys re-rotated at rank + E from
-their un-rotated fp16 copy, rounded with the key tensor's one scale, written as uint8 (+ 128):
+their un-rotated fp16 copy, rounded with the key tensor's one scale, written as uint8 (+ 128). A recall
+region (docs/design.md, "The recall region") is kept as on the fused cpu build: its keys' copy after the
+pinned ones, re-rotated at rank + O, O = E - r taking E's place (StepPlan.offset), so a refresh of the
+region moves the window's ranks without touching its uint8 keys:
 
-    key_source   (layers, kv_heads, sink + pinned, head_dim)  float16   the sink / pinned keys, un-rotated
-                                                                        (the graph's new_key_source)
+    key_source   (layers, kv_heads, sink + pinned + recall, head_dim)  float16   the sink / pinned / recall
+                                                                        keys, un-rotated (the graph's new_key_source)
 
 Sessions save it with the cache (buffers()); E is the slot table's.
 """
@@ -81,7 +84,7 @@ class QnnBackend(ExportedGraphBackend):
         if self.rotated_keys:
             m, lay = self.manifest, self.layout
             L, H, _, D = lay.buffer_shape
-            self.key_source = np.zeros((L, H, lay.sink + lay.pinned, D), dtype=np.float16)
+            self.key_source = np.zeros((L, H, lay.window_start, D), dtype=np.float16)  # sink, pinned, recall
             scales = np.array([self.kv_scales[io.key_cache_name(i)] for i in range(L)], np.float32)  # one per tensor
             self.rotated = RotatedKeys(lay, self.keys, self.key_source, m.rotary.inv_freq, m.rotary.scale,
                                        np.broadcast_to(scales[:, None, None], (L, H, D)), zero_point=KV_ZERO_POINT)  # fmt: skip
