@@ -51,7 +51,7 @@ fi
 chroot "$ROOT" /usr/bin/env -i HOME=/root PATH=/opt/v/bin:/usr/bin:/bin PYTHONDONTWRITEBYTECODE=1 \
   CABINLM_ARM_EXCHANGE=$EXCHANGE CABINLM_TEST_KERNEL_LIBRARY=$EXCHANGE/neon/libcabinlm_kernels.so \
   /bin/bash -o pipefail -c "cd $SRC && python -m pytest -v -p no:cacheprovider -W ignore::pytest.PytestUnraisableExceptionWarning \
-    tests/test_arm.py tests/test_kernels.py tests/test_kernel_steps.py tests/test_block_q8.py tests/test_grammar.py --deselect 'tests/test_kernels.py::test_block_q4_matmul_computes_the_q4_1_product[generic]' \
+    tests/test_arm.py tests/test_kernels.py tests/test_kernel_steps.py tests/test_block_q8.py tests/test_lora_kernel.py tests/test_grammar.py --deselect 'tests/test_kernels.py::test_block_q4_matmul_computes_the_q4_1_product[generic]' \
     --deselect 'tests/test_block_q8.py::test_block_q8_matmul_computes_the_int8_block_product[generic]' \
     --deselect tests/test_block_q8.py::test_the_smollm2_build_runs_its_head_in_every_graph_and_gathers_the_embedding_from_its_tiles \
     --deselect tests/test_kernels.py::test_int8_builds_take_the_kernel_and_fall_back_where_it_cannot_be_had \

@@ -6,6 +6,8 @@ role holds (the path inside the artifact folder, its size, its sha256).
     graph_decode             static pairs, HTP builds         their backends (tokens = 1)
     graph_head               fused builds with batched seats  the batched runs' LM head (MatMulNBits heads)
     graph_seats{B}           fused builds                     B seats' rows in one run (seats_graph(B))
+    graph_plain[_seats{B}]   fused builds with adapter inputs the decoder (and batched ones) without the
+                                                              adapter nodes, for seats without an adapter
     rotate_graph             fused builds                     the sink / pinned keys' refresh
     kernel_library           fused builds                     a custom-op library its graphs need registered
     tokenizer                the export; every build          the runtime
@@ -34,6 +36,7 @@ class FileRole(str, enum.Enum):
     GRAPH_DATA = "graph_data"
     GRAPH_DECODE = "graph_decode"
     GRAPH_HEAD = "graph_head"
+    GRAPH_PLAIN = "graph_plain"  # a fused build's decoder without its switchable adapters' inputs
     ROTATE_GRAPH = "rotate_graph"
     CUSTOM_OPS = "kernel_library"
     TOKENIZER = "tokenizer"
@@ -50,9 +53,9 @@ class FileRole(str, enum.Enum):
         return format(self.value, spec)
 
 
-def seats_graph(batch: int) -> str:
-    """The role of a fused build's batched graph for `batch` seats."""
-    return f"graph_seats{batch}"
+def seats_graph(batch: int, plain: bool = False) -> str:
+    """The role of a fused build's batched graph for `batch` seats (plain: its twin without adapter inputs)."""
+    return f"graph_plain_seats{batch}" if plain else f"graph_seats{batch}"
 
 
 def context_binary(index: int) -> str:

@@ -122,7 +122,8 @@ class Decoder:
                              "put back to an earlier state, or came from a session file that does not keep it), so its "
                              "cache cannot be rebuilt with another adapter; start a new dialogue to change its "
                              "adapter")  # fmt: skip
-        self.backend.set_adapter(self.adapters.feeds(name))
+        # None: the backend's own zeros, or a graph without adapter nodes (the fused build's plain twin)
+        self.backend.set_adapter(None if name is None else self.adapters.feeds(name))
         self.adapter = name
         self.reset()
         if replay and steps is not None:

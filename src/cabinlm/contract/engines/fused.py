@@ -148,6 +148,12 @@ class FusedSettings:
     # manifest's files ("graph", "graph_seats{B}", "graph_head"): what the planner and the seat limit
     # count beside the weights file. Builds before it: None.
     packed_bytes: dict[str, int] | None = None
+    # A build of an export with switchable adapter inputs (--lora-rank) whose graphs pack no weights
+    # (cabinlm's block matmuls): every decoder graph also as a twin without the adapter inputs and
+    # nodes (files "graph_plain", "graph_plain_seats{B}"), reading the same map of the weights file
+    # (shared_weights), which a seat without an adapter runs (a batch of such seats too). Builds
+    # before it, and builds whose graphs pack weights: False (the adapter graph fed zeros).
+    plain_graphs: bool = False
 
     @property
     def own_kernels(self) -> bool:
@@ -177,8 +183,10 @@ class FusedSettings:
             raise ValueError(f"seat_batches must be increasing batch sizes 2..64, got {self.seat_batches!r}")
         if batches and not self.step_rows:
             raise ValueError("seat_batches: batched graphs take cabinlm's attention kernel with step rows")
-        if bool(batches) != (self.shared_weights is not None):
-            raise ValueError("seat_batches and shared_weights come together (the batched graphs share the weights)")
+        if not isinstance(self.plain_graphs, bool):
+            raise ValueError(f"plain_graphs must be true or false, got {self.plain_graphs!r}")
+        if (bool(batches) or self.plain_graphs) != (self.shared_weights is not None):
+            raise ValueError("shared_weights comes with seat_batches or plain_graphs (their graphs share the weights)")
         packed = self.packed_bytes
         if packed is not None and (not isinstance(packed, dict) or not all(
                 isinstance(k, str) and type(v) is int and v >= 0 for k, v in packed.items())):  # fmt: skip

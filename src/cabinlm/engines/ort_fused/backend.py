@@ -83,6 +83,10 @@ class FusedBackend(Backend):
         names = {t.name for t in m.io.inputs}
         self.steps = io.ROW_SLOTS in names
         self.local_steps = io.LOCAL_ROW_SLOTS in names  # the rings' rows as steps too
+        # the switchable adapter's inputs as bound (the zeros of no adapter; [] without adapter inputs),
+        # and whether the seat has none (seats.BatchedSeat.plain)
+        self.adapter_values: list = adapter_inputs(graphs.lora_zeros, None) if graphs.lora_zeros else []
+        self.plain = True
         self._bind()
 
     @property
@@ -167,7 +171,8 @@ class FusedBackend(Backend):
         f32 = np.dtype(np.float32)
         outs = [(io.LOGITS, ("rows", V), f32, "float")]
         outs += [(io.qkv_name(i), (1, "tokens", width), f32, "float") for i in range(lay.layers)]
-        session = self.graphs.decoder
+        # a seat without an adapter runs the plain twin where the build has one (sessions.FusedGraphs.graph)
+        session = self.graphs.graph(self.plain)
         # Bound with the aliases, before the outputs ORT allocates per run (which come back in binding
         # order); re-binding it later keeps its place.
         if not self.steps:
@@ -214,18 +219,29 @@ class FusedBackend(Backend):
             self._decode.binding.bind_ortvalue_input(name, ov)
         self._ahead_bound = None
         self._bind_ahead()
-        self.adapter_values: list = []
-        if self.graphs.lora_zeros:
-            self.set_adapter(None)
+        if session is not self.graphs.plain:
+            self._bind_adapter()
 
     def set_adapter(self, inputs: dict[str, np.ndarray] | None) -> None:
         """The adapter's inputs bound once in both bindings (OrtValues over the caller's arrays, which
         every seat with that adapter shares: no copy), and in a batched run's binding at its next run
-        (seats.SeatBatches.group); a step then feeds them without a word. None: the shared zeros."""
+        (seats.SeatBatches.group); a step then feeds them without a word. None: the shared zeros, and
+        the plain twin where the build has one (no adapter nodes: the bindings made again for it, as
+        for the adapter graph when an adapter comes; a switch runs the seat's history again anyway)."""
         zeros = self.graphs.lora_zeros
         if not zeros:
             super().set_adapter(inputs)
         self.adapter_values = adapter_inputs(zeros, inputs)  # a new list: seats.py rebinds
+        plain = inputs is None
+        if self.graphs.plain is not None and plain != self.plain:
+            self.plain = plain
+            self._bind()
+            self._sync_kernel_source()
+            return
+        self.plain = plain
+        self._bind_adapter()
+
+    def _bind_adapter(self) -> None:
         for binding in (self._decode.binding, self._prefill.binding):
             for name, ov in self.adapter_values:
                 binding.bind_ortvalue_input(name, ov)

@@ -119,8 +119,11 @@ def packed_bytes(model: onnx.ModelProto) -> int:
                if k < len(n.input) and n.input[k] in sizes)  # fmt: skip
 
 
-def seats_graph_file(seats: int) -> str:
-    return f"decoder.seats{seats}.onnx"
+def seats_graph_file(seats: int, plain: bool = False) -> str:
+    return f"decoder.plain.seats{seats}.onnx" if plain else f"decoder.seats{seats}.onnx"
+
+
+PLAIN_GRAPH = "decoder.plain.onnx"  # the one-seat decoder without adapter inputs (FusedSettings.plain_graphs)
 
 
 def _content_key(dtype: int, dims, data: bytes) -> tuple:
@@ -175,24 +178,30 @@ def _share_weights(model: onnx.ModelProto, own_data: Path, base: SharedWeights, 
 HEAD_GRAPH = "decoder.head.onnx"
 
 
-def _seat_graphs(request: BuildRequest, output: BuildOutput, graph: onnx.ModelProto, solo: onnx.ModelProto, kernel: str,
-                 matmul: str, registered: Path | None) -> tuple[tuple[int, ...], SharedWeights | None, dict[str, int]]:
-    """The batched graphs (graph.fused_model(seats=B) for B in the profile's seat_batches), optimized
-    offline like the one-seat graph and pointed at its weights file, and the LM head they share
-    (head_graph.head_model of `solo`, the one-seat fused decoder); that file's table, for the runtime's
-    shared map; and the bytes each of these graphs' sessions packs (packed_bytes), by role. None where
-    the profile asks for none, or the attention is not cabinlm's kernel
-    (GroupQueryAttention's steps refresh the cache's sink / pinned rows themselves: a per-seat side
-    graph this first step does not have)."""
-    for name in (HEAD_GRAPH, *(p.name for p in output.folder.glob("decoder.seats*.onnx"))):
+def _twin_graphs(request: BuildRequest, output: BuildOutput, graph: onnx.ModelProto, solo: onnx.ModelProto, kernel: str,
+                 matmul: str, registered: Path | None) -> tuple[tuple[int, ...], bool, SharedWeights | None, dict[str, int]]:
+    """The graphs beside the one-seat decoder, each optimized offline like it and pointed at its
+    weights file: the batched graphs (graph.fused_model(seats=B) for B in the profile's seat_batches)
+    and the LM head they share (head_graph.head_model of `solo`, the one-seat fused decoder); and, for
+    an export with switchable adapter inputs whose graphs pack no weights (cabinlm's block matmuls),
+    the plain twins (fused_model(adapters=False)) of the one-seat graph and of each batched graph.
+    Returns the batch sizes, whether the plain twins were written, that file's table (for the
+    runtime's shared map; None where there are no twins) and the bytes each twin's session packs
+    (packed_bytes), by role. No batched graphs where the profile asks for none, or the attention is
+    not cabinlm's kernel (GroupQueryAttention's steps refresh the cache's sink / pinned rows
+    themselves: a per-seat side graph this first step does not have)."""
+    for name in (HEAD_GRAPH, PLAIN_GRAPH, *(p.name for p in output.folder.glob("decoder.*seats*.onnx"))):
         output.path(name).unlink(missing_ok=True)  # an earlier build's, in the same folder
     batches = request.profile.seat_batches
-    if kernel != "cabinlm" or not batches:
-        if batches:
-            request.log("no batched graphs: they take cabinlm's attention kernel (seats' steps run one after another)")
-        return (), None, {}
-    base = weight_table(onnx.load(str(output.path(OPT_GRAPH)), load_external_data=False), OPT_DATA)
+    if kernel != "cabinlm" and batches:
+        request.log("no batched graphs: they take cabinlm's attention kernel (seats' steps run one after another)")
+        batches = ()
     manifest = request.manifest
+    # a plain twin's session packing nothing keeps the weights once (ONNX Runtime's matmuls would pack theirs again)
+    plain = manifest.lora is not None and packed_bytes(solo) == 0
+    if not batches and not plain:
+        return (), False, None, {}
+    base = weight_table(onnx.load(str(output.path(OPT_GRAPH)), load_external_data=False), OPT_DATA)
     packed: dict[str, int] = {}
 
     def write(model: onnx.ModelProto, file: str, role: str) -> None:
@@ -207,17 +216,28 @@ def _seat_graphs(request: BuildRequest, output: BuildOutput, graph: onnx.ModelPr
         output.add(role, file)
         packed[role] = packed_bytes(shared)
 
+    opts = request.options_for(FusedBuildOptions)
+
+    def fused(seats: int, adapters: bool) -> onnx.ModelProto:
+        return fused_graph.fused_model(graph, manifest, opts.accuracy_level, opts.minimums, kernel, matmul, seats=seats,
+                                       adapters=adapters)  # fmt: skip
+
     own_head = _head_op(solo) == Q8_MATMUL_OP
-    if not own_head:  # MatMulNBits: packed once per session, so the batched graphs share one head graph
+    if batches and not own_head:  # MatMulNBits: packed once per session, so the batched graphs share one head graph
         write(head_model(solo, manifest), HEAD_GRAPH, FileRole.GRAPH_HEAD)
     for b in batches:
-        opts = request.options_for(FusedBuildOptions)
-        write(fused_graph.fused_model(graph, manifest, opts.accuracy_level, opts.minimums, kernel,
-                                      matmul, seats=b), seats_graph_file(b), seats_graph(b))  # fmt: skip
-    head = "each with the LM head" if own_head else "and their LM head"
-    request.log(f"seats decode together: batched graphs for {', '.join(map(str, batches))} seats (one attention per "
-                f"seat over its own cache) {head}, every graph reading one map of the weights")  # fmt: skip
-    return batches, base, packed
+        write(fused(b, True), seats_graph_file(b), seats_graph(b))
+    if batches:
+        head = "each with the LM head" if own_head else "and their LM head"
+        request.log(f"seats decode together: batched graphs for {', '.join(map(str, batches))} seats (one attention per "
+                    f"seat over its own cache) {head}, every graph reading one map of the weights")  # fmt: skip
+    if plain:
+        write(fused(0, False), PLAIN_GRAPH, FileRole.GRAPH_PLAIN)
+        for b in batches:
+            write(fused(b, False), seats_graph_file(b, plain=True), seats_graph(b, plain=True))
+        request.log("seats without an adapter: the decoder" + (" and its batched graphs" if batches else "") + " without "
+                    "adapter nodes, reading the same map of the weights")  # fmt: skip
+    return batches, plain, base, packed
 
 
 class FusedBuilder(Builder):
@@ -290,13 +310,13 @@ class FusedBuilder(Builder):
             output.add(FileRole.CUSTOM_OPS, library.file)  # listed with its sha256, as fused.kernels records it
         with registrable(output.path(library.file) if library else None, library) as registered:  # a cross build's: this machine's twin
             optimize_offline(model.SerializeToString(), output.folder, registered)
-            batches, shared, packed = _seat_graphs(request, output, graph, model, kernel, matmul, registered)
+            batches, plain, shared, packed = _twin_graphs(request, output, graph, model, kernel, matmul, registered)
         del graph, model
         packed = {"graph": packed_bytes(onnx.load(str(output.path(OPT_GRAPH)), load_external_data=False)), **packed}
         facts = FusedSettings(accuracy_level=opts.accuracy_level, minimums=opts.minimums.value,
                               attention_kernel=kernel, matmul_kernel=matmul, kernels=library,
                               step_rows=kernel == "cabinlm", seat_batches=batches, shared_weights=shared,
-                              head_kernel=head_kernel, packed_bytes=packed)  # fmt: skip
+                              head_kernel=head_kernel, packed_bytes=packed, plain_graphs=plain)  # fmt: skip
         output.add(FileRole.GRAPH, OPT_GRAPH)
         output.add(FileRole.GRAPH_DATA, OPT_DATA)
         log(f"optimized the graph offline for {request.profile.execution_provider}")

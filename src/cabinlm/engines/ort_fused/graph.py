@@ -98,7 +98,7 @@ def ineligible(manifest: Manifest) -> str | None:
 
 def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int = 4,
                 minimums: str = "int8", attention_kernel: str = "onnxruntime",
-                matmul_kernel: str = "onnxruntime", seats: int = 0) -> onnx.ModelProto:
+                matmul_kernel: str = "onnxruntime", seats: int = 0, adapters: bool = True) -> onnx.ModelProto:
     """The fused decoder (module docstring) built from the exported graph's initializers.
 
     minimums: how GGUF Q4_1 blocks (which carry a block minimum) run. "exact": 4-bit MatMulNBits plus
@@ -126,7 +126,11 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
         qkv (1, tokens, width) ─ Int8KVSeatsAttention(qkv, seat_tokens, key_cache.l.seat0, ..., ... .seat{B-1}) ─ W_o
     (FloatKVSeatsAttention over fp32 KV). A vision-language decoder's image rows are each seat's own
     (image_embeds.seat{s}, image_mask.seat{s}), stacked as its token rows are (_seat_image_rows).
-    Its weights are the one-seat graph's, under the same names (the build points both at one file)."""
+    Its weights are the one-seat graph's, under the same names (the build points both at one file).
+
+    adapters: an export's switchable LoRA inputs (--lora-rank) and their terms (adapter_graph.py);
+    False: the same decoder without them (what a seat without an adapter runs, bit for bit the
+    adapter graph fed zeros)."""
     from cabinlm.contract.engines.fused import AttentionKernel, MatmulKernel, Minimums
     from cabinlm.engines.ort_fused import kernels
 
@@ -351,7 +355,11 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
                            (kernels.FLOAT_ATTENTION_OP, kernels.FLOAT_SEATS_ATTENTION_OP))  # fmt: skip
     I = spec.intermediate_size
     # switchable LoRA adapter inputs (export --lora-rank): their terms beside the projections (adapter_graph.py)
-    terms = AdapterTerms(b, manifest.lora, seats) if manifest.lora is not None else None
+    lora = manifest.lora if adapters else None
+    # on cabinlm's LoraTerms wherever the build carries its kernel library (either of its kernels taken)
+    own_lora = attention_kernel == AttentionKernel.CABINLM or matmul_kernel == MatmulKernel.CABINLM
+    terms = AdapterTerms(b, lora, seats, own_lora) if lora is not None else None
+    own_ops = own_ops or (terms is not None and own_lora)
     widths = {"qkv": (H * Dh, Hkv * Dh, Hkv * Dh), "o": (D,), "gate_up": (I, I), "down": (D,)}
 
     def projection(x: str, i: int, matrix: str, out: str | None = None, bias: str | None = None) -> str:
@@ -427,7 +435,7 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
         if down is not None and down[0] == kernels.MATMUL_OP:  # silu(gate) * up inside the down projection's kernel
             x = b.op(kernels.SWIGLU_MATMUL_OP, gate_up, down[1], domain=kernels.DOMAIN, hint=f"{p}.down")
             if terms is not None and terms.targets("down"):  # its adapter term over SiLU(gate) * up computed beside
-                x = terms.add(x, terms.swiglu_input(gate_up, I, i), i, "down", widths["down"])
+                x = terms.add_swiglu(x, gate_up, I, i, D)
         else:
             gate, up = b.op("Split", gate_up, b.const(np.array([I, I], np.int64)), outputs=2, axis=-1)
             if spec.activation == "gelu_tanh":  # FastGelu: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
@@ -455,7 +463,7 @@ def fused_model(graph: onnx.ModelProto, manifest: Manifest, accuracy_level: int 
 
     if not own_kernel:  # the next step's sink / pinned keys on the side (own kernel: rotated inside it, per row)
         _rotation(b, lay, mf.REFRESH_SOURCE, mf.REFRESH_POSITION_IDS, mf.REFRESH_COS, mf.REFRESH_SIN, mf.REFRESH_KEYS)
-    lora = manifest.lora.inputs(lay.layers, manifest.lora_shapes) if manifest.lora is not None else ()
+    lora = lora.inputs(lay.layers, manifest.lora_shapes) if lora is not None else ()
     io = mf.fused_decoder_io(lay, H, spec.vocab_size, present=not own_kernel, steps=own_kernel, embed_dim=embed_dim,
                              lora=lora)  # fmt: skip
     if seats:

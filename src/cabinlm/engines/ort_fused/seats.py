@@ -13,6 +13,12 @@ attention is each seat's own node over its own cache, fed the inputs of its own 
 commits its own step exactly as alone (FusedBackend.commit). Places of a batch no seat takes are
 filled by the idle seat, whose output is dropped.
 
+Switchable LoRA adapters (an export with --lora-rank): each seat binds its own adapter's inputs. A
+batch in which no seat has an adapter runs the batched graph's plain twin where the build carries one
+(FusedSettings.plain_graphs: no adapter inputs, bit for bit that graph fed zeros), as such a seat's
+own steps run the plain one-seat graph; a batch with an adapter anywhere runs the adapter graph, the
+zeros bound for the seats without.
+
 SeatBatches owns all of it for one loaded build: the batched sessions (opened when the build gets
 its second seat), the bindings of the last groups of seats and what each has bound, the head's
 bindings, and the idle seat. A seat reaches it through the FusedGraphs its build shares
@@ -52,6 +58,7 @@ class BatchedSeat(Protocol):
     # its LoRA adapter's inputs (an export with --lora-rank; [] without), by input name: a new list
     # whenever the seat's adapter changes (FusedBackend.set_adapter), the arrays shared with other seats
     adapter_values: list[tuple[str, ort.OrtValue]]
+    plain: bool  # it has no adapter (the zeros in adapter_values): a batch of such seats may run the plain twin
     all_image: np.ndarray  # (chunk, 1) bool, all true: a camera frame chunk's image mask
 
     def seat(self, table: SlotTable) -> BatchedSeat: ...
@@ -75,6 +82,7 @@ class SeatGroup:
 
     seats: tuple[BatchedSeat, ...]  # kept alive with the binding of their buffers
     binding: Any  # ort.IOBinding: every seat's cache bound once, as a seat's own decode binding binds its cache
+    session: Any  # the batched graph it binds: the adapter graph, or its plain twin (no seat with an adapter)
     adapters: list[Any]  # each seat's adapter_values as bound (rebound only when the seat's list changes)
     # The binding's inputs ({name: (the array bound to it, ours)}): an array of ours is written in place
     # while the name's shape and type stay, bound again when they change; a seat's own array that it
@@ -91,14 +99,16 @@ class SeatBatches:
     """The batched graphs of one loaded fused build and everything their runs keep (module docstring)."""
 
     def __init__(self, sizes: tuple[int, ...],
-                 opener: Callable[[], tuple[dict[int, Any], Any]]) -> None:  # fmt: skip
+                 opener: Callable[[], tuple[dict[int, Any], dict[int, Any], Any]]) -> None:  # fmt: skip
         self.sizes = sizes  # the batch sizes the build carries (FusedSettings.seat_batches)
-        self._opener: Callable[[], tuple[dict[int, Any], Any]] | None = opener
-        # once open: the batched graph of each size, and their LM head (io_spec.head_io; None where the
-        # batched graphs hold the head themselves, FusedSettings.head_kernel "cabinlm")
+        self._opener: Callable[[], tuple[dict[int, Any], dict[int, Any], Any]] | None = opener
+        # once open: the batched graph of each size, their plain twins ({} where the build has none),
+        # and their LM head (io_spec.head_io; None where the batched graphs hold the head themselves,
+        # FusedSettings.head_kernel "cabinlm")
         self.sessions: dict[int, ort.InferenceSession] = {}
+        self.plain_sessions: dict[int, ort.InferenceSession] = {}
         self.head: ort.InferenceSession | None = None
-        self._groups: dict[tuple[int, ...], SeatGroup] = {}  # by the seats' ids, oldest first
+        self._groups: dict[tuple, SeatGroup] = {}  # by (plain twin, the seats' ids), oldest first
         self._output_names: dict[int, list[str]] = {}  # batch size -> its graph's output names, in order
         # the head's binding per number of rows: (binding, hidden (rows, D), logits (rows, vocab)), bound
         # once; the logits are read (step_seats copies each seat's row) before the next run rewrites them
@@ -112,7 +122,7 @@ class SeatBatches:
         holds them: ONNX Runtime packs a copy of every MatMulNBits matrix per session, the LM head's
         alone vocab x hidden x ~1.35 bytes (226 MB for Gemma 3's 262k x 640)."""
         if self._opener is not None:
-            self.sessions, self.head = self._opener()
+            self.sessions, self.plain_sessions, self.head = self._opener()
             self._opener = None
 
     def run(self, solo: BatchedSeat, seats: Sequence[Backend], plans: Sequence[StepPlan],
@@ -169,18 +179,23 @@ class SeatBatches:
     def group(self, seats: Sequence[BatchedSeat]) -> SeatGroup:
         """The batched graph's binding for these seats in this order, their caches bound once, and each
         seat's adapter inputs bound again only when its adapter changed (a new adapter_values list):
-        kept for the last GROUPS_KEPT groups of seats."""
-        key = tuple(id(b) for b in seats)
+        kept for the last GROUPS_KEPT groups of seats. The graph: the plain twin where no seat has an
+        adapter and the build has one, else the adapter graph (the zeros for the seats without)."""
+        plain = len(seats) in self.plain_sessions and all(seat.plain for seat in seats)
+        session = (self.plain_sessions if plain else self.sessions)[len(seats)]
+        key = (plain, *(id(b) for b in seats))
         g = self._groups.get(key)
         if g is None or not all(a is b for a, b in zip(g.seats, seats)):
-            binding = self.sessions[len(seats)].io_binding()
+            binding = session.io_binding()
             for s, seat in enumerate(seats):
                 for name, ov in seat.cache_values:
                     binding.bind_ortvalue_input(io.seat_name(name, s), ov)
             if len(self._groups) >= GROUPS_KEPT:  # groups seen long ago
                 del self._groups[next(iter(self._groups))]
-            g = self._groups[key] = SeatGroup(tuple(seats), binding, [None] * len(seats))
+            g = self._groups[key] = SeatGroup(tuple(seats), binding, session, [None] * len(seats))
         for s, seat in enumerate(seats):
+            if plain:
+                break  # the plain twin takes no adapter inputs
             if g.adapters[s] is not seat.adapter_values:
                 for name, ov in seat.adapter_values:
                     g.binding.bind_ortvalue_input(io.seat_name(name, s), ov)
@@ -276,8 +291,8 @@ class SeatBatches:
         no allocation and no binding per step); other runs let ONNX Runtime allocate, as the outputs'
         shapes vary."""
         seats = len(g.seats)
-        session, binding = self.sessions[seats], g.binding
-        names = self._output_names.get(seats)
+        session, binding = g.session, g.binding
+        names = self._output_names.get(seats)  # the adapter graph's and its plain twin's alike
         if names is None:
             names = self._output_names[seats] = [o.name for o in session.get_outputs()]
         held = g.decode_outputs

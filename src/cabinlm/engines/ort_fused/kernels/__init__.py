@@ -13,6 +13,9 @@ it computes and what it guarantees):
 * `block_q8_matmul.cc`: `BlockQ8MatMul`, the LM head over symmetric int8 blocks (float32 scales),
   read in place from the one map of the weights by every graph of the build; `block_matmul.h`: what
   both block matmuls share (their operands, the rows' int8 codes, the walk over a tile's rows);
+* `lora_terms.cc`: `LoraTerms`, a switchable LoRA adapter's terms (x A^T) B^T added into the
+  columns of a fused projection's output, each seat's rows with that seat's factors, and
+  `LoraSwiGLUTerms`, the same over silu(gate) * up for the down projection;
 * `register.cc`: the entry point ONNX Runtime calls, which refuses an onnxruntime older than the C
   API version compiled for; `ort_api.h`: how the kernels reach ONNX Runtime's C API, through
   `ort_api_entries.h`, generated from onnxruntime_c_api.h by tools/gen_ort_api.py (no ONNX Runtime
@@ -33,7 +36,8 @@ from pathlib import Path
 from cabinlm.contract.engines.fused import MATMUL_ISAS
 
 HERE = Path(__file__).parent
-SOURCES = tuple(HERE / name for name in ("register.cc", "int8_kv_attention.cc", "block_q4_matmul.cc", "block_q8_matmul.cc"))
+SOURCES = tuple(HERE / name for name in ("register.cc", "int8_kv_attention.cc", "block_q4_matmul.cc", "block_q8_matmul.cc",
+                                         "lora_terms.cc"))
 HEADERS = (HERE / "ort_api.h", HERE / "ort_api_entries.h", HERE / "vector_math.h", HERE / "block_matmul.h")
 LIBRARY = "libcabinlm_kernels.so"  # the file in a build folder (manifest files: "kernel_library")
 DOMAIN = "ai.cabinlm"
@@ -44,6 +48,8 @@ FLOAT_SEATS_ATTENTION_OP = "FloatKVSeatsAttention"
 MATMUL_OP = "BlockQ4MatMul"
 SWIGLU_MATMUL_OP = "BlockQ4SwiGLUMatMul"  # the MLP's down projection, its SwiGLU included
 Q8_MATMUL_OP = "BlockQ8MatMul"  # the LM head's symmetric int8 blocks, read in place
+LORA_OP = "LoraTerms"  # a switchable adapter's terms beside a fused projection, per seat
+LORA_SWIGLU_OP = "LoraSwiGLUTerms"  # the down projection's, over silu(gate) * up
 MACHINE_ALIASES = {"amd64": "x86_64", "arm64": "aarch64", "x64": "x86_64"}
 ISAS = MATMUL_ISAS  # the block matmuls' paths: a library holds one (spec.MATMUL_ISAS)
 

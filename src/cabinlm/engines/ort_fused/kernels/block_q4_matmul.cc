@@ -118,18 +118,6 @@ float half_to_float(uint16_t h) {  // exact: every float16 is a float32
   return f;
 }
 
-// silu(gate) * up for one row of gate | up (2 K floats), 16 lanes at a time: sigmoid from exp of
-// -|g| only (no overflow), exp_nonpositive's polynomial.
-void swiglu_row(const float* gu, int64_t K, float* out) {
-  for (int64_t k = 0; k < K; k += 16) {
-    const vf16 g = load(gu + k), u = load(gu + K + k);
-    const vi16 positive = g >= splat(0.0f);
-    const vf16 e = exp_nonpositive(positive ? -g : g);
-    const vf16 sigmoid = (positive ? splat(1.0f) : e) / (splat(1.0f) + e);
-    store(out + k, g * sigmoid * u);
-  }
-}
-
 #if CABINLM_BLOCKS_AVX512_VNNI
 typedef int32_t int32_alias __attribute__((may_alias));
 

@@ -17,6 +17,9 @@ namespace cabinlm_ort {
 // int8_kv_attention.cc's operators over a float32 cache (declared here beside ort_api.h's list)
 const CustomOp* float_kv_attention_op();
 const CustomOp* float_kv_seats_attention_op();
+// lora_terms.cc's switchable adapters' terms
+const CustomOp* lora_terms_op();
+const CustomOp* lora_swiglu_terms_op();
 }  // namespace cabinlm_ort
 
 extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
@@ -34,7 +37,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
   CABIN_TRY(api<kCreateCustomOpDomain>()("ai.cabinlm", &domain));
   for (const CustomOp* op : {int8_kv_attention_op(), int8_kv_seats_attention_op(), float_kv_attention_op(),
                              float_kv_seats_attention_op(), block_q4_matmul_op(), block_q4_swiglu_matmul_op(),
-                             block_q8_matmul_op()})
+                             block_q8_matmul_op(), lora_terms_op(), lora_swiglu_terms_op()})
     CABIN_TRY(api<kCustomOpDomainAdd>()(domain, reinterpret_cast<const OrtCustomOp*>(op)));
   // The domain lives as long as the process: ONNX Runtime reads it for every session that uses it.
   return api<kAddCustomOpDomain>()(options, domain);
