@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from cabinlm.contract.errors import InputError, LayoutError
 from cabinlm.contract.manifest import CacheLayout
 from cabinlm.engines.ort_graph.backend import write_slots
-from cabinlm.contract.slots import MASK_VALUE, SlotState, SlotTable, StateError, check_state
+from cabinlm.contract.slot_state import SlotState, StateError, check_state
+from cabinlm.contract.slots import MASK_VALUE, SlotTable
 
 
 class KVCache(SlotTable):

@@ -24,7 +24,8 @@ from test_backends import TOLERANCE, static_profile
 from test_recall_cache import CASES, LAYOUT, STREAM, feeds, run_stream
 
 from cabinlm.contract.layout import CacheLayout
-from cabinlm.contract.slots import SlotTable, StateError, check_state
+from cabinlm.contract.slot_state import StateError, check_state
+from cabinlm.contract.slots import SlotTable
 from cabinlm.engines.build import build_artifact
 from cabinlm.engines.ort_fused.kernels import compiler
 from cabinlm.profiles import load_profile

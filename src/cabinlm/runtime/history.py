@@ -32,7 +32,8 @@ import numpy as np
 
 from cabinlm.contract.errors import InputError
 from cabinlm.contract.layout import CacheLayout
-from cabinlm.contract.slots import SlotState, SlotTable
+from cabinlm.contract.slot_state import SlotState
+from cabinlm.contract.slots import SlotTable
 
 PINS = {False: 0, True: 1, "recall": 2}
 

@@ -31,7 +31,7 @@ temporary and leaves the previous file as it was. A process that loads or saves 
 holds a lock on it (`.NAME.lock`, flock) until it exits: a second process on the same file is
 refused with SessionError instead of overwriting the first one's dialogue. A load checks size, magic, version, checksum and identity (the model's
 weights, the graph, the backend, the cache layout), then the slot table against the layout
-(runtime/slots.check_state), before it changes anything, so a refused file loses nothing.
+(contract/slot_state.check_state), before it changes anything, so a refused file loses nothing.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from cabinlm.contract.errors import CabinlmError
 from cabinlm.runtime.dialogue import Dialogue
 from cabinlm.runtime.history import History, HistoryError, byte_count, check_replay
 from cabinlm.runtime.interrupts import defer_sigint
-from cabinlm.contract.slots import SlotState, StateError, check_state
+from cabinlm.contract.slot_state import SlotState, StateError, check_state
 
 MAGIC = b"CABINSES"
 FORMAT = 4  # 2: the image region's state, the backend in the identity; 3: the recall archive after the buffers;
