@@ -143,3 +143,67 @@ def test_the_a16_calibration_feeds_include_a_region_refill(recall_exports):
     assert region == list(range(region[0], region[0] + len(region)))
     after = feeds[region[-1] + 1]["attention_mask"]
     assert (after[:, lay.recall_start : lay.window_start] == 0).all() and (after[:, lay.window_start : N] == 0).any()
+
+
+# -- a model with sliding-window (local) layers ----------------------------------------------------------------
+# The tiny Gemma 3 (conftest.make_tiny_model: local layers of window 20 around a global one): its HTP builds keep
+# un-rotated keys in every layer, fp16 or uint8 (rotated keys are for models without local layers), so the region
+# beside the rings (docs/design.md, "Local layers have rules of their own") is the bookkeeping alone: each local
+# layer's w + R slots, the region's chunk at its places in the region and masked to it, the ring counting stream
+# tokens only. A short stream (two regions, the rings and the window turned over) keeps the simulator's time low;
+# tests/test_recall_local_layers.py holds the CPU's run of the same export to the reference over a longer one.
+
+LOCAL_W = 20  # the tiny Gemma's sliding window
+SHORT = ([(6, "pin"), (11, "win")] + [(1, "win")] * 12 + [(10, "recall"), (7, "win")] + [(1, "win")] * 16
+         + [(3, "recall"), (9, "win")] + [(1, "win")] * 8)  # fmt: skip
+
+
+def short_stream(dec: Decoder, ids: np.ndarray) -> list[np.ndarray]:
+    got, pos, chunk = [], 0, LAYOUT["chunk"]
+    for n, where in SHORT:
+        if where == "recall":
+            dec.cache.begin_recall()
+        pin = {"pin": True, "recall": "recall"}.get(where, False)
+        for start in range(pos, pos + n, chunk):
+            got.append(dec.step(ids[start : min(start + chunk, pos + n)], pin=pin).copy())
+        pos += n
+    cache = dec.cache
+    assert cache.recalls == 2 and cache.recall_fill == 3 and cache.local_seen == cache.seen - 13
+    assert cache.local_seen > 3 * LOCAL_W and cache.evicted > 2 * LAYOUT["window"]  # the rings and window turned over
+    return got
+
+
+@pytest.fixture(scope="module")
+def local_runs(load, export_to, tmp_path_factory):
+    """{kv: (HTP logits, CPU logits of the same export)} for fp16 and int8 KV, and the CPU's fp32-KV logits."""
+    from conftest import make_tiny_model
+
+    tmp = tmp_path_factory.mktemp("qnn-recall-local")
+    gemma = load(str(make_tiny_model(tmp / "tiny-gemma3", "gemma3")))
+    ids = np.random.default_rng(17).integers(3, 300, sum(n for n, _ in SHORT))
+    runs = {}
+    for kv in ("fp16", "int8", "fp32"):
+        art = export_to(gemma, kv=kv, weights="int4", **LAYOUT)
+        cpu = short_stream(Decoder(art, session_config=EXACT), ids)
+        if kv == "fp32":
+            runs[kv] = (None, cpu)
+            continue
+        build = build_artifact(art, load_profile("sa8295p"), tmp / kv)
+        m = load_manifest(build)
+        assert m.cache.local_layers == (0, 2) and m.cache.local_slots == LOCAL_W + LAYOUT["recall"]
+        assert m.build.facts.kv_cache == ("uint8" if kv == "int8" else "fp16") and not m.build.facts.rotated_keys
+        dec = Decoder(build)
+        assert dec.device == "qnn-htp"
+        runs[kv] = (short_stream(dec, ids), cpu)
+    return runs
+
+
+def test_the_fp16_build_follows_the_cpu_with_a_region_beside_the_rings(local_runs):
+    got, cpu = local_runs["fp16"]
+    assert close(got, cpu), agreement(got, cpu)
+
+
+def test_the_uint8_cache_follows_the_cpu_with_a_region_beside_the_rings(local_runs):
+    got, cpu = local_runs["int8"]
+    assert close_kv8(got, local_runs["fp32"][1], FLOAT), agreement(got, local_runs["fp32"][1])
+    assert close_kv8(got, cpu, SAME_EXPORT), agreement(got, cpu)
