@@ -21,6 +21,16 @@ the CPU's float32-KV export, and loosely against the CPU's int8 export). Measure
     (the CPU int8 export vs its float32-KV twin: 0.41 / 0.064 / 90%)
 
 Time on 2 cores: the two builds about 20 s, each stream in the simulator 13 to 17 s.
+
+A model with sliding-window (local) layers (the tiny Gemma 3, below): its HTP builds keep un-rotated keys, fp16 or
+uint8, so the region beside the rings is the bookkeeping alone. Over a short stream (50 feeds, two regions):
+
+    HTP fp16 KV                     vs the CPU, the same export            0.014 / 0.006 / 98%
+    HTP uint8 cache                 vs the CPU float32-KV export           0.052 / 0.026 / 98%
+                                    vs the CPU int8 export                 0.16  / 0.041 / 92%
+    HTP fp16 KV, window tokens seeing the region in a local layer          1.07  / 0.36  / 74%   (the test's teeth)
+
+Time on 2 cores: the exports, two builds and streams about 40 s.
 """
 
 from __future__ import annotations
@@ -143,3 +153,87 @@ def test_the_a16_calibration_feeds_include_a_region_refill(recall_exports):
     assert region == list(range(region[0], region[0] + len(region)))
     after = feeds[region[-1] + 1]["attention_mask"]
     assert (after[:, lay.recall_start : lay.window_start] == 0).all() and (after[:, lay.window_start : N] == 0).any()
+
+
+# -- a model with sliding-window (local) layers ----------------------------------------------------------------
+# The tiny Gemma 3 (conftest.make_tiny_model: local layers of window 20 around a global one): its HTP builds keep
+# un-rotated keys in every layer, fp16 or uint8 (rotated keys are for models without local layers), so the region
+# beside the rings (docs/design.md, "The recall region", on local layers) is the bookkeeping alone: each local
+# layer's w + R slots, the region's chunk at its places in the region and masked to it, the ring counting stream
+# tokens only. A short stream (two regions, the rings and the window turned over) keeps the simulator's time low;
+# tests/test_recall_local_layers.py holds the CPU's run of the same export to the reference over a longer one.
+
+LOCAL_W = 20  # the tiny Gemma's sliding window
+SHORT = ([(6, "pin"), (11, "win")] + [(1, "win")] * 12 + [(10, "recall"), (7, "win")] + [(1, "win")] * 16
+         + [(3, "recall"), (9, "win")] + [(1, "win")] * 8)  # fmt: skip
+
+
+def short_stream(dec: Decoder, ids: np.ndarray) -> list[np.ndarray]:
+    got, pos, chunk = [], 0, LAYOUT["chunk"]
+    for n, where in SHORT:
+        if where == "recall":
+            dec.cache.begin_recall()
+        pin = {"pin": True, "recall": "recall"}.get(where, False)
+        for start in range(pos, pos + n, chunk):
+            got.append(dec.step(ids[start : min(start + chunk, pos + n)], pin=pin).copy())
+        pos += n
+    cache = dec.cache
+    assert cache.recalls == 2 and cache.recall_fill == 3 and cache.local_seen == cache.seen - 13
+    assert cache.local_seen > 3 * LOCAL_W and cache.evicted > 2 * LAYOUT["window"]  # the rings and window turned over
+    return got
+
+
+@pytest.fixture(scope="module")
+def local_runs(load, export_to, tmp_path_factory):
+    """{kv: (HTP logits, CPU logits of the same export, the build)} for fp16 and int8 KV; the CPU's fp32-KV logits."""
+    from conftest import make_tiny_model
+
+    tmp = tmp_path_factory.mktemp("qnn-recall-local")
+    gemma = load(str(make_tiny_model(tmp / "tiny-gemma3", "gemma3")))
+    ids = np.random.default_rng(17).integers(3, 300, sum(n for n, _ in SHORT))
+    runs = {}
+    for kv in ("fp16", "int8", "fp32"):
+        art = export_to(gemma, kv=kv, weights="int4", **LAYOUT)
+        cpu = short_stream(Decoder(art, session_config=EXACT), ids)
+        if kv == "fp32":
+            runs[kv] = (None, cpu, None)
+            continue
+        build = build_artifact(art, load_profile("sa8295p"), tmp / kv)
+        m = load_manifest(build)
+        assert m.cache.local_layers == (0, 2) and m.cache.local_slots == LOCAL_W + LAYOUT["recall"]
+        assert m.build.facts.kv_cache == ("uint8" if kv == "int8" else "fp16") and not m.build.facts.rotated_keys
+        dec = Decoder(build)
+        assert dec.device == "qnn-htp"
+        runs[kv] = (short_stream(dec, ids), cpu, build)
+    return runs
+
+
+def test_the_fp16_build_follows_the_cpu_with_a_region_beside_the_rings(local_runs):
+    got, cpu, _ = local_runs["fp16"]
+    assert close(got, cpu), agreement(got, cpu)
+
+
+@pytest.mark.slow
+def test_the_htp_tells_window_tokens_that_see_the_region_in_a_local_layer(local_runs, monkeypatch):
+    """The comparison above is sharp: the fp16 build's local layers letting window tokens see the region (the
+    other rule one could write) fail it."""
+    from cabinlm.contract.slots import StepPlan
+
+    right = StepPlan.local_attention_mask.func
+
+    def sees_region(self):
+        mask = right(self)
+        if self.pin != "recall":
+            mask[:, LOCAL_W : LOCAL_W + self.recall_fill] = 0
+        return mask
+
+    _, cpu, build = local_runs["fp16"]
+    monkeypatch.setattr(StepPlan, "local_attention_mask", property(sees_region))
+    wrong = short_stream(Decoder(build), np.random.default_rng(17).integers(3, 300, sum(n for n, _ in SHORT)))
+    assert not close(wrong, cpu), agreement(wrong, cpu)
+
+
+def test_the_uint8_cache_follows_the_cpu_with_a_region_beside_the_rings(local_runs):
+    got, cpu, _ = local_runs["int8"]
+    assert close_kv8(got, local_runs["fp32"][1], FLOAT), agreement(got, local_runs["fp32"][1])
+    assert close_kv8(got, cpu, SAME_EXPORT), agreement(got, cpu)

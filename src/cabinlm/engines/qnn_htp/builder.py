@@ -54,10 +54,6 @@ class QnnBuilder(Builder):
         return profile.execution_provider == QNN_PROVIDER
 
     def check(self, request: BuildRequest) -> str | None:
-        lay = request.manifest.cache
-        if lay.recall and lay.local_layers:
-            return ("its recall region goes with sliding-window (local) layers, whose region slots beside the rings "
-                    "the HTP builds do not hold yet: build it for the cpu profile, or re-export with --recall 0")  # fmt: skip
         kv = request.manifest.cache.kv_dtype.value
         if kv not in ("fp16", "int8"):
             return (f"it holds {kv} KV; the HTP builds take fp16 KV, or int8 KV (compiled as a uint8 cache with one "

@@ -103,7 +103,7 @@ class InputShapes:
 
 def resolve_dims(shape: tuple[int | str, ...], tokens: int, rows: int, layout: CacheLayout) -> tuple[int, ...]:
     """A graph I/O shape (io_spec.TensorSpec) at `tokens` tokens and `rows` logit rows: "total" is the
-    slot map's slots + tokens, "local_total" a local layer's ring slots (R = w) + tokens."""
+    slot map's slots + tokens, "local_total" a local layer's slots (its ring's w and the recall region's) + tokens."""
     dims = {"tokens": tokens, "total": layout.slots + tokens, "local_total": layout.local_slots + tokens, "rows": rows}
     out = []
     for d in shape:
@@ -118,7 +118,7 @@ def resolve_dims(shape: tuple[int | str, ...], tokens: int, rows: int, layout: C
 
 def profile_shapes(io: DecoderIO, layout: CacheLayout, profile: TokenProfile) -> tuple[InputShapes, ...]:
     """IOptimizationProfile.set_shape arguments for every input with a dynamic dimension: "tokens"
-    spans the profile, "total" is slots + tokens, "local_total" ring slots + tokens (the local
+    spans the profile, "total" is slots + tokens, "local_total" a local layer's slots + tokens (the local
     layers' mask), and "rows" (logit rows) spans 1..max tokens, tuned for 1 (dialogue asks for the
     last token's logits; scoring and drafts for more)."""
     out = []

@@ -49,10 +49,6 @@ class TensorRTBuilder(Builder):
         return profile.engine.value == "tensorrt"
 
     def check(self, request: BuildRequest) -> str | None:
-        lay = request.manifest.cache
-        if lay.recall and lay.local_layers:
-            return ("its recall region goes with sliding-window (local) layers, whose region slots beside the rings "
-                    "the TensorRT builds do not hold yet: build it for the cpu profile, or re-export with --recall 0")  # fmt: skip
         vision = request.manifest.vision
         if vision is not None and vision.mrope:
             return ("multimodal RoPE (Qwen2-VL's three position components) is not written for TensorRT yet; the cpu "

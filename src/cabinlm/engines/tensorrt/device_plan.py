@@ -3,8 +3,9 @@ arithmetic over the cache layout and the graph contract (numpy and the standard 
 unit-tested without CUDA. engines/tensorrt/backend.py allocates what this plans, once, at load.
 
 Device memory of one dialogue (es = bytes per KV element, L layers of which G global (the slot map)
-and Q local (CacheLayout.local_layers, a ring of R = w slots each; Q = 0 without them), H KV heads,
-N slots, D head_dim, C chunk, V vocab; layer l is the j-th of its kind, j = layout.buffer_index(l)):
+and Q local (CacheLayout.local_layers, R = CacheLayout.local_slots slots each: a ring of w, then a recall
+region's; Q = 0 without them), H KV heads, N slots, D head_dim, C chunk, V vocab; layer l is the j-th of
+its kind, j = layout.buffer_index(l)):
 
     keys          (G, H, N, D) kv dtype   key_cache.{l}   = keys + j * H*N*D*es        global layer l
     values        (G, H, N, D)            value_cache.{l} = values + j * H*N*D*es
@@ -27,10 +28,10 @@ N slots, D head_dim, C chunk, V vocab; layer l is the j-th of its kind, j = layo
 
 A host mirror of the inputs block (page-locked) is filled each step and copied up in one transfer.
 
-Commit of n tokens (of the t that ran): the global slots (plan.slots) and the ring slots
-(plan.local_slots = (seen + i) mod R) each split into runs of consecutive slots (a ring wraps at
-most once per chunk, so at most two runs per kind unless the plan pins), then per run and per
-buffer one 2D copy, row = one token of one head (D*es bytes; scales 2):
+Commit of n tokens (of the t that ran): the global slots (plan.slots) and the local ones (plan.local_slots:
+(local_seen + i) mod w in the ring, or a recalled chunk's places in the region after it) each split into runs
+of consecutive slots (a ring wraps at most once per chunk, so at most two runs per kind unless the plan pins),
+then per run and per buffer one 2D copy, row = one token of one head (D*es bytes; scales 2):
 
     kind    height   dst                                          src (new block)
     global  G*H      cache + first_slot*row, pitch N*row          new + first_token*row, pitch t*row
