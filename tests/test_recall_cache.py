@@ -71,10 +71,8 @@ def stream(load, tiny_llama_dir):
     return loaded, ids, expected
 
 
-@pytest.fixture(scope="module")
-def artifacts(stream, export_to, tmp_path_factory):
-    loaded = stream[0]
-    tmp = tmp_path_factory.mktemp("recall")
+def engine_artifacts(loaded, export_to, tmp: Path):
+    """label -> the artifact CASES[label] names for `loaded` (exported with LAYOUT, built once)."""
     made: dict[str, Path] = {}
 
     def get(label: str) -> Path:
@@ -91,6 +89,11 @@ def artifacts(stream, export_to, tmp_path_factory):
         return made[label]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def artifacts(stream, export_to, tmp_path_factory):
+    return engine_artifacts(stream[0], export_to, tmp_path_factory.mktemp("recall"))
 
 
 def run_stream(dec: Decoder, ids: np.ndarray) -> list[np.ndarray]:

@@ -17,19 +17,17 @@ ones, so a refresh moves no ring slot.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import make_tiny_model
-from test_backends import TOLERANCE, static_profile
-from test_recall_cache import CASES, LAYOUT, STREAM, feeds, run_stream
+from test_backends import TOLERANCE
+from test_recall_cache import CASES, LAYOUT, STREAM, engine_artifacts, feeds, run_stream
 
 from cabinlm.contract.layout import CacheLayout
 from cabinlm.contract.slot_state import StateError, check_state
 from cabinlm.contract.slots import SlotTable
 from cabinlm.engines.build import build_artifact
-from cabinlm.engines.ort_fused.kernels import compiler
 from cabinlm.profiles import load_profile
 from cabinlm.runtime import Decoder
 from reference import StreamingReference
@@ -157,23 +155,7 @@ def stream(gemma):
 
 @pytest.fixture(scope="module")
 def artifacts(gemma, export_to, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("recall-local")
-    made: dict[str, Path] = {}
-
-    def get(label: str) -> Path:
-        kv, profile, options = CASES[label]
-        if "fused" in label and options[-1][-1] != "onnxruntime" and compiler.unavailable() is not None:
-            pytest.skip(f"cabinlm's attention kernel cannot be compiled here: {compiler.unavailable()}")
-        if label not in made:
-            art = export_to(gemma, kv=kv, **LAYOUT)
-            if profile is None:
-                made[label] = art
-            else:
-                prof = load_profile(static_profile(tmp) if profile == "static" else profile)
-                made[label] = build_artifact(art, prof, tmp / label.replace(" ", "-"), **dict(options))
-        return made[label]
-
-    return get
+    return engine_artifacts(gemma, export_to, tmp_path_factory.mktemp("recall-local"))
 
 
 def errors_over_the_stream(dec: Decoder, ids: np.ndarray, expected: list[np.ndarray]) -> np.ndarray:

@@ -55,28 +55,8 @@ class RecallReference:
         pinned = [e for e in self.entries if e[1]]
         self.entries = pinned + [e for e in self.entries if not e[1]]  # ranks: the window after every other token
         seen = pinned if frame or recall else self.entries
-        n, cached = len(x), len(seen)
-        pos = self.positions([e[2] for e in seen] + [frame] * n)
-        new_kv = [[] for _ in range(n)]
-        allowed = torch.cat([torch.ones(n, cached, dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril()], dim=1)
-        G = self.H // self.Hkv
-        for li, layer in enumerate(self.lm.layers):
-            a = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = a.q_proj(h).view(n, self.H, self.D).transpose(0, 1)
-            k = a.k_proj(h).view(n, self.Hkv, self.D).transpose(0, 1)
-            v = a.v_proj(h).view(n, self.Hkv, self.D).transpose(0, 1)
-            for t in range(n):
-                new_kv[t].append((k[:, t], v[:, t]))
-            K = torch.stack([e[3][li][0] for e in seen] + [k[:, t] for t in range(n)], dim=1)
-            V = torch.stack([e[3][li][1] for e in seen] + [v[:, t] for t in range(n)], dim=1)
-            K = self.rope(K, pos).repeat_interleave(G, dim=0)
-            Q = self.rope(q, pos[..., cached:])
-            scores = (Q @ K.transpose(1, 2) * a.scaling).masked_fill(~allowed, float("-inf"))
-            out = (scores.softmax(-1) @ V.repeat_interleave(G, dim=0)).transpose(0, 1).reshape(n, -1)
-            x = x + a.o_proj(out)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        logits = self.m.lm_head(self.lm.norm(x))
+        logits, new_kv = self.attend(x, seen, frame)
+        n = len(x)
         for t in range(n):
             idx = self.seen + t
             self.entries.append((idx, frame or pin or recall or idx < self.sink, frame, new_kv[t]))

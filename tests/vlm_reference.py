@@ -49,8 +49,22 @@ class FrameStreamingReference:
         returns the chunk's logits (n, vocab)."""
         if frame and not (self.entries and self.entries[-1][2]):  # a new frame: the previous one leaves
             self.entries = [e for e in self.entries if e[0] < self.sink or not e[2]]
-        n, cached = len(x), len(self.entries)
-        pos = self.positions([e[2] for e in self.entries] + [frame] * n)
+        logits, new_kv = self.attend(x, self.entries, frame)
+        n = len(x)
+        for t in range(n):
+            idx = self.seen + t
+            self.entries.append((idx, frame or idx < self.sink, frame, new_kv[t]))
+        self.seen += n
+        unpinned = [i for i, e in enumerate(self.entries) if not e[1]]
+        drop = set(unpinned[: max(0, len(unpinned) - self.window)])
+        self.entries = [e for i, e in enumerate(self.entries) if i not in drop]
+        return logits
+
+    def attend(self, x: torch.Tensor, seen: list, frame: bool) -> tuple[torch.Tensor, list]:
+        """The chunk x (n, hidden) through the decoder over the cached entries `seen` (in rank order):
+        its logits (n, vocab) and each token's [(k, v)] per layer."""
+        n, cached = len(x), len(seen)
+        pos = self.positions([e[2] for e in seen] + [frame] * n)
         new_kv = [[] for _ in range(n)]
         allowed = torch.cat([torch.ones(n, cached, dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril()], dim=1)
         G = self.H // self.Hkv
@@ -62,20 +76,12 @@ class FrameStreamingReference:
             v = a.v_proj(h).view(n, self.Hkv, self.D).transpose(0, 1)
             for t in range(n):
                 new_kv[t].append((k[:, t], v[:, t]))
-            K = torch.stack([e[3][li][0] for e in self.entries] + [k[:, t] for t in range(n)], dim=1)
-            V = torch.stack([e[3][li][1] for e in self.entries] + [v[:, t] for t in range(n)], dim=1)
+            K = torch.stack([e[3][li][0] for e in seen] + [k[:, t] for t in range(n)], dim=1)
+            V = torch.stack([e[3][li][1] for e in seen] + [v[:, t] for t in range(n)], dim=1)
             K = self.rope(K, pos).repeat_interleave(G, dim=0)
             Q = self.rope(q, pos[..., cached:])
             scores = (Q @ K.transpose(1, 2) * a.scaling).masked_fill(~allowed, float("-inf"))
             out = (scores.softmax(-1) @ V.repeat_interleave(G, dim=0)).transpose(0, 1).reshape(n, -1)
             x = x + a.o_proj(out)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        logits = self.m.lm_head(self.lm.norm(x))
-        for t in range(n):
-            idx = self.seen + t
-            self.entries.append((idx, frame or idx < self.sink, frame, new_kv[t]))
-        self.seen += n
-        unpinned = [i for i, e in enumerate(self.entries) if not e[1]]
-        drop = set(unpinned[: max(0, len(unpinned) - self.window)])
-        self.entries = [e for i, e in enumerate(self.entries) if i not in drop]
-        return logits
+        return self.m.lm_head(self.lm.norm(x)), new_kv
