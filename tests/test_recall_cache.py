@@ -213,11 +213,16 @@ def test_verified_rows_are_one_token_steps_with_a_region(artifacts, stream):
     """cabinlm's kernel runs a verified chunk's rows as one-token steps (StepPlan.steps): with recalled
     text cached and the window turned over, each row is bit for bit the step a plain decode takes."""
     _, ids, _ = stream
-    folder = artifacts("fused int8")
+    assert_verified_rows_are_steps(artifacts("fused int8"), ids)
+
+
+def assert_verified_rows_are_steps(folder: Path, ids: np.ndarray) -> None:
+    """Two seats fed STREAM; one verifies a 4-token draft, the other takes it as one-token steps: each
+    verified row is the step's logits bit for bit, and so is the step after."""
     one, chunked = Decoder(folder), Decoder(folder)
     run_stream(one, ids)
     run_stream(chunked, ids)
-    assert chunked.draft_room() == LAYOUT["chunk"] - 1
+    assert chunked.backend.verifies_after_turnover and chunked.draft_room() == LAYOUT["chunk"] - 1
     draft = np.array([17, 42, 99, 5], dtype=np.int64)
     rows, kept = chunked.verify(draft, lambda logits: len(draft))
     steps = [one.step(draft[i : i + 1]).copy()[-1] for i in range(len(draft))]

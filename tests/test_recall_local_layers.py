@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from conftest import make_tiny_model
 from test_backends import TOLERANCE
-from test_recall_cache import CASES, LAYOUT, STREAM, engine_artifacts, feeds, run_stream
+from test_recall_cache import CASES, LAYOUT, STREAM, assert_verified_rows_are_steps, engine_artifacts, feeds, run_stream
 
 from cabinlm.contract.layout import CacheLayout
 from cabinlm.contract.slot_state import StateError, check_state
@@ -211,18 +211,7 @@ def test_verified_rows_are_one_token_steps_with_a_region_beside_the_rings(artifa
     ring slot, the region masked): with recalled text cached and the rings and window turned over,
     each row is bit for bit the step a plain decode takes."""
     ids, _ = stream
-    folder = artifacts("fused int8")
-    one, chunked = Decoder(folder), Decoder(folder)
-    run_stream(one, ids)
-    run_stream(chunked, ids)
-    assert chunked.backend.verifies_after_turnover and chunked.draft_room() == LAYOUT["chunk"] - 1
-    draft = np.array([17, 42, 99, 5], dtype=np.int64)
-    rows, kept = chunked.verify(draft, lambda logits: len(draft))
-    steps = [one.step(draft[i : i + 1]).copy()[-1] for i in range(len(draft))]
-    assert kept == len(draft)
-    for i in range(len(draft)):
-        assert np.array_equal(rows[i], steps[i]), i
-    assert np.array_equal(chunked.step(draft[:1]), one.step(draft[:1]))
+    assert_verified_rows_are_steps(artifacts("fused int8"), ids)
 
 
 def test_plan_counts_the_local_layers_region(tmp_path_factory):
